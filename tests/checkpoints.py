@@ -1,0 +1,230 @@
+"""Tiny Qwen3-Next / Qwen3.5 checkpoints built with transformers 5.24 on CPU (fp32), saved as safetensors.
+
+Every helper returns ``(folder, hf_model)``: ``hf_model`` is an eval-mode transformers model whose logits are the
+oracle for the text model stored in ``folder``. All 1-D parameters are perturbed (norm weights initialise to zero in
+transformers), so an engine that confuses the ``(1 + w)`` and ``w`` RMSNorm conventions fails the logit checks.
+
+When a checkpoint is written with MTP tensors, they are also available as ``hf_model.mtp_state_dict``
+(checkpoint names, ``mtp.*``) because transformers itself has no Qwen MTP module to hold them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+
+# Shapes from qwen-hybrid.md §5: rotary_dim = 8, GDN r = nv/nk = 2 (exercises the GQA head mapping), GQA 4:2.
+TINY_COMMON: dict = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2,
+)
+TINY_MOE: dict = dict(
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+)
+ROPE_NEXT: dict = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+ROPE_35: dict = {**ROPE_NEXT, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+TINY_VISION: dict = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+    num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2,
+)
+
+
+def _config_kwargs(base: dict, overrides: dict) -> dict:
+    """Merge overrides; a changed layer count without explicit layer_types gets the [lin, lin, lin, full] pattern."""
+    kw = {**base, **overrides}
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        n = kw["num_hidden_layers"]
+        kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    return kw
+
+
+def perturb_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every 1-D parameter random values (norms are zero-init, A_log/dt_bias are constant-init)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def _randn(shape: tuple[int, ...], g: torch.Generator, std: float) -> torch.Tensor:
+    return torch.randn(shape, generator=g) * std
+
+
+def _mtp_tensors(cfg: dict, *, moe: bool, seed: int) -> dict[str, torch.Tensor]:
+    """Random `mtp.*` tensors in the release layout (qwen-hybrid.md §2.5): one full-attention layer."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    H, hd = cfg["hidden_size"], cfg["head_dim"]
+    nh, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w, n = 0.05, 0.3  # Linear std, 1-D (norm) std
+    t: dict[str, torch.Tensor] = {
+        "mtp.fc.weight": _randn((H, 2 * H), g, w),
+        "mtp.pre_fc_norm_embedding.weight": _randn((H,), g, n),
+        "mtp.pre_fc_norm_hidden.weight": _randn((H,), g, n),
+        "mtp.norm.weight": _randn((H,), g, n),
+    }
+    p = "mtp.layers.0."
+    t[p + "input_layernorm.weight"] = _randn((H,), g, n)
+    t[p + "post_attention_layernorm.weight"] = _randn((H,), g, n)
+    t[p + "self_attn.q_proj.weight"] = _randn((2 * nh * hd, H), g, w)
+    t[p + "self_attn.k_proj.weight"] = _randn((kv * hd, H), g, w)
+    t[p + "self_attn.v_proj.weight"] = _randn((kv * hd, H), g, w)
+    t[p + "self_attn.o_proj.weight"] = _randn((H, nh * hd), g, w)
+    t[p + "self_attn.q_norm.weight"] = _randn((hd,), g, n)
+    t[p + "self_attn.k_norm.weight"] = _randn((hd,), g, n)
+    if moe:
+        E, I, S = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+        t[p + "mlp.gate.weight"] = _randn((E, H), g, w)
+        for e in range(E):
+            t[p + f"mlp.experts.{e}.gate_proj.weight"] = _randn((I, H), g, w)
+            t[p + f"mlp.experts.{e}.up_proj.weight"] = _randn((I, H), g, w)
+            t[p + f"mlp.experts.{e}.down_proj.weight"] = _randn((H, I), g, w)
+        t[p + "mlp.shared_expert.gate_proj.weight"] = _randn((S, H), g, w)
+        t[p + "mlp.shared_expert.up_proj.weight"] = _randn((S, H), g, w)
+        t[p + "mlp.shared_expert.down_proj.weight"] = _randn((H, S), g, w)
+        t[p + "mlp.shared_expert_gate.weight"] = _randn((1, H), g, w)
+    else:
+        I = cfg["intermediate_size"]
+        t[p + "mlp.gate_proj.weight"] = _randn((I, H), g, w)
+        t[p + "mlp.up_proj.weight"] = _randn((I, H), g, w)
+        t[p + "mlp.down_proj.weight"] = _randn((H, I), g, w)
+    return t
+
+
+def add_tensors(folder: Path, tensors: dict[str, torch.Tensor], shard_name: str = "model-extra.safetensors") -> None:
+    """Add tensors to a saved checkpoint: into model.safetensors (single file) or as a new shard in the index."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if index.exists():
+        data = json.loads(index.read_text())
+        save_file(tensors, str(folder / shard_name), metadata={"format": "pt"})
+        data["weight_map"].update({k: shard_name for k in tensors})
+        index.write_text(json.dumps(data, indent=2))
+    else:
+        single = folder / "model.safetensors"
+        merged = load_file(str(single))
+        merged.update(tensors)
+        save_file(merged, str(single), metadata={"format": "pt"})
+
+
+def _update_config(folder: Path, fn) -> None:
+    path = Path(folder) / "config.json"
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def _save(model: torch.nn.Module, folder: Path, max_shard_size: str | int | None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    model.save_pretrained(str(folder), safe_serialization=True, **kw)
+
+
+def make_qwen3_next(path: str | Path, *, max_shard_size: str | int | None = None, with_mtp: bool = False,
+                    seed: int = 0, **overrides) -> tuple[Path, Qwen3NextForCausalLM]:
+    """Tiny Qwen3-Next (MoE, interleaved GDN projections, per-expert tensors as in the release)."""
+    folder = Path(path)
+    kw = _config_kwargs({**TINY_COMMON, **TINY_MOE, "rope_parameters": dict(ROPE_NEXT)}, overrides)
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**kw)).eval()
+    perturb_(model, seed)
+    _save(model, folder, max_shard_size)
+    if with_mtp:
+        mtp = _mtp_tensors(kw, moe=True, seed=seed)
+        add_tensors(folder, mtp, "model-mtp.safetensors")
+        # The Qwen3-Next release has no MTP count in config.json; vLLM defaults num_nextn_predict_layers to 1.
+        model.mtp_state_dict = mtp
+    return folder, model
+
+
+def make_qwen3_5_text(path: str | Path, *, max_shard_size: str | int | None = None, with_mtp: bool = False,
+                      seed: int = 0, **overrides) -> tuple[Path, Qwen3_5ForCausalLM]:
+    """Tiny dense Qwen3.5 text-only checkpoint (model_type qwen3_5_text, weights under `model.`)."""
+    folder = Path(path)
+    kw = _config_kwargs({**TINY_COMMON, "rope_parameters": dict(ROPE_35)}, overrides)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kw)).eval()
+    perturb_(model, seed)
+    _save(model, folder, max_shard_size)
+    if with_mtp:
+        mtp = _mtp_tensors(kw, moe=False, seed=seed)
+        add_tensors(folder, mtp, "model-mtp.safetensors")
+        _update_config(folder, lambda d: d.update(mtp_num_hidden_layers=1))
+        model.mtp_state_dict = mtp
+    return folder, model
+
+
+def make_qwen3_5_conditional(path: str | Path, with_mtp: bool = True, *, max_shard_size: str | int | None = None,
+                             seed: int = 0, **overrides) -> tuple[Path, Qwen3_5ForCausalLM]:
+    """A folder shaped like a real Qwen3.5 release (Qwen3_5ForConditionalGeneration, nested text_config,
+    `model.language_model.*`, `model.visual.*`, `lm_head.weight`, `mtp.*`). The returned oracle is a
+    Qwen3_5ForCausalLM holding the same text weights."""
+    folder = Path(path)
+    kw = _config_kwargs({**TINY_COMMON, "rope_parameters": dict(ROPE_35)}, overrides)
+    torch.manual_seed(seed)
+    text = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kw)).eval()
+    perturb_(text, seed)
+    full_cfg = Qwen3_5Config(text_config=dict(kw), vision_config=dict(TINY_VISION),
+                             tie_word_embeddings=kw["tie_word_embeddings"])
+    full = Qwen3_5ForConditionalGeneration(full_cfg).eval()
+    # Copy the text weights into the multimodal model: `model.X` -> `model.language_model.X`.
+    sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+          for k, v in text.state_dict().items()}
+    missing, unexpected = full.load_state_dict(sd, strict=False)
+    assert not unexpected, unexpected
+    assert all(k.startswith("model.visual.") for k in missing), missing
+    _save(full, folder, max_shard_size)
+
+    def fix(d: dict) -> None:
+        d["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+        d["model_type"] = "qwen3_5"
+        d["text_config"]["mtp_num_hidden_layers"] = 1
+        d["text_config"]["mtp_use_dedicated_embeddings"] = False
+        d["eos_token_id"] = kw["eos_token_id"]
+
+    _update_config(folder, fix)
+    if with_mtp:
+        mtp = _mtp_tensors(kw, moe=False, seed=seed)
+        add_tensors(folder, mtp, "model-mtp.safetensors")
+        text.mtp_state_dict = mtp
+    return folder, text
+
+
+def read_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a saved checkpoint (single-file or sharded), by checkpoint name."""
+    folder = Path(folder)
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def write_tensors(folder: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace a checkpoint's weights with `tensors` as one model.safetensors (drops any index and shards)."""
+    folder = Path(folder)
+    for f in list(folder.glob("*.safetensors")) + list(folder.glob("model.safetensors.index.json")):
+        f.unlink()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def update_config(folder: str | Path, **changes) -> None:
+    """Set top-level config.json keys."""
+    _update_config(Path(folder), lambda d: d.update(changes))
