@@ -1,0 +1,404 @@
+"""Batched sampling: penalties, min_tokens, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+The engine calls `SamplingBatch.build(...)` and `sample(logits, batch)` once per step for all running requests.
+All math is batched over [B, V] tensors in float32; Python only loops over the (few) requests to gather their
+parameters. Randomness comes from a counter-based hash of (seed, output position, vocab index), so a request's
+draw at position p depends only on its own seed and p: not on the batch it shares, its row, or preemption.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+# Temperatures below this are treated as greedy (same cut-off vLLM uses); dividing by them would overflow.
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """Reinterpret an unsigned 64-bit constant as the signed value torch.int64 stores."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+# splitmix64 constants (Steele, Lea, Flood 2014), as signed int64 so torch accepts them.
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0          # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 or -1 -> off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None       # None: off; 0: the chosen token's logprob; n: plus top-n
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and its allowed range."""
+
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            return float(value)
+
+        def integer(name: str) -> int:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            return value
+
+        if not (number("temperature") >= 0.0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0.0 < number("top_p") <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if integer("top_k") < -1:
+            raise ValueError(f"top_k must be -1, 0 (both disable it) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= number("min_p") <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not (number("repetition_penalty") > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        if integer("max_tokens") < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if not 0 <= integer("min_tokens") <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.logprobs is not None and not 0 <= integer("logprobs") <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.seed is not None:
+            integer("seed")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor                      # [B] int64
+    logprobs: torch.Tensor                    # [B] float32, log_softmax(raw logits)[token]
+    top_ids: torch.Tensor | None = None       # [B, n] int64, sorted by logprob, descending
+    top_logprobs: torch.Tensor | None = None  # [B, n] float32
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling tensors for one step. Tensors that no row needs are None (checked via flags)."""
+
+    batch_size: int
+    vocab_size: int
+    device: torch.device
+    # Rows split by decoding mode; index tensors are None when the split is trivial.
+    all_greedy: bool
+    any_greedy: bool
+    sample_rows: torch.Tensor | None = None   # [S] int64 rows that draw randomly (None: all rows or none)
+    greedy_rows: torch.Tensor | None = None   # [G] int64 greedy rows in a mixed batch
+    # Per sampled row ([S]); None when unused by every sampled row.
+    temperature: torch.Tensor | None = None   # float32
+    top_k: torch.Tensor | None = None         # int64, vocab_size where off
+    top_p: torch.Tensor | None = None         # float32, 1.0 where off
+    min_p: torch.Tensor | None = None         # float32, 0.0 where off
+    seeds: torch.Tensor | None = None         # int64 (the seed's 64 bits)
+    positions: torch.Tensor | None = None     # int64, output tokens generated so far = index of this draw
+    # Penalties, per row ([B] / [B, V]).
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None     # [B, V] float32 counts of each output token
+    repetition_penalty: torch.Tensor | None = None
+    seen_mask: torch.Tensor | None = None         # [B, V] bool, token occurs in prompt or output
+    # min_tokens: logits[suppress_rows, suppress_cols] = -inf (eos + stop ids of rows still short of min_tokens).
+    suppress_rows: torch.Tensor | None = None
+    suppress_cols: torch.Tensor | None = None
+    max_logprobs: int | None = None               # largest `logprobs` any row asks for; None if none asks
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.output_counts is not None or self.seen_mask is not None
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], prompt_ids: list[list[int]], output_ids: list[list[int]],
+              seeds: list[int], eos_token_ids: list[int], vocab_size: int,
+              device: torch.device | str = "cpu") -> "SamplingBatch":
+        B = len(params)
+        if not (len(prompt_ids) == len(output_ids) == len(seeds) == B):
+            raise ValueError(
+                f"SamplingBatch.build: params ({B}), prompt_ids ({len(prompt_ids)}), output_ids "
+                f"({len(output_ids)}) and seeds ({len(seeds)}) must have one entry per request")
+        device = torch.device(device)
+        V = vocab_size
+
+        sampled = [r for r, p in enumerate(params) if not p.is_greedy]
+        S = len(sampled)
+        batch = cls(batch_size=B, vocab_size=V, device=device, all_greedy=S == 0, any_greedy=S < B)
+        if 0 < S < B:
+            batch.sample_rows = torch.tensor(sampled, dtype=torch.int64, device=device)
+            batch.greedy_rows = torch.tensor([r for r in range(B) if params[r].is_greedy],
+                                             dtype=torch.int64, device=device)
+
+        if S:
+            sp = [params[r] for r in sampled]
+            # One host->device transfer per dtype: pack the float and int columns, then split.
+            floats = torch.tensor([[p.temperature for p in sp], [p.top_p for p in sp], [p.min_p for p in sp]],
+                                  dtype=torch.float32).to(device)
+            ints = torch.tensor(
+                [[p.top_k if 0 < p.top_k < V else V for p in sp],
+                 [_i64(seeds[r]) for r in sampled],
+                 [len(output_ids[r]) for r in sampled]], dtype=torch.int64).to(device)
+            batch.temperature = floats[0]
+            batch.seeds, batch.positions = ints[1], ints[2]
+            if any(0 < p.top_k < V for p in sp):
+                batch.top_k = ints[0]
+            if any(p.top_p < 1.0 for p in sp):
+                batch.top_p = floats[1]
+            if any(p.min_p > 0.0 for p in sp):
+                batch.min_p = floats[2]
+
+        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32,
+                                                  device=device)
+            batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32,
+                                                   device=device)
+            flat = _flat_ids(output_ids, V, device, "output_ids")
+            batch.output_counts = torch.bincount(flat, minlength=B * V).view(B, V).to(torch.float32)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,
+                                                    device=device)
+            seen = [pr + out for pr, out in zip(prompt_ids, output_ids)]
+            flat = _flat_ids(seen, V, device, "prompt_ids/output_ids")
+            mask = torch.zeros(B * V, dtype=torch.bool, device=device)
+            mask[flat] = True
+            batch.seen_mask = mask.view(B, V)
+
+        # min_tokens: the engine never stops a row early, and the row must not even *pick* eos/stop ids.
+        rows: list[int] = []
+        cols: list[int] = []
+        for r, p in enumerate(params):
+            if len(output_ids[r]) < p.min_tokens:
+                banned = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned.update(eos_token_ids)
+                banned = sorted(t for t in banned if 0 <= t < V)  # ids outside the vocab can't be drawn anyway
+                rows += [r] * len(banned)
+                cols += banned
+        if rows:
+            batch.suppress_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            batch.suppress_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        batch.max_logprobs = max(wanted) if wanted else None
+        return batch
+
+
+def _flat_ids(rows: list[list[int]], V: int, device: torch.device, what: str) -> torch.Tensor:
+    """Row-major flat indices row * V + token for all tokens of all rows (for bincount / scatter)."""
+    lengths = [len(r) for r in rows]
+    ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+        raise ValueError(f"{what} contain a token id outside [0, vocab_size={V})")
+    row_of = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64),
+                                     torch.tensor(lengths, dtype=torch.int64))
+    return (row_of * V + ids).to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Counter-based random numbers
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift on int64 (torch's >> is arithmetic for signed ints)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser: a bijective 64-bit mixer with full avalanche. Integer mul wraps mod 2^64."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+_vocab_offsets: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def random_uniform(seeds: torch.Tensor, positions: torch.Tensor, tokens: int | torch.Tensor) -> torch.Tensor:
+    """U(0, 1) float64: element (r, v) = hash(seeds[r], positions[r], v).
+
+    tokens: the vocab size (all ids, result [S, V]) or an [S, K] tensor of token ids (result [S, K]); a token's
+    number is the same either way.
+
+    Per row a key is derived from (seed, position); the vocab axis then walks the splitmix64 sequence from that
+    key, so every (seed, position, v) gets its own well-mixed 64-bit word. The top 53 bits give the uniform,
+    offset by half a step so it is never exactly 0 or 1.
+    """
+    key = _mix64(_mix64(seeds + _GOLDEN) ^ (positions * _GOLDEN))  # [S]
+    if isinstance(tokens, int):
+        cache_key = (tokens, seeds.device)
+        offsets = _vocab_offsets.get(cache_key)
+        if offsets is None:
+            offsets = torch.arange(1, tokens + 1, dtype=torch.int64, device=seeds.device) * _GOLDEN
+            _vocab_offsets[cache_key] = offsets
+        offsets = offsets[None, :]
+    else:
+        offsets = (tokens.to(torch.int64) + 1) * _GOLDEN
+    bits = _mix64(key[:, None] + offsets)
+    return (_shr(bits, 11).to(torch.float64) + 0.5) * (2.0 ** -53)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, tokens: int | torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) float32, shaped as random_uniform: argmax(logits + g) is a draw from softmax(logits)
+    (the exponential race argmax(p / E) with E = -log u, in log space)."""
+    u = random_uniform(seeds, positions, tokens)
+    # -log u in float64 keeps u close to 1 from collapsing to E = 0; the outer log is fine in float32.
+    return -torch.log((-torch.log(u)).to(torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logit processing
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """vLLM's penalties, out of place, float32 [B, V].
+
+    Repetition (prompt + output tokens): positive logits divided by the penalty, negative ones multiplied.
+    Frequency / presence (output tokens): logit -= frequency * count + presence * (count > 0).
+    """
+    x = logits.to(torch.float32)
+    if batch.seen_mask is not None:
+        rp = batch.repetition_penalty[:, None]
+        x = torch.where(batch.seen_mask, torch.where(x > 0, x / rp, x * rp), x)
+    if batch.output_counts is not None:
+        counts = batch.output_counts
+        x = x - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
+    return x
+
+
+def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """-inf on eos + stop ids for rows that have generated fewer than min_tokens (out of place)."""
+    if batch.suppress_rows is None:
+        return logits
+    x = logits.clone()
+    x[batch.suppress_rows, batch.suppress_cols] = float("-inf")
+    return x
+
+
+# Below this vocab size a full sort is cheap enough; above it top-p first tries the top _TOP_P_PROBE tokens.
+_TOP_P_PROBE = 256
+
+
+def _candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, top-k, top-p, min-p for the sampled rows ([S, V] logits after penalties).
+
+    Returns (values, ids): ids is None when values cover the whole vocab ([S, V]); otherwise values / ids are
+    [S, K] candidates sorted descending, and every token outside them is excluded. Removed entries are -inf.
+    Order as in SGLang: top-k, top-p on the renormalised top-k set, then min-p relative to the top token.
+    Working on a K-wide candidate set matters on CPU: a full sort of [8, 4096] costs milliseconds.
+    """
+    x = x / batch.temperature[:, None]
+    neg_inf = float("-inf")
+    V = x.shape[1]
+    vals, ids = x, None
+    if batch.top_k is not None or batch.top_p is not None:
+        kmax = int(batch.top_k.max()) if batch.top_k is not None else V
+        if kmax < V:
+            # Every row has a top-k: nothing beyond rank kmax can survive.
+            vals, ids = torch.topk(x, kmax, dim=-1)
+        elif batch.top_p is not None and V > 4 * _TOP_P_PROBE:
+            # If the top K tokens already hold more than top_p of the mass in every row, every later token has
+            # more than top_p ahead of it and top-p removes it: no need to sort the rest.
+            vals, ids = torch.topk(x, _TOP_P_PROBE, dim=-1)
+            mass = torch.exp(vals - torch.logsumexp(x, dim=-1, keepdim=True)).sum(dim=-1)
+            top_k_cut = batch.top_k <= _TOP_P_PROBE if batch.top_k is not None else False
+            if not bool(((mass > batch.top_p) | top_k_cut).all()):
+                vals, ids = torch.sort(x, dim=-1, descending=True)
+        else:
+            vals, ids = torch.sort(x, dim=-1, descending=True)
+        if batch.top_k is not None:
+            kth = vals.gather(1, (batch.top_k.clamp(max=vals.shape[1]) - 1)[:, None])
+            vals = vals.masked_fill(vals < kth, neg_inf)  # ties with the k-th value are kept
+        if batch.top_p is not None:
+            probs = torch.softmax(vals, dim=-1)
+            ahead = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each token
+            # Keep a token while the mass ahead of it is at most top_p; the first token always stays.
+            remove = ahead > batch.top_p[:, None]
+            remove[:, 0] = False
+            vals = vals.masked_fill(remove, neg_inf)
+    if batch.min_p is not None:
+        # p_v < min_p * p_max  <=>  x_v < x_max + log(min_p)   (log 0 = -inf keeps everything)
+        limit = vals.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)[:, None]
+        vals = vals.masked_fill(vals < limit, neg_inf)
+    return vals, ids
+
+
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The sampled rows' processed logits as a full [S, V] tensor (-inf where excluded); for tests / debugging.
+
+    softmax of the result is the distribution `sample` draws from. logits: [S, V] after penalties.
+    """
+    vals, ids = _candidates(logits.to(torch.float32), batch)
+    if ids is None:
+        return vals
+    return torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(1, ids, vals)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    """Pick one token per row. logits: [B, V], any float dtype; not modified."""
+    B, V = logits.shape
+    if B != batch.batch_size:
+        raise ValueError(f"sample: logits have {B} rows but the SamplingBatch has {batch.batch_size}")
+    if V != batch.vocab_size:
+        raise ValueError(f"sample: logits have vocab {V} but the SamplingBatch was built for {batch.vocab_size}")
+    raw = logits.to(torch.float32)
+
+    x = apply_penalties(raw, batch) if batch.has_penalties else raw
+    x = apply_min_tokens(x, batch)
+
+    if batch.all_greedy:
+        tokens = torch.argmax(x, dim=-1)
+    else:
+        xs = x if batch.sample_rows is None else x.index_select(0, batch.sample_rows)
+        vals, ids = _candidates(xs, batch)
+        # The noise of token v depends only on (seed, position, v), so drawing among candidates is the same
+        # draw as over the full vocab with the excluded tokens at -inf.
+        noise = gumbel_noise(batch.seeds, batch.positions, V if ids is None else ids)
+        drawn = torch.argmax(vals + noise, dim=-1)
+        if ids is not None:
+            drawn = ids.gather(1, drawn[:, None]).squeeze(1)
+        if batch.sample_rows is None:
+            tokens = drawn
+        else:
+            tokens = torch.empty(B, dtype=torch.int64, device=x.device)
+            tokens[batch.sample_rows] = drawn
+            tokens[batch.greedy_rows] = torch.argmax(x.index_select(0, batch.greedy_rows), dim=-1)
+
+    # Logprobs are reported under the raw model distribution (vLLM's default "raw_logprobs").
+    top_ids = top_lp = None
+    if batch.max_logprobs:
+        logp = torch.log_softmax(raw, dim=-1)
+        chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+        top_lp, top_ids = torch.topk(logp, min(batch.max_logprobs, V), dim=-1)  # sorted, descending
+    else:
+        # Cheaper than a full log_softmax when no top-n list is needed.
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
+    return SampleResult(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
