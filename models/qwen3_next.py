@@ -73,3 +73,442 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------------
+import math  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv  # noqa: E402
+from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill  # noqa: E402
+from tinyserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_decode  # noqa: E402
+from tinyserve.kernels.norm import gated_rms_norm, rms_norm  # noqa: E402
+
+
+@dataclass
+class ForwardBatch:
+    """One step's packed tokens: no padding; sequence i owns tokens cu_seqlens[i]:cu_seqlens[i+1].
+
+    The first `num_decode` sequences contribute exactly one token each (decode), the rest are prefill chunks.
+    Tensors are laid out for the GPU path too (int32 page table, int64 slot mapping, int32 state slots).
+    """
+
+    input_ids: torch.Tensor          # [T] int64
+    positions: torch.Tensor          # [T] int64 absolute position of each token
+    cu_seqlens: list[int]            # [N+1] query offsets
+    seq_lens: list[int]              # [N] context length after this step (cached + new)
+    seq_lens_t: torch.Tensor         # [N] int32, same values on the device
+    page_table: torch.Tensor         # [N, max_pages] int32 (unused entries 0)
+    slot_mapping: torch.Tensor       # [T] int64 flat KV slot (page * page_size + offset) of each new token
+    state_slots: list[int]           # [N] GDN state slot of each sequence
+    state_slots_t: torch.Tensor      # [N] int64, same values on the device
+    num_decode: int                  # leading sequences with one token each
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class Rotary:
+    """Partial NeoX rotary embedding on the first rotary_dim dims of each head."""
+
+    def __init__(self, rotary_dim: int, theta: float, device) -> None:
+        self.rotary_dim = rotary_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device)
+                                         / rotary_dim))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)           # [T, 1, rd]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rd = self.rotary_dim
+        xr, xp = x[..., :rd].float(), x[..., rd:]
+        x1, x2 = xr.chunk(2, dim=-1)
+        rotated = xr * cos + torch.cat([-x2, x1], dim=-1) * sin
+        return torch.cat([rotated.to(x.dtype), xp], dim=-1)
+
+
+def _empty(shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class WeightLoaders:
+    """Maps canonical checkpoint tensor names to (expected shape, copy function) for one module tree."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.loaders: dict[str, Callable[[torch.Tensor], None]] = {}
+
+    def add(self, name: str, shape: tuple[int, ...], target: torch.Tensor,
+            transform: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+        self.shapes[name] = tuple(shape)
+
+        def load(t: torch.Tensor) -> None:
+            with torch.no_grad():
+                target.copy_(transform(t).reshape(target.shape))
+        self.loaders[name] = load
+
+    def add_rows(self, name: str, shape: tuple[int, ...], param: torch.Tensor, start: int) -> None:
+        """A checkpoint tensor that fills rows start:start+shape[0] of a fused parameter."""
+        self.add(name, shape, param[start:start + shape[0]])
+
+    def merge(self, prefix: str, other: "WeightLoaders") -> None:
+        for n, s in other.shapes.items():
+            self.shapes[prefix + n] = s
+            self.loaders[prefix + n] = other.loaders[n]
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear-attention mixer. Weights in the engine layout: in_proj_qkvz rows [q | k | v | z], in_proj_ba [b | a]."""
+
+    def __init__(self, cfg: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, nk, nv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.nk, self.nv, self.dk, self.dv = nk, nv, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kd, self.vd = cfg.key_dim, cfg.value_dim
+        K = cfg.linear_conv_kernel_dim
+        self.in_proj_qkvz = _empty((2 * self.kd + 2 * self.vd, H), dtype, device)
+        self.in_proj_ba = _empty((2 * nv, H), dtype, device)
+        self.conv_weight = _empty((cfg.conv_dim, K), dtype, device)
+        self.A_log = _empty((nv,), torch.float32, device)
+        self.dt_bias = _empty((nv,), torch.float32, device)
+        self.norm_weight = _empty((self.dv,), dtype, device)
+        self.out_proj = _empty((H, self.vd), dtype, device)
+
+    def weight_loaders(self) -> WeightLoaders:
+        cfg, w = self.cfg, WeightLoaders()
+        H, kd, vd, nk, nv, dk, dv = cfg.hidden_size, self.kd, self.vd, self.nk, self.nv, self.dk, self.dv
+        r = nv // nk
+        if cfg.interleaved_gdn_proj:
+            # Qwen3-Next: rows grouped per key head g: [q_g | k_g | v_{g*r..} | z_{g*r..}] -> reorder to [q|k|v|z]
+            def qkvz(t: torch.Tensor) -> torch.Tensor:
+                t = t.reshape(nk, 2 * dk + 2 * r * dv, H)
+                q, k, v, z = t.split([dk, dk, r * dv, r * dv], dim=1)
+                return torch.cat([x.reshape(-1, H) for x in (q, k, v, z)])
+
+            def ba(t: torch.Tensor) -> torch.Tensor:
+                b, a = t.reshape(nk, 2 * r, H).split([r, r], dim=1)
+                return torch.cat([b.reshape(nv, H), a.reshape(nv, H)])
+            w.add("in_proj_qkvz.weight", (2 * kd + 2 * vd, H), self.in_proj_qkvz, qkvz)
+            w.add("in_proj_ba.weight", (2 * nv, H), self.in_proj_ba, ba)
+        else:
+            w.add_rows("in_proj_qkv.weight", (2 * kd + vd, H), self.in_proj_qkvz, 0)
+            w.add_rows("in_proj_z.weight", (vd, H), self.in_proj_qkvz, 2 * kd + vd)
+            w.add_rows("in_proj_b.weight", (nv, H), self.in_proj_ba, 0)
+            w.add_rows("in_proj_a.weight", (nv, H), self.in_proj_ba, nv)
+        w.add("conv1d.weight", (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), self.conv_weight)
+        w.add("A_log", (nv,), self.A_log)
+        w.add("dt_bias", (nv,), self.dt_bias)
+        w.add("norm.weight", (dv,), self.norm_weight)
+        w.add("out_proj.weight", (H, vd), self.out_proj)
+        return w
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        kd, vd = self.kd, self.vd
+        qkvz = F.linear(x, self.in_proj_qkvz)
+        mixed, z = qkvz.split([2 * kd + vd, vd], dim=-1)
+        b, a = F.linear(x, self.in_proj_ba).float().split([self.nv, self.nv], dim=-1)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+
+        nd = batch.num_decode                       # decode tokens are the first nd tokens
+        parts = []
+        if nd:
+            u = causal_conv1d_decode(mixed[:nd], self.conv_weight, conv_state, batch.state_slots_t[:nd])
+            q, k, v = self._split_heads(u)
+            parts.append(recurrent_gated_delta_rule_decode(q, k, v, g[:nd], beta[:nd], ssm_state,
+                                                           batch.state_slots_t[:nd]))
+        if batch.num_seqs > nd:
+            cu = [c - nd for c in batch.cu_seqlens[nd:]]
+            slots = batch.state_slots[nd:]
+            u = causal_conv1d_prefill(mixed[nd:], self.conv_weight, conv_state, cu, slots)
+            q, k, v = self._split_heads(u)
+            parts.append(chunk_gated_delta_rule(q, k, v, g[nd:], beta[nd:], ssm_state, cu, slots))
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)
+        y = gated_rms_norm(o, z.reshape(T, self.nv, self.dv), self.norm_weight, self.cfg.rms_norm_eps)
+        return F.linear(y.reshape(T, vd), self.out_proj)
+
+    def _split_heads(self, u: torch.Tensor):
+        T = u.shape[0]
+        q, k, v = u.split([self.kd, self.kd, self.vd], dim=-1)
+        q = self._l2norm(q.reshape(T, self.nk, self.dk)) * self.dk ** -0.5
+        k = self._l2norm(k.reshape(T, self.nk, self.dk))
+        return q, k, v.reshape(T, self.nv, self.dv)
+
+    @staticmethod
+    def _l2norm(x: torch.Tensor) -> torch.Tensor:
+        # x / sqrt(sum x^2 + 1e-6), as HF and FLA do (F.normalize clamps the norm instead, which differs near 0)
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with q/k zero-centred norms, partial RoPE and a sigmoid output gate; KV in the paged pool.
+
+    qkv_proj rows: [q_proj rows (per head: query hd | gate hd) | k_proj rows | v_proj rows].
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_rows, self.kv_rows = self.nh * 2 * self.hd, self.nkv * self.hd
+        self.qkv_proj = _empty((self.q_rows + 2 * self.kv_rows, cfg.hidden_size), dtype, device)
+        self.o_proj = _empty((cfg.hidden_size, self.nh * self.hd), dtype, device)
+        self.q_norm = _empty((self.hd,), dtype, device)
+        self.k_norm = _empty((self.hd,), dtype, device)
+
+    def weight_loaders(self) -> WeightLoaders:
+        w, H = WeightLoaders(), self.cfg.hidden_size
+        w.add_rows("q_proj.weight", (self.q_rows, H), self.qkv_proj, 0)
+        w.add_rows("k_proj.weight", (self.kv_rows, H), self.qkv_proj, self.q_rows)
+        w.add_rows("v_proj.weight", (self.kv_rows, H), self.qkv_proj, self.q_rows + self.kv_rows)
+        w.add("o_proj.weight", (H, self.nh * self.hd), self.o_proj)
+        w.add("q_norm.weight", (self.hd,), self.q_norm)
+        w.add("k_norm.weight", (self.hd,), self.k_norm)
+        return w
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, rotary: Rotary,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T, eps = x.shape[0], self.cfg.rms_norm_eps
+        qg, k, v = F.linear(x, self.qkv_proj).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
+        q, gate = qg.view(T, self.nh, 2 * self.hd).split([self.hd, self.hd], dim=-1)
+        q = rotary.apply(rms_norm(q, self.q_norm, eps), *cos_sin)
+        k = rotary.apply(rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, eps), *cos_sin)
+        store_kv(k, v.view(T, self.nkv, self.hd), kv_cache, batch.slot_mapping)
+        scale = self.hd ** -0.5
+        nd, parts = batch.num_decode, []
+        if nd:
+            parts.append(paged_attention_decode(q[:nd], kv_cache, batch.page_table[:nd], batch.seq_lens_t[:nd],
+                                                max(batch.seq_lens[:nd]), scale))
+        if batch.num_seqs > nd:
+            cu = [c - nd for c in batch.cu_seqlens[nd:]]
+            parts.append(paged_attention_prefill(q[nd:], kv_cache, batch.page_table[nd:], cu,
+                                                 batch.seq_lens[nd:], scale))
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)
+        o = o.reshape(T, self.nh * self.hd) * torch.sigmoid(gate.reshape(T, self.nh * self.hd))
+        return F.linear(o, self.o_proj)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype, device) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up = _empty((2 * inter, hidden), dtype, device)
+        self.down = _empty((hidden, inter), dtype, device)
+
+    def weight_loaders(self) -> WeightLoaders:
+        w, H, I = WeightLoaders(), self.down.shape[0], self.inter
+        w.add_rows("gate_proj.weight", (I, H), self.gate_up, 0)
+        w.add_rows("up_proj.weight", (I, H), self.gate_up, I)
+        w.add("down_proj.weight", (H, I), self.down)
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+class SparseMoE(nn.Module):
+    """Softmax router -> top-k (renormalised) routed experts + a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.cfg, self.E, self.I = cfg, E, I
+        self.router = _empty((E, H), dtype, device)
+        self.experts_gate_up = _empty((E, 2 * I, H), dtype, device)
+        self.experts_down = _empty((E, H, I), dtype, device)
+        self.shared_expert = DenseMLP(H, cfg.shared_expert_intermediate_size, dtype, device)
+        self.shared_expert_gate = _empty((1, H), dtype, device)
+
+    def weight_loaders(self) -> WeightLoaders:
+        w, E, H, I = WeightLoaders(), self.E, self.cfg.hidden_size, self.I
+        w.add("gate.weight", (E, H), self.router)
+        for e in range(E):
+            w.add(f"experts.{e}.gate_proj.weight", (I, H), self.experts_gate_up[e, :I])
+            w.add(f"experts.{e}.up_proj.weight", (I, H), self.experts_gate_up[e, I:])
+            w.add(f"experts.{e}.down_proj.weight", (H, I), self.experts_down[e])
+        w.merge("shared_expert.", self.shared_expert.weight_loaders())
+        w.add("shared_expert_gate.weight", (1, H), self.shared_expert_gate)
+        return w
+
+    def fused_expert_loaders(self) -> WeightLoaders:
+        """Checkpoints that ship the experts already stacked (transformers 5.x / some Qwen3.5-MoE releases)."""
+        w = WeightLoaders()
+        w.add("experts.gate_up_proj", tuple(self.experts_gate_up.shape), self.experts_gate_up)
+        w.add("experts.down_proj", tuple(self.experts_down.shape), self.experts_down)
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.linear(x, self.router).float().softmax(dim=-1)
+        weights, experts = probs.topk(self.cfg.num_experts_per_tok, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        flat = experts.reshape(-1)
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=self.E).tolist()
+        token_of = order // experts.shape[1]
+        start = 0
+        for e, n in enumerate(counts):                    # loop over experts hit in this step, not over tokens
+            if n == 0:
+                continue
+            idx = order[start:start + n]
+            tok = token_of[start:start + n]
+            start += n
+            gate, up = F.linear(x[tok], self.experts_gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts_down[e])
+            out.index_add_(0, tok, y.float() * weights.reshape(-1)[idx].unsqueeze(-1))
+        shared = self.shared_expert(x) * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+        return (out + shared.float()).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, kind: str, moe: bool, dtype, device) -> None:
+        super().__init__()
+        self.kind = kind
+        H = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = _empty((H,), dtype, device)
+        self.post_attention_layernorm = _empty((H,), dtype, device)
+        self.mixer = (GatedDeltaNet(cfg, dtype, device) if kind == "linear_attention"
+                      else GatedAttention(cfg, dtype, device))
+        self.mlp = SparseMoE(cfg, dtype, device) if moe else DenseMLP(H, cfg.intermediate_size, dtype, device)
+
+    def weight_loaders(self) -> WeightLoaders:
+        w, H = WeightLoaders(), self.input_layernorm.shape[0]
+        w.add("input_layernorm.weight", (H,), self.input_layernorm)
+        w.add("post_attention_layernorm.weight", (H,), self.post_attention_layernorm)
+        w.merge("linear_attn." if self.kind == "linear_attention" else "self_attn.", self.mixer.weight_loaders())
+        w.merge("mlp.", self.mlp.weight_loaders())
+        return w
+
+    def forward(self, x: torch.Tensor, mix: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        h = x + mix(rms_norm(x, self.input_layernorm, self.eps))
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+class NextNHead(nn.Module):
+    """NEXTN (MTP) draft head: hidden state at p + embedding of token p+1 -> draft logits for token p+2.
+
+    u = fc([norm_e(embed(x_{p+1})) | norm_h(h_p)]); u = full-attention decoder layer(u) (own KV cache);
+    logits = lm_head(norm(u)). Shares embed_tokens and lm_head with the main model.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.fc = _empty((H, 2 * H), dtype, device)
+        self.pre_fc_norm_embedding = _empty((H,), dtype, device)
+        self.pre_fc_norm_hidden = _empty((H,), dtype, device)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, 0, "full_attention", cfg.num_experts > 0, dtype, device)
+                                     for _ in range(cfg.num_mtp_layers)])
+        self.norm = _empty((H,), dtype, device)
+
+    def weight_loaders(self) -> WeightLoaders:
+        w, H = WeightLoaders(), self.norm.shape[0]
+        w.add("fc.weight", (H, 2 * H), self.fc)
+        w.add("pre_fc_norm_embedding.weight", (H,), self.pre_fc_norm_embedding)
+        w.add("pre_fc_norm_hidden.weight", (H,), self.pre_fc_norm_hidden)
+        for i, layer in enumerate(self.layers):
+            w.merge(f"layers.{i}.", layer.weight_loaders())
+        w.add("norm.weight", (H,), self.norm)
+        return w
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """The whole text model (Qwen3-Next and Qwen3.5, dense or MoE) over a paged KV pool and a GDN state pool."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+        super().__init__()
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        H, V = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = _empty((V, H), dtype, device)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, t, cfg.is_moe_layer(i), dtype, device)
+                                     for i, t in enumerate(cfg.layer_types)])
+        self.norm = _empty((H,), dtype, device)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _empty((V, H), dtype, device)
+        self.mtp = NextNHead(cfg, dtype, device) if cfg.num_mtp_layers > 0 else None
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, device)
+        # index of each layer inside its pool: attention layers -> KV pool layer, GDN layers -> state pool layer
+        self.pool_index = {i: cfg.attn_layer_ids.index(i) if t == "full_attention" else cfg.gdn_layer_ids.index(i)
+                           for i, t in enumerate(cfg.layer_types)}
+        self._weights = self._build_loaders()
+
+    # ---- weights ----
+    def _build_loaders(self) -> WeightLoaders:
+        w, H, V = WeightLoaders(), self.cfg.hidden_size, self.cfg.vocab_size
+        w.add("embed_tokens.weight", (V, H), self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            w.merge(f"layers.{i}.", layer.weight_loaders())
+        w.add("norm.weight", (H,), self.norm)
+        if not self.cfg.tie_word_embeddings:
+            w.add("lm_head.weight", (V, H), self.lm_head)
+        if self.mtp is not None:
+            w.merge("mtp.", self.mtp.weight_loaders())
+        # accepted alternative names (stacked experts); not part of expected_tensors()
+        self._fused = WeightLoaders()
+        mtp_layers = list(self.mtp.layers) if self.mtp is not None else []
+        for prefix, layer in [(f"layers.{i}.", l) for i, l in enumerate(self.layers)] + \
+                             [(f"mtp.layers.{i}.", l) for i, l in enumerate(mtp_layers)]:
+            if isinstance(layer.mlp, SparseMoE):
+                self._fused.merge(prefix + "mlp.", layer.mlp.fused_expert_loaders())
+        return w
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._weights.shapes)
+
+    def fused_expert_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Stacked-expert names a checkpoint may ship instead of the per-expert ones."""
+        return dict(self._fused.shapes)
+
+    def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        loader = self._weights.loaders.get(name) or self._fused.loaders.get(name)
+        if loader is None:
+            raise KeyError(f"unexpected tensor {name!r}")
+        loader(tensor.to(self.device))
+
+    # ---- forward ----
+    def forward(self, batch: ForwardBatch, kv_pool, state_pool) -> torch.Tensor:
+        """Returns the final hidden states [T, H] (after model.norm)."""
+        x = F.embedding(batch.input_ids, self.embed_tokens)
+        cos_sin = self.rotary.cos_sin(batch.positions)
+        for i, layer in enumerate(self.layers):
+            j = self.pool_index[i]
+            if layer.kind == "linear_attention":
+                conv, ssm = state_pool.conv[:, j], state_pool.ssm[:, j]
+                x = layer(x, lambda h: layer.mixer(h, batch, conv, ssm))
+            else:
+                kv = kv_pool.layer(j)
+                x = layer(x, lambda h: layer.mixer(h, batch, kv, self.rotary, cos_sin))
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+    def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_pool,
+                    kv_layer: int) -> torch.Tensor:
+        """NEXTN draft logits. hidden [T, H] final hidden states at positions p, next_ids [T] tokens at p+1;
+        batch describes positions p and the MTP layer's own KV pages in pool layer `kv_layer`."""
+        assert self.mtp is not None, "this checkpoint has no mtp.* weights"
+        eps, m = self.cfg.rms_norm_eps, self.mtp
+        e = rms_norm(F.embedding(next_ids, self.embed_tokens), m.pre_fc_norm_embedding, eps)
+        u = F.linear(torch.cat([e, rms_norm(hidden, m.pre_fc_norm_hidden, eps)], dim=-1), m.fc)
+        cos_sin = self.rotary.cos_sin(batch.positions)
+        kv = kv_pool.layer(kv_layer)
+        for layer in m.layers:
+            u = layer(u, lambda h: layer.mixer(h, batch, kv, self.rotary, cos_sin))
+        return self.compute_logits(rms_norm(u, m.norm, eps))

@@ -1,0 +1,66 @@
+"""Paged attention for the full-attention layers (torch reference).
+
+KV cache of one layer: [num_pages, 2, page_size, kv_heads, head_dim] (a view into the page-major pool, see
+tinyserve/kv.py). A token's KV lives at flat slot `page * page_size + offset`. Each sequence has a row of the page
+table [N, max_pages] (int32) listing its pages in order; `seq_lens[i]` is its context length after this step, and
+its new tokens are the last `q_len` positions of that context (causal).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, KV, hd] at flat slots slot_mapping [T] (int64) of one layer's cache."""
+    page_size = kv_cache.shape[2]
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    kv_cache[pages, 0, offsets] = k.to(kv_cache.dtype)
+    kv_cache[pages, 1, offsets] = v.to(kv_cache.dtype)
+
+
+def _gather_kv(kv_cache: torch.Tensor, pages: torch.Tensor, length: int, dtype: torch.dtype):
+    kv = kv_cache[pages]                                   # [n_pages, 2, ps, KV, hd]
+    kv = kv.transpose(0, 1).reshape(2, -1, *kv.shape[-2:])[:, :length]
+    return kv[0].to(dtype), kv[1].to(dtype)                # [L, KV, hd] each
+
+
+def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                            cu_seqlens: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+    """New tokens (any count per sequence) attend to their cached context plus themselves, causally.
+
+    q [T, H, hd] packed; returns [T, H, hd]. Loops over sequences (a handful per step), never over tokens.
+    """
+    H, hd = q.shape[1], q.shape[2]
+    out = torch.empty_like(q)
+    page_size = kv_cache.shape[2]
+    for i in range(len(seq_lens)):
+        s, e, L = cu_seqlens[i], cu_seqlens[i + 1], seq_lens[i]
+        n = e - s
+        n_pages = (L + page_size - 1) // page_size
+        k, v = _gather_kv(kv_cache, page_table[i, :n_pages].long(), L, q.dtype)
+        # query j sits at absolute position L - n + j and sees keys 0 .. L - n + j
+        qpos = torch.arange(L - n, L, device=q.device).unsqueeze(1)
+        mask = torch.arange(L, device=q.device).unsqueeze(0) <= qpos          # [n, L]
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                           v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                           seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """One new token per sequence, all sequences at once. q [N, H, hd]; seq_lens [N]; returns [N, H, hd]."""
+    N, H, hd = q.shape
+    page_size = kv_cache.shape[2]
+    n_pages = (max_len + page_size - 1) // page_size
+    kv = kv_cache[page_table[:, :n_pages].long()]          # [N, n_pages, 2, ps, KV, hd]
+    KV = kv.shape[-2]
+    kv = kv.transpose(1, 2).reshape(N, 2, n_pages * page_size, KV, hd)
+    k = kv[:, 0].transpose(1, 2).to(q.dtype)               # [N, KV, Lmax, hd]
+    v = kv[:, 1].transpose(1, 2).to(q.dtype)
+    mask = torch.arange(n_pages * page_size, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)   # [N, Lmax]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=True)    # [N, H, 1, hd]
+    return o.squeeze(2)

@@ -1,0 +1,35 @@
+"""Causal depthwise conv1d of the GDN layers, over packed sequences, with a per-slot conv state.
+
+The conv state of a sequence is its last K-1 *pre-conv* inputs, shape [conv_dim, K-1], kept in a pool indexed by
+state slot (`conv_state[slot]`), so prefill chunks and decode steps continue exactly where the last one stopped.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                          cu_seqlens: list[int], slot_ids: list[int]) -> torch.Tensor:
+    """x [T, C] packed sequences; weight [C, K]; conv_state [slots, C, K-1] (read, then updated in place).
+
+    Returns silu(conv(x)) [T, C]. Sequence i covers x[cu_seqlens[i]:cu_seqlens[i+1]] and continues slot_ids[i].
+    """
+    C, K = weight.shape
+    out = torch.empty_like(x)
+    for i, slot in enumerate(slot_ids):
+        s, e = cu_seqlens[i], cu_seqlens[i + 1]
+        history = conv_state[slot].to(x.dtype)                     # [C, K-1]
+        window = torch.cat([history, x[s:e].t()], dim=1)           # [C, K-1+L]
+        y = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), groups=C)  # [1, C, L]
+        out[s:e] = F.silu(y[0].t())
+        conv_state[slot] = window[:, -(K - 1):].to(conv_state.dtype)
+    return out
+
+
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         slot_ids: torch.Tensor) -> torch.Tensor:
+    """One new token per sequence: x [N, C]; conv_state [slots, C, K-1] updated in place. Returns [N, C]."""
+    window = torch.cat([conv_state[slot_ids].to(x.dtype), x.unsqueeze(-1)], dim=-1)   # [N, C, K]
+    conv_state[slot_ids] = window[..., 1:].to(conv_state.dtype)
+    return F.silu((window * weight).sum(-1))

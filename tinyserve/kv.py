@@ -1,0 +1,70 @@
+"""Paged KV cache of the full-attention layers: the page pool, a reference-counted page allocator.
+
+Layout is page-major, [num_pages, num_layers, 2 (k, v), page_size, kv_heads, head_dim]: every layer of one page is
+one contiguous span, so moving a page to the host or to a file is a single copy. One layer's view
+`pool.layer(l)` is [num_pages, 2, page_size, kv_heads, head_dim] (what the attention kernels take).
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+class KVPool:
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device) -> None:
+        self.num_pages, self.page_size, self.num_layers = num_pages, page_size, num_layers
+        self.dtype = dtype
+        self.buffer = torch.zeros((num_pages, max(num_layers, 1), 2, page_size, num_kv_heads, head_dim),
+                                  dtype=dtype, device=device)
+
+    def layer(self, i: int) -> torch.Tensor:
+        return self.buffer[:, i]
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.buffer[0].numel() * self.buffer.element_size()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class PageAllocator:
+    """Hands out page ids; a page shared by several owners (running requests, the radix cache) is reference
+    counted and returns to the free list only when the last owner lets go."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.refcount = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))     # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n fresh pages with refcount 1, or None (nothing taken) when fewer than n are free."""
+        if n > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def retain(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcount[p] > 0, f"retain of free page {p}"
+            self.refcount[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcount[p] > 0, f"double free of page {p}"
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)

@@ -1,0 +1,42 @@
+"""Recurrent-state pool of the GDN layers: one slot per running sequence (plus snapshot slots for the prefix cache).
+
+Slot-major layout so one slot (every GDN layer's conv and SSM state) is one contiguous span per tensor:
+conv [slots, gdn_layers, conv_dim, K-1] in the model dtype, ssm [slots, gdn_layers, v_heads, dk, dv] in fp32.
+The model takes per-layer views `conv[:, l]`, `ssm[:, l]` and indexes them by slot.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StatePool:
+    def __init__(self, num_slots: int, num_layers: int, conv_dim: int, conv_kernel: int, num_v_heads: int,
+                 dk: int, dv: int, conv_dtype: torch.dtype, device) -> None:
+        self.num_slots = num_slots
+        L = max(num_layers, 1)
+        self.conv = torch.zeros((num_slots, L, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=device)
+        self.ssm = torch.zeros((num_slots, L, num_v_heads, dk, dv), dtype=torch.float32, device=device)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return (self.conv[0].numel() * self.conv.element_size() + self.ssm[0].numel() * self.ssm.element_size())
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        assert slot not in self._free, f"double free of state slot {slot}"
+        self._free.append(slot)
+
+    def zero(self, slot: int) -> None:
+        self.conv[slot].zero_()
+        self.ssm[slot].zero_()
+
+    def copy(self, src: int, dst: int) -> None:
+        self.conv[dst].copy_(self.conv[src])
+        self.ssm[dst].copy_(self.ssm[src])
