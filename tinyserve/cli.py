@@ -1,0 +1,203 @@
+"""Command line: `tinyserve CONFIG` serves; `tinyserve --check CONFIG` validates and prints the plan.
+
+Serving lifecycle (what systemd's Type=notify unit expects):
+  listen at once (/health answers 503 "loading") -> load the model in a thread -> READY=1, "ready on http://..."
+  SIGTERM / SIGINT -> STOPPING=1, /health 503, new requests 503, running requests get server.drain_timeout_s
+  to finish, the rest are cancelled -> exit 0.
+Configuration and checkpoint errors exit 1 with one message on stderr, never a traceback: they are the user's to
+fix, and a traceback buries the key that is wrong.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from aiohttp import web
+
+from . import config as config_mod
+from .config import ConfigError
+
+log = logging.getLogger("tinyserve")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """ConfigError, LoaderError and friends: problems with the config or the checkpoint, not bugs."""
+    errors: list[type[BaseException]] = [ConfigError]
+    try:
+        from .loader import LoaderError
+        errors.append(LoaderError)
+    except ImportError:                               # pragma: no cover - the loader is always there
+        pass
+    return tuple(errors)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# systemd notification (sd_notify without libsystemd)
+
+def sd_notify(message: str) -> bool:
+    """Send `message` to $NOTIFY_SOCKET (a unix datagram socket; '@' = abstract namespace). False when unset."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode())
+        return True
+    except OSError as e:
+        log.warning("cannot notify systemd at %s: %s", os.environ.get("NOTIFY_SOCKET"), e)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --check
+
+def plan_text(cfg: Any) -> str:
+    """The memory plan: computed without loading weights when the engine offers it, else by loading the engine."""
+    from . import engine as engine_mod
+
+    planner = getattr(engine_mod, "plan_from_config", None)
+    if planner is not None:
+        return str(planner(cfg))
+    engine = engine_mod.Engine.from_config(cfg)
+    return str(engine.plan)
+
+
+def check(cfg: Any) -> int:
+    print(config_mod.dumps(cfg).rstrip())
+    print()
+    print(plan_text(cfg))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Serving
+
+def _load_in_thread(cfg: Any) -> asyncio.Future:
+    """Engine.from_config in a daemon thread: a SIGTERM during a long load can still exit at once."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def run() -> None:
+        from .engine import Engine
+        try:
+            engine = Engine.from_config(cfg)
+        except BaseException as e:                    # handed to the loop, raised there
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(e))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(engine))
+
+    threading.Thread(target=run, name="tinyserve-load", daemon=True).start()
+    return future
+
+
+async def _drain(state: Any, timeout_s: float) -> None:
+    """Let running requests finish up to timeout_s, then cancel the rest and give handlers a moment to close."""
+    deadline = time.monotonic() + timeout_s
+    if state.streams:
+        log.info("draining %d request(s), up to %.0f s", len(state.streams), timeout_s)
+    while state.streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if state.streams:
+        log.warning("drain timeout: cancelling %d request(s)", len(state.streams))
+        for stream in list(state.streams):
+            stream.cancel()
+        grace = time.monotonic() + 5.0
+        while state.streams and time.monotonic() < grace:
+            await asyncio.sleep(0.05)
+
+
+async def serve(cfg: Any) -> int:
+    from .api import create_app, get_state, set_engine
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    app = create_app(None, cfg)
+    state = get_state(app)
+    # handler_cancellation: a client that goes away while queued cancels its handler, whose finally cancels the
+    # engine request (aiohttp's default leaves the handler running).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=log.getChild("access"),
+                           shutdown_timeout=5.0)
+    await runner.setup()
+    host, port = cfg.server.host, cfg.server.port
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as e:
+        await runner.cleanup()
+        raise ConfigError(f"cannot listen on {host}:{port} (server.host / server.port): {e.strerror or e}",
+                          "server.port") from None
+    log.info("listening on http://%s:%d, loading %s", host, port, cfg.model.path)
+
+    load = _load_in_thread(cfg)
+    stop_wait = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([load, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+    if not load.done():                               # stopped while loading
+        log.info("stopped while loading")
+        sd_notify("STOPPING=1")
+        await runner.cleanup()
+        return 0
+    try:
+        engine = load.result()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    await engine.start()
+    set_engine(app, engine)
+    log.info("plan: %s", engine.plan)
+    log.info("ready on http://%s:%d (model %s)", host, port, engine.served_name)
+    sd_notify(f"READY=1\nSTATUS=serving {engine.served_name} on http://{host}:{port}")
+
+    await stop_wait
+    log.info("shutting down")
+    sd_notify("STOPPING=1")
+    state.draining = True
+    await _drain(state, cfg.server.drain_timeout_s)
+    await runner.cleanup()
+    await engine.stop()
+    log.info("stopped")
+    return 0
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":                              # one line per HTTP request is debug material
+        logging.getLogger("tinyserve.access").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tinyserve", description="Serve a Qwen3.5 / Qwen3-Next model over the "
+                                     "OpenAI API, configured by one TOML file.")
+    parser.add_argument("config", help="the TOML config file (see config.example.toml)")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the config, print the effective config and the memory plan, and exit")
+    args = parser.parse_args(argv)
+    user_errors = _user_errors()
+    try:
+        cfg = config_mod.load(args.config)
+        _setup_logging(cfg.log.level)
+        if args.check:
+            return check(cfg)
+        return asyncio.run(serve(cfg))
+    except user_errors as e:
+        print(f"tinyserve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:                         # Ctrl-C before the signal handlers were installed
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
