@@ -246,6 +246,26 @@ def test_top_p_large_vocab_matches_reference(peaked):
     assert all(torch.isfinite(kept[r, tokens[r]]) for r in range(2))
 
 
+@pytest.mark.parametrize("top_k", [0, 100, 300])
+def test_top_p_large_vocab_tail_mass_counts(top_k):
+    # The top 256 tokens hold 0.95 of the mass; top-p must still normalise over the whole vocab (or the
+    # top-k set): 0.6 on token 0, 0.35 over tokens 1..255 (slowly decreasing), 0.05 over the 1792 others.
+    vocab = 2048
+    probs = torch.empty(vocab, dtype=torch.float64)
+    probs[0] = 0.6
+    body = 1.0 - torch.arange(1, 256, dtype=torch.float64) * 1e-4
+    probs[1:256] = 0.35 * body / body.sum()
+    tail = 1.0 - torch.arange(256, vocab, dtype=torch.float64) * 1e-6
+    probs[256:] = 0.05 * tail / tail.sum()
+    row = torch.log(probs).float()
+    params = SamplingParams(top_p=0.9, top_k=top_k)
+    kept = filter_logits(row[None], SamplingBatch.build([params], [[]], [[]], [0], [], vocab, "cpu"))[0]
+    ref_row = row.clone()
+    if top_k:
+        ref_row[torch.topk(row, vocab - top_k, largest=False).indices] = float("-inf")
+    assert set(torch.isfinite(kept).nonzero().flatten().tolist()) == _reference_top_p(ref_row, 0.9)
+
+
 def test_top_k_then_top_p_on_renormalised_set():
     row = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     # top_k=2 renormalises to (4/7, 3/7); top_p=0.5: the second token has 4/7 > 0.5 ahead of it -> dropped.

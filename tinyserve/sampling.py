@@ -324,21 +324,39 @@ def _candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         if kmax < V:
             # Every row has a top-k: nothing beyond rank kmax can survive.
             vals, ids = torch.topk(x, kmax, dim=-1)
+            full_lse = None
         elif batch.top_p is not None and V > 4 * _TOP_P_PROBE:
-            # If the top K tokens already hold more than top_p of the mass in every row, every later token has
-            # more than top_p ahead of it and top-p removes it: no need to sort the rest.
+            # Probe the top K tokens. Rows with top_k <= K have their whole top-k set inside. Rows without top-k
+            # whose top K already hold more than top_p of the mass: every later token has more than top_p ahead
+            # of it, so top-p removes it and the rest needs no sort. Any other row -> full sort.
             vals, ids = torch.topk(x, _TOP_P_PROBE, dim=-1)
-            mass = torch.exp(vals - torch.logsumexp(x, dim=-1, keepdim=True)).sum(dim=-1)
-            top_k_cut = batch.top_k <= _TOP_P_PROBE if batch.top_k is not None else False
-            if not bool(((mass > batch.top_p) | top_k_cut).all()):
+            full_lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            mass = torch.exp(vals - full_lse).sum(dim=-1)
+            if batch.top_k is not None:
+                ok = (batch.top_k <= _TOP_P_PROBE) | ((batch.top_k >= V) & (mass > batch.top_p))
+            else:
+                ok = mass > batch.top_p
+            if not bool(ok.all()):
                 vals, ids = torch.sort(x, dim=-1, descending=True)
+                full_lse = None
         else:
             vals, ids = torch.sort(x, dim=-1, descending=True)
+            full_lse = None
         if batch.top_k is not None:
             kth = vals.gather(1, (batch.top_k.clamp(max=vals.shape[1]) - 1)[:, None])
             vals = vals.masked_fill(vals < kth, neg_inf)  # ties with the k-th value are kept
         if batch.top_p is not None:
-            probs = torch.softmax(vals, dim=-1)
+            if full_lse is None:
+                # The candidates hold each row's whole (top-k) distribution.
+                probs = torch.softmax(vals, dim=-1)
+            else:
+                # Probe: rows without top-k normalise over the full vocab, not just the K candidates.
+                lse = torch.logsumexp(vals, dim=-1, keepdim=True)
+                if batch.top_k is not None:
+                    lse = torch.where((batch.top_k >= V)[:, None], full_lse, lse)
+                else:
+                    lse = full_lse
+                probs = torch.exp(vals - lse)
             ahead = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each token
             # Keep a token while the mass ahead of it is at most top_p; the first token always stays.
             remove = ahead > batch.top_p[:, None]
