@@ -1,0 +1,335 @@
+"""Tokenizer, chat template and incremental detokenizing.
+
+`tokenizers` does the encoding; the checkpoint's jinja2 chat template is rendered with the same semantics as
+Hugging Face transformers (sandboxed, trim_blocks + lstrip_blocks, loopcontrols, a `tojson` that keeps non-ASCII),
+so a prompt built here is the prompt the model was trained on. The detokenizer turns a growing list of token ids
+into text that is safe to send: no half UTF-8 characters, no half stop strings.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat template environment (Hugging Face semantics)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters and forces ASCII; chat templates expect plain json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTagExtension(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (used by some HF templates to mark assistant text): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationTagExtension])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as a string or as an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def _pick_template(raw: Any, source: Path) -> str | None:
+    """`chat_template` is a string, or a list of {"name", "template"}: take "default" (as transformers does)."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list):
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        if "default" not in named:
+            raise ValueError(f"{source}: chat_template is a list without a template named 'default' "
+                             f"(found {sorted(str(n) for n in named)})")
+        return named["default"]
+    raise ValueError(f"{source}: chat_template must be a string or a list of named templates")
+
+
+def _normalise_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI-shaped messages -> what Qwen-style templates expect (without touching the caller's dicts).
+
+    - content given as a list of text parts is joined into one string (this server is text-only);
+    - assistant tool_calls arguments given as a JSON string are parsed into a mapping, because templates iterate
+      `arguments | items` (vLLM does the same).
+    """
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        msg = dict(msg)
+        content = msg.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif isinstance(part, str):
+                    texts.append(part)
+                else:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"messages[{i}].content[{j}]: unsupported content part type {kind!r} "
+                                     "(only text is supported)")
+            msg["content"] = "".join(texts)
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            new_calls = []
+            for call in calls:
+                if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                    fn = dict(call["function"])
+                    args = fn.get("arguments")
+                    if isinstance(args, str):
+                        try:
+                            parsed = json.loads(args) if args.strip() else {}
+                        except json.JSONDecodeError:
+                            parsed = None
+                        if isinstance(parsed, dict):
+                            fn["arguments"] = parsed
+                    call = {**call, "function": fn}
+                new_calls.append(call)
+            msg["tool_calls"] = new_calls
+        out.append(msg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Tokenizer:
+    """A checkpoint's tokenizer.json + chat template + end-of-sequence ids."""
+
+    hf: HFTokenizer
+    chat_template: str | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    special_tokens: dict[str, str] = field(default_factory=dict)   # bos_token, eos_token, ... -> token text
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self._env = _make_environment()
+        self._template: jinja2.Template | None = None
+        if self.chat_template is not None:
+            try:
+                self._template = self._env.from_string(self.chat_template)
+            except jinja2.exceptions.TemplateSyntaxError as e:
+                raise ValueError(f"chat template of {self.name or 'tokenizer'} does not parse: {e.message} "
+                                 f"(line {e.lineno})") from e
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "Tokenizer":
+        folder = Path(folder)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(f"{folder}: no tokenizer.json (a checkpoint folder needs one)")
+        try:
+            hf = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # the Rust library raises plain Exception subclasses
+            raise ValueError(f"{tok_file}: cannot be loaded by `tokenizers` ({e})") from e
+
+        config_file = folder / "tokenizer_config.json"
+        tok_config = _read_json(config_file) if config_file.is_file() else {}
+
+        # The template: chat_template.jinja wins over tokenizer_config.json (as in transformers).
+        template_file = folder / "chat_template.jinja"
+        if template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        else:
+            template = _pick_template(tok_config.get("chat_template"), config_file)
+
+        special = {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            text = _token_content(tok_config.get(key))
+            if text is not None:
+                special[key] = text
+
+        # Eos ids: generation_config.json (int or list) plus the tokenizer's eos token.
+        eos: list[int] = []
+        gen_file = folder / "generation_config.json"
+        if gen_file.is_file():
+            raw = _read_json(gen_file).get("eos_token_id")
+            for v in ([raw] if isinstance(raw, int) else raw or []):
+                if not isinstance(v, int):
+                    raise ValueError(f"{gen_file}: eos_token_id must be an int or a list of ints, got {raw!r}")
+                if v not in eos:
+                    eos.append(v)
+        if "eos_token" in special:
+            eos_id = hf.token_to_id(special["eos_token"])
+            if eos_id is None:
+                raise ValueError(f"{config_file}: eos_token {special['eos_token']!r} is not in the vocabulary")
+            if eos_id not in eos:
+                eos.append(eos_id)
+        return cls(hf=hf, chat_template=template, eos_token_ids=eos, special_tokens=special, name=str(folder))
+
+    # ---- encode / decode ----
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.hf.id_to_token(token_id)
+
+    # ---- chat template ----
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        """Render the prompt text. `template_kwargs` (e.g. enable_thinking) are passed to the template as variables.
+
+        Raises ValueError with the template's own message when the template rejects the conversation.
+        """
+        if self._template is None:
+            raise ValueError(f"{self.name or 'this tokenizer'} has no chat template "
+                             "(no chat_template.jinja and no chat_template in tokenizer_config.json)")
+        variables: dict[str, Any] = dict(self.special_tokens)
+        variables.update(template_kwargs)
+        variables.update(messages=_normalise_messages(messages), tools=tools or None,
+                         add_generation_prompt=add_generation_prompt)
+        try:
+            return self._template.render(**variables)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template error: {e.message or e}") from e
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Incremental detokenizer
+# ---------------------------------------------------------------------------------------------------------------
+
+class IncrementalDetokenizer:
+    """Token ids in, final text out, one step at a time.
+
+    Decoding uses a sliding window (vLLM's prefix/read offsets): only ids[prefix_offset:] are decoded each step and
+    the text of ids[prefix_offset:read_offset] (already sent) is cut off the front, so the cost per step does not
+    grow with the output. The window keeps a little left context because some decoders (SentencePiece) render a
+    token differently at the start of a string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.skip_special_tokens = skip_special_tokens
+        self.stopped = False
+        self.stop_reason: str | None = None
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._pending = ""          # decoded text not yet returned (a possible stop-string start)
+        self._finished = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_new(self, final: bool) -> str:
+        """Text of the ids past read_offset; '' while the tail is an incomplete UTF-8 character (unless final)."""
+        if self._read_offset >= len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset:])
+        if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)):
+            return ""  # nothing visible yet (skipped special token) or a partial character: wait for more ids
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full_text[len(prefix_text):]
+
+    def _release(self, final: bool) -> str:
+        """Return what of _pending can be sent now; stop at a stop string."""
+        text = self._pending
+        if not text:
+            return ""
+        hit, hit_at = None, -1
+        for s in self.stop:
+            i = text.find(s)
+            if i >= 0 and (hit_at < 0 or i < hit_at):
+                hit, hit_at = s, i
+        if hit is not None:
+            self.stopped, self.stop_reason = True, hit
+            self._pending = ""
+            return text[:hit_at]
+        hold = 0 if final else self._stop_prefix_len(text)
+        self._pending = text[len(text) - hold:] if hold else ""
+        return text[:len(text) - hold]
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that is the start of some stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def add(self, token_ids: list[int] | int) -> str:
+        """Append generated ids; return the newly final text ('' once stopped)."""
+        if self.stopped or self._finished:
+            return ""
+        self._ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
+        self._pending += self._decode_new(final=False)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """End of generation: return everything held back (a trailing partial character decodes as U+FFFD)."""
+        if self.stopped or self._finished:
+            return ""
+        self._pending += self._decode_new(final=True)
+        out = self._release(final=True)
+        self._finished = True
+        return out
