@@ -196,8 +196,7 @@ def _build_config(folder: Path, raw: dict[str, Any], tensor_names: list[str]) ->
     n_layers = keys.require_int("num_hidden_layers")
     hidden = keys.require_int("hidden_size")
     heads = keys.require_int("num_attention_heads")
-    head_dim = keys.get("head_dim")
-    head_dim = keys.int("head_dim", hidden // heads) if head_dim is not None else hidden // heads
+    head_dim = keys.int("head_dim", hidden // heads)
     theta, factor = _rope(keys)
 
     act = keys.get("hidden_act", "silu")
