@@ -1,0 +1,181 @@
+"""Continuous batching: which requests run this step and how many tokens each, with chunked prefill and preemption.
+
+Each step is one packed batch: every running request that is decoding contributes one token (decodes first), then
+prefill chunks fill the rest of the `chunked_prefill_size` token budget, admitting waiting requests in arrival
+order while there are free running slots, state slots and pages. When a decode needs a page and none is free, the
+newest running request is preempted: its pages and state slot are freed and it waits again at the front of the
+queue; when it comes back it recomputes prompt + tokens generated so far, so its output does not change.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tinyserve.kv import PageAllocator
+from tinyserve.sampling import SamplingParams
+from tinyserve.state import StatePool
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)    # pages holding KV of tokens [0, num_computed)
+    state_slot: int | None = None
+    num_computed: int = 0                              # tokens whose KV and GDN state are in the pools
+    cached_tokens: int = 0                             # prompt tokens taken from the prefix cache
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    admit_order: int = 0                               # larger = admitted later (preempted first)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed == self.num_tokens - 1 and len(self.output_ids) > 0
+
+
+@dataclass
+class ScheduledSeq:
+    req: Request
+    start: int            # first position computed this step
+    num_tokens: int       # tokens computed this step
+    samples: bool         # this chunk reaches the end of the known tokens, so a token is sampled after it
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, max_running: int,
+                 chunked_prefill_size: int) -> None:
+        self.allocator, self.state_pool = allocator, state_pool
+        self.page_size, self.max_running = page_size, max_running
+        self.chunk_budget = chunked_prefill_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._admit_counter = 0
+        self.num_preemptions = 0
+
+    # ---- queue ----
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Request) -> None:
+        if req.status == Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        elif req.status == Status.RUNNING:
+            self.running.remove(req)
+        self.release(req)
+        req.status, req.finish_reason = Status.FINISHED, req.finish_reason or "abort"
+
+    def release(self, req: Request) -> None:
+        """Give back a request's pages and state slot (finish, abort, preemption)."""
+        if req.pages:
+            self.allocator.release(req.pages)
+            req.pages = []
+        if req.state_slot is not None:
+            self.state_pool.free(req.state_slot)
+            req.state_slot = None
+        req.num_computed = 0
+
+    # ---- one step ----
+    def schedule(self) -> list[ScheduledSeq]:
+        batch: list[ScheduledSeq] = []
+        # 1. decodes, oldest first; a decode that cannot get a page preempts the newest running request
+        for req in sorted([r for r in self.running if r.is_decoding], key=lambda r: r.admit_order):
+            if req.status != Status.RUNNING:
+                continue                                   # preempted by an older request in this loop
+            if not self._grow(req, 1):
+                continue
+            batch.append(ScheduledSeq(req, req.num_computed, 1, True))
+        budget = self.chunk_budget - len(batch)
+        # 2. running requests still prefilling
+        for req in sorted([r for r in self.running if not r.is_decoding], key=lambda r: r.admit_order):
+            if budget <= 0:
+                break
+            n = self._prefill_chunk(req, budget)
+            if n:
+                batch.append(ScheduledSeq(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
+                budget -= n
+        # 3. admit waiting requests in arrival order
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            slot = self.state_pool.alloc()
+            if slot is None:
+                break
+            req.state_slot = slot
+            self.state_pool.zero(slot)
+            n = self._prefill_chunk(req, budget)
+            if n == 0:                                     # not even one page free: wait for room
+                self.state_pool.free(slot)
+                req.state_slot = None
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self._admit_counter += 1
+            req.admit_order = self._admit_counter
+            self.running.append(req)
+            batch.append(ScheduledSeq(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
+            budget -= n
+        return batch
+
+    def _pages_for(self, req: Request, new_tokens: int) -> int:
+        need = -(-(req.num_computed + new_tokens) // self.page_size)
+        return max(0, need - len(req.pages))
+
+    def _prefill_chunk(self, req: Request, budget: int) -> int:
+        """Tokens of req's remaining prefill that fit the budget and the free pages (allocated here)."""
+        n = min(req.num_tokens - req.num_computed, budget)
+        free_tokens = self.allocator.num_free * self.page_size + (len(req.pages) * self.page_size - req.num_computed)
+        n = min(n, free_tokens)
+        if n <= 0:
+            return 0
+        pages = self.allocator.alloc(self._pages_for(req, n))
+        assert pages is not None
+        req.pages += pages
+        return n
+
+    def _grow(self, req: Request, n: int) -> bool:
+        """Pages for n more tokens of a running request, preempting newer requests if the pool is full."""
+        need = self._pages_for(req, n)
+        while need > self.allocator.num_free:
+            victim = max(self.running, key=lambda r: r.admit_order)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        if need:
+            req.pages += self.allocator.alloc(need)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.release(req)
+        req.status = Status.WAITING
+        req.cached_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # ---- after the forward ----
+    def finish(self, req: Request, reason: str) -> None:
+        self.running.remove(req)
+        self.release(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
