@@ -7,6 +7,7 @@ that is renamed into place, so a crash never leaves half a checkpoint behind.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -281,7 +282,9 @@ def _write_weights(folder: Path) -> None:
     from tinyserve.loader import read_model_config
     from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
 
-    cfg = read_model_config(folder)
+    # The loader counts MTP layers from the tensors it finds; none exist yet, so say what config.json declares.
+    declared = json.loads((folder / "config.json").read_text(encoding="utf-8"))["mtp_num_hidden_layers"]
+    cfg = dataclasses.replace(read_model_config(folder), num_mtp_layers=declared)
     expected = Qwen3NextForCausalLM(cfg, torch.float32, "cpu").expected_tensors()
     gen = torch.Generator().manual_seed(SEED)
     tensors = {}
@@ -340,6 +343,7 @@ def ensure_demo_checkpoint(cache_dir: Path | None = None) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_VERSION}-", dir=cache_dir))
     try:
+        os.chmod(tmp, 0o755)   # mkdtemp makes it private; the finished checkpoint is an ordinary folder
         write_demo_checkpoint(tmp)
         if target.exists():  # an incomplete folder from an older writer: replace it
             shutil.rmtree(target, ignore_errors=True)

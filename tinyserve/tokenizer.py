@@ -321,8 +321,10 @@ class IncrementalDetokenizer:
         """Append generated ids; return the newly final text ('' once stopped)."""
         if self.stopped or self._finished:
             return ""
-        self._ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
-        self._pending += self._decode_new(final=False)
+        # One id at a time (as vLLM does) so text before an incomplete character is not held back with it.
+        for tid in [token_ids] if isinstance(token_ids, int) else token_ids:
+            self._ids.append(tid)
+            self._pending += self._decode_new(final=False)
         return self._release(final=False)
 
     def flush(self) -> str:
