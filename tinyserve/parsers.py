@@ -48,6 +48,7 @@ class Qwen3ReasoningParser:
         self.enabled = enabled
         self._mode = "reasoning" if starts_in_reasoning else "before"   # before | reasoning | content
         self._section_start = True     # at the start of a section: strip framing newlines
+        self._repeat_checked = False   # whether a repeated leading <think> was looked for
         self._buf = ""
         self.saw_reasoning = starts_in_reasoning and enabled
 
@@ -90,10 +91,14 @@ class Qwen3ReasoningParser:
             if self._mode == "reasoning":
                 if self._section_start:
                     buf = buf.lstrip("\n")
-                    if buf.startswith(THINK_START):            # the model repeated the prompt's <think>
-                        buf = buf[len(THINK_START):].lstrip("\n")
+                    if not self._repeat_checked:               # the model may repeat the prompt's <think>
+                        if buf.startswith(THINK_START):
+                            buf = buf[len(THINK_START):].lstrip("\n")
+                            self._repeat_checked = True
+                        elif final or not THINK_START.startswith(buf):
+                            self._repeat_checked = True
                     self._buf = buf
-                    if not final and (not buf or THINK_START.startswith(buf)):
+                    if not final and (not buf or not self._repeat_checked):
                         return "".join(reasoning), "".join(content)
                     self._section_start = False
                 i = buf.find(THINK_END)
@@ -405,7 +410,7 @@ class Qwen3CoderToolParser:
             self.num_calls -= 1
             self._give_back(call.raw)
             return
-        self._args("}" if call.n_params else "{}")
+        self._events.append(_Event("args", "}" if call.n_params else "{}", index=call.index))
         self._mode = "content"
         self._after_call = False
         if final and in_param:
