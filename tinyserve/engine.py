@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tinyserve.kv import FP8_DTYPES, KVPool, PageAllocator
+from tinyserve.radix import RadixCache
 from tinyserve.runner import ModelRunner
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import Request, Scheduler, Status
@@ -62,6 +63,9 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    cached_pages: int = 0
+    snapshots_held: int = 0
+    snapshots_evicted: int = 0
 
 
 @dataclass
@@ -76,6 +80,7 @@ class MemoryPlan:
     state_slots: int
     state_bytes_per_slot: int
     context_length: int
+    snapshot_slots: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -87,6 +92,8 @@ class MemoryPlan:
                 f"KV pool {self.kv_tokens} tokens ({self.kv_pages} pages of {self.page_size}, {self.kv_cache_dtype}, "
                 f"{self.kv_tokens * self.kv_bytes_per_token / gib:.2f} GiB); "
                 f"GDN state {self.state_slots} slots ({self.state_slots * self.state_bytes_per_slot / gib:.2f} GiB); "
+                f"prefix-cache state snapshots {self.snapshot_slots} "
+                f"({self.snapshot_slots * self.state_bytes_per_slot / gib:.2f} GiB); "
                 f"context {self.context_length} tokens")
 
 
@@ -116,7 +123,8 @@ class RequestStream:
 class Engine:
     def __init__(self, model, tokenizer, *, page_size: int = 16, kv_tokens: int = CPU_DEFAULT_KV_TOKENS,
                  max_running_requests: int = 8, chunked_prefill_size: int = 2048, context_length: int = 0,
-                 kv_cache_dtype: torch.dtype | None = None, served_name: str = "tinyserve") -> None:
+                 kv_cache_dtype: torch.dtype | None = None, served_name: str = "tinyserve",
+                 enable_prefix_cache: bool = True, state_track_interval: int = 512, snapshot_slots: int = 0) -> None:
         cfg = model.cfg
         self.model, self.tokenizer, self.model_config = model, tokenizer, cfg
         self.served_name = served_name
@@ -128,11 +136,18 @@ class Engine:
         self.kv_pool = KVPool(num_pages, page_size, len(cfg.attn_layer_ids), cfg.num_key_value_heads, cfg.head_dim,
                               kv_dtype, self.device)
         self.allocator = PageAllocator(num_pages)
+        hybrid = bool(cfg.gdn_layer_ids)
+        if not enable_prefix_cache:
+            snapshot_slots = 0
+        elif snapshot_slots == 0:
+            snapshot_slots = 4 * max_running_requests if hybrid else 0
         self.state_pool = StatePool(max_running_requests, len(cfg.gdn_layer_ids), cfg.conv_dim,
                                     cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                    cfg.linear_value_head_dim, model.dtype, self.device)
+                                    cfg.linear_value_head_dim, model.dtype, self.device,
+                                    num_snapshot_slots=snapshot_slots)
+        self.cache = RadixCache(self.allocator, self.state_pool, page_size, hybrid) if enable_prefix_cache else None
         self.scheduler = Scheduler(self.allocator, self.state_pool, page_size, max_running_requests,
-                                   chunked_prefill_size)
+                                   chunked_prefill_size, self.cache, state_track_interval)
         eos = sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", []) or []))
         self.eos_token_ids = eos
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, eos)
@@ -143,6 +158,7 @@ class Engine:
             kv_bytes_per_token=KVPool.bytes_per_token(len(cfg.attn_layer_ids), cfg.num_key_value_heads,
                                                       cfg.head_dim, kv_dtype),
             state_slots=max_running_requests, state_bytes_per_slot=self.state_pool.bytes_per_slot,
+            snapshot_slots=snapshot_slots,
             context_length=self.context_length)
         # hand-over between the event loop and the step thread
         self._new: deque[Request] = deque()
@@ -179,7 +195,8 @@ class Engine:
                    max_running_requests=cfg.engine.max_running_requests,
                    chunked_prefill_size=cfg.engine.chunked_prefill_size,
                    context_length=cfg.model.context_length, kv_cache_dtype=kv_dtype,
-                   served_name=cfg.model.served_name)
+                   served_name=cfg.model.served_name, enable_prefix_cache=cfg.cache.enabled,
+                   state_track_interval=cfg.cache.state_track_interval, snapshot_slots=cfg.cache.state_slots)
 
     @staticmethod
     def _derive_kv_tokens(model, kv_dtype: torch.dtype, cfg, device: str) -> int:
@@ -232,6 +249,10 @@ class Engine:
 
     # ---- the step (runs in the worker thread) ----
     def _step(self) -> list[tuple[Request, list[TokenEvent], bool]]:
+        with self._lock:                                   # flush_cache() may come from the event loop
+            return self._step_locked()
+
+    def _step_locked(self) -> list[tuple[Request, list[TokenEvent], bool]]:
         sched = self.scheduler
         events: list[tuple[Request, list[TokenEvent], bool]] = []
         while self._aborts:
@@ -243,6 +264,7 @@ class Engine:
             sched.add(self._new.popleft())
         seqs = sched.schedule()
         out = self.runner.step(seqs)
+        sched.advance(seqs)
         if out.result is None:
             return events
         r = out.result
@@ -252,7 +274,6 @@ class Engine:
         top_lps = r.top_logprobs.tolist() if r.top_logprobs is not None else None
         for row, s in enumerate(out.sampled):
             req = s.req
-            req.num_computed = s.start + s.num_tokens
             p = req.params
             tok = tokens[row]
             ev = TokenEvent(tok)
@@ -265,10 +286,6 @@ class Engine:
             if reason:
                 sched.finish(req, reason)
             events.append((req, [ev], reason is not None))
-        # chunks that did not sample still advanced
-        for s in seqs:
-            if not s.samples and s.req.status == Status.RUNNING:
-                s.req.num_computed = s.start + s.num_tokens
         return events
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
@@ -355,7 +372,14 @@ class Engine:
         return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting) + len(self._new),
                            kv_pages_used=self.allocator.num_used, kv_pages_total=self.allocator.num_pages,
                            state_slots_used=self.state_pool.num_slots - self.state_pool.num_free,
-                           state_slots_total=self.state_pool.num_slots, num_preemptions=s.num_preemptions)
+                           state_slots_total=self.state_pool.num_slots, num_preemptions=s.num_preemptions,
+                           prefix_cache_query_tokens=self.cache.query_tokens if self.cache else 0,
+                           prefix_cache_hit_tokens=self.cache.hit_tokens if self.cache else 0,
+                           cached_pages=self.cache.num_pages if self.cache else 0,
+                           snapshots_held=self.cache.num_snapshots if self.cache else 0,
+                           snapshots_evicted=self.cache.snapshots_evicted if self.cache else 0)
 
     def flush_cache(self) -> bool:
-        return True
+        """Empty the prefix cache; False when a running request holds part of it (nothing is freed then)."""
+        with self._lock:
+            return self.scheduler.flush_cache()

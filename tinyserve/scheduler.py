@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tinyserve.kv import PageAllocator
+from tinyserve.radix import Node, RadixCache
 from tinyserve.sampling import SamplingParams
 from tinyserve.state import StatePool
 
@@ -39,6 +40,11 @@ class Request:
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     admit_order: int = 0                               # larger = admitted later (preempted first)
+    # prefix cache bookkeeping
+    cache_node: Node | None = None                     # the cached node this run started from (locked)
+    snapshot_points: list[int] = field(default_factory=list)   # prefill positions where a state snapshot is taken
+    track_slot: int | None = None                      # copy of the state at the last page boundary (decode)
+    track_pos: int = -1
 
     @property
     def all_ids(self) -> list[int]:
@@ -63,8 +69,9 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, max_running: int,
-                 chunked_prefill_size: int) -> None:
+                 chunked_prefill_size: int, cache: RadixCache | None = None, track_interval: int = 512) -> None:
         self.allocator, self.state_pool = allocator, state_pool
+        self.cache, self.track_interval = cache, track_interval
         self.page_size, self.max_running = page_size, max_running
         self.chunk_budget = chunked_prefill_size
         self.waiting: deque[Request] = deque()
@@ -88,7 +95,13 @@ class Scheduler:
         req.status, req.finish_reason = Status.FINISHED, req.finish_reason or "abort"
 
     def release(self, req: Request) -> None:
-        """Give back a request's pages and state slot (finish, abort, preemption)."""
+        """Give back a request's pages, state slot and cache locks (finish, abort, preemption)."""
+        if req.cache_node is not None:
+            self.cache.lock(req.cache_node, -1)
+            req.cache_node = None
+        if req.track_slot is not None:
+            self.state_pool.free_snapshot(req.track_slot)
+            req.track_slot, req.track_pos = None, -1
         if req.pages:
             self.allocator.release(req.pages)
             req.pages = []
@@ -123,11 +136,10 @@ class Scheduler:
             if slot is None:
                 break
             req.state_slot = slot
-            self.state_pool.zero(slot)
+            self._start_from_cache(req)
             n = self._prefill_chunk(req, budget)
             if n == 0:                                     # not even one page free: wait for room
-                self.state_pool.free(slot)
-                req.state_slot = None
+                self.release(req)
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -145,6 +157,11 @@ class Scheduler:
     def _prefill_chunk(self, req: Request, budget: int) -> int:
         """Tokens of req's remaining prefill that fit the budget and the free pages (allocated here)."""
         n = min(req.num_tokens - req.num_computed, budget)
+        later = [p for p in req.snapshot_points if p > req.num_computed]
+        if later:                                          # end the chunk where a snapshot is due
+            n = min(n, min(later) - req.num_computed)
+        if self.cache is not None:
+            self.cache.evict_pages(self._pages_for(req, n))
         free_tokens = self.allocator.num_free * self.page_size + (len(req.pages) * self.page_size - req.num_computed)
         n = min(n, free_tokens)
         if n <= 0:
@@ -157,6 +174,8 @@ class Scheduler:
     def _grow(self, req: Request, n: int) -> bool:
         """Pages for n more tokens of a running request, preempting newer requests if the pool is full."""
         need = self._pages_for(req, n)
+        if self.cache is not None:
+            self.cache.evict_pages(need)                   # cached pages go before any running request
         while need > self.allocator.num_free:
             victim = max(self.running, key=lambda r: r.admit_order)
             self.preempt(victim)
@@ -177,5 +196,76 @@ class Scheduler:
     # ---- after the forward ----
     def finish(self, req: Request, reason: str) -> None:
         self.running.remove(req)
+        if self.cache is not None:
+            self._cache_finished(req)
         self.release(req)
         req.status, req.finish_reason = Status.FINISHED, reason
+
+    # ---- prefix cache ----
+    def _start_from_cache(self, req: Request) -> None:
+        """Resume from the longest usable cached prefix: share its pages, copy its state, skip its prefill."""
+        if self.cache is None:
+            self.state_pool.zero(req.state_slot)
+            return
+        m = self.cache.match(req.all_ids)
+        if m.node.snapshot is not None:
+            self.state_pool.copy(m.node.snapshot, req.state_slot)
+        else:
+            self.state_pool.zero(req.state_slot)
+        self.allocator.retain(m.pages)
+        req.pages = list(m.pages)
+        req.num_computed = m.length
+        req.cached_tokens = min(m.length, len(req.prompt_ids))
+        self.cache.lock(m.node, +1)
+        req.cache_node = m.node
+        ps, end = self.page_size, req.num_tokens
+        points = set(range(self.track_interval, end, self.track_interval))
+        points.add((end - 1) // ps * ps)                   # page-aligned end of the prompt
+        if m.kv_length > m.length:
+            points.add(m.kv_length)                        # branch point: cached KV but no state there yet
+        req.snapshot_points = sorted(p for p in points if p > req.num_computed)
+
+    def _snapshot(self, req: Request, pos: int) -> None:
+        """Cache tokens [0, pos) of req with a copy of its current state (which is the state at pos)."""
+        slot = self.cache.alloc_snapshot()
+        if slot is None:
+            return
+        self.state_pool.copy(req.state_slot, slot)
+        self.cache.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], slot)
+
+    def advance(self, seqs: list[ScheduledSeq]) -> None:
+        """Record the step's computed tokens; take the snapshots that fall due at the new positions."""
+        ps = self.page_size
+        for s in seqs:
+            req = s.req
+            if req.status != Status.RUNNING:
+                continue
+            req.num_computed = pos = s.start + s.num_tokens
+            if self.cache is None:
+                continue
+            decode = bool(req.output_ids) and s.num_tokens == 1
+            if pos in req.snapshot_points or (decode and pos % self.track_interval == 0):
+                self._snapshot(req, pos)
+            elif decode and ps > 1 and pos % ps == 0:      # keep the state of the last page boundary for finish
+                if req.track_slot is None:
+                    req.track_slot = self.cache.alloc_snapshot()
+                if req.track_slot is not None:
+                    self.state_pool.copy(req.state_slot, req.track_slot)
+                    req.track_pos = pos
+
+    def _cache_finished(self, req: Request) -> None:
+        """Cache what a finished request computed, up to its last page boundary, with the state there."""
+        ps = self.page_size
+        end = req.num_computed // ps * ps
+        if end == 0:
+            return
+        if end == req.num_computed:
+            self._snapshot(req, end)
+        elif req.track_pos == end:
+            slot, req.track_slot, req.track_pos = req.track_slot, None, -1
+            self.cache.insert(req.all_ids[:end], req.pages[:end // ps], slot)
+        elif not self.cache.hybrid:
+            self.cache.insert(req.all_ids[:end], req.pages[:end // ps], None)
+
+    def flush_cache(self) -> bool:
+        return self.cache is None or self.cache.flush()

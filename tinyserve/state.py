@@ -11,12 +11,14 @@ import torch
 
 class StatePool:
     def __init__(self, num_slots: int, num_layers: int, conv_dim: int, conv_kernel: int, num_v_heads: int,
-                 dk: int, dv: int, conv_dtype: torch.dtype, device) -> None:
-        self.num_slots = num_slots
-        L = max(num_layers, 1)
-        self.conv = torch.zeros((num_slots, L, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=device)
-        self.ssm = torch.zeros((num_slots, L, num_v_heads, dk, dv), dtype=torch.float32, device=device)
+                 dk: int, dv: int, conv_dtype: torch.dtype, device, num_snapshot_slots: int = 0) -> None:
+        # slots [0, num_slots) are working slots of running requests; the rest hold prefix-cache snapshots
+        self.num_slots, self.num_snapshot_slots = num_slots, num_snapshot_slots
+        total, L = num_slots + num_snapshot_slots, max(num_layers, 1)
+        self.conv = torch.zeros((total, L, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=device)
+        self.ssm = torch.zeros((total, L, num_v_heads, dk, dv), dtype=torch.float32, device=device)
         self._free = list(range(num_slots - 1, -1, -1))
+        self._free_snapshots = list(range(total - 1, num_slots - 1, -1))
 
     @property
     def bytes_per_slot(self) -> int:
@@ -32,6 +34,17 @@ class StatePool:
     def free(self, slot: int) -> None:
         assert slot not in self._free, f"double free of state slot {slot}"
         self._free.append(slot)
+
+    @property
+    def num_free_snapshots(self) -> int:
+        return len(self._free_snapshots)
+
+    def alloc_snapshot(self) -> int | None:
+        return self._free_snapshots.pop() if self._free_snapshots else None
+
+    def free_snapshot(self, slot: int) -> None:
+        assert slot >= self.num_slots and slot not in self._free_snapshots, f"bad snapshot free {slot}"
+        self._free_snapshots.append(slot)
 
     def zero(self, slot: int) -> None:
         self.conv[slot].zero_()
