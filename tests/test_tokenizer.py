@@ -136,6 +136,10 @@ def test_template_errors_become_value_errors(tok):
         tok.apply_chat_template([{"role": "robot", "content": "beep"}])
     with pytest.raises(ValueError, match="No messages provided"):
         tok.apply_chat_template([])
+    with pytest.raises(ValueError, match="Unexpected message role"):
+        tok.apply_chat_template([{"content": "no role"}])
+    with pytest.raises(ValueError, match="chat template error"):   # a TypeError inside the template
+        tok.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": 3}}]}])
 
 
 def test_environment_features(tmp_path, demo_folder):

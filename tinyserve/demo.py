@@ -197,7 +197,7 @@ CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
         {{- '\n<tool_response>\n' + content + '\n</tool_response>' -}}
         {%- if loop.last or messages[index + 1].role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
     {%- else -%}
-        {{- raise_exception('Unexpected message role: ' + message.role) -}}
+        {{- raise_exception('Unexpected message role: ' + (message.role | string)) -}}
     {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}

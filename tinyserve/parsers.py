@@ -12,7 +12,7 @@ import json
 import math
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 THINK_START, THINK_END = "<think>", "</think>"

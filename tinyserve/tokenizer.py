@@ -243,6 +243,9 @@ class Tokenizer:
             return self._template.render(**variables)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template error: {e.message or e}") from e
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            # e.g. `'x' + none` on a message the template did not expect: bad input, not a server fault
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------------------------
