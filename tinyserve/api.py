@@ -28,6 +28,7 @@ from aiohttp import web
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
+from .parsers import Qwen3CoderToolParser, Qwen3ReasoningParser, make_tool_parser, prompt_opens_reasoning
 from .sampling import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("tinyserve.api")
@@ -319,11 +320,12 @@ def _validate_params(params: SamplingParams) -> None:
 class ChatRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
-    tool_choice: str                  # "auto" | "none"
+    tool_choice: Any                  # "auto" | "none" | "required" | {"type": "function", "function": {"name"}}
     template_kwargs: dict[str, Any]
     logprobs: bool
     top_logprobs: int
     options: GenerationOptions
+    starts_in_reasoning: bool = False  # set once the prompt is rendered: the template opened <think> itself
 
     @property
     def enable_thinking(self) -> bool:
@@ -399,7 +401,7 @@ def _parse_messages(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, str]:
+def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any]:
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -418,9 +420,12 @@ def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, str]:
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"
-    if choice not in ("auto", "none"):
-        # "required" and a named function need constrained decoding, which tinyserve does not do.
-        raise bad_request(f"tool_choice {choice!r} is not supported; use \"auto\" or \"none\"", "tool_choice")
+    # "required" and a named function are accepted but not enforced (no constrained decoding); a named function
+    # limits what is parsed as a call.
+    try:
+        make_tool_parser(tools, choice)
+    except ValueError as e:
+        raise bad_request(str(e), "tool_choice") from None
     return tools, choice
 
 
@@ -506,14 +511,14 @@ def _resolve_max_tokens(options: GenerationOptions, prompt_len: int, context: in
     return params
 
 
-def _render_chat(engine: Any, req: ChatRequest) -> list[int]:
+def _render_chat(engine: Any, req: ChatRequest) -> tuple[str, list[int]]:
     """Chat template + tokenizer; runs in a worker thread."""
     try:
         text = engine.tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=True,
                                                     **req.template_kwargs)
     except ValueError as e:                           # e.g. the template's raise_exception on a bad history
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-    return engine.tokenizer.encode(text)
+    return text, engine.tokenizer.encode(text)
 
 
 async def _in_thread(fn: Any, *args: Any) -> Any:
@@ -681,30 +686,16 @@ def make_detokenizer(tokenizer: Any, stop: list[str]) -> _Detok:
     return _Detok(IncrementalDetokenizer(tokenizer, stop))
 
 
-def _reasoning_parser(state: ServerState, req: ChatRequest) -> Any:
+def _reasoning_parser(state: ServerState, req: ChatRequest) -> Qwen3ReasoningParser | None:
     if state.cfg.parsers.reasoning != "qwen3":
         return None
-    from .parsers import Qwen3ReasoningParser
-
-    return Qwen3ReasoningParser(enable_thinking=req.enable_thinking)
+    return Qwen3ReasoningParser(starts_in_reasoning=req.starts_in_reasoning, enabled=req.enable_thinking)
 
 
-def _tool_parser(state: ServerState, req: ChatRequest) -> Any:
-    if state.cfg.parsers.tool_call != "qwen3_coder" or not req.tools or req.tool_choice == "none":
+def _tool_parser(state: ServerState, req: ChatRequest) -> Qwen3CoderToolParser | None:
+    if state.cfg.parsers.tool_call != "qwen3_coder":
         return None
-    from .parsers import Qwen3CoderToolParser
-
-    return Qwen3CoderToolParser(req.tools)
-
-
-def _new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def _tool_call_json(call: Any) -> dict[str, Any]:
-    args = call.arguments if isinstance(call.arguments, str) else _dumps(call.arguments)
-    return {"id": getattr(call, "id", None) or _new_call_id(), "type": "function",
-            "function": {"name": call.name, "arguments": args}}
+    return make_tool_parser(req.tools, req.tool_choice)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -745,14 +736,13 @@ def _chat_message(state: ServerState, req: ChatRequest, r: ChoiceResult) -> tupl
     content: str | None = r.text
     reasoning = _reasoning_parser(state, req)
     if reasoning is not None:
-        reasoning_text, content = reasoning.extract(r.text)
-        message["reasoning_content"] = reasoning_text
+        message["reasoning_content"], content = reasoning.parse(r.text)
     finish = r.finish_reason
     tools = _tool_parser(state, req)
     if tools is not None and content:
-        content, calls = tools.extract(content)
+        content, calls = tools.parse(content)
         if calls:
-            message["tool_calls"] = [_tool_call_json(c) for c in calls]
+            message["tool_calls"] = calls
             if finish == "stop":
                 finish = "tool_calls"
     message["content"] = content if content or "tool_calls" not in message else None
@@ -824,75 +814,71 @@ class _SSE:
 
 
 class _ChatStreamChoice:
-    """Per-choice streaming state: role sent?, reasoning and tool parsers, tool-call indices."""
+    """One choice's parsers while streaming: text deltas in, OpenAI delta dicts out."""
 
     def __init__(self, state: ServerState, req: ChatRequest) -> None:
-        self.started = False
         self.reasoning = _reasoning_parser(state, req)
         self.tools = _tool_parser(state, req)
         self.called_tools = False
 
-    def deltas(self, text: str, final: bool) -> dict[str, Any]:
-        """The delta fields for this text (reasoning_content, content, tool_calls)."""
-        delta: dict[str, Any] = {}
+    def pieces(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """Deltas for this text: reasoning_content, then content and tool_calls in the order they came."""
+        out: list[dict[str, Any]] = []
         content = text
         if self.reasoning is not None:
-            reasoning_text, content = self.reasoning.feed(text, final)
+            reasoning_text, content = self.reasoning.feed(text)
+            if final:
+                r2, c2 = self.reasoning.finish()
+                reasoning_text, content = reasoning_text + r2, content + c2
             if reasoning_text:
-                delta["reasoning_content"] = reasoning_text
-        if self.tools is not None and (content or final):
-            content, calls = self.tools.feed(content or "", final)
-            if calls:
-                self.called_tools = True
-                delta["tool_calls"] = [_tool_call_delta_json(c) for c in calls]
-        if content:
-            delta["content"] = content
-        return delta
-
-
-def _tool_call_delta_json(d: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": d.index}
-    fn: dict[str, Any] = {}
-    if getattr(d, "name", None):
-        out["id"] = getattr(d, "id", None) or _new_call_id()
-        out["type"] = "function"
-        fn["name"] = d.name
-    if getattr(d, "arguments", None):
-        fn["arguments"] = d.arguments
-    out["function"] = fn
-    return out
+                out.append({"reasoning_content": reasoning_text})
+        if self.tools is None:
+            if content:
+                out.append({"content": content})
+            return out
+        tool_deltas = self.tools.feed(content) if content else []
+        if final:
+            tool_deltas += self.tools.finish()
+        for d in tool_deltas:
+            self.called_tools = self.called_tools or "tool_calls" in d
+        return out + tool_deltas
 
 
 async def stream_chat(request: web.Request, state: ServerState, gen: Generation, req: ChatRequest,
                       request_id: str, created: int) -> web.StreamResponse:
+    """SSE: a role chunk per choice, then one chunk per delta; logprobs and token ids ride on the first chunk of
+    each engine step, finish_reason on the last."""
     sse = _SSE(request)
     await sse.open()
     base = _envelope(request_id, "chat.completion.chunk", created, state.engine.served_name)
     per_choice = [_ChatStreamChoice(state, req) for _ in gen.streams]
     counts = [0] * len(gen.streams)
+    ids = req.options.return_token_ids
     try:
+        for i in range(len(gen.streams)):
+            chunk = {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            if ids:
+                chunk["prompt_token_ids"] = gen.prompt_ids
+            await sse.send(chunk)
         async for i, d in gen.merged():
             c = per_choice[i]
             final = d.finish_reason is not None
-            delta = c.deltas(d.text, final)
-            if not c.started:
-                delta = {"role": "assistant", "content": "", **delta}
             counts[i] += len(d.token_ids)
-            if not delta and not final and not d.token_ids:
-                continue
-            choice: dict[str, Any] = {"index": i, "delta": delta,
-                                      "logprobs": _chat_logprobs(state, d.events) if req.logprobs and d.events
-                                      else None, "finish_reason": None}
-            if final:
-                reason = d.finish_reason
-                choice["finish_reason"] = "tool_calls" if c.called_tools and reason == "stop" else reason
-            if req.options.return_token_ids:
-                choice["token_ids"] = d.token_ids
-            chunk = {**base, "choices": [choice]}
-            if req.options.return_token_ids and not c.started:
-                chunk["prompt_token_ids"] = gen.prompt_ids
-            c.started = True
-            await sse.send(chunk)
+            pieces = c.pieces(d.text, final)
+            if not pieces and (final or (d.token_ids and (ids or req.logprobs))):
+                pieces = [{}]                         # nothing to say, but a finish reason or ids to carry
+            for k, piece in enumerate(pieces):
+                choice: dict[str, Any] = {"index": i, "delta": piece, "logprobs": None, "finish_reason": None}
+                if k == 0:
+                    if req.logprobs and d.events:
+                        choice["logprobs"] = _chat_logprobs(state, d.events)
+                    if ids:
+                        choice["token_ids"] = d.token_ids
+                if final and k == len(pieces) - 1:
+                    reason = d.finish_reason
+                    choice["finish_reason"] = "tool_calls" if c.called_tools and reason == "stop" else reason
+                await sse.send({**base, "choices": [choice]})
         if req.options.include_usage:
             await sse.send({**base, "choices": [], "usage": _stream_usage(gen, counts)})
     except APIError as e:                             # after the headers went out: an error event
@@ -976,7 +962,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = state.engine
     req = parse_chat_request(body, engine.served_name, _vocab_size(engine))
     _check_capacity(state, req.options.n)
-    prompt_ids = await _in_thread(_render_chat, engine, req)
+    prompt_text, prompt_ids = await _in_thread(_render_chat, engine, req)
+    req.starts_in_reasoning = prompt_opens_reasoning(prompt_text)
     params = _resolve_max_tokens(req.options, len(prompt_ids), engine.context_length, "messages")
     request_id = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())

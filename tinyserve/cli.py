@@ -28,17 +28,6 @@ from .config import ConfigError
 log = logging.getLogger("tinyserve")
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """ConfigError, LoaderError and friends: problems with the config or the checkpoint, not bugs."""
-    errors: list[type[BaseException]] = [ConfigError]
-    try:
-        from .loader import LoaderError
-        errors.append(LoaderError)
-    except ImportError:                               # pragma: no cover - the loader is always there
-        pass
-    return tuple(errors)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # systemd notification (sd_notify without libsystemd)
 
@@ -66,7 +55,7 @@ def plan_text(cfg: Any) -> str:
     """The memory plan: computed without loading weights when the engine offers it, else by loading the engine."""
     from . import engine as engine_mod
 
-    planner = getattr(engine_mod, "plan_from_config", None)
+    planner = getattr(engine_mod, "plan_from_config", None) or getattr(engine_mod.Engine, "plan_from_config", None)
     if planner is not None:
         return str(planner(cfg))
     engine = engine_mod.Engine.from_config(cfg)
@@ -84,7 +73,11 @@ def check(cfg: Any) -> int:
 # Serving
 
 def _load_in_thread(cfg: Any) -> asyncio.Future:
-    """Engine.from_config in a daemon thread: a SIGTERM during a long load can still exit at once."""
+    """Engine.from_config in a daemon thread, so the server answers /health 503 while loading and a SIGTERM during
+    a long load exits at once.
+
+    The thread stays parked after loading, never exits: when a thread that ran OpenMP work (the CPU load path)
+    exits, its OpenMP team keeps spin-waiting and later CPU forwards in the step thread ran 5-30x slower."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
@@ -96,6 +89,7 @@ def _load_in_thread(cfg: Any) -> asyncio.Future:
             loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(e))
         else:
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(engine))
+        threading.Event().wait()                      # park (see above); a daemon thread, so exit is not held up
 
     threading.Thread(target=run, name="tinyserve-load", daemon=True).start()
     return future
@@ -162,8 +156,8 @@ async def serve(cfg: Any) -> int:
 
     await stop_wait
     log.info("shutting down")
+    state.draining = True                             # before STOPPING=1: whoever hears it sees /health 503
     sd_notify("STOPPING=1")
-    state.draining = True
     await _drain(state, cfg.server.drain_timeout_s)
     await runner.cleanup()
     await engine.stop()
@@ -185,19 +179,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="validate the config, print the effective config and the memory plan, and exit")
     args = parser.parse_args(argv)
-    user_errors = _user_errors()
     try:
         cfg = config_mod.load(args.config)
-        _setup_logging(cfg.log.level)
+    except ConfigError as e:                          # before importing torch: a typo fails in a blink
+        return _fail(e)
+    _setup_logging(cfg.log.level)
+    from .loader import LoaderError
+
+    try:
         if args.check:
             return check(cfg)
         return asyncio.run(serve(cfg))
-    except user_errors as e:
-        print(f"tinyserve: error: {e}", file=sys.stderr)
-        return 1
+    except (ConfigError, LoaderError) as e:
+        return _fail(e)
     except KeyboardInterrupt:                         # Ctrl-C before the signal handlers were installed
         return 0
 
+
+def _fail(error: Exception) -> int:
+    print(f"tinyserve: error: {error}", file=sys.stderr)
+    return 1
 
 if __name__ == "__main__":
     sys.exit(main())
