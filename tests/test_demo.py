@@ -43,12 +43,17 @@ def test_deterministic(demo, tmp_path):
     assert _digests(ensure_demo_checkpoint(tmp_path)) == _digests(demo)
 
 
-def test_deterministic_across_processes(demo, tmp_path):
-    """Another interpreter (other hash seeds, e.g. in Rust maps) writes the very same bytes."""
+def test_deterministic_across_processes_and_concurrent_writers(demo, tmp_path):
+    """Other interpreters (other hash seeds, e.g. in Rust maps) write the very same bytes, and two of them racing
+    for the same cache folder both end up with one complete checkpoint."""
     code = ("import sys, pathlib; from tinyserve.demo import ensure_demo_checkpoint; "
             "print(ensure_demo_checkpoint(pathlib.Path(sys.argv[1])))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
-    assert _digests(Path(out.stdout.strip())) == _digests(demo)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate()[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and outs[0] == outs[1]
+    assert _digests(Path(outs[0])) == _digests(demo)
+    assert [p.name for p in tmp_path.iterdir()] == [DEMO_VERSION]
 
 
 def test_default_location_and_incomplete_folder(tmp_path, monkeypatch, demo):

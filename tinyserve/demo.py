@@ -335,24 +335,34 @@ def default_cache_dir() -> Path:
     return Path(base) / "tinyserve"
 
 
+def _complete(folder: Path) -> bool:
+    return all((folder / f).is_file() for f in _FILES)
+
+
 def ensure_demo_checkpoint(cache_dir: Path | None = None) -> Path:
     """Path of the demo checkpoint under `cache_dir` (default $XDG_CACHE_HOME/tinyserve), writing it if missing."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / DEMO_VERSION
-    if all((target / f).is_file() for f in _FILES):
+    if _complete(target):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_VERSION}-", dir=cache_dir))
     try:
         os.chmod(tmp, 0o755)   # mkdtemp makes it private; the finished checkpoint is an ordinary folder
         write_demo_checkpoint(tmp)
-        if target.exists():  # an incomplete folder from an older writer: replace it
-            shutil.rmtree(target, ignore_errors=True)
+        if _complete(target):  # another process finished first: keep theirs (it may be in use)
+            return target
+        if target.exists():    # a half-written folder (not from this code, which never leaves one): move it away
+            trash = tmp.with_name(tmp.name + ".old")
+            try:
+                os.rename(target, trash)
+            except OSError:
+                pass
+            shutil.rmtree(trash, ignore_errors=True)
         try:
             os.rename(tmp, target)
         except OSError:
-            # Another process finished first (rename onto a non-empty folder fails): use theirs.
-            if not all((target / f).is_file() for f in _FILES):
+            if not _complete(target):  # lost a race to a writer that finished meanwhile: fine; else a real error
                 raise
     finally:
         if tmp.exists():
