@@ -359,13 +359,18 @@ class Engine:
     # ---- offline API ----
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Synchronous batch generation (tests, benchmarks). Not for use while the async loop runs."""
+        return [r.output_ids for r in self.run_requests(prompts, params)]
+
+    def run_requests(self, prompts: list[list[int]],
+                     params: SamplingParams | list[SamplingParams]) -> list[Request]:
+        """Like generate(), returning the finished Requests (outputs, cached_tokens, finish_reason)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self._make_request(p, sp, None) for p, sp in zip(prompts, plist)]
         for r in reqs:
             self.scheduler.add(r)
         while any(r.status != Status.FINISHED for r in reqs):
             self._step()
-        return [r.output_ids for r in reqs]
+        return reqs
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -227,6 +227,9 @@ class Scheduler:
 
     def _snapshot(self, req: Request, pos: int) -> None:
         """Cache tokens [0, pos) of req with a copy of its current state (which is the state at pos)."""
+        if not self.cache.hybrid:                          # no recurrent state: the KV pages are enough
+            self.cache.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], None)
+            return
         slot = self.cache.alloc_snapshot()
         if slot is None:
             return
@@ -246,7 +249,7 @@ class Scheduler:
             decode = bool(req.output_ids) and s.num_tokens == 1
             if pos in req.snapshot_points or (decode and pos % self.track_interval == 0):
                 self._snapshot(req, pos)
-            elif decode and ps > 1 and pos % ps == 0:      # keep the state of the last page boundary for finish
+            elif decode and self.cache.hybrid and ps > 1 and pos % ps == 0:   # state at the last page boundary
                 if req.track_slot is None:
                     req.track_slot = self.cache.alloc_snapshot()
                 if req.track_slot is not None:
