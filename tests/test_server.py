@@ -7,7 +7,7 @@ here we check that the server wires them in.
 """
 from __future__ import annotations
 
-import http.client
+import http.client as httpclient
 import json
 import socket
 import subprocess
@@ -74,6 +74,7 @@ def client(server) -> openai.OpenAI:
 
 
 API_KEY = "test-key-123"
+LONG_CONTEXT = 4096             # room for streams long enough to be cut off mid-way
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def inproc(xdg):
         "server": {"api_key": API_KEY, "max_queued_requests": 0},
         "engine": {"max_running_requests": 1},
         "cache": {"enabled": False},
-        "model": {"context_length": CONTEXT}})
+        "model": {"context_length": LONG_CONTEXT}})
     with InProcessServer(config_mod.from_dict(data)) as srv:
         yield srv
 
@@ -377,9 +378,9 @@ def test_api_key(inproc):
     tiny_request_works(url, {"Authorization": f"Bearer {API_KEY}"})
 
 
-def _open_stream(base_url: str, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, Any]:
+def _open_stream(base_url: str, body: dict[str, Any]) -> tuple[httpclient.HTTPConnection, Any]:
     host, port = base_url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn = httpclient.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
                  {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
     resp = conn.getresponse()
@@ -399,8 +400,8 @@ def test_queue_full_and_disconnect_frees_pages(inproc):
     """Room for one request (max_running 1, max_queued 0): a second gets 503 + Retry-After. Closing the first
     stream mid-way cancels it: the engine shows no request and no KV page in use."""
     idle = inproc.stats()
-    conn, resp = _open_stream(inproc.base_url, {"prompt": "Hello there", "max_tokens": 3000, "ignore_eos": True})
-    first = resp.fp.readline()
+    conn, resp = _open_stream(inproc.base_url, {"prompt": "Hello there", "max_tokens": 4000, "ignore_eos": True})
+    first = resp.readline()
     assert first.startswith(b"data: ")
     busy = inproc.stats()
     assert busy.num_running + busy.num_waiting == 1 and busy.kv_pages_used > idle.kv_pages_used
@@ -414,6 +415,7 @@ def test_queue_full_and_disconnect_frees_pages(inproc):
                        and s.kv_pages_used == idle.kv_pages_used)(inproc.stats()), "the request to be freed")
     status, _, body = http("GET", inproc.base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
     assert "tinyserve:num_requests_running 0.0" in body.decode()
+    assert 'tinyserve:request_finished_total{finish_reason="abort"} 1.0' in body.decode()   # cut off, not done
     tiny_request_works(inproc.base_url, {"Authorization": f"Bearer {API_KEY}"})
 
 
@@ -426,7 +428,8 @@ def test_sigterm_drains_and_notifies_systemd(xdg, tmp_path):
     notify.bind("\0" + name)                                           # abstract namespace: NOTIFY_SOCKET=@name
     notify.settimeout(180)
     drain_s = 1.0
-    cfg = server_config(free_port(), {"server": {"drain_timeout_s": drain_s}})
+    cfg = server_config(free_port(), {"server": {"drain_timeout_s": drain_s},
+                                      "model": {"context_length": LONG_CONTEXT}})
     proc = ServerProcess(tmp_path, cfg, env={"XDG_CACHE_HOME": str(xdg), "NOTIFY_SOCKET": "@" + name})
     proc.start(wait=False)
     try:
@@ -438,8 +441,8 @@ def test_sigterm_drains_and_notifies_systemd(xdg, tmp_path):
 
         def stream() -> None:
             try:
-                conn, resp = _open_stream(proc.base_url, {"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True})
-                for line in resp.fp:
+                conn, resp = _open_stream(proc.base_url, {"prompt": "Hi", "max_tokens": 4000, "ignore_eos": True})
+                while line := resp.readline():
                     if line.startswith(b"data: {"):
                         events.append(json.loads(line[6:]))
             except OSError:
@@ -507,3 +510,48 @@ def test_check_prints_config_and_plan(tmp_path, xdg):
     effective = config_mod.dumps(config_mod.load(path)).strip()
     assert result.stdout.startswith(effective)
     assert result.stdout[len(effective):].strip()                          # and the plan after it
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parser plumbing without the model (its output never holds a tool call): the same functions the handlers use
+
+def test_tool_call_and_reasoning_plumbing():
+    from tinyserve.api import ChatStreamChoice, ChoiceResult, ServerState, chat_message, parse_chat_request
+
+    state = ServerState(cfg=config_mod.from_dict(PARSERS))
+    req = parse_chat_request({"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER_TOOL]},
+                             "tinyserve", vocab_size=1000)
+    text = ("<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n"
+            "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    message, finish = chat_message(state, req, ChoiceResult(0, text=text, finish_reason="stop"))
+    assert finish == "tool_calls"
+    assert message["reasoning_content"] == "The user wants the weather."
+    assert message["content"] == "Let me check."
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["id"] and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}   # typed by the schema
+
+    # Streamed a few characters at a time, the deltas add up to the same message.
+    stream = ChatStreamChoice(state, req)
+    pieces = []
+    for i in range(0, len(text), 3):
+        pieces += stream.pieces(text[i:i + 3], final=False)
+    pieces += stream.pieces("", final=True)
+    assert stream.called_tools
+    reasoning = "".join(p.get("reasoning_content", "") for p in pieces)
+    content = "".join(p.get("content", "") for p in pieces)
+    calls: dict[int, dict[str, str]] = {}
+    for p in pieces:
+        for d in p.get("tool_calls", []):
+            c = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+            c["name"] += d["function"].get("name", "")
+            c["arguments"] += d["function"].get("arguments", "")
+    assert reasoning == message["reasoning_content"] and content == message["content"]
+    assert calls == {0: {"name": "get_weather", "arguments": call["function"]["arguments"]}}
+
+    # tool_choice "none" and thinking off: everything is content.
+    plain = parse_chat_request({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER_TOOL],
+                                "tool_choice": "none", "chat_template_kwargs": {"enable_thinking": False}},
+                               "tinyserve", vocab_size=1000)
+    message, finish = chat_message(state, plain, ChoiceResult(0, text=text, finish_reason="stop"))
+    assert finish == "stop" and message["content"] == text and not message.get("reasoning_content")

@@ -570,9 +570,9 @@ class Generation:
 
     def close(self) -> None:
         for stream in self.streams:
-            if stream.result.finish_reason is None:
+            if stream in self.state.streams:          # not finished: client gone, error, or shutdown
                 stream.cancel()
-            self.state.streams.discard(stream)
+                self._finished(stream, "abort")
 
     async def deltas(self, index: int) -> AsyncIterator[Delta]:
         """One choice's deltas; the last one carries finish_reason."""
@@ -602,6 +602,8 @@ class Generation:
         yield Delta(detok.flush(), [], [], reason)
 
     def _finished(self, stream: Any, reason: str) -> None:
+        if stream not in self.state.streams:          # counted once
+            return
         self.state.streams.discard(stream)
         if self.state.metrics is not None:
             r = stream.result
@@ -730,7 +732,7 @@ def _envelope(request_id: str, obj: str, created: int, model: str) -> dict[str, 
     return {"id": request_id, "object": obj, "created": created, "model": model}
 
 
-def _chat_message(state: ServerState, req: ChatRequest, r: ChoiceResult) -> tuple[dict[str, Any], str]:
+def chat_message(state: ServerState, req: ChatRequest, r: ChoiceResult) -> tuple[dict[str, Any], str]:
     """Split a finished choice's text into reasoning, content and tool calls."""
     message: dict[str, Any] = {"role": "assistant"}
     content: str | None = r.text
@@ -754,7 +756,7 @@ def build_chat_response(state: ServerState, gen: Generation, req: ChatRequest, r
     body = _envelope(request_id, "chat.completion", created, state.engine.served_name)
     choices = []
     for r in results:
-        message, finish = _chat_message(state, req, r)
+        message, finish = chat_message(state, req, r)
         choice: dict[str, Any] = {"index": r.index, "message": message,
                                   "logprobs": _chat_logprobs(state, r.events) if req.logprobs else None,
                                   "finish_reason": finish}
@@ -813,7 +815,7 @@ class _SSE:
         return self.response
 
 
-class _ChatStreamChoice:
+class ChatStreamChoice:
     """One choice's parsers while streaming: text deltas in, OpenAI delta dicts out."""
 
     def __init__(self, state: ServerState, req: ChatRequest) -> None:
@@ -851,7 +853,7 @@ async def stream_chat(request: web.Request, state: ServerState, gen: Generation,
     sse = _SSE(request)
     await sse.open()
     base = _envelope(request_id, "chat.completion.chunk", created, state.engine.served_name)
-    per_choice = [_ChatStreamChoice(state, req) for _ in gen.streams]
+    per_choice = [ChatStreamChoice(state, req) for _ in gen.streams]
     counts = [0] * len(gen.streams)
     ids = req.options.return_token_ids
     try:
