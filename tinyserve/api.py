@@ -495,13 +495,17 @@ def parse_completion_request(body: dict, served_name: str, vocab_size: int) -> C
 # ---------------------------------------------------------------------------------------------------------------
 # Prompt preparation
 
-def _resolve_max_tokens(options: GenerationOptions, prompt_len: int, context: int, prompt_field: str
+def _resolve_max_tokens(options: GenerationOptions, prompt_len: int, engine: Any, prompt_field: str
                         ) -> SamplingParams:
+    context = engine.context_length
+    pool = getattr(getattr(engine, "plan", None), "kv_tokens", None) or context
     if prompt_len >= context:
         raise bad_request(f"the prompt is {prompt_len} tokens long, but the context is {context} tokens "
                           "(there must be room for at least one generated token)", prompt_field)
     room = context - prompt_len
-    max_tokens = options.max_tokens if options.max_tokens is not None else room
+    # No max_tokens: up to the end of the context (vLLM's default), but never past what the KV pool can hold,
+    # which on a small card or the CPU can be less than the context.
+    max_tokens = options.max_tokens if options.max_tokens is not None else max(1, min(room, pool - prompt_len))
     if max_tokens > room:
         raise bad_request(f"{options.max_tokens_field} ({max_tokens}) plus the prompt ({prompt_len} tokens) is "
                           f"longer than the context ({context} tokens); at most {room} tokens fit",
@@ -966,7 +970,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_capacity(state, req.options.n)
     prompt_text, prompt_ids = await _in_thread(_render_chat, engine, req)
     req.starts_in_reasoning = prompt_opens_reasoning(prompt_text)
-    params = _resolve_max_tokens(req.options, len(prompt_ids), engine.context_length, "messages")
+    params = _resolve_max_tokens(req.options, len(prompt_ids), engine, "messages")
     request_id = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     gen = Generation(state, prompt_ids, params, req.options.n, req.options.stop, request_id, arrival)
@@ -993,7 +997,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             raise bad_request("prompt encodes to no tokens", "prompt")
     else:
         prompt_ids = req.prompt
-    params = _resolve_max_tokens(req.options, len(prompt_ids), engine.context_length, "prompt")
+    params = _resolve_max_tokens(req.options, len(prompt_ids), engine, "prompt")
     request_id = "cmpl-" + uuid.uuid4().hex
     created = int(time.time())
     gen = Generation(state, prompt_ids, params, req.options.n, req.options.stop, request_id, arrival)
