@@ -30,6 +30,7 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .parsers import Qwen3CoderToolParser, Qwen3ReasoningParser, make_tool_parser, prompt_opens_reasoning
 from .sampling import MAX_LOGPROBS, SamplingParams
+from .tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("tinyserve.api")
 
@@ -94,10 +95,6 @@ class ServerState:
     draining: bool = False
     streams: set = field(default_factory=set)        # RequestStreams submitted and not yet finished
     _token_text: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def ready(self) -> bool:
-        return self.engine is not None and not self.draining
 
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs (cached: the same ids come back all the time)."""
@@ -581,8 +578,7 @@ class Generation:
     async def deltas(self, index: int) -> AsyncIterator[Delta]:
         """One choice's deltas; the last one carries finish_reason."""
         stream = self.streams[index]
-        tokenizer = self.state.engine.tokenizer
-        detok = make_detokenizer(tokenizer, self.stop)
+        detok = IncrementalDetokenizer(self.state.engine.tokenizer, self.stop)
         metrics = self.state.metrics
         last = None
         async for events in stream:
@@ -593,8 +589,8 @@ class Generation:
                 metrics.on_tokens(len(events), None if last is None else now - last)
             last = now
             ids = [e.token_id for e in events]
-            text, stopped = detok.add(ids)
-            if stopped:                               # a stop string: the rest of the text is cut
+            text = detok.add(ids)
+            if detok.stopped:                               # a stop string: the rest of the text is cut
                 stream.cancel()
                 self._finished(stream, "stop")
                 yield Delta(text, ids, events, "stop")
@@ -670,27 +666,7 @@ class Generation:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Adapters to the tokenizer's detokenizer and the parsers
-
-class _Detok:
-    """IncrementalDetokenizer behind a small interface: add(ids) -> (new text, stopped); flush() -> tail."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def add(self, ids: list[int]) -> tuple[str, bool]:
-        text = self.inner.add(ids)
-        return text, bool(self.inner.stopped)
-
-    def flush(self) -> str:
-        return self.inner.flush()
-
-
-def make_detokenizer(tokenizer: Any, stop: list[str]) -> _Detok:
-    from .tokenizer import IncrementalDetokenizer
-
-    return _Detok(IncrementalDetokenizer(tokenizer, stop))
-
+# Parsers (per choice: they are stateful)
 
 def _reasoning_parser(state: ServerState, req: ChatRequest) -> Qwen3ReasoningParser | None:
     if state.cfg.parsers.reasoning != "qwen3":
