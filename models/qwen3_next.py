@@ -88,6 +88,7 @@ from torch import nn  # noqa: E402
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv  # noqa: E402
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill  # noqa: E402
 from tinyserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_decode  # noqa: E402
+from tinyserve.kernels.linear import linear  # noqa: E402
 from tinyserve.kernels.norm import gated_rms_norm, rms_norm  # noqa: E402
 
 
@@ -216,9 +217,9 @@ class GatedDeltaNet(nn.Module):
                 ssm_state: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         kd, vd = self.kd, self.vd
-        qkvz = F.linear(x, self.in_proj_qkvz)
+        qkvz = linear(x, self.in_proj_qkvz)
         mixed, z = qkvz.split([2 * kd + vd, vd], dim=-1)
-        b, a = F.linear(x, self.in_proj_ba).float().split([self.nv, self.nv], dim=-1)
+        b, a = linear(x, self.in_proj_ba).float().split([self.nv, self.nv], dim=-1)
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
 
@@ -237,7 +238,7 @@ class GatedDeltaNet(nn.Module):
             parts.append(chunk_gated_delta_rule(q, k, v, g[nd:], beta[nd:], ssm_state, cu, slots))
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         y = gated_rms_norm(o, z.reshape(T, self.nv, self.dv), self.norm_weight, self.cfg.rms_norm_eps)
-        return F.linear(y.reshape(T, vd), self.out_proj)
+        return linear(y.reshape(T, vd), self.out_proj)
 
     def _split_heads(self, u: torch.Tensor):
         T = u.shape[0]
@@ -282,7 +283,7 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, rotary: Rotary,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T, eps = x.shape[0], self.cfg.rms_norm_eps
-        qg, k, v = F.linear(x, self.qkv_proj).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
+        qg, k, v = linear(x, self.qkv_proj).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q, gate = qg.view(T, self.nh, 2 * self.hd).split([self.hd, self.hd], dim=-1)
         q = rotary.apply(rms_norm(q, self.q_norm, eps), *cos_sin)
         k = rotary.apply(rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, eps), *cos_sin)
@@ -298,7 +299,7 @@ class GatedAttention(nn.Module):
                                                  batch.seq_lens[nd:], scale))
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         o = o.reshape(T, self.nh * self.hd) * torch.sigmoid(gate.reshape(T, self.nh * self.hd))
-        return F.linear(o, self.o_proj)
+        return linear(o, self.o_proj)
 
 
 class DenseMLP(nn.Module):
@@ -316,8 +317,8 @@ class DenseMLP(nn.Module):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down)
 
 
 class SparseMoE(nn.Module):
@@ -352,7 +353,7 @@ class SparseMoE(nn.Module):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.linear(x, self.router).float().softmax(dim=-1)
+        probs = linear(x, self.router).float().softmax(dim=-1)
         weights, experts = probs.topk(self.cfg.num_experts_per_tok, dim=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -368,10 +369,10 @@ class SparseMoE(nn.Module):
             idx = order[start:start + n]
             tok = token_of[start:start + n]
             start += n
-            gate, up = F.linear(x[tok], self.experts_gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts_down[e])
+            gate, up = linear(x[tok], self.experts_gate_up[e]).chunk(2, dim=-1)
+            y = linear(F.silu(gate) * up, self.experts_down[e])
             out.index_add_(0, tok, y.float() * weights.reshape(-1)[idx].unsqueeze(-1))
-        shared = self.shared_expert(x) * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+        shared = self.shared_expert(x) * torch.sigmoid(linear(x, self.shared_expert_gate))
         return (out + shared.float()).to(x.dtype)
 
 
@@ -497,7 +498,7 @@ class Qwen3NextForCausalLM(nn.Module):
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return linear(hidden, self.lm_head)
 
     def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_pool,
                     kv_layer: int) -> torch.Tensor:
@@ -506,7 +507,7 @@ class Qwen3NextForCausalLM(nn.Module):
         assert self.mtp is not None, "this checkpoint has no mtp.* weights"
         eps, m = self.cfg.rms_norm_eps, self.mtp
         e = rms_norm(F.embedding(next_ids, self.embed_tokens), m.pre_fc_norm_embedding, eps)
-        u = F.linear(torch.cat([e, rms_norm(hidden, m.pre_fc_norm_hidden, eps)], dim=-1), m.fc)
+        u = linear(torch.cat([e, rms_norm(hidden, m.pre_fc_norm_hidden, eps)], dim=-1), m.fc)
         cos_sin = self.rotary.cos_sin(batch.positions)
         kv = kv_pool.layer(kv_layer)
         for layer in m.layers:
