@@ -82,7 +82,7 @@ class ServerSection(_Section):
     host: str = _opt("127.0.0.1", nonempty=True)
     port: int = _opt(8000, ge=1, le=65535)
     api_key: str = ""                           # "": no auth
-    max_queued_requests: int = _opt(64, ge=0)   # waiting beyond max_running_requests; more gets 429
+    max_queued_requests: int = _opt(64, ge=0)   # waiting beyond max_running_requests; more gets 503
     max_request_body_mb: float = _opt(32.0, gt=0)
     drain_timeout_s: float = _opt(30.0, ge=0)   # SIGTERM: time running requests get to finish
 

@@ -68,6 +68,15 @@ class _EngineCollector(Collector):
         counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                 _stat(stats, "prefix_cache_query_tokens"))
         counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", _stat(stats, "prefix_cache_hit_tokens"))
+        gauge("cache_hit_rate", "Prefix-cache hit tokens / query tokens since start (0..1).",
+              ratio("prefix_cache_hit_tokens", "prefix_cache_query_tokens"))
+        gauge("prefix_cache_pages", "Device KV pages held by the prefix cache.", _stat(stats, "cached_pages"))
+        gauge("prefix_cache_snapshots", "Recurrent-state snapshots held by the prefix cache.",
+              _stat(stats, "snapshots_held"))
+        counter("prefix_cache_snapshots_evicted", "State snapshots evicted from the prefix cache.",
+                _stat(stats, "snapshots_evicted"))
+        counter("num_preemptions", "Requests preempted (pages freed, recomputed later).",
+                _stat(stats, "num_preemptions"))
         return out
 
 
