@@ -17,8 +17,9 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-DEMO_VERSION = "demo-v1"
+DEMO_VERSION = "demo-v2"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+PARSER_TAGS = {"<think>", "</think>", "<tool_call>", "</tool_call>"}
 EOS_TOKEN = "<|im_end|>"
 NUM_MERGES = 400
 SEED = 20240607
@@ -121,7 +122,9 @@ def build_demo_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    # As in Qwen's own tokenizers, the think / tool-call tags are added tokens but not "special": detokenizing with
+    # skip_special_tokens keeps them, so the reasoning and tool-call parsers see them.
+    tok.add_tokens([AddedToken(t, special=t not in PARSER_TAGS, normalized=False) for t in SPECIAL_TOKENS])
     return tok
 
 
