@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from checkpoints import make_qwen3_5_text, update_config
+from checkpoints import make_qwen3_5_text, make_qwen3_next, update_config
 from tinyserve.engine import Engine, TokenEvent
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
@@ -27,6 +27,18 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(ckpt):
     return load_model(ckpt[0], torch.float32, "cpu")
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    """Qwen3-Next: MoE, interleaved GDN projections."""
+    folder, _ = make_qwen3_next(tmp_path_factory.mktemp("qnext"), max_position_embeddings=CTX)
+    return load_model(folder, torch.float32, "cpu")
+
+
+@pytest.fixture(params=["dense", "moe"])
+def any_model(request):
+    return request.getfixturevalue("model" if request.param == "dense" else "moe_model")
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -79,7 +91,8 @@ MIXED = [3, 17, 64, 65, 100, 130, 200, 9]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_batch_invariance(model, page_size):
+def test_batch_invariance(any_model, page_size):
+    model = any_model
     prompts = [prompt(n) for n in MIXED]
     params = SamplingParams(max_tokens=8, **GREEDY)
     alone = [engine(model, page_size=page_size).generate([p], params)[0] for p in prompts]
@@ -112,7 +125,8 @@ PREEMPT_DEADLOCK = ("scheduler.schedule admits new requests while an older runni
 
 @pytest.mark.parametrize("prefix_cache", [
     False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=PREEMPT_DEADLOCK))])
-def test_preemption_keeps_outputs_and_frees_everything(model, prefix_cache):
+def test_preemption_keeps_outputs_and_frees_everything(any_model, prefix_cache):
+    model = any_model
     prompts = [prompt(55 + i, seed=1) for i in range(8)]
     params = SamplingParams(max_tokens=40, **GREEDY)
     reference = engine(model, enable_prefix_cache=False).generate(prompts, params)
@@ -368,4 +382,4 @@ def test_event_loop_stays_responsive_during_steps(model):
         return ticks
     ticks = asyncio.run(main())
     # were the step run on the loop thread, the ticker could only run between steps (a couple of ticks)
-    assert ticks > 20
+    assert ticks > 20, ticks
