@@ -118,13 +118,7 @@ def generate_bounded(eng: Engine, prompts: list[list[int]], params: SamplingPara
                          f"{len(s.waiting)} waiting, {eng.allocator.num_free} free pages")
 
 
-PREEMPT_DEADLOCK = ("scheduler.schedule admits new requests while an older running request's prefill chunk was cut "
-                    "at a prefix-cache snapshot point; every running request ends up mid-prefill with no free page, "
-                    "and only decodes (_grow) ever preempt, so no step makes progress")
-
-
-@pytest.mark.parametrize("prefix_cache", [
-    False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=PREEMPT_DEADLOCK))])
+@pytest.mark.parametrize("prefix_cache", [False, True])
 def test_preemption_keeps_outputs_and_frees_everything(any_model, prefix_cache):
     model = any_model
     prompts = [prompt(55 + i, seed=1) for i in range(8)]
@@ -315,9 +309,6 @@ def test_cancel_while_waiting_in_queue(model):
     asyncio.run(main())
 
 
-@pytest.mark.xfail(strict=True, reason="engine._step applies aborts before it moves newly submitted requests into "
-                                       "the scheduler, so a request cancelled before its first step is queued "
-                                       "afterwards and runs to completion with nobody listening")
 def test_cancel_before_first_step_never_runs(model):
     eng = engine(model, max_running_requests=1)
 

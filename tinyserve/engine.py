@@ -260,13 +260,13 @@ class Engine:
     def _step_locked(self) -> list[tuple[Request, list[TokenEvent], bool]]:
         sched = self.scheduler
         events: list[tuple[Request, list[TokenEvent], bool]] = []
+        while self._new:                                   # before the aborts: a request may be cancelled at once
+            sched.add(self._new.popleft())
         while self._aborts:
             req = self._aborts.popleft()
             if req.status != Status.FINISHED:
                 sched.abort(req)
                 events.append((req, [], True))
-        while self._new:
-            sched.add(self._new.popleft())
         seqs = sched.schedule()
         out = self.runner.step(seqs)
         sched.advance(seqs)

@@ -121,16 +121,26 @@ class Scheduler:
                 continue
             batch.append(ScheduledSeq(req, req.num_computed, 1, True))
         budget = self.chunk_budget - len(batch)
-        # 2. running requests still prefilling
+        # 2. running requests still prefilling, oldest first; one that finds no free page preempts newer requests
+        #    (not yet in this batch), so the pool can never fill up with half-prefilled requests and stall
+        starved = False
         for req in sorted([r for r in self.running if not r.is_decoding], key=lambda r: r.admit_order):
-            if budget <= 0:
-                break
+            if budget <= 0 or req.status != Status.RUNNING:
+                continue
             n = self._prefill_chunk(req, budget)
+            if n == 0:
+                scheduled = {id(s.req) for s in batch}
+                newer = [r for r in self.running if r.admit_order > req.admit_order and id(r) not in scheduled]
+                if newer:
+                    self.preempt(max(newer, key=lambda r: r.admit_order))
+                    n = self._prefill_chunk(req, budget)
             if n:
                 batch.append(ScheduledSeq(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
                 budget -= n
-        # 3. admit waiting requests in arrival order
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            else:
+                starved = True
+        # 3. admit waiting requests in arrival order (not while a running request waits for pages)
+        while self.waiting and budget > 0 and len(self.running) < self.max_running and not starved:
             req = self.waiting[0]
             slot = self.state_pool.alloc()
             if slot is None:
