@@ -30,6 +30,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                          slot_ids: torch.Tensor) -> torch.Tensor:
     """One new token per sequence: x [N, C]; conv_state [slots, C, K-1] updated in place. Returns [N, C]."""
-    window = torch.cat([conv_state[slot_ids].to(x.dtype), x.unsqueeze(-1)], dim=-1)   # [N, C, K]
-    conv_state[slot_ids] = window[..., 1:].to(conv_state.dtype)
-    return F.silu((window * weight).sum(-1))
+    # index_select / index_copy_ rather than advanced indexing: same result, a fraction of the dispatch cost
+    window = torch.cat([conv_state.index_select(0, slot_ids).to(x.dtype), x.unsqueeze(-1)], dim=-1)   # [N, C, K]
+    conv_state.index_copy_(0, slot_ids, window[..., 1:].to(conv_state.dtype))
+    return F.silu(torch.linalg.vecdot(window, weight))

@@ -94,11 +94,16 @@ def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch
                                       beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
     """One token per sequence. q, k [N, H, dk]; v [N, HV, dv]; g, beta [N, HV]; state [slots, HV, dk, dv]."""
     HV = v.shape[1]
-    q = _expand_heads(q, HV).float()
+    q = _expand_heads(q, HV).float().unsqueeze(-2)                       # [N, HV, 1, dk]
     k = _expand_heads(k, HV).float()
-    S = state[slot_ids].float() * g.float().exp()[..., None, None]       # [N, HV, dk, dv]
-    pred = torch.einsum("nhkv,nhk->nhv", S, k)
+    # One gathered fp32 copy of the states, updated in place, written back once (no per-op temporaries of the
+    # state's size: it is the largest tensor a decode step touches after the weights).
+    S = state.index_select(0, slot_ids)
+    if S.dtype != torch.float32:
+        S = S.float()
+    S.mul_(g.float().exp()[..., None, None])                             # [N, HV, dk, dv]
+    pred = (k.unsqueeze(-2) @ S).squeeze(-2)                             # S^T k: [N, HV, dv]
     delta = beta.float().unsqueeze(-1) * (v.float() - pred)
-    S = S + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    state[slot_ids] = S.to(state.dtype)
-    return torch.einsum("nhkv,nhk->nhv", S, q).to(v.dtype)
+    S.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))                     # S += k delta^T
+    state.index_copy_(0, slot_ids, S.to(state.dtype))
+    return (q @ S).squeeze(-2).to(v.dtype)                               # S^T q

@@ -89,7 +89,7 @@ from tinyserve.kernels.attention import paged_attention_decode, paged_attention_
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill  # noqa: E402
 from tinyserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_decode  # noqa: E402
 from tinyserve.kernels.linear import linear  # noqa: E402
-from tinyserve.kernels.norm import gated_rms_norm, rms_norm  # noqa: E402
+from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm  # noqa: E402
 
 
 @dataclass
@@ -243,15 +243,9 @@ class GatedDeltaNet(nn.Module):
     def _split_heads(self, u: torch.Tensor):
         T = u.shape[0]
         q, k, v = u.split([self.kd, self.kd, self.vd], dim=-1)
-        q = self._l2norm(q.reshape(T, self.nk, self.dk)) * self.dk ** -0.5
-        k = self._l2norm(k.reshape(T, self.nk, self.dk))
+        q = l2_norm(q.reshape(T, self.nk, self.dk), self.dk ** -0.5)
+        k = l2_norm(k.reshape(T, self.nk, self.dk))
         return q, k, v.reshape(T, self.nv, self.dv)
-
-    @staticmethod
-    def _l2norm(x: torch.Tensor) -> torch.Tensor:
-        # x / sqrt(sum x^2 + 1e-6), as HF and FLA do (F.normalize clamps the norm instead, which differs near 0)
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
 
 class GatedAttention(nn.Module):
