@@ -7,6 +7,9 @@ and writes its final state back in place (slots are zeroed by the engine when a 
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
 
@@ -32,17 +35,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     vf, g, beta = v.float(), g.float(), beta.float()
 
     # Gather tokens into [num_chunks, C] slots (padding points at an appended all-zero row: g=0, beta=0, k=0 leave
-    # the state untouched, so padded tail positions are harmless).
-    lens = [cu_seqlens[i + 1] - cu_seqlens[i] for i in range(len(slot_ids))]
-    n_chunks = [(n + C - 1) // C for n in lens]
-    idx_rows, seq_of_chunk, pos_of_chunk = [], [], []
-    for i, n in enumerate(lens):
-        tok = torch.full((n_chunks[i] * C,), T, dtype=torch.long)
-        tok[:n] = torch.arange(cu_seqlens[i], cu_seqlens[i] + n)
-        idx_rows.append(tok.view(n_chunks[i], C))
-        seq_of_chunk += [i] * n_chunks[i]
-        pos_of_chunk += list(range(n_chunks[i]))
-    idx = torch.cat(idx_rows).to(device)                                  # [NC, C]
+    # the state untouched, so padded tail positions are harmless). The layout is the same for every GDN layer of a
+    # step, so it is built once per step (cached on the step's cu_seqlens).
+    lay = _chunk_layout(tuple(cu_seqlens), C, T, device)
+    idx = lay.idx                                                         # [NC, C]
 
     def gather(x: torch.Tensor) -> torch.Tensor:                          # [T, HV, ...] -> [NC, HV, C, ...]
         padded = torch.cat([x, x.new_zeros((1,) + x.shape[1:])])
@@ -69,25 +65,55 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_tail = kc * (G_last.unsqueeze(-1) - G).exp().unsqueeze(-1)          # [NC, HV, C, dk]
 
     slots = torch.tensor(slot_ids, dtype=torch.long, device=state.device)
-    S = state[slots].float()                                              # [N, HV, dk, dv]
+    S = state.index_select(0, slots).float()                              # [N, HV, dk, dv]
     out = torch.empty_like(U)
-    seq_t = torch.tensor(seq_of_chunk, device=device)
-    pos_t = torch.tensor(pos_of_chunk, device=device)
-    for c in range(max(n_chunks)):
-        sel = (pos_t == c).nonzero().squeeze(1)                            # chunks at position c
-        seqs = seq_t[sel]
+    last_decay = G_last.exp()[..., None, None]
+    for sel, seqs in lay.steps:                                           # chunk position c = 0, 1, ...
         S_c = S[seqs]
         V_new = U[sel] - W[sel] @ S_c
         out[sel] = q_decayed[sel] @ S_c + QK[sel] @ V_new
-        S[seqs] = S_c * G_last[sel].exp()[..., None, None] + k_tail[sel].transpose(-1, -2) @ V_new
-    state[slots] = S.to(state.dtype)
+        S[seqs] = S_c * last_decay[sel] + k_tail[sel].transpose(-1, -2) @ V_new
+    state.index_copy_(0, slots, S.to(state.dtype))
 
     o = out.transpose(1, 2).reshape(-1, HV, dv)                           # [NC*C, HV, dv]
-    flat_idx = idx.reshape(-1)
-    keep = flat_idx < T
-    result = torch.empty(T, HV, dv, dtype=torch.float32, device=device)
-    result[flat_idx[keep]] = o[keep]
-    return result.to(v.dtype)
+    # real tokens sit in token order among the padded positions: one gather (a view when nothing is padded)
+    return o[lay.real].to(v.dtype)
+
+
+Index = slice | torch.Tensor
+
+
+@dataclass(frozen=True)
+class _ChunkLayout:
+    idx: torch.Tensor                        # [NC, C] token of each chunk position (T = the zero padding row)
+    steps: list[tuple[Index, Index]]         # per chunk position c: (chunks at c, their sequences)
+    real: Index                              # flat chunk positions of the T real tokens, in token order
+
+
+@functools.lru_cache(maxsize=8)
+def _chunk_layout(cu_seqlens: tuple[int, ...], C: int, T: int, device: torch.device) -> _ChunkLayout:
+    lens = [cu_seqlens[i + 1] - cu_seqlens[i] for i in range(len(cu_seqlens) - 1)]
+    n_chunks = [(n + C - 1) // C for n in lens]
+    first_chunk = [sum(n_chunks[:i]) for i in range(len(lens))]
+    idx_rows = []
+    for i, n in enumerate(lens):
+        tok = torch.full((n_chunks[i] * C,), T, dtype=torch.long)
+        tok[:n] = torch.arange(cu_seqlens[i], cu_seqlens[i] + n)
+        idx_rows.append(tok.view(n_chunks[i], C))
+    idx = torch.cat(idx_rows).to(device)
+    steps: list[tuple[Index, Index]] = []
+    for c in range(max(n_chunks)):
+        seqs = [i for i in range(len(lens)) if n_chunks[i] > c]
+        if len(seqs) == 1:                   # views instead of gathers (always so for a lone prefill)
+            steps.append((slice(first_chunk[seqs[0]] + c, first_chunk[seqs[0]] + c + 1),
+                          slice(seqs[0], seqs[0] + 1)))
+        else:
+            steps.append((torch.tensor([first_chunk[i] + c for i in seqs], device=device),
+                          torch.tensor(seqs, device=device)))
+    flat = idx.reshape(-1)
+    # exactly T positions are real: if the first T are, all padding is at the end and a slice will do
+    real: Index = slice(0, T) if bool((flat[:T] < T).all()) else (flat < T).nonzero().squeeze(1)
+    return _ChunkLayout(idx, steps, real)
 
 
 def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
