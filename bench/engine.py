@@ -302,6 +302,10 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
           f"best of {max(1, args.rounds)} rounds")
     print(fmt_table(rows, ("measure", "tinyserve", "transformers", "ratio", "target")))
+    if os.getloadavg()[0] > (os.cpu_count() or 1) and not os.environ.get("OMP_WAIT_POLICY"):
+        print("note: the machine is busier than its core count; OpenMP's spinning barriers then slow every "
+              "multi-threaded op by up to 50x and the figures mean little. Rerun when idle, or with "
+              "OMP_WAIT_POLICY=PASSIVE (or --threads 1) for steadier figures.")
 
 
 if __name__ == "__main__":
