@@ -124,7 +124,8 @@ class Engine:
     def __init__(self, model, tokenizer, *, page_size: int = 16, kv_tokens: int = CPU_DEFAULT_KV_TOKENS,
                  max_running_requests: int = 8, chunked_prefill_size: int = 2048, context_length: int = 0,
                  kv_cache_dtype: torch.dtype | None = None, served_name: str = "tinyserve",
-                 enable_prefix_cache: bool = True, state_track_interval: int = 512, snapshot_slots: int = 0) -> None:
+                 enable_prefix_cache: bool = True, state_track_interval: int = 512, snapshot_slots: int = 0,
+                 sleep_on_idle: bool = True) -> None:
         cfg = model.cfg
         self.model, self.tokenizer, self.model_config = model, tokenizer, cfg
         self.served_name = served_name
@@ -164,12 +165,12 @@ class Engine:
         self._new: deque[Request] = deque()
         self._aborts: deque[Request] = deque()
         self._streams: dict[str, RequestStream] = {}
-        self._results: dict[str, RequestResult] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-step")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._lock = threading.Lock()
+        self.sleep_on_idle = sleep_on_idle
 
     # ---- construction from the TOML config ----
     @classmethod
@@ -201,7 +202,8 @@ class Engine:
                    chunked_prefill_size=cfg.engine.chunked_prefill_size,
                    context_length=cfg.model.context_length, kv_cache_dtype=kv_dtype,
                    served_name=cfg.model.served_name, enable_prefix_cache=cfg.cache.enabled,
-                   state_track_interval=cfg.cache.state_track_interval, snapshot_slots=cfg.cache.state_slots)
+                   state_track_interval=cfg.cache.state_track_interval, snapshot_slots=cfg.cache.state_slots,
+                   sleep_on_idle=cfg.engine.sleep_on_idle)
 
     @staticmethod
     def _derive_kv_tokens(model, kv_dtype: torch.dtype, cfg, device: str) -> int:
@@ -239,7 +241,6 @@ class Engine:
         result = RequestResult(req.request_id, len(prompt_ids))
         stream = RequestStream(self, req, result)
         self._streams[req.request_id] = stream
-        self._results[req.request_id] = result
         self._new.append(req)
         self._wake()
         return stream
@@ -321,6 +322,9 @@ class Engine:
         loop = asyncio.get_running_loop()
         while True:
             if not (self._new or self._aborts or self.scheduler.has_work()):
+                if not self.sleep_on_idle:             # poll: a new request starts without a wake-up hop
+                    await asyncio.sleep(0.0005)
+                    continue
                 self._wakeup.clear()
                 if not (self._new or self._aborts):
                     await self._wakeup.wait()
@@ -359,7 +363,6 @@ class Engine:
                 res.finish_time = now
                 stream._queue.put_nowait(None)
                 del self._streams[req.request_id]
-                self._results.pop(req.request_id, None)
 
     # ---- offline API ----
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -178,26 +178,25 @@ def _parse_container(text: str, kind: type) -> Any:
 _NO_VALUE = object()
 
 
+def _parse_number(s: str) -> int | float | object:
+    """An int when the text is one, else a finite float, else _NO_VALUE."""
+    try:
+        return int(s)
+    except ValueError:
+        try:
+            f = float(s)
+        except ValueError:
+            return _NO_VALUE
+        return f if math.isfinite(f) else _NO_VALUE
+
+
 def _convert_typed(text: str, kind: str) -> Any:
     s = text.strip()
-    if kind == "integer":
-        try:
-            return int(s)
-        except ValueError:
-            try:
-                f = float(s)
-            except ValueError:
-                return _NO_VALUE
-            return int(f) if math.isfinite(f) and f.is_integer() else _NO_VALUE
-    if kind == "number":
-        try:
-            return int(s)
-        except ValueError:
-            try:
-                f = float(s)
-            except ValueError:
-                return _NO_VALUE
-            return f if math.isfinite(f) else _NO_VALUE
+    if kind in ("integer", "number"):
+        value = _parse_number(s)
+        if kind == "integer" and isinstance(value, float):
+            return int(value) if value.is_integer() else _NO_VALUE
+        return value
     if kind == "boolean":
         return {"true": True, "false": False}.get(s.lower(), _NO_VALUE)
     if kind == "null":
