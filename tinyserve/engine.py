@@ -21,6 +21,7 @@ import torch
 
 from tinyserve.kv import FP8_DTYPES, KVPool, PageAllocator
 from tinyserve.radix import RadixCache
+from tinyserve.tiers import FileTier, HostTier, model_fingerprint
 from tinyserve.runner import ModelRunner
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import Request, Scheduler, Status
@@ -66,6 +67,7 @@ class EngineStats:
     cached_pages: int = 0
     snapshots_held: int = 0
     snapshots_evicted: int = 0
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +83,11 @@ class MemoryPlan:
     state_bytes_per_slot: int
     context_length: int
     snapshot_slots: int = 0
+    host_pages: int = 0
+    host_snapshots: int = 0
+    file_dir: str = ""
+    file_bytes: int = 0
+    file_blobs: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -94,7 +101,12 @@ class MemoryPlan:
                 f"GDN state {self.state_slots} slots ({self.state_slots * self.state_bytes_per_slot / gib:.2f} GiB); "
                 f"prefix-cache state snapshots {self.snapshot_slots} "
                 f"({self.snapshot_slots * self.state_bytes_per_slot / gib:.2f} GiB); "
-                f"context {self.context_length} tokens")
+                f"context {self.context_length} tokens"
+                + (f"; host tier {self.host_pages * self.page_size} tokens ({self.host_pages} pages) + "
+                   f"{self.host_snapshots} snapshots" if self.host_pages else "")
+                + (f"; file tier {self.file_dir} up to {self.file_bytes / gib:.2f} GiB "
+                   f"(~{self.file_bytes // max(1, self.kv_bytes_per_token)} tokens), {self.file_blobs} blobs found"
+                   if self.file_dir else ""))
 
 
 class RequestStream:
@@ -125,7 +137,9 @@ class Engine:
                  max_running_requests: int = 8, chunked_prefill_size: int = 2048, context_length: int = 0,
                  kv_cache_dtype: torch.dtype | None = None, served_name: str = "tinyserve",
                  enable_prefix_cache: bool = True, state_track_interval: int = 512, snapshot_slots: int = 0,
-                 sleep_on_idle: bool = True) -> None:
+                 sleep_on_idle: bool = True, host_cache_gb: float = 0.0, host_state_share: float = 0.0,
+                 write_policy: str = "write_through", file_cache_dir: str = "", file_cache_gb: float = 0.0,
+                 prefetch_policy: str = "best_effort") -> None:
         cfg = model.cfg
         self.model, self.tokenizer, self.model_config = model, tokenizer, cfg
         self.served_name = served_name
@@ -146,9 +160,20 @@ class Engine:
                                     cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                     cfg.linear_value_head_dim, model.dtype, self.device,
                                     num_snapshot_slots=snapshot_slots)
-        self.cache = RadixCache(self.allocator, self.state_pool, page_size, hybrid) if enable_prefix_cache else None
+        self.host_tier = self.file_tier = None
+        if enable_prefix_cache and host_cache_gb > 0:
+            self.host_tier = HostTier(self.kv_pool, self.state_pool, int(host_cache_gb * (1 << 30)),
+                                      host_state_share, hybrid)
+        if enable_prefix_cache and file_cache_dir:
+            self.file_tier = FileTier(Path(file_cache_dir), int(file_cache_gb * (1 << 30)),
+                                      model_fingerprint(model, kv_dtype, page_size),
+                                      tuple(self.kv_pool.buffer.shape[1:]), kv_dtype,
+                                      tuple(self.state_pool.conv.shape[1:]), self.state_pool.conv.dtype,
+                                      tuple(self.state_pool.ssm.shape[1:]))
+        self.cache = RadixCache(self.allocator, self.state_pool, page_size, hybrid, self.host_tier, self.file_tier,
+                                write_policy, self.kv_pool.buffer) if enable_prefix_cache else None
         self.scheduler = Scheduler(self.allocator, self.state_pool, page_size, max_running_requests,
-                                   chunked_prefill_size, self.cache, state_track_interval)
+                                   chunked_prefill_size, self.cache, state_track_interval, prefetch_policy)
         eos = sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", []) or []))
         self.eos_token_ids = eos
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, eos)
@@ -160,6 +185,10 @@ class Engine:
                                                       cfg.head_dim, kv_dtype),
             state_slots=max_running_requests, state_bytes_per_slot=self.state_pool.bytes_per_slot,
             snapshot_slots=snapshot_slots,
+            host_pages=self.host_tier.num_pages if self.host_tier else 0,
+            host_snapshots=self.host_tier.num_snapshots if self.host_tier else 0,
+            file_dir=file_cache_dir if self.file_tier else "", file_bytes=int(file_cache_gb * (1 << 30)),
+            file_blobs=self.file_tier.num_blobs if self.file_tier else 0,
             context_length=self.context_length)
         # hand-over between the event loop and the step thread
         self._new: deque[Request] = deque()
@@ -189,11 +218,8 @@ class Engine:
             folder = ensure_demo_checkpoint()
         model = load_model(Path(folder), dtype, device)
         tokenizer = Tokenizer.from_folder(folder)
-        unbuilt = [key for key, on in [("cache.host.size_gb", cfg.cache.host.size_gb > 0),
-                                       ("cache.file.dir", bool(cfg.cache.file.dir)),
-                                       ("speculative.algorithm", bool(cfg.speculative.algorithm))] if on]
-        if unbuilt:     # accepted so production configs stay valid, but not built yet: say so, never pretend
-            log.warning("%s: not implemented in this version yet; running without it", ", ".join(unbuilt))
+        if cfg.speculative.algorithm:   # accepted so production configs stay valid; not built yet: say so
+            log.warning("speculative.algorithm: not implemented in this version yet; running without it")
         kv_name = cfg.model.kv_cache_dtype
         kv_dtype = FP8_DTYPES.get(kv_name) or DTYPES.get(kv_name) or dtype
         kv_tokens = cfg.engine.kv_cache_tokens or cls._derive_kv_tokens(model, kv_dtype, cfg, device)
@@ -203,7 +229,10 @@ class Engine:
                    context_length=cfg.model.context_length, kv_cache_dtype=kv_dtype,
                    served_name=cfg.model.served_name, enable_prefix_cache=cfg.cache.enabled,
                    state_track_interval=cfg.cache.state_track_interval, snapshot_slots=cfg.cache.state_slots,
-                   sleep_on_idle=cfg.engine.sleep_on_idle)
+                   sleep_on_idle=cfg.engine.sleep_on_idle, host_cache_gb=cfg.cache.host.size_gb,
+                   host_state_share=cfg.cache.host.state_share, write_policy=cfg.cache.host.write_policy,
+                   file_cache_dir=cfg.cache.file.dir, file_cache_gb=cfg.cache.file.size_gb,
+                   prefetch_policy=cfg.cache.file.prefetch_policy)
 
     @staticmethod
     def _derive_kv_tokens(model, kv_dtype: torch.dtype, cfg, device: str) -> int:
@@ -317,6 +346,12 @@ class Engine:
                 pass
             self._task = None
         self._executor.shutdown(wait=True)
+        self.close_tiers()
+
+    def close_tiers(self, timeout: float = 10.0) -> None:
+        """Flush pending file-tier writes (bounded) so a restart finds them."""
+        if self.file_tier is not None:
+            self.file_tier.close(timeout)
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -352,7 +387,7 @@ class Engine:
                 continue
             res = stream.result
             res.cached_tokens = req.cached_tokens
-            res.cached_tokens_by_tier["device"] = req.cached_tokens
+            res.cached_tokens_by_tier.update(req.cached_by_tier)
             if tokens:
                 res.completion_tokens += len(tokens)
                 if res.first_token_time is None:
@@ -390,9 +425,27 @@ class Engine:
                            prefix_cache_hit_tokens=self.cache.hit_tokens if self.cache else 0,
                            cached_pages=self.cache.num_pages if self.cache else 0,
                            snapshots_held=self.cache.num_snapshots if self.cache else 0,
-                           snapshots_evicted=self.cache.snapshots_evicted if self.cache else 0)
+                           snapshots_evicted=self.cache.snapshots_evicted if self.cache else 0,
+                           tiers=self._tier_stats())
 
-    def flush_cache(self) -> bool:
-        """Empty the prefix cache; False when a running request holds part of it (nothing is freed then)."""
+    def _tier_stats(self) -> dict[str, dict[str, float]]:
+        out = {}
+        if self.host_tier is not None:
+            h = self.host_tier
+            out["host"] = dict(vars(h.stats), used_pages=h.num_pages - h.num_free_pages, capacity_pages=h.num_pages,
+                               used_snapshots=h.num_snapshots - h.num_free_snapshots,
+                               capacity_snapshots=h.num_snapshots)
+        if self.file_tier is not None:
+            f = self.file_tier
+            out["file"] = dict(vars(f.stats), used_bytes=f.used_bytes, capacity_bytes=f.size_bytes,
+                               blobs=f.num_blobs, writable=int(f.writable))
+        return out
+
+    def flush_cache(self, include_file: bool = False) -> bool:
+        """Empty the prefix cache (device and host tiers; the file tier too when asked); False when a running
+        request holds part of it (nothing is freed then)."""
         with self._lock:
-            return self.scheduler.flush_cache()
+            ok = self.scheduler.flush_cache()
+        if ok and include_file and self.file_tier is not None:
+            self.file_tier.clear()
+        return ok

@@ -1,42 +1,60 @@
-"""Radix prefix cache for hybrid models: KV pages plus recurrent-state snapshots, at page granularity.
+"""Radix prefix cache for hybrid models: KV pages plus recurrent-state snapshots, at page granularity, with an
+optional host tier (L2) and file tier (L3) behind it (tinyserve/tiers.py).
 
-A node holds a run of tokens (a multiple of page_size), the device pages holding their KV, and optionally one
-state snapshot: a state-pool slot with the conv + SSM state of every GDN layer *at the node's end*. A hybrid model
-can only resume where a state exists, so a match is usable up to the deepest matched node that has a snapshot
-(the root counts: the state at position 0 is all zeros); a model without GDN layers can use the whole match.
+A node holds a run of tokens (a multiple of page_size), where its KV lives (device pages, host pages, or both) and
+optionally one state snapshot (conv + SSM state of every GDN layer *at the node's end*; on the device, on the host,
+or both). A hybrid model can only resume where a state exists, so a match is usable up to the deepest matched node
+that has a device snapshot (the root counts: the state at position 0 is all zeros); a model without GDN layers can
+use the whole match. Before matching, `promote` brings host-only nodes on the prompt's path and blobs read from the
+file tier back onto the device.
 
 Invariants (tests check them):
-- The tree owns one reference on each of its pages (PageAllocator refcounts) and one snapshot slot per snapshot.
-  Running requests hold their own page references, so evicting a node never pulls KV from under a request.
+- The tree owns one reference on each of its device pages (PageAllocator refcounts), one device snapshot slot per
+  device snapshot and its host blocks. Running requests hold their own page references, so evicting a node never
+  pulls KV from under a request.
 - Pages in the tree are full pages below every writer's position: nobody writes to a cached page again.
-- A locked node (a running request started from it) and its ancestors are never evicted.
-- Eviction removes unlocked leaves in LRU order; snapshots are evicted by LRU on their own (their slots are the
-  scarce resource), and a node left without snapshot and children goes with it, since nothing can resume there.
+- A locked node (a running request started from it) and its ancestors are never evicted from the device.
+- Nodes on the device form a subtree at the root: device eviction takes unlocked nodes with no child on the device,
+  LRU first. A node backed up on the host is demoted to host-only; one that is not is removed with its subtree.
+- Host eviction takes host copies without host-backed children, LRU first; a host-only node goes with its copy.
+- Snapshots are evicted by LRU on their own (their slots are the scarce resource); a leaf left with no snapshot
+  anywhere goes with it, since nothing can resume there.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
 
+import torch
+
 from tinyserve.kv import PageAllocator
 from tinyserve.state import StatePool
+from tinyserve.tiers import Blob, FileTier, HostTier, chain_hashes
 
 _clock = itertools.count()
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 @dataclass(eq=False)
 class Node:
     tokens: list[int]
-    pages: list[int]
+    pages: list[int] | None              # device pages (None: not on the device)
     parent: "Node | None" = None
     children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
-    snapshot: int | None = None          # state-pool snapshot slot with the state at this node's end
+    snapshot: int | None = None          # device snapshot slot with the state at this node's end
+    host_pages: list[int] | None = None  # host-tier copy of the KV
+    host_snapshot: int | None = None     # host-tier copy of the snapshot
     lock: int = 0                        # running requests that started from this node or below
+    hits: int = 0
     last_use: int = 0
     depth: int = 0                       # tokens from the root to this node's end
 
     def touch(self) -> None:
         self.last_use = next(_clock)
+
+    @property
+    def start(self) -> int:
+        return self.depth - len(self.tokens)
 
 
 @dataclass
@@ -44,28 +62,34 @@ class Match:
     node: Node                # deepest usable node (resume point); the root when nothing is usable
     length: int               # usable prefix length in tokens (multiple of page_size)
     pages: list[int]          # pages covering that prefix
-    kv_length: int            # longest matched prefix regardless of state (a branch point when > length)
+    kv_length: int            # longest matched prefix on the device regardless of state (a branch point)
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, hybrid: bool) -> None:
+    def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, hybrid: bool,
+                 host: HostTier | None = None, file: FileTier | None = None,
+                 write_policy: str = "write_through", kv_buffer: torch.Tensor | None = None) -> None:
+        assert write_policy in WRITE_POLICIES, write_policy
         self.allocator, self.state_pool = allocator, state_pool
+        self.kv_buffer = kv_buffer           # the device KV pool (page-major), for file-tier reads and writes
         self.page_size, self.hybrid = page_size, hybrid
+        self.host, self.file, self.write_policy = host, file, write_policy
         self.root = Node([], [])
         self.root.lock = 1                   # never evicted
-        self.num_pages = 0                   # pages referenced by the tree
-        self.num_snapshots = 0
+        self.num_pages = 0                   # device pages referenced by the tree
+        self.num_snapshots = 0               # device snapshots held
         self.snapshots_evicted = 0
         self.query_tokens = 0
         self.hit_tokens = 0
 
-    # ---- lookup ----
+    # ---- walking ----
     def _key(self, tokens: list[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[i:i + self.page_size])
 
     def _walk(self, tokens: list[int], split: bool) -> tuple[list[Node], int]:
-        """Follow tokens down the tree page by page. Returns the nodes fully matched and the matched length;
-        with split=True a node matched part-way is split so that the match ends on a node boundary."""
+        """Follow tokens down the tree page by page (through device and host-only nodes). Returns the nodes fully
+        matched and the matched length; with split=True a node matched part-way is split so that the match ends
+        on a node boundary."""
         ps, node, pos, path = self.page_size, self.root, 0, []
         n = len(tokens) - len(tokens) % ps
         while pos < n:
@@ -87,27 +111,44 @@ class RadixCache:
 
     def _split(self, node: Node, m: int) -> Node:
         """Cut node after m tokens; the new upper node has no snapshot (the state exists only at the old end)."""
-        ps = self.page_size
-        upper = Node(node.tokens[:m], node.pages[:m // ps], node.parent, lock=node.lock, last_use=node.last_use,
-                     depth=node.depth - len(node.tokens) + m)
+        k = m // self.page_size
+        cut = lambda xs: (None, None) if xs is None else (xs[:k], xs[k:])  # noqa: E731
+        (up_pages, node.pages), (up_host, node.host_pages) = cut(node.pages), cut(node.host_pages)
+        upper = Node(node.tokens[:m], up_pages, node.parent, host_pages=up_host, lock=node.lock,
+                     last_use=node.last_use, hits=node.hits, depth=node.start + m)
         node.parent.children[self._key(node.tokens, 0)] = upper
-        node.tokens, node.pages, node.parent = node.tokens[m:], node.pages[m // ps:], upper
+        node.tokens, node.parent = node.tokens[m:], upper
         upper.children[self._key(node.tokens, 0)] = node
         return upper
 
+    def _limit(self, tokens: list[int]) -> int:
+        return (len(tokens) - 1) // self.page_size * self.page_size     # always leave one token to compute
+
+    def coverage(self, tokens: list[int]) -> int:
+        """Tokens of the prompt's usable part present in the tree (device or host), without changing it."""
+        return self._walk(tokens[:self._limit(tokens)], split=False)[1]
+
     def match(self, tokens: list[int]) -> Match:
-        """Longest usable cached prefix of tokens, always leaving at least one token to compute."""
-        ps = self.page_size
-        limit = (len(tokens) - 1) // ps * ps
-        path, kv_len = self._walk(tokens[:limit], split=True)
-        usable = self.root
+        """Longest usable device-resident prefix of tokens, always leaving at least one token to compute."""
+        path, _ = self._walk(tokens[:self._limit(tokens)], split=True)
+        on_device = []
         for node in path:
+            if node.pages is None:
+                break
+            on_device.append(node)
+        usable = self.root
+        for node in on_device:
             node.touch()
+            node.hits += 1
+            if self.write_policy == "write_through_selective" and node.hits >= 2:
+                self._backup(node)
             if not self.hybrid or node.snapshot is not None:
                 usable = node
-        pages = [p for node in path[:path.index(usable) + 1] for p in node.pages] if usable is not self.root else []
+        pages = [p for node in on_device[:on_device.index(usable) + 1] for p in node.pages] \
+            if usable is not self.root else []
         self.query_tokens += len(tokens)
         self.hit_tokens += usable.depth
+        kv_len = on_device[-1].depth if on_device else 0
         return Match(usable, usable.depth, pages, kv_len)
 
     def lock(self, node: Node, delta: int) -> None:
@@ -118,11 +159,17 @@ class RadixCache:
 
     # ---- insertion ----
     def insert(self, tokens: list[int], pages: list[int], snapshot: int | None) -> None:
-        """Cache a page-aligned prefix (its KV pages, and the state at its end if given). Parts already cached keep
-        their pages; the tree takes a reference on the new ones. A snapshot the node already has is given back."""
+        """Cache a page-aligned prefix (its KV pages, and the state at its end if given). Parts already on the
+        device keep their pages (host-only parts take these); the tree takes a reference on the pages it keeps.
+        A snapshot the node already has is given back."""
         ps = self.page_size
         assert len(tokens) % ps == 0 and len(pages) == len(tokens) // ps
         path, pos = self._walk(tokens, split=True)
+        for node in path:
+            if node.pages is None:                     # host-only: the request's pages bring it back
+                node.pages = pages[node.start // ps:node.depth // ps]
+                self.allocator.retain(node.pages)
+                self.num_pages += len(node.pages)
         node = path[-1] if path else self.root
         if pos < len(tokens):
             new = Node(tokens[pos:], pages[pos // ps:], node, depth=len(tokens))
@@ -131,15 +178,144 @@ class RadixCache:
             node.children[self._key(new.tokens, 0)] = new
             node = new
         node.touch()
-        if snapshot is None:
-            return
-        if node is self.root or node.snapshot is not None:
-            self.state_pool.free_snapshot(snapshot)
-        else:
-            node.snapshot = snapshot
-            self.num_snapshots += 1
+        if snapshot is not None:
+            if node is self.root or node.snapshot is not None:
+                self.state_pool.free_snapshot(snapshot)
+            else:
+                node.snapshot = snapshot
+                self.num_snapshots += 1
+        if self.write_policy == "write_through" and node is not self.root:
+            self._backup(node)
 
-    # ---- eviction ----
+    # ---- tiers: backup, promotion ----
+    def _path_tokens(self, node: Node) -> list[int]:
+        parts = []
+        while node is not self.root:
+            parts.append(node.tokens)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
+
+    def _backup(self, node: Node) -> None:
+        """Copy a device node (and its snapshot) to the host tier, then queue it for the file tier."""
+        if node.pages is None:
+            return
+        if self.host is not None:
+            if node.host_pages is None:
+                hp = self._host_alloc_pages(len(node.pages), protect=node)
+                if hp is not None:
+                    self.host.save_pages(node.pages, hp)
+                    node.host_pages = hp
+            if node.snapshot is not None and node.host_snapshot is None:
+                hs = self._host_alloc_snapshot(protect=node)
+                if hs is not None:
+                    self.host.save_snapshot(node.snapshot, hs)
+                    node.host_snapshot = hs
+        if self.file is not None:
+            self._write_file(node)
+
+    def _write_file(self, node: Node) -> None:
+        ps = self.page_size
+        hashes = chain_hashes(self.file.fingerprint, self._path_tokens(node), ps)
+        start, end = hashes[node.start // ps], hashes[node.depth // ps]
+        if self.file.has(start, end) or not self.file.writable:
+            return
+        # CPU copies owned by the writer thread: nothing it reads can be freed or rewritten under it
+        if node.host_pages is not None:
+            kv = self.host.kv[node.host_pages].clone()
+        else:
+            kv = self.kv_buffer[torch.tensor(node.pages, device=self.kv_buffer.device)].to("cpu")
+        conv = ssm = None
+        if node.host_snapshot is not None:
+            conv, ssm = self.host.conv[node.host_snapshot].clone(), self.host.ssm[node.host_snapshot].clone()
+        elif node.snapshot is not None:
+            conv = self.state_pool.conv[node.snapshot].to("cpu", copy=True)
+            ssm = self.state_pool.ssm[node.snapshot].to("cpu", copy=True)
+        self.file.write(Blob(start, end, list(node.tokens), kv, conv, ssm))
+
+    def promote(self, tokens: list[int], blobs: list[Blob], first_page: int) -> dict[str, tuple[int, int]]:
+        """Bring the prompt's cached path onto the device: host-only nodes, then file-tier blobs that continue it.
+        Returns the token ranges loaded per tier, {"host": (start, end), "file": (start, end)}."""
+        ps, loaded = self.page_size, {}
+        path, _ = self._walk(tokens[:self._limit(tokens)], split=True)
+        for node in path:
+            node.lock += 1                              # keep the path while making room for it
+        try:
+            reach, host_start = 0, None
+            for node in path:
+                if node.pages is None:
+                    if not self._host_load(node):
+                        break
+                    host_start = node.start if host_start is None else host_start
+                reach = node.depth
+            if host_start is not None:
+                loaded["host"] = (host_start, reach)
+            if self.host is not None and self.hybrid:
+                self._host_load_snapshot([n for n in path if n.depth <= reach])
+            if blobs and reach == first_page * ps:
+                on_path = [n for n in path if n.depth <= reach]
+                end = self._load_blobs(tokens, blobs, on_path)
+                if end > reach:
+                    loaded["file"] = (reach, end)
+        finally:
+            for node in path:
+                node.lock -= 1
+        return loaded
+
+    def _host_load(self, node: Node) -> bool:
+        if self.host is None or node.host_pages is None:
+            return False
+        self.evict_pages(len(node.host_pages))
+        pages = self.allocator.alloc(len(node.host_pages))
+        if pages is None:
+            return False
+        self.host.load_pages(node.host_pages, pages)
+        node.pages = pages
+        self.num_pages += len(pages)
+        self.host.stats.hit_tokens += len(node.tokens)
+        node.touch()
+        return True
+
+    def _host_load_snapshot(self, path: list[Node]) -> None:
+        """Bring back the deepest host snapshot on a device path (the only one a resume needs)."""
+        for node in reversed(path):
+            if node.snapshot is not None:
+                return
+            if node.host_snapshot is not None:
+                slot = self.alloc_snapshot()
+                if slot is not None:
+                    self.host.load_snapshot(node.host_snapshot, slot)
+                    node.snapshot = slot
+                    self.num_snapshots += 1
+                return
+
+    def _load_blobs(self, tokens: list[int], blobs: list[Blob], path: list[Node]) -> int:
+        """Insert file-tier runs (continuing the device path) into the tree; returns the position reached."""
+        ps = self.page_size
+        prefix_pages = [p for n in path for p in n.pages]
+        pos = len(prefix_pages) * ps
+        for blob in blobs:
+            n = blob.kv.shape[0]
+            self.evict_pages(n)
+            pages = self.allocator.alloc(n)
+            if pages is None:
+                break
+            self.kv_buffer.index_copy_(0, torch.tensor(pages, device=self.kv_buffer.device),
+                                       blob.kv.to(self.kv_buffer.device))
+            slot = None
+            if blob.conv is not None and self.hybrid:
+                slot = self.alloc_snapshot()
+                if slot is not None:
+                    self.state_pool.conv[slot].copy_(blob.conv)
+                    self.state_pool.ssm[slot].copy_(blob.ssm)
+            end = pos + n * ps
+            self.insert(tokens[:end], prefix_pages + pages, slot)
+            self.allocator.release(pages)              # the tree holds its own reference now
+            prefix_pages += pages
+            pos = end
+            self.file.stats.hit_tokens += n * ps
+        return pos
+
+    # ---- device eviction ----
     def _nodes(self) -> list[Node]:
         out, stack = [], [self.root]
         while stack:
@@ -148,25 +324,55 @@ class RadixCache:
             stack.extend(n.children.values())
         return out
 
-    def _remove_leaf(self, node: Node) -> None:
+    def _drop_device(self, node: Node) -> None:
         if node.snapshot is not None:
             self.state_pool.free_snapshot(node.snapshot)
             node.snapshot = None
             self.num_snapshots -= 1
+        if node.pages is not None:
+            self.allocator.release(node.pages)
+            self.num_pages -= len(node.pages)
+            node.pages = None
+
+    def _drop_host(self, node: Node) -> None:
+        if node.host_pages is not None:
+            self.host.free_pages(node.host_pages)
+            node.host_pages = None
+        if node.host_snapshot is not None:
+            self.host.free_snapshot(node.host_snapshot)
+            node.host_snapshot = None
+
+    def _remove_subtree(self, node: Node) -> None:
+        for child in list(node.children.values()):
+            self._remove_subtree(child)
+        self._drop_device(node)
+        self._drop_host(node)
         del node.parent.children[self._key(node.tokens, 0)]
-        self.allocator.release(node.pages)
-        self.num_pages -= len(node.pages)
 
     def evict_pages(self, need_free: int) -> None:
-        """Remove unlocked leaves, least recently used first, until the allocator has need_free free pages."""
+        """Free device pages until the allocator has need_free free: unlocked nodes with no child on the device,
+        least recently used first, are demoted to the host (backed up first under write_back) or removed."""
         while self.allocator.num_free < need_free:
-            leaves = [n for n in self._nodes() if not n.children and n.lock == 0 and n is not self.root]
-            if not leaves:
+            cands = [n for n in self._nodes() if n is not self.root and n.pages is not None and n.lock == 0
+                     and all(c.pages is None for c in n.children.values())]
+            if not cands:
                 return
-            self._remove_leaf(min(leaves, key=lambda n: n.last_use))
+            victim = min(cands, key=lambda n: n.last_use)
+            if self.write_policy == "write_back":
+                self._backup(victim)
+            if victim.host_pages is not None:
+                if victim.snapshot is not None and victim.host_snapshot is None:
+                    hs = self._host_alloc_snapshot(protect=victim)
+                    if hs is not None:
+                        self.host.save_snapshot(victim.snapshot, hs)
+                        victim.host_snapshot = hs
+                self._drop_device(victim)                # demoted: host-only now
+            else:
+                self._remove_subtree(victim)
 
     def alloc_snapshot(self) -> int | None:
-        """A free snapshot slot, evicting the least recently used unlocked snapshot if none is free."""
+        """A free device snapshot slot, evicting the least recently used unlocked snapshot if none is free
+        (kept on the host when a host tier exists)."""
         slot = self.state_pool.alloc_snapshot()
         if slot is not None:
             return slot
@@ -174,23 +380,59 @@ class RadixCache:
         if not held:
             return None
         victim = min(held, key=lambda n: n.last_use)
+        if self.host is not None and victim.host_snapshot is None and \
+                (self.write_policy == "write_back" or victim.host_pages is not None):
+            hs = self._host_alloc_snapshot(protect=victim)
+            if hs is not None:
+                self.host.save_snapshot(victim.snapshot, hs)
+                victim.host_snapshot = hs
         slot, victim.snapshot = victim.snapshot, None
         self.num_snapshots -= 1
         self.snapshots_evicted += 1
-        # a leaf without a state can no longer be resumed from: drop it and any stateless leaves above it
-        node = victim
-        while self.hybrid and node is not self.root and not node.children and node.snapshot is None \
-                and node.lock == 0:
-            parent = node.parent
-            self._remove_leaf(node)
-            node = parent
+        self._drop_stateless_leaves(victim)
         return slot
 
+    def _drop_stateless_leaves(self, node: Node) -> None:
+        """A leaf with no state anywhere can no longer be resumed from: remove it and such leaves above it."""
+        while self.hybrid and node is not self.root and not node.children and node.snapshot is None \
+                and node.host_snapshot is None and node.lock == 0:
+            parent = node.parent
+            self._remove_subtree(node)
+            node = parent
+
+    # ---- host eviction ----
+    def _host_alloc_pages(self, n: int, protect: Node) -> list[int] | None:
+        while self.host.num_free_pages < n:
+            cands = [x for x in self._nodes() if x.host_pages is not None and x is not protect
+                     and all(c.host_pages is None for c in x.children.values())
+                     and (x.pages is not None or not x.children)]
+            if not cands:
+                return None
+            victim = min(cands, key=lambda x: x.last_use)
+            if victim.pages is None:
+                self._remove_subtree(victim)            # host-only leaf: nothing else holds it
+            else:
+                self._drop_host(victim)
+        return self.host.alloc_pages(n)
+
+    def _host_alloc_snapshot(self, protect: Node) -> int | None:
+        slot = self.host.alloc_snapshot()
+        if slot is not None:
+            return slot
+        held = [x for x in self._nodes() if x.host_snapshot is not None and x is not protect]
+        if not held:
+            return None
+        victim = min(held, key=lambda x: x.last_use)
+        slot, victim.host_snapshot = victim.host_snapshot, None
+        if victim.pages is None:
+            self._drop_stateless_leaves(victim)
+        return slot
+
+    # ---- flush ----
     def flush(self) -> bool:
-        """Empty the cache; refuses (returns False) while a running request holds part of it."""
+        """Empty the device and host tiers; refuses (returns False) while a running request holds part of it."""
         if any(n.lock for n in self._nodes() if n is not self.root):
             return False
-        for node in sorted(self._nodes(), key=lambda n: -n.depth):
-            if node is not self.root:
-                self._remove_leaf(node)
+        for child in list(self.root.children.values()):
+            self._remove_subtree(child)
         return True

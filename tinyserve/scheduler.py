@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from tinyserve.kv import PageAllocator
@@ -45,6 +46,10 @@ class Request:
     snapshot_points: list[int] = field(default_factory=list)   # prefill positions where a state snapshot is taken
     track_slot: int | None = None                      # copy of the state at the last page boundary (decode)
     track_pos: int = -1
+    cached_by_tier: dict[str, int] = field(default_factory=dict)   # cached_tokens split: device / host / file
+    prefetch: Future | None = None                     # file-tier blobs being read for this prompt
+    prefetch_first_page: int = 0
+    prefetch_deadline: float = 0.0
 
     @property
     def all_ids(self) -> list[int]:
@@ -69,9 +74,11 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, max_running: int,
-                 chunked_prefill_size: int, cache: RadixCache | None = None, track_interval: int = 512) -> None:
+                 chunked_prefill_size: int, cache: RadixCache | None = None, track_interval: int = 512,
+                 prefetch_policy: str = "best_effort") -> None:
         self.allocator, self.state_pool = allocator, state_pool
         self.cache, self.track_interval = cache, track_interval
+        self.prefetch_policy = prefetch_policy
         self.page_size, self.max_running = page_size, max_running
         self.chunk_budget = chunked_prefill_size
         self.waiting: deque[Request] = deque()
@@ -82,6 +89,23 @@ class Scheduler:
     # ---- queue ----
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self._start_prefetch(req)
+
+    def _start_prefetch(self, req: Request) -> None:
+        """Start reading the file-tier blobs that continue what the tree already holds of this prompt."""
+        file = self.cache.file if self.cache is not None else None
+        if file is None or len(req.all_ids) <= self.page_size:
+            return
+        first = self.cache.coverage(req.all_ids) // self.page_size
+        req.prefetch, req.prefetch_first_page = file.prefetch(req.all_ids, first, self.page_size), first
+        # SGLang's timeout policy: 1 s plus 0.25 s per 1000 prompt tokens
+        req.prefetch_deadline = time.monotonic() + 1.0 + 0.25 * len(req.all_ids) / 1000
+
+    def _prefetch_ready(self, req: Request) -> bool:
+        """May req be admitted now? best_effort never waits; wait_complete waits; timeout waits until the deadline."""
+        if req.prefetch is None or req.prefetch.done() or self.prefetch_policy == "best_effort":
+            return True
+        return self.prefetch_policy == "timeout" and time.monotonic() >= req.prefetch_deadline
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -142,6 +166,8 @@ class Scheduler:
         # 3. admit waiting requests in arrival order (not while a running request waits for pages)
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not starved:
             req = self.waiting[0]
+            if not self._prefetch_ready(req):
+                break
             slot = self.state_pool.alloc()
             if slot is None:
                 break
@@ -217,6 +243,11 @@ class Scheduler:
         if self.cache is None:
             self.state_pool.zero(req.state_slot)
             return
+        blobs = []
+        if req.prefetch is not None and req.prefetch.done() and req.prefetch.exception() is None:
+            blobs = req.prefetch.result()
+        req.prefetch = None
+        loaded = self.cache.promote(req.all_ids, blobs, req.prefetch_first_page)
         m = self.cache.match(req.all_ids)
         if m.node.snapshot is not None:
             self.state_pool.copy(m.node.snapshot, req.state_slot)
@@ -226,6 +257,9 @@ class Scheduler:
         req.pages = list(m.pages)
         req.num_computed = m.length
         req.cached_tokens = min(m.length, len(req.prompt_ids))
+        by_tier = {t: max(0, min(end, req.cached_tokens) - start) for t, (start, end) in loaded.items()}
+        req.cached_by_tier = {"device": req.cached_tokens - sum(by_tier.values()), "host": by_tier.get("host", 0),
+                              "file": by_tier.get("file", 0)}
         self.cache.lock(m.node, +1)
         req.cache_node = m.node
         ps, end = self.page_size, req.num_tokens
