@@ -1016,6 +1016,12 @@ async def metrics(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     state = request.app[STATE]
     _check_serving(state)
-    if state.engine.flush_cache():
-        return web.json_response({"message": "prefix cache flushed"})
+    tiers = [t for t in request.query.get("tiers", "").split(",") if t]
+    unknown = sorted(set(tiers) - {"device", "host", "file"})
+    if unknown:
+        raise bad_request(f"unknown tier {unknown[0]!r} in ?tiers= (device, host, file)", "tiers")
+    include_file = "file" in tiers                   # the persistent tier is emptied only when asked
+    if await asyncio.to_thread(state.engine.flush_cache, include_file):
+        flushed = "device and host tiers" + (" and the file tier" if include_file else "")
+        return web.json_response({"message": f"prefix cache flushed ({flushed})"})
     raise bad_request("cannot flush the prefix cache while requests hold it; retry when idle")

@@ -77,6 +77,23 @@ class _EngineCollector(Collector):
                 _stat(stats, "snapshots_evicted"))
         counter("num_preemptions", "Requests preempted (pages freed, recomputed later).",
                 _stat(stats, "num_preemptions"))
+        tiers = getattr(stats, "tiers", None) or {}          # host and file tiers, one label value each
+        for name, doc, key, family_type in [
+                ("tier_hit_tokens", "Prompt tokens loaded from the tier.", "hit_tokens", CounterMetricFamily),
+                ("tier_bytes_in", "Bytes written into the tier (backups).", "bytes_in", CounterMetricFamily),
+                ("tier_bytes_out", "Bytes read from the tier (loads).", "bytes_out", CounterMetricFamily),
+                ("tier_transfer_seconds", "Time spent copying / reading / writing.", "seconds", CounterMetricFamily),
+                ("tier_errors", "Corrupt, truncated or foreign blobs (each deleted).", "errors", CounterMetricFamily),
+                ("tier_used", "Used capacity (pages for host, bytes for file).", "used", GaugeMetricFamily),
+                ("tier_capacity", "Capacity (pages for host, bytes for file).", "capacity", GaugeMetricFamily)]:
+            if not tiers:
+                break
+            family = family_type(f"tinyserve:{name}", doc, labels=["tier"])
+            for tier, t in tiers.items():
+                value = t.get(key, t.get(key + ("_pages" if tier == "host" else "_bytes")))
+                if value is not None:
+                    family.add_metric([tier], float(value))
+            out.append(family)
         return out
 
 
