@@ -237,8 +237,8 @@ class RadixCache:
         Returns the token ranges loaded per tier, {"host": (start, end), "file": (start, end)}."""
         ps, loaded = self.page_size, {}
         path, _ = self._walk(tokens[:self._limit(tokens)], split=True)
-        for node in path:
-            node.lock += 1                              # keep the path while making room for it
+        if path:                                        # keep the path while making room for it (locks walk up
+            self.lock(path[-1], +1)                     # the parents, so nodes split meanwhile are covered)
         try:
             reach, host_start = 0, None
             for node in path:
@@ -257,8 +257,8 @@ class RadixCache:
                 if end > reach:
                     loaded["file"] = (reach, end)
         finally:
-            for node in path:
-                node.lock -= 1
+            if path:
+                self.lock(path[-1], -1)
         return loaded
 
     def _host_load(self, node: Node) -> bool:
