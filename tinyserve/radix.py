@@ -265,7 +265,7 @@ class RadixCache:
         if self.host is None or node.host_pages is None:
             return False
         self.evict_pages(len(node.host_pages))
-        pages = self.allocator.alloc(len(node.host_pages))
+        pages = self.allocator.alloc(len(node.host_pages)) if node.host_pages is not None else None
         if pages is None:
             return False
         self.host.load_pages(node.host_pages, pages)
@@ -282,7 +282,9 @@ class RadixCache:
                 return
             if node.host_snapshot is not None:
                 slot = self.alloc_snapshot()
-                if slot is not None:
+                if slot is not None and node.host_snapshot is None:   # defensive: never copy from no slot
+                    self.state_pool.free_snapshot(slot)
+                elif slot is not None:
                     self.host.load_snapshot(node.host_snapshot, slot)
                     node.snapshot = slot
                     self.num_snapshots += 1
@@ -403,9 +405,10 @@ class RadixCache:
     # ---- host eviction ----
     def _host_alloc_pages(self, n: int, protect: Node) -> list[int] | None:
         while self.host.num_free_pages < n:
+            # a locked host-only node is being promoted (its copy is about to be read): pinned
             cands = [x for x in self._nodes() if x.host_pages is not None and x is not protect
                      and all(c.host_pages is None for c in x.children.values())
-                     and (x.pages is not None or not x.children)]
+                     and (x.pages is not None or (not x.children and x.lock == 0))]
             if not cands:
                 return None
             victim = min(cands, key=lambda x: x.last_use)
@@ -419,7 +422,9 @@ class RadixCache:
         slot = self.host.alloc_snapshot()
         if slot is not None:
             return slot
-        held = [x for x in self._nodes() if x.host_snapshot is not None and x is not protect]
+        # a locked node without a device snapshot may be about to load this one (promote): pinned
+        held = [x for x in self._nodes() if x.host_snapshot is not None and x is not protect
+                and (x.snapshot is not None or x.lock == 0)]
         if not held:
             return None
         victim = min(held, key=lambda x: x.last_use)

@@ -52,9 +52,36 @@ def _copy_rows(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx
         return
     assert 0 <= min(dst_idx) and max(dst_idx) < dst.shape[0], "tier copy: destination row out of range"
     assert 0 <= min(src_idx) and max(src_idx) < src.shape[0], "tier copy: source row out of range"
+    # Pages come off free lists in ascending order, so index pairs usually form long runs that step together:
+    # copy those as contiguous slices (no gather buffer, full memcpy speed); scattered sets gather once.
+    runs, start = [], 0
+    for i in range(1, len(dst_idx) + 1):
+        if i == len(dst_idx) or dst_idx[i] != dst_idx[i - 1] + 1 or src_idx[i] != src_idx[i - 1] + 1:
+            runs.append((dst_idx[start], src_idx[start], i - start))
+            start = i
+    if len(runs) * 8 <= len(dst_idx) or len(runs) == 1:
+        for d, s_, n in runs:
+            dst[d:d + n].copy_(src[s_:s_ + n])
+        return
     si = torch.tensor(src_idx, dtype=torch.long, device=src.device)
     rows = src.index_select(0, si).to(dst.device, non_blocking=False)
     dst.index_copy_(0, torch.tensor(dst_idx, dtype=torch.long, device=dst.device), rows)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _unlink(path: Path) -> None:
+    """Delete a cache file; a folder we may not change (read-only, or a stray directory by that name) is left as
+    it is: the index no longer lists it, and serving goes on."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("file tier: could not delete %s (%s)", path, e)
 
 
 @dataclass
@@ -150,12 +177,35 @@ class HostTier:
         done()
 
 
+WEIGHT_SAMPLES = 4096      # values read from each tensor for the weight digest
+
+
+@torch.no_grad()
+def weights_digest(model) -> bytes:
+    """Digest of a strided sample of every parameter's values. Two checkpoints of the same architecture (a fine-tune,
+    another seed) differ almost everywhere, so a sample tells them apart, while hashing all weights of a 27B model
+    would cost tens of seconds at every start."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda t: t[0]):
+        flat = p.detach().reshape(-1)
+        n = flat.numel()
+        if n > WEIGHT_SAMPLES:
+            idx = torch.linspace(0, n - 1, WEIGHT_SAMPLES, device=flat.device).long()
+            flat = flat.index_select(0, idx)
+        h.update(name.encode())
+        h.update(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
 def model_fingerprint(model, kv_dtype: torch.dtype, page_size: int) -> bytes:
-    """Identity of everything that decides the bytes of a cached page: a blob from any other set-up never hits."""
+    """Identity of everything that decides the bytes of a cached page: a blob from any other set-up never hits.
+    Config, tensor names/shapes/dtypes and a sample of the weight values (another checkpoint of the same
+    architecture must not hit), KV dtype, page size and the format version."""
     desc = {
         "format": FORMAT_VERSION,
         "config": asdict(model.cfg),
         "tensors": sorted((n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()),
+        "weights": weights_digest(model).hex(),
         "kv_dtype": str(kv_dtype),
         "state_dtype": str(model.dtype),
         "page_size": page_size,
@@ -226,7 +276,7 @@ class FileTier:
             return
         for p in self.folder.iterdir():
             if p.name.startswith(".tmp-"):           # left by a writer that was killed mid-write
-                p.unlink(missing_ok=True)
+                _unlink(p)
                 continue
             if not p.name.endswith(SUFFIX):
                 continue
@@ -252,7 +302,7 @@ class FileTier:
         if not self._index[start]:
             del self._index[start]
         self._total -= entry.size
-        entry.path.unlink(missing_ok=True)
+        _unlink(entry.path)
 
     @property
     def num_blobs(self) -> int:
@@ -280,37 +330,41 @@ class FileTier:
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(self._writer.submit(self._write_now, blob))
 
-    def _encode(self, blob: Blob) -> bytes:
-        tokens = struct.pack(f"<{len(blob.tokens)}i", *blob.tokens)
-        kv = blob.kv.contiguous().view(torch.uint8).numpy().tobytes()
-        conv = blob.conv.contiguous().view(torch.uint8).numpy().tobytes() if blob.conv is not None else b""
-        ssm = blob.ssm.contiguous().view(torch.uint8).numpy().tobytes() if blob.ssm is not None else b""
-        payload = tokens + kv + conv + ssm
+    def _encode(self, blob: Blob) -> list:
+        """Header + payload parts (views, no concatenated copy); the CRC is computed part by part."""
+        def raw(t: torch.Tensor | None):
+            return memoryview(t.contiguous().view(torch.uint8).numpy()) if t is not None else memoryview(b"")
+        tokens = memoryview(struct.pack(f"<{len(blob.tokens)}i", *blob.tokens))
+        kv, conv, ssm = raw(blob.kv), raw(blob.conv), raw(blob.ssm)
+        crc = 0
+        for part in (tokens, kv, conv, ssm):
+            crc = zlib.crc32(part, crc)
         header = HEADER.pack(MAGIC, FORMAT_VERSION, self.fingerprint, blob.start_hash, blob.end_hash,
-                             len(blob.tokens), blob.kv.shape[0], len(kv), len(conv), len(ssm),
-                             zlib.crc32(payload))
-        return header + payload
+                             len(blob.tokens), blob.kv.shape[0], kv.nbytes, conv.nbytes, ssm.nbytes, crc)
+        return [memoryview(header), tokens, kv, conv, ssm]
 
     def _write_now(self, blob: Blob) -> None:
         t0 = time.perf_counter()
-        data = self._encode(blob)
-        if len(data) > self.size_bytes:
-            self._warn_once("size", f"a cached run of {len(data)} bytes exceeds cache.file.size_gb; not written")
+        parts = self._encode(blob)
+        size = sum(p.nbytes for p in parts)
+        if size > self.size_bytes:
+            self._warn_once("size", f"a cached run of {size} bytes exceeds cache.file.size_gb; not written")
             return
         name = f"{blob.start_hash.hex()}-{blob.end_hash.hex()}{SUFFIX}"
         tmp = self.folder / f".tmp-{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                for part in parts:
+                    f.write(part)
             os.replace(tmp, self.folder / name)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             self._disable_writes(f"writing {self.folder / name} failed ({e})")
             return
         with self._lock:
-            self._add(blob.start_hash, blob.end_hash, _Entry(self.folder / name, len(data), time.time()))
+            self._add(blob.start_hash, blob.end_hash, _Entry(self.folder / name, size, time.time()))
             self._evict_to_limit()
-            self.stats.bytes_in += len(data)
+            self.stats.bytes_in += size
             self.stats.seconds += time.perf_counter() - t0
 
     def _evict_to_limit(self) -> None:
@@ -379,7 +433,14 @@ class FileTier:
             if not candidates:
                 break
             end_page, end, entry = max(candidates, key=lambda c: c[0])
-            blob = self._read(hashes[page], end, entry, tokens[page * page_size:end_page * page_size])
+            try:
+                blob = self._read(hashes[page], end, entry, tokens[page * page_size:end_page * page_size])
+            except Exception as e:            # noqa: BLE001 - whatever is wrong with a file, it is only a miss
+                self._bad(hashes[page], end, f"unreadable ({type(e).__name__})")
+                blob = None
+            if blob is not None and blob.kv.shape[0] != end_page - page:
+                self._bad(hashes[page], end, "mismatched")
+                blob = None
             if blob is None:
                 continue                      # the bad blob is gone from the index: try another candidate
             out.append(blob)
@@ -408,11 +469,12 @@ class FileTier:
             self._bad(start, end, "corrupt")
             return None
         tokens = list(struct.unpack_from(f"<{n_tok}i", payload))
-        page_numel = 1
-        for d in self.page_shape:
-            page_numel *= d
+        page_numel = _numel(self.page_shape)
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        if tokens != expect_tokens or kv_len != n_pages * page_numel * elem:
+        conv_bytes = _numel(self.conv_shape) * torch.empty((), dtype=self.conv_dtype).element_size()
+        ssm_bytes = _numel(self.ssm_shape) * 4
+        if tokens != expect_tokens or kv_len != n_pages * page_numel * elem or \
+                (conv_len, ssm_len) not in ((0, 0), (conv_bytes, ssm_bytes)):
             self._bad(start, end, "mismatched")
             return None
         off = 4 * n_tok

@@ -1,0 +1,506 @@
+"""Cache tiers (issue 5): host memory (L2) and a file folder (L3) behind the radix tree, state snapshots included.
+
+Every test compares against a cold run (enable_prefix_cache=False): a hit from any tier must give exactly the same
+greedy tokens. Real files on disk in tmp_path, real engines on tiny fp32 checkpoints, a real server process for the
+restart test and a real SIGKILL for the crash test.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import make_qwen3_5_text
+from server_util import ServerProcess, free_port, http, server_config
+from tinyserve.engine import Engine
+from tinyserve.loader import load_model
+from tinyserve.sampling import SamplingParams
+from tinyserve.tiers import SUFFIX, FileTier, chain_hashes, model_fingerprint
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+GIB = 1 << 30
+SESSION = 250                  # prompt tokens of one session; three of them do not fit a 400-token device pool
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("hybrid"), max_position_embeddings=2048)
+    return load_model(folder, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """Same shapes, other weights: its blobs must never be taken for ours."""
+    folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("other"), max_position_embeddings=2048, seed=7)
+    return load_model(folder, torch.float32)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SESSIONS = {name: tokens(SESSION, seed) for name, seed in (("A", 1), ("B", 2), ("C", 3))}
+
+
+@pytest.fixture(scope="module")
+def cold(model):
+    """Greedy tokens of each session from an engine without any cache."""
+    eng = Engine(model, None, page_size=16, kv_tokens=4096, enable_prefix_cache=False)
+    return {name: eng.generate([p], GREEDY)[0] for name, p in SESSIONS.items()}
+
+
+def small_engine(model, page_size: int = 16, **kw) -> Engine:
+    """A device pool too small for two sessions, one request at a time."""
+    kw.setdefault("prefetch_policy", "wait_complete")   # run_requests steps at once: wait for the file read
+    return Engine(model, None, page_size=page_size, kv_tokens=400, max_running_requests=1, **kw)
+
+
+def run(eng: Engine, name: str):
+    (req,) = eng.run_requests([SESSIONS[name]], GREEDY)
+    return req
+
+
+def blob_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.name.endswith(SUFFIX))
+
+
+def assert_all_free(eng: Engine) -> None:
+    assert eng.flush_cache()
+    assert eng.allocator.num_free == eng.allocator.num_pages
+    assert eng.state_pool.num_free == eng.state_pool.num_slots
+    assert eng.state_pool.num_free_snapshots == eng.state_pool.num_snapshot_slots
+    assert eng.cache.num_pages == 0 and eng.cache.num_snapshots == 0
+    if eng.host_tier is not None:
+        assert eng.host_tier.num_free_pages == eng.host_tier.num_pages
+        assert eng.host_tier.num_free_snapshots == eng.host_tier.num_snapshots
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. The users' experiment: A, B, C, then A again; host hit, control without tiers, file hit after a restart
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_experiment_host_hit_then_file_hit_after_restart(model, cold, tmp_path, policy, page_size):
+    usable = (SESSION - 1) // page_size * page_size
+    eng = small_engine(model, page_size, host_cache_gb=0.01, write_policy=policy,
+                       file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    for name in "ABC":
+        r = run(eng, name)
+        assert r.output_ids == cold[name] and r.cached_tokens == 0
+    again = run(eng, "A")
+    assert again.output_ids == cold["A"]
+    assert again.cached_by_tier["host"] > 0, again.cached_by_tier
+    assert again.cached_tokens == usable == sum(again.cached_by_tier.values())
+    assert eng.stats().tiers["host"]["hit_tokens"] > 0
+    eng.close_tiers()
+    assert blob_files(tmp_path)
+
+    control = small_engine(model, page_size)                # device cache alone: A was evicted, recomputed
+    for name in "ABC":
+        assert run(control, name).output_ids == cold[name]
+    again = run(control, "A")
+    assert again.output_ids == cold["A"] and again.cached_tokens == 0
+
+    restarted = small_engine(model, page_size, host_cache_gb=0.01, write_policy=policy,
+                             file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    assert restarted.file_tier.num_blobs == len(blob_files(tmp_path))
+    first = run(restarted, "A")
+    assert first.output_ids == cold["A"]
+    assert first.cached_by_tier["file"] > 0, first.cached_by_tier
+    assert first.cached_tokens == usable
+    assert restarted.file_tier.stats.errors == 0
+    restarted.close_tiers()
+    assert_all_free(restarted)
+
+
+def test_write_through_selective_backs_up_on_the_second_hit(model, cold, tmp_path):
+    eng = small_engine(model, host_cache_gb=0.01, write_policy="write_through_selective",
+                       file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    run(eng, "A")
+    assert eng.host_tier.num_free_pages == eng.host_tier.num_pages       # inserted, not backed up
+    eng.file_tier.flush(10)
+    assert not blob_files(tmp_path)
+    run(eng, "A")                                                         # first hit
+    assert eng.host_tier.num_free_pages == eng.host_tier.num_pages
+    r = run(eng, "A")                                                     # second hit: backed up now
+    assert r.output_ids == cold["A"] and r.cached_by_tier["device"] > 0
+    assert eng.host_tier.num_free_pages < eng.host_tier.num_pages
+    eng.file_tier.flush(10)
+    assert blob_files(tmp_path)
+    run(eng, "B"), run(eng, "C")                                          # evict A from the device
+    again = run(eng, "A")
+    assert again.output_ids == cold["A"] and again.cached_by_tier["host"] > 0
+    eng.close_tiers()
+    assert_all_free(eng)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. File hit after a real restart of the server process
+
+@pytest.fixture(scope="module")
+def xdg(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("xdg")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(folder))
+        from tinyserve.demo import ensure_demo_checkpoint
+        ensure_demo_checkpoint()
+        yield folder
+
+
+def test_file_hit_after_a_real_server_restart(xdg, tmp_path):
+    cache_dir = tmp_path / "kv"
+    cfg = server_config(free_port(), {
+        "engine": {"kv_cache_tokens": 1024, "max_running_requests": 2},
+        "cache": {"file": {"dir": str(cache_dir), "size_gb": 1.0, "prefetch_policy": "wait_complete"}}})
+    prompt = tokens(300, 42)            # ids < 256 < the demo vocabulary (663)
+    body = {"model": "tinyserve", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+
+    def ask(server: ServerProcess) -> dict:
+        status, _, raw = http("POST", server.base_url + "/v1/completions", body, timeout=120)
+        assert status == 200, raw
+        return json.loads(raw)
+
+    server = ServerProcess(tmp_path, cfg, env={"XDG_CACHE_HOME": str(xdg)}).start()
+    try:
+        first = ask(server)
+    finally:
+        assert server.stop() == 0, server.log()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert blob_files(cache_dir), server.log()
+
+    server = ServerProcess(tmp_path, cfg, env={"XDG_CACHE_HOME": str(xdg)}).start()
+    try:
+        second = ask(server)
+    finally:
+        assert server.stop() == 0, server.log()
+    details = second["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] > 0, details
+    assert details["cached_tokens_by_tier"]["file"] > 0, details
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Damage: truncated, flipped and foreign blobs; an unwritable folder; a size limit below one session
+
+def write_sessions(model, folder: Path, names: str = "ABC") -> dict[str, Path]:
+    """Run each session once through a file-only engine; returns each session's blob."""
+    eng = small_engine(model, file_cache_dir=str(folder), file_cache_gb=1.0)
+    out = {}
+    for name in names:
+        before = set(blob_files(folder))
+        run(eng, name)
+        eng.file_tier.flush(10)
+        (new,) = set(blob_files(folder)) - before
+        out[name] = new
+    eng.close_tiers()
+    return out
+
+
+def test_damaged_blobs_are_misses_counted_and_deleted(model, other_model, cold, tmp_path):
+    ours = write_sessions(model, tmp_path / "ours")
+    theirs = write_sessions(other_model, tmp_path / "theirs", "C")
+    data = {name: p.read_bytes() for name, p in ours.items()}
+    # (a) truncated mid-payload, (b) bytes flipped inside the KV, (c) another model's blob under our name
+    ours["A"].write_bytes(data["A"][:len(data["A"]) // 2])
+    flipped = bytearray(data["B"])
+    for i in range(len(flipped) // 2, len(flipped) // 2 + 8):
+        flipped[i] ^= 0xFF
+    ours["B"].write_bytes(bytes(flipped))
+    ours["C"].write_bytes(theirs["C"].read_bytes())
+
+    eng = small_engine(model, file_cache_dir=str(tmp_path / "ours"), file_cache_gb=1.0, write_policy="write_back")
+    assert eng.file_tier.num_blobs == 3                    # indexed from the listing: nothing read yet
+    for n, name in enumerate("ABC", 1):
+        r = run(eng, name)
+        assert r.output_ids == cold[name]
+        assert r.cached_tokens == 0
+        assert eng.file_tier.stats.errors == n
+        assert not ours[name].exists()                     # write_back: nothing rewrote it yet
+    assert eng.stats().tiers["file"]["errors"] == 3
+    eng.close_tiers()
+
+    # a damaged blob at the start of a chain does not hide the sound one after it... and a fresh engine serves
+    # the sessions again once they were rewritten
+    eng = small_engine(model, file_cache_dir=str(tmp_path / "ours"), file_cache_gb=1.0)
+    for name in "ABC":
+        assert run(eng, name).output_ids == cold[name]
+    eng.close_tiers()
+    again = small_engine(model, file_cache_dir=str(tmp_path / "ours"), file_cache_gb=1.0)
+    for name in "ABC":
+        r = run(again, name)
+        assert r.output_ids == cold[name] and r.cached_by_tier["file"] > 0
+    assert again.file_tier.stats.errors == 0
+    again.close_tiers()
+
+
+def test_blob_with_wrong_tokens_under_a_chain_name_is_rejected(model, cold, tmp_path):
+    """A blob of session B renamed to session A's name (same fingerprint, wrong tokens): a miss, not B's KV."""
+    blobs = write_sessions(model, tmp_path, "AB")
+    blobs["A"].write_bytes(blobs["B"].read_bytes())
+    eng = small_engine(model, file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    r = run(eng, "A")
+    assert r.output_ids == cold["A"] and r.cached_tokens == 0
+    assert eng.file_tier.stats.errors == 1
+    eng.close_tiers()
+
+
+def test_entries_that_cannot_be_read_or_deleted_are_misses(model, cold, tmp_path):
+    """A directory where a blob or a temporary file should be (cannot be read, cannot be unlinked): start and
+    serving go on, the blob counts as an error."""
+    blobs = write_sessions(model, tmp_path, "A")
+    blobs["A"].unlink()
+    blobs["A"].mkdir()
+    (blobs["A"] / "x").write_text("x")
+    (tmp_path / ".tmp-stuck").mkdir()
+    (tmp_path / ".tmp-stuck" / "x").write_text("x")
+    eng = small_engine(model, file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    for name in "AA":
+        assert run(eng, name).output_ids == cold[name]
+    assert eng.file_tier.stats.errors == 1
+    eng.close_tiers()
+
+
+def test_fingerprint_tells_set_ups_apart(model, other_model):
+    fp = model_fingerprint(model, torch.float32, 16)
+    assert fp == model_fingerprint(model, torch.float32, 16)
+    assert fp != model_fingerprint(other_model, torch.float32, 16)      # same architecture, other weights
+    assert fp != model_fingerprint(model, torch.bfloat16, 16)
+    assert fp != model_fingerprint(model, torch.float32, 1)
+
+
+def test_unwritable_folder_disables_writes_and_serving_goes_on(model, cold, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    eng = small_engine(model, host_cache_gb=0.01, file_cache_dir=str(blocker / "kv"), file_cache_gb=1.0)
+    assert eng.file_tier.writable is False
+    assert eng.stats().tiers["file"]["writable"] == 0
+    for name in "ABCA":
+        assert run(eng, name).output_ids == cold[name]
+    eng.close_tiers()
+    assert_all_free(eng)
+
+
+def test_folder_that_becomes_unwritable_disables_writes(model, cold, tmp_path):
+    """The folder vanishes (replaced by a file) after start: the write fails, writes are disabled, no crash."""
+    folder = tmp_path / "kv"
+    eng = small_engine(model, file_cache_dir=str(folder), file_cache_gb=1.0)
+    assert eng.file_tier.writable
+    folder.rmdir()
+    folder.write_text("now a file")
+    for name in "AB":
+        assert run(eng, name).output_ids == cold[name]
+    eng.file_tier.flush(10)
+    assert eng.file_tier.writable is False
+    assert run(eng, "A").output_ids == cold["A"]
+    eng.close_tiers()
+
+
+@pytest.mark.parametrize("blobs_that_fit", [0.5, 1.5])
+def test_size_limit_below_one_session(model, cold, tmp_path, blobs_that_fit):
+    one = write_sessions(model, tmp_path / "probe", "A")["A"].stat().st_size
+    limit = int(one * blobs_that_fit)
+    folder = tmp_path / "kv"
+    eng = small_engine(model, file_cache_dir=str(folder), file_cache_gb=limit / GIB)
+    for name in "ABCA":
+        assert run(eng, name).output_ids == cold[name]
+        eng.file_tier.flush(10)
+        assert sum(p.stat().st_size for p in blob_files(folder)) <= limit
+        assert eng.file_tier.used_bytes <= limit
+    assert len(blob_files(folder)) == int(blobs_that_fit)
+    eng.close_tiers()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Load: many concurrent sessions, tiny device pool, tiny host tier, file tier on
+
+def test_concurrent_sessions_with_host_evictions_match_uncached(model, tmp_path):
+    bases = [tokens(150, 300 + i) for i in range(3)]
+    prompts = [bases[i % 3][:100 + 10 * i] + tokens(20 + 5 * i, 400 + i) for i in range(8)]
+    kw = dict(page_size=16, max_running_requests=3, chunked_prefill_size=64)
+    expected = Engine(model, None, kv_tokens=4096, enable_prefix_cache=False, **kw).generate(prompts, GREEDY)
+    # host arena: about 12 pages and a few snapshots, far less than the 8 sessions cached
+    probe = Engine(model, None, kv_tokens=512, host_cache_gb=1e-9, **kw)
+    page_bytes = probe.kv_pool.bytes_per_page
+    host_gb = 16 * page_bytes / GIB
+    eng = Engine(model, None, kv_tokens=512, snapshot_slots=4, state_track_interval=64, host_cache_gb=host_gb,
+                 host_state_share=0.3, write_policy="write_through", file_cache_dir=str(tmp_path),
+                 file_cache_gb=1.0, **kw)
+    assert 0 < eng.host_tier.num_pages < 20 and eng.host_tier.num_snapshots >= 1
+
+    async def scenario(ps):
+        await eng.start()
+        try:
+            streams = [eng.submit(p, GREEDY) for p in ps]
+
+            async def collect(s):
+                return [e.token_id async for events in s for e in events]
+            return await asyncio.gather(*(collect(s) for s in streams)), [s.result for s in streams]
+        finally:
+            await eng.stop()
+
+    outs, _ = asyncio.run(scenario(prompts))
+    assert outs == expected
+    assert_all_free(eng)
+    # again, everything from the host and file tiers now (the device cache was flushed)
+    eng2 = Engine(model, None, kv_tokens=512, snapshot_slots=4, state_track_interval=64, host_cache_gb=host_gb,
+                  host_state_share=0.3, write_policy="write_back", file_cache_dir=str(tmp_path),
+                  file_cache_gb=1.0, prefetch_policy="wait_complete", **kw)
+    eng = eng2
+    outs, results = asyncio.run(scenario(prompts + prompts[::-1]))
+    assert outs == expected + expected[::-1]
+    assert sum(r.cached_tokens_by_tier["file"] for r in results) > 0
+    assert_all_free(eng)
+
+
+def test_sequential_sessions_through_a_tiny_host_tier(model, cold, tmp_path):
+    """Host arena smaller than one session: host allocation fails or evicts, answers stay exact, nothing leaks."""
+    for policy in ("write_through", "write_back"):
+        probe = small_engine(model)
+        host_gb = 8 * probe.kv_pool.bytes_per_page / GIB
+        eng = small_engine(model, host_cache_gb=host_gb, host_state_share=0.5, write_policy=policy)
+        for name in "ABCABCA":
+            assert run(eng, name).output_ids == cold[name]
+        assert_all_free(eng)
+
+
+def host_gb_for(eng: Engine, pages: int, snapshots: int) -> tuple[float, float]:
+    """host_cache_gb and host_state_share giving exactly `pages` host pages and `snapshots` host snapshots."""
+    page, snap = eng.kv_pool.bytes_per_page, eng.state_pool.bytes_per_slot
+    size = pages * page + snapshots * snap
+    return size / GIB, (snapshots * snap + 0.5) / size
+
+
+def test_promoting_from_a_full_host_tier_under_write_back(model, cold):
+    """A's second run loads A from the host while the device must evict B, whose write-back needs the host room
+    A's copy holds: A's copy is pinned while it is read (it was freed and then read: a crash), B is not backed up."""
+    probe = small_engine(model)
+    gb, share = host_gb_for(probe, pages=(SESSION - 1) // 16 + 1, snapshots=1)
+    eng = small_engine(model, host_cache_gb=gb, host_state_share=share, write_policy="write_back")
+    assert eng.host_tier.num_pages == (SESSION - 1) // 16 + 1 and eng.host_tier.num_snapshots == 1
+    for name in "ABA":
+        r = run(eng, name)
+        assert r.output_ids == cold[name]
+    assert r.cached_by_tier["host"] > 0, r.cached_by_tier
+    assert_all_free(eng)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. kill -9 while writing
+
+WRITER = r"""
+import sys, torch
+from pathlib import Path
+from tinyserve.tiers import Blob, FileTier, chain_hashes
+folder, fp = Path(sys.argv[1]), bytes.fromhex(sys.argv[2])
+tier = FileTier(folder, 1 << 30, fp, (64, 32), torch.float32, (8, 3), torch.float32, (4, 16))
+i = 0
+while True:
+    toks = [3 + i % 250, 3 + i // 250 % 250] + [(i * 7 + j) % 250 + 3 for j in range(16 * 8 - 2)]
+    h = chain_hashes(fp, toks, 16)
+    g = torch.Generator().manual_seed(i)
+    tier.write(Blob(h[0], h[-1], toks, torch.randn((8, 64, 32), generator=g),
+                    torch.randn((8, 3), generator=g), torch.randn((4, 16), generator=g)))
+    tier.flush(10)
+    if i == 5:
+        print("ready", flush=True)
+    i += 1
+"""
+
+
+def _expected_blob(i: int, fp: bytes) -> tuple[list[int], list[bytes], torch.Tensor]:
+    toks = [3 + i % 250, 3 + i // 250 % 250] + [(i * 7 + j) % 250 + 3 for j in range(16 * 8 - 2)]
+    g = torch.Generator().manual_seed(i)
+    return toks, chain_hashes(fp, toks, 16), torch.randn((8, 64, 32), generator=g)
+
+
+def test_kill_9_while_writing_leaves_a_consistent_folder(tmp_path):
+    fp = bytes(range(32))
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), fp.hex()], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ready"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (tmp_path / ".tmp-0123abcd").write_bytes(b"TSKVBLOB half a blob")   # as a kill inside write() leaves it
+    tier = FileTier(tmp_path, 1 << 30, fp, (64, 32), torch.float32, (8, 3), torch.float32, (4, 16))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    n = tier.num_blobs
+    assert n >= 6
+    by_end = {_expected_blob(i, fp)[1][-1]: i for i in range(2 * n + 10)}     # blobs are written in order
+    found = 0
+    for p in blob_files(tmp_path):
+        i = by_end[bytes.fromhex(p.name[:-len(SUFFIX)].split("-")[1])]
+        toks, hashes, kv = _expected_blob(i, fp)
+        (blob,) = tier.read_chain(hashes, toks, 0, 16)
+        assert blob.tokens == toks and torch.equal(blob.kv, kv)
+        found += 1
+    assert found == n and tier.stats.errors == 0
+    tier.close()
+
+
+ENGINE_WRITER = r"""
+import sys, torch
+from tinyserve.engine import Engine
+from tinyserve.loader import load_model
+from tinyserve.sampling import SamplingParams
+eng = Engine(load_model(sys.argv[1], torch.float32), None, page_size=16, kv_tokens=400, max_running_requests=1,
+             file_cache_dir=sys.argv[2], file_cache_gb=1.0)
+p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+i = 0
+while True:
+    g = torch.Generator().manual_seed(1000 + i)
+    eng.generate([torch.randint(3, 256, (200,), generator=g).tolist()], p)
+    if i == 3:
+        eng.file_tier.flush(10)
+        print("ready", flush=True)
+    i += 1
+"""
+
+
+def test_kill_9_of_an_engine_then_restart_serves_what_was_complete(model, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    make_qwen3_5_text(ckpt, max_position_embeddings=2048)
+    folder = tmp_path / "kv"
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE_WRITER, str(ckpt), str(folder)], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ready"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    own = load_model(ckpt, torch.float32)
+    eng = small_engine(own, file_cache_dir=str(folder), file_cache_gb=1.0)
+    assert not [p for p in folder.iterdir() if p.name.startswith(".tmp-")]
+    cold_eng = Engine(own, None, page_size=16, kv_tokens=4096, enable_prefix_cache=False)
+    p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for i in range(4):                                       # the sessions written before "ready"
+        prompt = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(1000 + i)).tolist()
+        (r,) = eng.run_requests([prompt], p)
+        assert r.output_ids == cold_eng.generate([prompt], p)[0]
+        assert r.cached_by_tier["file"] > 0
+    assert eng.file_tier.stats.errors == 0
+    eng.close_tiers()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. flush_cache: device and host always, the file tier only when asked
+
+def test_flush_cache_keeps_the_file_tier_unless_asked(model, cold, tmp_path):
+    eng = small_engine(model, host_cache_gb=0.01, file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    run(eng, "A")
+    eng.file_tier.flush(10)
+    assert eng.flush_cache()
+    assert eng.host_tier.num_free_pages == eng.host_tier.num_pages
+    assert eng.file_tier.num_blobs == len(blob_files(tmp_path)) > 0
+    r = run(eng, "A")
+    assert r.output_ids == cold["A"] and r.cached_by_tier["file"] > 0 and r.cached_by_tier["host"] == 0
+    assert eng.flush_cache(include_file=True)
+    assert eng.file_tier.num_blobs == 0 and eng.file_tier.used_bytes == 0 and not blob_files(tmp_path)
+    r = run(eng, "A")
+    assert r.output_ids == cold["A"] and r.cached_tokens == 0
+    eng.close_tiers()
