@@ -358,8 +358,8 @@ class FileTier:
                     f.write(part)
             os.replace(tmp, self.folder / name)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             self._disable_writes(f"writing {self.folder / name} failed ({e})")
+            _unlink(tmp)          # raises nothing, also when the folder itself is gone or is not a folder
             return
         with self._lock:
             self._add(blob.start_hash, blob.end_hash, _Entry(self.folder / name, size, time.time()))
