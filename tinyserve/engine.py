@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,6 +299,11 @@ class Engine:
                 sched.abort(req)
                 events.append((req, [], True))
         seqs = sched.schedule()
+        if not seqs:
+            pending = sched.blocking_prefetches()
+            if pending:   # nothing to run until a file-tier read lands: wait for it (bounded) instead of spinning
+                futures.wait(pending, timeout=0.05, return_when=futures.FIRST_COMPLETED)
+            return events
         out = self.runner.step(seqs)
         sched.advance(seqs)
         if out.result is None:

@@ -101,6 +101,10 @@ class Scheduler:
         # SGLang's timeout policy: 1 s plus 0.25 s per 1000 prompt tokens
         req.prefetch_deadline = time.monotonic() + 1.0 + 0.25 * len(req.all_ids) / 1000
 
+    def blocking_prefetches(self) -> list[Future]:
+        """File-tier reads that waiting requests are held back for (an idle step waits on these, not spins)."""
+        return [r.prefetch for r in self.waiting if r.prefetch is not None and not self._prefetch_ready(r)]
+
     def _prefetch_ready(self, req: Request) -> bool:
         """May req be admitted now? best_effort never waits; wait_complete waits; timeout waits until the deadline."""
         if req.prefetch is None or req.prefetch.done() or self.prefetch_policy == "best_effort":
