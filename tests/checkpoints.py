@@ -228,3 +228,38 @@ def write_tensors(folder: str | Path, tensors: dict[str, torch.Tensor]) -> None:
 def update_config(folder: str | Path, **changes) -> None:
     """Set top-level config.json keys."""
     _update_config(Path(folder), lambda d: d.update(changes))
+
+
+QWEN3_5_27B = {   # text_config of Qwen3.5-27B (shared/reference/qwen-hybrid.md)
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "num_hidden_layers": 64,
+    "full_attention_interval": 4, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+    "intermediate_size": 17408, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1, "tie_word_embeddings": False,
+    "eos_token_id": 248044, "dtype": "bfloat16"}
+
+
+def make_header_only(path: str | Path, config: dict, dtype_tag: str = "BF16") -> Path:
+    """A checkpoint folder whose safetensors file holds the header alone (names, dtypes, shapes, offsets) and no
+    tensor data: the shape of a real release for planning (`tinyserve --check`) at no disk cost."""
+    import struct
+    from tinyserve.loader import _build_config
+    from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    mtp = ["mtp.layers.0.x"] if config.get("mtp_num_hidden_layers") else []
+    cfg = _build_config(folder, config, mtp)
+    expected = Qwen3NextForCausalLM(cfg, torch.bfloat16, torch.device("meta")).expected_tensors()
+    size = {"BF16": 2, "F32": 4}[dtype_tag]
+    header, offset = {}, 0
+    for name, shape in expected.items():
+        n = size * int(torch.Size(shape).numel())
+        stored = name if name.startswith(("mtp.", "lm_head.")) else "model." + name
+        header[stored] = {"dtype": dtype_tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return folder

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import re
+import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,9 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise LoaderError(f"{what} {path} must hold a JSON object, found {type(data).__name__}")
     return data
+
+
+_MAX_HEADER_BYTES = 100 << 20     # safetensors itself refuses larger headers
 
 
 def _check_folder(folder: str | Path) -> Path:
@@ -297,20 +301,26 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _scan_tensors(files: list[Path]) -> dict[str, _TensorInfo]:
-    """Names, dtypes and shapes from the safetensors headers (no tensor data is read)."""
+    """Names, dtypes and shapes from the safetensors headers: an 8-byte little-endian length, then that much JSON.
+    Parsed here rather than with safe_open so that a folder of headers alone (no tensor data) can be planned."""
     infos: dict[str, _TensorInfo] = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="pt", device="cpu") as h:
-                for name in h.keys():
-                    sl = h.get_slice(name)
-                    if name in infos:
-                        raise LoaderError(f"tensor {name!r} is stored twice: in {infos[name].file.name} "
-                                          f"and {f.name}")
-                    infos[name] = _TensorInfo(name, f, sl.get_dtype(), tuple(sl.get_shape()))
+            with open(f, "rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                if length > _MAX_HEADER_BYTES:
+                    raise ValueError(f"header length {length} is implausible")
+                header = json.loads(fh.read(length))
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                if name in infos:
+                    raise LoaderError(f"tensor {name!r} is stored twice: in {infos[name].file.name} "
+                                      f"and {f.name}")
+                infos[name] = _TensorInfo(name, f, meta["dtype"], tuple(meta["shape"]))
         except LoaderError:
             raise
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
+        except Exception as e:  # short file, bad JSON, missing keys: all one thing to the user
             raise LoaderError(f"cannot read safetensors file {f}: {e}") from e
     return infos
 
@@ -488,20 +498,15 @@ class _Item:
     scale: _TensorInfo | None = None
 
 
-def _plan(folder: Path, cfg: ModelConfig, infos: dict[str, _TensorInfo], scheme: _QuantScheme,
-          expected: dict[str, tuple[int, ...]]) -> list[_Item]:
-    """Match the checkpoint's tensors to the model's expected tensors; raise on anything inconsistent."""
-    scales = {n: i for n, i in infos.items() if n.endswith(_SCALE_SUFFIXES)}
-    skipped_vision = 0
-    items: list[_Item] = []
-    unexpected: list[str] = []
+def _loadable(cfg: ModelConfig, infos: dict[str, _TensorInfo]) -> list[_Item]:
+    """The checkpoint tensors the text model loads (without their FP8 scales)."""
+    items = []
     for name, info in infos.items():
-        if name in scales or name.endswith(".input_scale"):
+        if name.endswith(_SCALE_SUFFIXES) or name.endswith(".input_scale"):
             continue  # scales travel with their weight; activation scales are unused (dequantized GEMMs)
         canon = _canonical(name)
         if canon is None:
-            skipped_vision += 1
-            continue
+            continue  # vision
         if canon == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head is the embedding
         if canon.startswith("mtp.") and _mtp_layer_dropped(canon, cfg.num_mtp_layers):
@@ -509,6 +514,26 @@ def _plan(folder: Path, cfg: ModelConfig, infos: dict[str, _TensorInfo], scheme:
         if canon.endswith("rotary_emb.inv_freq"):
             continue  # a buffer some older exports include
         items.append(_Item(canon, info))
+    return items
+
+
+def read_checkpoint(folder: str | Path) -> tuple[ModelConfig, int]:
+    """The ModelConfig and the number of weight values the model will hold, from config.json and the safetensors
+    headers alone (no tensor data is read): what the memory plan needs before any weight is loaded."""
+    path = _check_folder(folder)
+    raw = _raw_config(path)
+    infos = _scan_tensors(_weight_files(path))
+    cfg = _build_config(path, raw, list(infos))
+    return cfg, sum(math.prod(it.info.shape) for it in _loadable(cfg, infos))
+
+
+def _plan(folder: Path, cfg: ModelConfig, infos: dict[str, _TensorInfo], scheme: _QuantScheme,
+          expected: dict[str, tuple[int, ...]]) -> list[_Item]:
+    """Match the checkpoint's tensors to the model's expected tensors; raise on anything inconsistent."""
+    scales = {n: i for n, i in infos.items() if n.endswith(_SCALE_SUFFIXES)}
+    skipped_vision = sum(1 for n in infos if _canonical(n) is None)
+    items = _loadable(cfg, infos)
+    unexpected: list[str] = []
     if skipped_vision:
         log.info("skipping %d vision tensors (model.visual.*): tinyserve serves the text model only",
                  skipped_vision)
