@@ -25,14 +25,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from tinyserve.kv import PageAllocator
 from tinyserve.state import StatePool
-from tinyserve.tiers import Blob, FileTier, HostTier, chain_hashes
+from tinyserve.tiers import Blob, Tiers, chain_hashes
 
 _clock = itertools.count()
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 @dataclass(eq=False)
@@ -67,13 +64,11 @@ class Match:
 
 class RadixCache:
     def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, hybrid: bool,
-                 host: HostTier | None = None, file: FileTier | None = None,
-                 write_policy: str = "write_through", kv_buffer: torch.Tensor | None = None) -> None:
-        assert write_policy in WRITE_POLICIES, write_policy
+                 tiers: Tiers) -> None:
         self.allocator, self.state_pool = allocator, state_pool
-        self.kv_buffer = kv_buffer           # the device KV pool (page-major), for file-tier reads and writes
         self.page_size, self.hybrid = page_size, hybrid
-        self.host, self.file, self.write_policy = host, file, write_policy
+        self.tiers = tiers
+        self.host, self.file = tiers.host, tiers.file
         self.root = Node([], [])
         self.root.lock = 1                   # never evicted
         self.num_pages = 0                   # device pages referenced by the tree
@@ -140,7 +135,7 @@ class RadixCache:
         for node in on_device:
             node.touch()
             node.hits += 1
-            if self.write_policy == "write_through_selective" and node.hits >= 2:
+            if self.tiers.backup_due("hit", node.hits):
                 self._backup(node)
             if not self.hybrid or node.snapshot is not None:
                 usable = node
@@ -184,7 +179,7 @@ class RadixCache:
             else:
                 node.snapshot = snapshot
                 self.num_snapshots += 1
-        if self.write_policy == "write_through" and node is not self.root:
+        if node is not self.root and self.tiers.backup_due("insert", node.hits):
             self._backup(node)
 
     # ---- tiers: backup, promotion ----
@@ -217,20 +212,9 @@ class RadixCache:
         ps = self.page_size
         hashes = chain_hashes(self.file.fingerprint, self._path_tokens(node), ps)
         start, end = hashes[node.start // ps], hashes[node.depth // ps]
-        if self.file.has(start, end) or not self.file.writable:
-            return
-        # CPU copies owned by the writer thread: nothing it reads can be freed or rewritten under it
-        if node.host_pages is not None:
-            kv = self.host.kv[node.host_pages].clone()
-        else:
-            kv = self.kv_buffer[torch.tensor(node.pages, device=self.kv_buffer.device)].to("cpu")
-        conv = ssm = None
-        if node.host_snapshot is not None:
-            conv, ssm = self.host.conv[node.host_snapshot].clone(), self.host.ssm[node.host_snapshot].clone()
-        elif node.snapshot is not None:
-            conv = self.state_pool.conv[node.snapshot].to("cpu", copy=True)
-            ssm = self.state_pool.ssm[node.snapshot].to("cpu", copy=True)
-        self.file.write(Blob(start, end, list(node.tokens), kv, conv, ssm))
+        if self.file.writable and not self.file.has(start, end):
+            self.tiers.write_file(start, end, node.tokens, node.pages, node.host_pages, node.snapshot,
+                                  node.host_snapshot)
 
     def promote(self, tokens: list[int], blobs: list[Blob], first_page: int) -> dict[str, tuple[int, int]]:
         """Bring the prompt's cached path onto the device: host-only nodes, then file-tier blobs that continue it.
@@ -301,14 +285,8 @@ class RadixCache:
             pages = self.allocator.alloc(n)
             if pages is None:
                 break
-            self.kv_buffer.index_copy_(0, torch.tensor(pages, device=self.kv_buffer.device),
-                                       blob.kv.to(self.kv_buffer.device))
-            slot = None
-            if blob.conv is not None and self.hybrid:
-                slot = self.alloc_snapshot()
-                if slot is not None:
-                    self.state_pool.conv[slot].copy_(blob.conv)
-                    self.state_pool.ssm[slot].copy_(blob.ssm)
+            slot = self.alloc_snapshot() if blob.conv is not None and self.hybrid else None
+            self.tiers.load_blob(blob, pages, slot)
             end = pos + n * ps
             self.insert(tokens[:end], prefix_pages + pages, slot)
             self.allocator.release(pages)              # the tree holds its own reference now
@@ -360,7 +338,7 @@ class RadixCache:
             if not cands:
                 return
             victim = min(cands, key=lambda n: n.last_use)
-            if self.write_policy == "write_back":
+            if self.tiers.backup_due("evict", victim.hits):
                 self._backup(victim)
             if victim.host_pages is not None:
                 if victim.snapshot is not None and victim.host_snapshot is None:
@@ -383,7 +361,7 @@ class RadixCache:
             return None
         victim = min(held, key=lambda n: n.last_use)
         if self.host is not None and victim.host_snapshot is None and \
-                (self.write_policy == "write_back" or victim.host_pages is not None):
+                (self.tiers.backup_due("evict", victim.hits) or victim.host_pages is not None):
             hs = self._host_alloc_snapshot(protect=victim)
             if hs is not None:
                 self.host.save_snapshot(victim.snapshot, hs)
@@ -432,6 +410,49 @@ class RadixCache:
         if victim.pages is None:
             self._drop_stateless_leaves(victim)
         return slot
+
+    # ---- invariants ----
+    def check(self) -> None:
+        """Assert the invariants at the top of this module (tests call it after every scenario)."""
+        ps, nodes = self.page_size, self._nodes()
+        dev_pages: list[int] = []
+        host_pages: list[int] = []
+        snaps: list[int] = []
+        host_snaps: list[int] = []
+        for n in nodes:
+            assert n.lock >= 0
+            if n is self.root:
+                continue
+            assert n.tokens and len(n.tokens) % ps == 0, "a node holds whole pages"
+            assert n.parent.children.get(self._key(n.tokens, 0)) is n, "a node is filed under its first page"
+            assert n.depth == n.parent.depth + len(n.tokens), "depth = parent's depth + own tokens"
+            assert n.parent.lock >= n.lock, "a lock covers the whole path up to the root"
+            if n.pages is not None:
+                assert len(n.pages) == len(n.tokens) // ps
+                assert n.parent is self.root or n.parent.pages is not None, "device nodes form a subtree"
+                dev_pages += n.pages
+            else:
+                assert n.lock == 0, "a locked node is on the device"
+                assert n.snapshot is None, "a device snapshot needs device pages"
+                assert n.host_pages is not None, "a node lives on the device, the host, or both"
+            if n.host_pages is not None:
+                assert len(n.host_pages) == len(n.tokens) // ps
+                host_pages += n.host_pages
+            if n.snapshot is not None:
+                snaps.append(n.snapshot)
+            if n.host_snapshot is not None:
+                host_snaps.append(n.host_snapshot)
+        assert len(set(dev_pages)) == len(dev_pages) == self.num_pages, "each device page once, counted"
+        assert all(self.allocator.refcount[p] >= 1 for p in dev_pages), "the tree holds a reference on its pages"
+        assert len(set(snaps)) == len(snaps) == self.num_snapshots, "each snapshot slot once, counted"
+        assert all(s >= self.state_pool.num_slots for s in snaps), "snapshots live in snapshot slots"
+        assert not set(snaps) & set(self.state_pool._free_snapshots), "a held snapshot slot is not free"
+        if self.host is not None:
+            assert len(set(host_pages)) == len(host_pages) == self.host.num_pages - self.host.num_free_pages
+            assert len(set(host_snaps)) == len(host_snaps) == \
+                self.host.num_snapshots - self.host.num_free_snapshots
+        else:
+            assert not host_pages and not host_snaps
 
     # ---- flush ----
     def flush(self) -> bool:

@@ -35,7 +35,8 @@ class ModelRunner:
         slots: list[int] = []
         cu = [0]
         seq_lens: list[int] = []
-        num_decode = 0
+        num_decode = sum(s.is_decode for s in seqs)
+        assert all(s.is_decode for s in seqs[:num_decode]), "the scheduler puts decodes first"
         for s in seqs:
             req, end = s.req, s.start + s.num_tokens
             ids += req.all_ids[s.start:end]
@@ -43,8 +44,6 @@ class ModelRunner:
             slots += [req.pages[p // ps] * ps + p % ps for p in range(s.start, end)]
             cu.append(cu[-1] + s.num_tokens)
             seq_lens.append(end)
-            if s.num_tokens == 1 and s.start > 0 and num_decode == len(seq_lens) - 1:
-                num_decode += 1
         max_pages = max(len(s.req.pages) for s in seqs)
         table = [s.req.pages + [0] * (max_pages - len(s.req.pages)) for s in seqs]
         state_slots = [s.req.state_slot for s in seqs]

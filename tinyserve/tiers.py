@@ -26,6 +26,7 @@ import time
 import uuid
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -86,30 +87,29 @@ def _unlink(path: Path) -> None:
 
 @dataclass
 class TierStats:
+    """A tier's counters and occupancy, as /metrics shows them."""
     hit_tokens: int = 0
     bytes_in: int = 0            # into this tier (backups / writes)
     bytes_out: int = 0           # out of this tier (loads / reads)
     seconds: float = 0.0         # time spent copying / reading / writing
     errors: int = 0              # file tier: corrupt, truncated or foreign blobs (each deleted)
+    used: int = 0                # host: KV pages, file: bytes
+    capacity: int = 0
+    used_snapshots: int = 0      # host only
+    capacity_snapshots: int = 0
+    blobs: int = 0               # file only
+    writable: bool = True        # file only: False once a write failed (serving goes on)
 
 
 class HostTier:
     """Pinned (on CUDA) host arena for KV pages and state snapshots, with free lists."""
 
-    def __init__(self, kv_pool: KVPool, state_pool: StatePool, size_bytes: int, state_share: float,
-                 hybrid: bool) -> None:
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool, num_pages: int, num_snapshots: int) -> None:
+        """num_pages / num_snapshots: the memory plan's split of cache.host.size_gb."""
         self.kv_pool, self.state_pool = kv_pool, state_pool
         pin = kv_pool.buffer.is_cuda and torch.cuda.is_available()
         page_bytes, snap_bytes = kv_pool.bytes_per_page, state_pool.bytes_per_slot
-        if not hybrid:
-            share = 0.0
-        elif state_share > 0:
-            share = state_share
-        else:   # the device's own ratio of snapshot memory to KV + snapshot memory
-            dev_snap = state_pool.num_snapshot_slots * snap_bytes
-            share = dev_snap / max(1, dev_snap + kv_pool.num_pages * page_bytes)
-        self.num_snapshots = int(size_bytes * share // snap_bytes) if hybrid else 0
-        self.num_pages = int((size_bytes - self.num_snapshots * snap_bytes) // page_bytes)
+        self.num_pages, self.num_snapshots = num_pages, num_snapshots
         buf = kv_pool.buffer
         self.kv = torch.zeros((self.num_pages,) + tuple(buf.shape[1:]), dtype=buf.dtype, pin_memory=pin)
         self.conv = torch.zeros((self.num_snapshots,) + tuple(state_pool.conv.shape[1:]),
@@ -142,6 +142,11 @@ class HostTier:
 
     def free_snapshot(self, slot: int) -> None:
         self._free_snaps.append(slot)
+
+    def report(self) -> TierStats:
+        return dataclasses.replace(self.stats, used=self.num_pages - self.num_free_pages, capacity=self.num_pages,
+                                   used_snapshots=self.num_snapshots - self.num_free_snapshots,
+                                   capacity_snapshots=self.num_snapshots)
 
     def _timed(self, nbytes: int, outward: bool):
         t0 = time.perf_counter()
@@ -306,7 +311,12 @@ class FileTier:
 
     @property
     def num_blobs(self) -> int:
-        return sum(len(v) for v in self._index.values())
+        with self._lock:             # the writer thread changes the index
+            return sum(len(v) for v in self._index.values())
+
+    def report(self) -> TierStats:
+        return dataclasses.replace(self.stats, used=self.used_bytes, capacity=self.size_bytes, blobs=self.num_blobs,
+                                   writable=self.writable)
 
     @property
     def used_bytes(self) -> int:
@@ -498,3 +508,49 @@ class FileTier:
         self.stats.bytes_out += len(data)
         self.stats.seconds += time.perf_counter() - t0
         return Blob(start, end, tokens, kv, conv, ssm)
+
+
+# The one table of write policies: at which event a device node is backed up to the host tier (and from there, or
+# straight from the device without a host tier, written to the file tier).
+BACKUP_EVENT = {"write_through": "insert", "write_through_selective": "hit", "write_back": "evict"}
+
+
+class Tiers:
+    """The tiers below the device and every copy between them and the device pools. All copies run on the engine
+    thread between forwards, so nothing they read is freed or rewritten meanwhile; the file tier gets CPU copies
+    that its writer thread owns."""
+
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool, host: HostTier | None, file: FileTier | None,
+                 write_policy: str) -> None:
+        assert write_policy in BACKUP_EVENT, write_policy
+        self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.host, self.file, self.write_policy = host, file, write_policy
+
+    def backup_due(self, event: str, hits: int) -> bool:
+        """Is a node backed up now? event: "insert" (cached), "hit" (matched again; hits counts its matches),
+        "evict" (leaving the device)."""
+        due = BACKUP_EVENT[self.write_policy]
+        return event == due and (due != "hit" or hits >= 2)
+
+    def write_file(self, start: bytes, end: bytes, tokens: list[int], pages: list[int] | None,
+                   host_pages: list[int] | None, snapshot: int | None, host_snapshot: int | None) -> None:
+        """Queue one node for the file tier, copied from the host tier where it has a copy, else the device."""
+        if host_pages is not None:
+            kv = self.host.kv[host_pages].clone()
+        else:
+            kv = self.kv_pool.buffer[torch.tensor(pages, device=self.kv_pool.buffer.device)].to("cpu")
+        conv = ssm = None
+        if host_snapshot is not None:
+            conv, ssm = self.host.conv[host_snapshot].clone(), self.host.ssm[host_snapshot].clone()
+        elif snapshot is not None:
+            conv = self.state_pool.conv[snapshot].to("cpu", copy=True)
+            ssm = self.state_pool.ssm[snapshot].to("cpu", copy=True)
+        self.file.write(Blob(start, end, list(tokens), kv, conv, ssm))
+
+    def load_blob(self, blob: Blob, pages: list[int], snapshot: int | None) -> None:
+        """Copy a blob read from the file tier into device pages (and its state into a snapshot slot)."""
+        buf = self.kv_pool.buffer
+        buf.index_copy_(0, torch.tensor(pages, device=buf.device), blob.kv.to(buf.device))
+        if snapshot is not None:
+            self.state_pool.conv[snapshot].copy_(blob.conv)
+            self.state_pool.ssm[snapshot].copy_(blob.ssm)

@@ -1,0 +1,261 @@
+"""The prefix cache as the scheduler sees it: a few calls, and a null cache when it is off.
+
+    arrival:    on_arrival(req)     start reading the prompt's file-tier blobs in the background
+                ready(req)          may req be admitted now? (the prefetch policy)
+    admission:  admit(req)          promote host / file copies onto the device, match, share the matched pages,
+                                    copy the state snapshot, lock the path
+    each step:  advance(req, pos, is_decode)   take the state snapshots that fall due
+    end:        finish(req)         cache what the request computed;  release(req): unlock (also on preemption)
+    room:       make_room(pages)    evict unlocked cached pages until `pages` are free
+
+A request's cache bookkeeping lives in one CacheRun. The tree itself and its invariants are in radix.py; every copy
+between the device, the host tier and the file tier is in tiers.py.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tinyserve.config import Config
+from tinyserve.kv import PageAllocator
+from tinyserve.radix import Node, RadixCache
+from tinyserve.request import Request
+from tinyserve.state import StatePool
+from tinyserve.tiers import Blob, TierStats
+
+
+@dataclass(eq=False)
+class CacheRun:
+    """One request's prefix-cache bookkeeping, from arrival to release."""
+    node: Node | None = None                # the cached node this run resumed from (locked while running)
+    snapshot_points: list[int] = field(default_factory=list)   # prefill positions where a snapshot is taken
+    track_slot: int | None = None           # copy of the state at the last page boundary (decode)
+    track_pos: int = -1
+    read: Future | None = None              # file-tier blobs being read for this prompt
+    read_first_page: int = 0
+    read_deadline: float = 0.0
+
+
+@dataclass
+class CacheStats:
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    cached_pages: int = 0
+    snapshots_held: int = 0
+    snapshots_evicted: int = 0
+    host: TierStats | None = None
+    file: TierStats | None = None
+
+
+def read_deadline(prompt_tokens: int) -> float:
+    """How long a request waits for its file-tier read before it is computed instead: SGLang's timeout rule,
+    1 s plus 0.25 s per 1000 prompt tokens."""
+    return time.monotonic() + 1.0 + 0.25 * prompt_tokens / 1000
+
+
+class NullCache:
+    """cache.enabled = false: every request starts from an empty state and nothing is kept."""
+
+    def __init__(self, state_pool: StatePool) -> None:
+        self.state_pool = state_pool
+
+    def on_arrival(self, req: Request) -> None:
+        pass
+
+    def ready(self, req: Request) -> bool:
+        return True
+
+    skips_unready = False
+
+    def next_snapshot(self, req: Request) -> int | None:
+        return None
+
+    def admit(self, req: Request) -> None:
+        self.state_pool.zero(req.state_slot)
+
+    def advance(self, req: Request, pos: int, is_decode: bool) -> None:
+        pass
+
+    def finish(self, req: Request) -> None:
+        pass
+
+    def release(self, req: Request) -> None:
+        pass
+
+    def make_room(self, pages: int) -> None:
+        pass
+
+    def flush(self, include_file: bool = False) -> bool:
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        pass
+
+    def stats(self) -> CacheStats:
+        return CacheStats()
+
+    def check(self) -> None:
+        pass
+
+
+class PrefixCache:
+    """The radix tree with its tiers, state snapshots and prefetch policy, behind the scheduler's calls."""
+
+    def __init__(self, cfg: Config, tree: RadixCache, allocator: PageAllocator, state_pool: StatePool,
+                 wake: Callable[[], None] = lambda: None) -> None:
+        self.tree, self.allocator, self.state_pool = tree, allocator, state_pool
+        self.page_size = tree.page_size
+        self.track_interval = cfg.cache.state_track_interval
+        self.prefetch_policy = cfg.cache.file.prefetch_policy
+        self.wake = wake                     # called from the reader thread when a read lands
+
+    @property
+    def hybrid(self) -> bool:
+        return self.tree.hybrid
+
+    # ---- arrival: file-tier prefetch ----
+    def on_arrival(self, req: Request) -> None:
+        """Start reading the file-tier blobs that continue what the tree already holds of this prompt."""
+        run = req.cache_run = CacheRun()
+        file = self.tree.tiers.file
+        if file is None or len(req.all_ids) <= self.page_size:
+            return
+        first = self.tree.coverage(req.all_ids) // self.page_size
+        run.read, run.read_first_page = file.prefetch(req.all_ids, first, self.page_size), first
+        run.read_deadline = read_deadline(len(req.all_ids))
+        run.read.add_done_callback(lambda _: self.wake())
+
+    def ready(self, req: Request) -> bool:
+        """May req be admitted now? Reading a cached prefix back is far faster than computing it, so no policy
+        starts a request's prefill while its read is in flight, except when waiting runs out:
+        - wait_complete: until the read is done;
+        - timeout: up to the deadline (1 s + 0.25 s per 1000 tokens), then compute;
+        - best_effort: like timeout, but the scheduler admits requests queued behind it meanwhile (the caller
+          passes over a request that is not ready instead of waiting in line)."""
+        run = req.cache_run
+        if run is None or run.read is None or run.read.done():
+            return True
+        return self.prefetch_policy != "wait_complete" and time.monotonic() >= run.read_deadline
+
+    @property
+    def skips_unready(self) -> bool:
+        return self.prefetch_policy == "best_effort"
+
+    # ---- admission ----
+    def admit(self, req: Request) -> None:
+        """Resume from the longest usable cached prefix: share its pages, copy its state, skip its prefill."""
+        run = req.cache_run or CacheRun()
+        req.cache_run = run
+        blobs: list[Blob] = []
+        if run.read is not None and run.read.done() and run.read.exception() is None:
+            blobs = run.read.result()
+        run.read = None
+        loaded = self.tree.promote(req.all_ids, blobs, run.read_first_page)
+        m = self.tree.match(req.all_ids)
+        if m.node.snapshot is not None:
+            self.state_pool.copy(m.node.snapshot, req.state_slot)
+        else:
+            self.state_pool.zero(req.state_slot)
+        self.allocator.retain(m.pages)
+        req.pages = list(m.pages)
+        req.num_computed = m.length
+        req.cached_tokens = min(m.length, len(req.prompt_ids))
+        by_tier = {t: max(0, min(end, req.cached_tokens) - start) for t, (start, end) in loaded.items()}
+        req.cached_by_tier = {"device": req.cached_tokens - sum(by_tier.values()), "host": by_tier.get("host", 0),
+                              "file": by_tier.get("file", 0)}
+        self.tree.lock(m.node, +1)
+        run.node = m.node
+        ps, end = self.page_size, req.num_tokens
+        points = set(range(self.track_interval, end, self.track_interval))
+        points.add((end - 1) // ps * ps)                   # page-aligned end of the prompt
+        if m.kv_length > m.length:
+            points.add(m.kv_length)                        # branch point: cached KV but no state there yet
+        run.snapshot_points = sorted(p for p in points if p > req.num_computed)
+
+    def next_snapshot(self, req: Request) -> int | None:
+        """The next prefill position where a snapshot is due (a prefill chunk ends there)."""
+        run = req.cache_run
+        later = [p for p in run.snapshot_points if p > req.num_computed] if run else []
+        return min(later) if later else None
+
+    # ---- after each step ----
+    def advance(self, req: Request, pos: int, is_decode: bool) -> None:
+        """req has computed up to pos: take the snapshots that fall due there."""
+        run, ps = req.cache_run, self.page_size
+        if pos in run.snapshot_points or (is_decode and pos % self.track_interval == 0):
+            self._snapshot(req, pos)
+        elif is_decode and self.hybrid and ps > 1 and pos % ps == 0:   # keep the state at the last page boundary
+            if run.track_slot is None:
+                run.track_slot = self.tree.alloc_snapshot()
+            if run.track_slot is not None:
+                self.state_pool.copy(req.state_slot, run.track_slot)
+                run.track_pos = pos
+
+    def _snapshot(self, req: Request, pos: int) -> None:
+        """Cache tokens [0, pos) of req with a copy of its current state (which is the state at pos)."""
+        if not self.hybrid:                                # no recurrent state: the KV pages are enough
+            self.tree.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], None)
+            return
+        slot = self.tree.alloc_snapshot()
+        if slot is None:
+            return
+        self.state_pool.copy(req.state_slot, slot)
+        self.tree.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], slot)
+
+    # ---- end ----
+    def finish(self, req: Request) -> None:
+        """Cache what a finished request computed, up to its last page boundary, with the state there."""
+        run, ps = req.cache_run, self.page_size
+        end = req.num_computed // ps * ps
+        if end == 0:
+            return
+        if end == req.num_computed:
+            self._snapshot(req, end)
+        elif run.track_pos == end:
+            slot, run.track_slot, run.track_pos = run.track_slot, None, -1
+            self.tree.insert(req.all_ids[:end], req.pages[:end // ps], slot)
+        elif not self.hybrid:
+            self.tree.insert(req.all_ids[:end], req.pages[:end // ps], None)
+
+    def release(self, req: Request) -> None:
+        """Unlock the resume node and give back the tracking slot (finish, abort, preemption)."""
+        run = req.cache_run
+        if run is None:
+            return
+        if run.node is not None:
+            self.tree.lock(run.node, -1)
+        if run.track_slot is not None:
+            self.state_pool.free_snapshot(run.track_slot)
+        if run.read is not None:
+            run.read.cancel()
+        req.cache_run = None
+
+    def make_room(self, pages: int) -> None:
+        self.tree.evict_pages(pages)
+
+    # ---- whole cache ----
+    def flush(self, include_file: bool = False) -> bool:
+        """Empty the device and host tiers (and the file tier when asked); False while a running request holds
+        part of the tree (nothing is freed then)."""
+        if not self.tree.flush():
+            return False
+        if include_file and self.tree.tiers.file is not None:
+            self.tree.tiers.file.clear()
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush pending file-tier writes (bounded) so a restart finds them."""
+        if self.tree.tiers.file is not None:
+            self.tree.tiers.file.close(timeout)
+
+    def stats(self) -> CacheStats:
+        t = self.tree
+        return CacheStats(query_tokens=t.query_tokens, hit_tokens=t.hit_tokens, cached_pages=t.num_pages,
+                          snapshots_held=t.num_snapshots, snapshots_evicted=t.snapshots_evicted,
+                          host=t.tiers.host.report() if t.tiers.host else None,
+                          file=t.tiers.file.report() if t.tiers.file else None)
+
+    def check(self) -> None:
+        self.tree.check()

@@ -1,0 +1,48 @@
+"""One generation request as the engine, the scheduler and the prefix cache see it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tinyserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tinyserve.cache import CacheRun
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+TIERS = ("device", "host", "file")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)    # pages holding KV of tokens [0, num_computed)
+    state_slot: int | None = None
+    num_computed: int = 0                              # tokens whose KV and GDN state are in the pools
+    cached_tokens: int = 0                             # prompt tokens taken from the prefix cache
+    cached_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # split of the above
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    admit_order: int = 0                               # larger = admitted later (preempted first)
+    cache_run: CacheRun | None = None                  # the prefix cache's bookkeeping of this request
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
