@@ -1,22 +1,61 @@
-"""Dense projections (y = x W^T) with the fastest CPU GEMM this torch build offers.
+"""Dense projections (y = x W^T) with the faster of two CPU GEMM routes, chosen by measuring on this CPU.
 
-On CPU, torch's F.linear goes to MKL sgemm, which is slow for the small row counts of decode batches on some
-CPUs (measured 2-3x slower than oneDNN on AMD EPYC for 8..2000 rows, fp32). oneDNN's linear (the op torch's own
-CPU compiler emits) is used there; single rows stay on MKL's gemv, which is as fast or faster.
+On CPU, torch's F.linear goes to MKL (sgemm / gemv) and torch's private oneDNN op `mkldnn._linear_pointwise` (what
+torch's own CPU compiler emits) to oneDNN. Which is faster depends on the CPU: oneDNN was 2-3x faster than MKL on
+AMD EPYC for 8..2000 rows (fp32), while plain F.linear was 9-17% faster on an Intel CPU with AMX. So `calibrate`
+times both on the model's own weight shapes at start, separately for decode-sized and prefill-sized row counts,
+and `linear` follows its choice. Until calibrated, oneDNN is used where available. Greedy tokens do not depend on
+the route (both are exact GEMMs; only summation order differs).
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 
-_ONEDNN_MIN_ROWS = 1       # oneDNN streams the weights ~2x faster than MKL gemv too (decode is bandwidth-bound)
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
     else None
+DECODE_ROWS = 16                       # row counts up to this are "decode" (a batch of single-token requests)
+_use_onednn = {"decode": _onednn_linear is not None, "prefill": _onednn_linear is not None}
+_calibrated = False                    # once per process: every engine in it then computes the same way
+
+
+def _onednn_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_onednn_linear is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.dtype == weight.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T -> [..., N], no bias."""
-    if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and x.dtype == weight.dtype and x.numel() >= _ONEDNN_MIN_ROWS * x.shape[-1]):
-        return _onednn_linear(x, weight, None, "none", [], "")
+    if _onednn_ok(x, weight):
+        rows = x.numel() // x.shape[-1]
+        if _use_onednn["decode" if rows <= DECODE_ROWS else "prefill"]:
+            return _onednn_linear(x, weight, None, "none", [], "")
     return F.linear(x, weight)
+
+
+@torch.inference_mode()
+def calibrate(weights: list[torch.Tensor], rows: tuple[int, int] = (1, 256), repeats: int = 5) -> dict[str, str]:
+    """Time F.linear against oneDNN on these weights (CPU) for a decode-sized and a prefill-sized input, and use the
+    faster route for each from now on; once per process (later calls keep the first choice). Returns the choice,
+    e.g. {"decode": "onednn", "prefill": "mkl"}."""
+    global _calibrated
+    if _calibrated or not weights or _onednn_linear is None or not _onednn_ok(weights[0][:1], weights[0]):
+        return {k: "onednn" if v else "mkl" for k, v in _use_onednn.items()}
+    _calibrated = True
+    for kind, n in zip(("decode", "prefill"), rows):
+        inputs = [torch.randn(n, w.shape[1], dtype=w.dtype) for w in weights]
+
+        def run(fn) -> float:
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for x, w in zip(inputs, weights):
+                    fn(x, w)
+                best = min(best, time.perf_counter() - t0)
+            return best
+        onednn = lambda x, w: _onednn_linear(x, w, None, "none", [], "")  # noqa: E731
+        run(onednn), run(F.linear)                                          # warm both up
+        _use_onednn[kind] = run(onednn) < run(F.linear)
+    return {k: "onednn" if v else "mkl" for k, v in _use_onednn.items()}

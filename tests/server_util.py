@@ -133,7 +133,8 @@ class ServerProcess:
 class InProcessServer:
     """The aiohttp app and the engine on an event loop in a background thread (fast tests, direct engine access).
 
-    Build the Config in the test (config.from_dict(server_config(...))); the engine is loaded on the loop thread.
+    Build the Config in the test (config.from_dict(server_config(...))); the engine is loaded on the process's
+    compute thread, as the CLI does.
     """
 
     def __init__(self, cfg: Any) -> None:
@@ -153,9 +154,9 @@ class InProcessServer:
         from aiohttp import web
 
         from tinyserve.api import create_app
-        from tinyserve.engine import Engine
+        from tinyserve.engine import Engine, compute_thread
 
-        self.engine = Engine.from_config(self.cfg)
+        self.engine = await asyncio.wrap_future(compute_thread().submit(Engine.from_config, self.cfg))
         await self.engine.start()
         self.app = create_app(self.engine, self.cfg)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=2.0)
@@ -169,10 +170,8 @@ class InProcessServer:
             await self.engine.stop()
 
     def stats(self) -> Any:
-        """engine.stats() read on the loop thread (the engine is not thread-safe)."""
-        async def read() -> Any:
-            return self.engine.stats()
-        return self.call(read())
+        """engine.stats(), taken on the engine thread (the engine's state is touched there only)."""
+        return self.call(self.engine.call(self.engine.stats))
 
     def start(self) -> "InProcessServer":
         self.thread.start()

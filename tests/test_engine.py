@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_5_text, make_qwen3_next, update_config
+from conftest import engine_for, merge
 from tinyserve.engine import Engine, TokenEvent
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
@@ -45,10 +46,11 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(1000 * seed + n)).tolist()
 
 
-def engine(model, **kw) -> Engine:
-    args = dict(page_size=16, kv_tokens=4096, max_running_requests=8, chunked_prefill_size=256)
-    args.update(kw)
-    return Engine(model, None, **args)
+def make_engine(loaded_model, **tables) -> Engine:
+    """An engine with these tests' defaults, overridden by TOML tables (engine={...}, cache={...}, model={...})."""
+    defaults = {"engine": {"page_size": 16, "kv_cache_tokens": 4096, "max_running_requests": 8,
+                           "chunked_prefill_size": 256}}
+    return engine_for(loaded_model, **merge(defaults, tables))
 
 
 def assert_idle_and_no_leaks(eng: Engine) -> None:
@@ -95,8 +97,8 @@ def test_batch_invariance(any_model, page_size):
     model = any_model
     prompts = [prompt(n) for n in MIXED]
     params = SamplingParams(max_tokens=8, **GREEDY)
-    alone = [engine(model, page_size=page_size).generate([p], params)[0] for p in prompts]
-    eng = engine(model, page_size=page_size)
+    alone = [make_engine(model, engine={"page_size": page_size}).generate([p], params)[0] for p in prompts]
+    eng = make_engine(model, engine={"page_size": page_size})
     together = eng.generate(prompts, params)
     assert together == alone
     assert all(len(o) == 8 for o in together)
@@ -123,10 +125,10 @@ def test_preemption_keeps_outputs_and_frees_everything(any_model, prefix_cache):
     model = any_model
     prompts = [prompt(55 + i, seed=1) for i in range(8)]
     params = SamplingParams(max_tokens=40, **GREEDY)
-    reference = engine(model, enable_prefix_cache=False).generate(prompts, params)
+    reference = make_engine(model, cache={"enabled": False}).generate(prompts, params)
     # 16 pages of 16: at most two of these 95..102-token requests fit at once
-    eng = engine(model, page_size=16, kv_tokens=256, max_running_requests=8, chunked_prefill_size=512,
-                 enable_prefix_cache=prefix_cache)
+    eng = make_engine(model, engine={"kv_cache_tokens": 256, "chunked_prefill_size": 512},
+                      cache={"enabled": prefix_cache})
     out = generate_bounded(eng, prompts, params)
     assert eng.scheduler.num_preemptions > 0
     assert out == reference
@@ -136,16 +138,16 @@ def test_preemption_keeps_outputs_and_frees_everything(any_model, prefix_cache):
 def test_chunked_prefill_sizes_give_identical_output(model):
     prompts = [prompt(n, seed=2) for n in (30, 50, 9)]
     params = SamplingParams(max_tokens=6, **GREEDY)
-    outs = [engine(model, chunked_prefill_size=c).generate(prompts, params) for c in (1, 7, 64)]
+    outs = [make_engine(model, engine={"chunked_prefill_size": c}).generate(prompts, params) for c in (1, 7, 64)]
     assert outs[0] == outs[1] == outs[2]
 
 
 def test_one_running_request_at_a_time(model):
     prompts = [prompt(n, seed=3) for n in (20, 5, 40)]
     params = SamplingParams(max_tokens=7, **GREEDY)
-    eng = engine(model, max_running_requests=1)
+    eng = make_engine(model, engine={"max_running_requests": 1})
     out = eng.generate(prompts, params)
-    assert out == engine(model).generate(prompts, params)
+    assert out == make_engine(model).generate(prompts, params)
     assert_idle_and_no_leaks(eng)
 
 
@@ -155,22 +157,22 @@ def test_one_running_request_at_a_time(model):
 def test_seeded_sampling_is_reproducible_across_batches(model):
     p = prompt(25, seed=4)
     sp = lambda seed: SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)
-    alone = engine(model).generate([p], sp(7))[0]
+    alone = make_engine(model).generate([p], sp(7))[0]
     others = [prompt(n, seed=5) for n in (3, 60, 33)]
-    batch = engine(model).generate(others[:2] + [p] + others[2:],
+    batch = make_engine(model).generate(others[:2] + [p] + others[2:],
                                    [sp(1), SamplingParams(max_tokens=5, **GREEDY), sp(7), sp(2)])
     assert batch[2] == alone
-    different = engine(model).generate([p] * 3, [sp(8), sp(9), sp(10)])
+    different = make_engine(model).generate([p] * 3, [sp(8), sp(9), sp(10)])
     assert any(o != alone for o in different)
     assert len({tuple(o) for o in different}) > 1
 
 
 def test_stop_token_and_max_tokens_finish_reasons(model):
     p = prompt(12, seed=6)
-    free = engine(model).generate([p], SamplingParams(max_tokens=10, **GREEDY))[0]
+    free = make_engine(model).generate([p], SamplingParams(max_tokens=10, **GREEDY))[0]
     k = next(i for i in range(2, 10) if free[i] not in free[:i])           # first occurrence of some token
     (ev_stop, res_stop), (ev_len, res_len) = run_streams(
-        engine(model), [p, p], [SamplingParams(max_tokens=10, stop_token_ids=[free[k]], **GREEDY),
+        make_engine(model), [p, p], [SamplingParams(max_tokens=10, stop_token_ids=[free[k]], **GREEDY),
                                 SamplingParams(max_tokens=4, **GREEDY)])
     assert [e.token_id for e in ev_stop] == free[:k + 1]       # the stop token is emitted, then the request ends
     assert res_stop.finish_reason == "stop" and res_stop.completion_tokens == k + 1
@@ -183,7 +185,7 @@ def test_stop_token_and_max_tokens_finish_reasons(model):
 def eos_model(ckpt, tmp_path_factory, model):
     """The same weights with eos set to a token greedy decoding of EOS_PROMPT emits at output index 3."""
     p = prompt(10, seed=7)
-    free = engine(model).generate([p], SamplingParams(max_tokens=12, **GREEDY))[0]
+    free = make_engine(model).generate([p], SamplingParams(max_tokens=12, **GREEDY))[0]
     k = next(i for i in range(3, 12) if free[i] not in free[:i])
     folder = tmp_path_factory.mktemp("eos") / "ckpt"
     shutil.copytree(ckpt[0], folder)
@@ -197,13 +199,13 @@ def test_eos_min_tokens_and_ignore_eos(eos_model):
     m, p, free, k = eos_model
     eos = free[k]
     greedy = dict(temperature=0)
-    (ev, res), = run_streams(engine(m), [p], SamplingParams(max_tokens=12, **greedy))
+    (ev, res), = run_streams(make_engine(m), [p], SamplingParams(max_tokens=12, **greedy))
     assert [e.token_id for e in ev] == free[:k + 1] and res.finish_reason == "stop"
 
-    (ev, res), = run_streams(engine(m), [p], SamplingParams(max_tokens=12, ignore_eos=True, **greedy))
+    (ev, res), = run_streams(make_engine(m), [p], SamplingParams(max_tokens=12, ignore_eos=True, **greedy))
     assert [e.token_id for e in ev] == free and res.finish_reason == "length"
 
-    (ev, res), = run_streams(engine(m), [p], SamplingParams(max_tokens=12, min_tokens=k + 2, **greedy))
+    (ev, res), = run_streams(make_engine(m), [p], SamplingParams(max_tokens=12, min_tokens=k + 2, **greedy))
     toks = [e.token_id for e in ev]
     assert len(toks) >= k + 2 and eos not in toks[:k + 1]
     assert toks[:k] == free[:k]                                # unchanged until eos would have been picked
@@ -213,7 +215,8 @@ def test_eos_min_tokens_and_ignore_eos(eos_model):
 def test_logprobs_match_transformers(model, ckpt):
     hf = ckpt[1]
     p = prompt(15, seed=8)
-    (ev0, _), (ev3, _) = run_streams(engine(model), [p, p], [SamplingParams(max_tokens=5, logprobs=0, **GREEDY),
+    (ev0, _), (ev3, _) = run_streams(make_engine(model), [p, p],
+                                     [SamplingParams(max_tokens=5, logprobs=0, **GREEDY),
                                                             SamplingParams(max_tokens=5, logprobs=3, **GREEDY)])
     toks = [e.token_id for e in ev0]
     assert toks == [e.token_id for e in ev3]
@@ -232,7 +235,7 @@ def test_logprobs_match_transformers(model, ckpt):
         assert ids == ref[i].topk(3).indices.tolist()
         for t, lp in b.top_logprobs:
             assert abs(lp - ref[i, t].item()) < 1e-4
-    (ev, _), = run_streams(engine(model), [p], SamplingParams(max_tokens=2, **GREEDY))
+    (ev, _), = run_streams(make_engine(model), [p], SamplingParams(max_tokens=2, **GREEDY))
     assert all(e.logprob is None and e.top_logprobs is None for e in ev)
 
 
@@ -242,8 +245,8 @@ def test_logprobs_match_transformers(model, ckpt):
 def test_async_streams_match_generate(model):
     prompts = [prompt(n, seed=9) for n in (4, 40, 90)]
     params = SamplingParams(max_tokens=9, **GREEDY)
-    ref = engine(model).generate(prompts, params)
-    eng = engine(model)
+    ref = make_engine(model).generate(prompts, params)
+    eng = make_engine(model)
     results = run_streams(eng, prompts, params)
     for (events, res), r in zip(results, ref):
         assert [e.token_id for e in events] == r
@@ -262,7 +265,7 @@ async def wait_until(cond, what: str, tries: int = 2000) -> None:
 
 
 def test_cancel_mid_generation_frees_pages_and_slot(model):
-    eng = engine(model)
+    eng = make_engine(model)
 
     async def main():
         await eng.start()
@@ -280,14 +283,14 @@ def test_cancel_mid_generation_frees_pages_and_slot(model):
             other_events = await collect(other)
             assert len(other_events) == 6 and other.result.finish_reason == "length"
             await wait_until(lambda: eng.stats().num_running == 0 and eng.stats().num_waiting == 0, "idle")
-            assert_idle_and_no_leaks(eng)
+            await eng.call(assert_idle_and_no_leaks, eng)
         finally:
             await eng.stop()
     asyncio.run(main())
 
 
 def test_cancel_while_waiting_in_queue(model):
-    eng = engine(model, max_running_requests=1)
+    eng = make_engine(model, engine={"max_running_requests": 1})
 
     async def main():
         await eng.start()
@@ -303,14 +306,14 @@ def test_cancel_while_waiting_in_queue(model):
             rest = await collect(first)
             assert first.result.finish_reason == "length" and len(rest) == 29
             await wait_until(lambda: eng.stats().num_running == 0, "idle")
-            assert_idle_and_no_leaks(eng)
+            await eng.call(assert_idle_and_no_leaks, eng)
         finally:
             await eng.stop()
     asyncio.run(main())
 
 
 def test_cancel_before_first_step_never_runs(model):
-    eng = engine(model, max_running_requests=1)
+    eng = make_engine(model, engine={"max_running_requests": 1})
 
     async def main():
         await eng.start()
@@ -323,14 +326,14 @@ def test_cancel_before_first_step_never_runs(model):
             assert len(await collect(first)) == 8
             await wait_until(lambda: eng.stats().num_running == 0 and eng.stats().num_waiting == 0, "idle")
             assert doomed._req.output_ids == [], "the cancelled request was computed anyway"
-            assert_idle_and_no_leaks(eng)
+            await eng.call(assert_idle_and_no_leaks, eng)
         finally:
             await eng.stop()
     asyncio.run(main())
 
 
 def test_submit_validation_errors(model):
-    eng = engine(model, context_length=128)
+    eng = make_engine(model, model={"context_length": 128})
     with pytest.raises(ValueError) as e:
         eng.submit(prompt(100), SamplingParams(max_tokens=40))
     assert "100" in str(e.value) and "40" in str(e.value) and "max_tokens" in str(e.value)
@@ -347,7 +350,7 @@ def test_submit_validation_errors(model):
 
 def test_event_loop_stays_responsive_during_steps(model):
     """A concurrent task keeps running while a long prefill step is in flight (steps run off the loop thread)."""
-    eng = engine(model, chunked_prefill_size=2048)
+    eng = make_engine(model, engine={"chunked_prefill_size": 2048})
 
     async def main():
         await eng.start()

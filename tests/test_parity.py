@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_5_conditional, make_qwen3_5_text, make_qwen3_next
-from tinyserve.engine import Engine
+from conftest import engine_for
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
-from tinyserve.scheduler import Request
+from tinyserve.request import Request
 
 CTX = 512
 FAMILIES = {
@@ -32,7 +32,8 @@ def family(request, tmp_path_factory):
 
 def engine_logits(model, ids: list[int], page_size: int, chunk: int) -> torch.Tensor:
     """Logits of every prompt position, computed through the scheduler's chunked prefill and the runner."""
-    eng = Engine(model, None, page_size=page_size, kv_tokens=1024, max_running_requests=2, chunked_prefill_size=chunk)
+    eng = engine_for(model, engine={"page_size": page_size, "kv_cache_tokens": 1024, "max_running_requests": 2,
+                                    "chunked_prefill_size": chunk})
     req = Request("r", ids, SamplingParams(max_tokens=1), seed=0)
     eng.scheduler.add(req)
     hidden = []
@@ -68,7 +69,8 @@ def test_prompt_logits_match_transformers(family, length, page_size):
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_greedy_continuation_matches_transformers(family, page_size):
     folder, hf, model = family
-    eng = Engine(model, None, page_size=page_size, kv_tokens=2048, max_running_requests=4, chunked_prefill_size=64)
+    eng = engine_for(model, engine={"page_size": page_size, "kv_cache_tokens": 2048, "max_running_requests": 4,
+                                    "chunked_prefill_size": 64})
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 70)]
     outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):

@@ -11,17 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from checkpoints import make_qwen3_5_text
-from tinyserve.engine import Engine
+from conftest import assert_no_leaks, engine_for, tokens
+from tinyserve.cache import NullCache
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def hybrid_model(tmp_path_factory):
-    folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("hybrid"), max_position_embeddings=2048)
-    return load_model(folder, torch.float32)
+COLD = {"enabled": False}
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +27,11 @@ def attention_model(tmp_path_factory):
     return load_model(folder, torch.float32)
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def assert_no_leaks(engine: Engine) -> None:
-    assert engine.flush_cache()
-    assert engine.allocator.num_free == engine.allocator.num_pages
-    assert engine.state_pool.num_free == engine.state_pool.num_slots
-    assert engine.state_pool.num_free_snapshots == engine.state_pool.num_snapshot_slots
-    assert engine.cache.num_pages == 0 and engine.cache.num_snapshots == 0
-
-
-def run_both(model, prompts, page_size, interval, **kw):
+def run_both(model, prompts, page_size, interval):
     """Each prompt in turn through a warm engine and a cold one; outputs must agree. Returns warm requests."""
-    warm = Engine(model, None, page_size=page_size, state_track_interval=interval, kv_tokens=4096, **kw)
-    cold = Engine(model, None, page_size=page_size, kv_tokens=4096, enable_prefix_cache=False)
+    pool = {"page_size": page_size, "kv_cache_tokens": 4096}
+    warm = engine_for(model, engine=pool, cache={"state_track_interval": interval})
+    cold = engine_for(model, engine=pool, cache=COLD)
     done = []
     for p in prompts:
         prompt = p(done) if callable(p) else p
@@ -93,9 +78,9 @@ def test_pure_attention_models_reuse_everything_but_the_last_page(attention_mode
 
 
 def test_disabled_cache_reuses_nothing(hybrid_model):
-    eng = Engine(hybrid_model, None, page_size=16, kv_tokens=2048, enable_prefix_cache=False)
+    eng = engine_for(hybrid_model, engine={"page_size": 16, "kv_cache_tokens": 2048}, cache=COLD)
     a, b = eng.run_requests([tokens(100, 9)] * 1, GREEDY) + eng.run_requests([tokens(100, 9)], GREEDY)
-    assert a.cached_tokens == b.cached_tokens == 0 and eng.cache is None
+    assert a.cached_tokens == b.cached_tokens == 0 and isinstance(eng.cache, NullCache)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -113,9 +98,9 @@ def test_random_request_streams_match_uncached(hybrid_model, data, page_size):
         prompts.append(base[:cut] + extra)
     batch_size = data.draw(st.integers(1, 3))
     kw = dict(page_size=page_size, max_running_requests=2, chunked_prefill_size=48)
-    warm = Engine(hybrid_model, None, kv_tokens=320, state_track_interval=32 if page_size == 1 else 32,
-                  snapshot_slots=3, **kw)
-    cold = Engine(hybrid_model, None, kv_tokens=4096, enable_prefix_cache=False, **kw)
+    warm = engine_for(hybrid_model, engine=dict(kw, kv_cache_tokens=320),
+                      cache={"state_track_interval": 32, "state_slots": 3})
+    cold = engine_for(hybrid_model, engine=dict(kw, kv_cache_tokens=4096), cache=COLD)
     for i in range(0, n, batch_size):
         group = prompts[i:i + batch_size]
         assert warm.generate(group, GREEDY) == cold.generate(group, GREEDY)
@@ -124,8 +109,9 @@ def test_random_request_streams_match_uncached(hybrid_model, data, page_size):
 
 def test_concurrent_hits_and_cancelling_a_request_that_holds_a_locked_node(hybrid_model):
     shared = tokens(200, 11)
-    eng = Engine(hybrid_model, None, page_size=16, kv_tokens=4096, state_track_interval=64)
-    cold = Engine(hybrid_model, None, page_size=16, kv_tokens=4096, enable_prefix_cache=False)
+    pool = {"page_size": 16, "kv_cache_tokens": 4096}
+    eng = engine_for(hybrid_model, engine=pool, cache={"state_track_interval": 64})
+    cold = engine_for(hybrid_model, engine=pool, cache=COLD)
     eng.generate([shared], GREEDY)                                     # warm the cache
     prompts = [shared + tokens(10, 20 + i) for i in range(4)]
     expected = cold.generate(prompts, GREEDY)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_5_text
+from conftest import engine_for, merge, tokens
 from server_util import ServerProcess, free_port, http, server_config
 from tinyserve.engine import Engine
 from tinyserve.loader import load_model
@@ -31,9 +32,8 @@ SESSION = 250                  # prompt tokens of one session; three of them do 
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("hybrid"), max_position_embeddings=2048)
-    return load_model(folder, torch.float32)
+def model(hybrid_model):
+    return hybrid_model
 
 
 @pytest.fixture(scope="module")
@@ -43,24 +43,30 @@ def other_model(tmp_path_factory):
     return load_model(folder, torch.float32)
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 SESSIONS = {name: tokens(SESSION, seed) for name, seed in (("A", 1), ("B", 2), ("C", 3))}
 
 
 @pytest.fixture(scope="module")
 def cold(model):
     """Greedy tokens of each session from an engine without any cache."""
-    eng = Engine(model, None, page_size=16, kv_tokens=4096, enable_prefix_cache=False)
+    eng = engine_for(model, engine={"page_size": 16, "kv_cache_tokens": 4096}, cache={"enabled": False})
     return {name: eng.generate([p], GREEDY)[0] for name, p in SESSIONS.items()}
 
 
-def small_engine(model, page_size: int = 16, **kw) -> Engine:
-    """A device pool too small for two sessions, one request at a time."""
-    kw.setdefault("prefetch_policy", "wait_complete")   # run_requests steps at once: wait for the file read
-    return Engine(model, None, page_size=page_size, kv_tokens=400, max_running_requests=1, **kw)
+def small_engine(model, page_size: int = 16, host: dict | None = None, file: dict | None = None) -> Engine:
+    """A device pool too small for two sessions, one request at a time; `host` and `file` are the [cache.host]
+    and [cache.file] tables."""
+    file = {"prefetch_policy": "wait_complete", **(file or {})}   # run_requests steps at once: wait for the read
+    return engine_for(model, engine={"page_size": page_size, "kv_cache_tokens": 400, "max_running_requests": 1},
+                      cache={"host": host or {}, "file": file})
+
+
+def host_tier(eng: Engine):
+    return eng.cache.tree.tiers.host
+
+
+def file_tier(eng: Engine):
+    return eng.cache.tree.tiers.file
 
 
 def run(eng: Engine, name: str):
@@ -77,10 +83,11 @@ def assert_all_free(eng: Engine) -> None:
     assert eng.allocator.num_free == eng.allocator.num_pages
     assert eng.state_pool.num_free == eng.state_pool.num_slots
     assert eng.state_pool.num_free_snapshots == eng.state_pool.num_snapshot_slots
-    assert eng.cache.num_pages == 0 and eng.cache.num_snapshots == 0
-    if eng.host_tier is not None:
-        assert eng.host_tier.num_free_pages == eng.host_tier.num_pages
-        assert eng.host_tier.num_free_snapshots == eng.host_tier.num_snapshots
+    eng.cache.check()
+    assert eng.cache.stats().cached_pages == 0 and eng.cache.stats().snapshots_held == 0
+    if host_tier(eng) is not None:
+        assert host_tier(eng).num_free_pages == host_tier(eng).num_pages
+        assert host_tier(eng).num_free_snapshots == host_tier(eng).num_snapshots
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,8 +97,8 @@ def assert_all_free(eng: Engine) -> None:
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_experiment_host_hit_then_file_hit_after_restart(model, cold, tmp_path, policy, page_size):
     usable = (SESSION - 1) // page_size * page_size
-    eng = small_engine(model, page_size, host_cache_gb=0.01, write_policy=policy,
-                       file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    host, file = {"size_gb": 0.01, "write_policy": policy}, {"dir": str(tmp_path), "size_gb": 1.0}
+    eng = small_engine(model, page_size, host=host, file=file)
     for name in "ABC":
         r = run(eng, name)
         assert r.output_ids == cold[name] and r.cached_tokens == 0
@@ -99,8 +106,8 @@ def test_experiment_host_hit_then_file_hit_after_restart(model, cold, tmp_path, 
     assert again.output_ids == cold["A"]
     assert again.cached_by_tier["host"] > 0, again.cached_by_tier
     assert again.cached_tokens == usable == sum(again.cached_by_tier.values())
-    assert eng.stats().tiers["host"]["hit_tokens"] > 0
-    eng.close_tiers()
+    assert eng.stats().cache.host.hit_tokens > 0
+    eng.close()
     assert blob_files(tmp_path)
 
     control = small_engine(model, page_size)                # device cache alone: A was evicted, recomputed
@@ -109,36 +116,35 @@ def test_experiment_host_hit_then_file_hit_after_restart(model, cold, tmp_path, 
     again = run(control, "A")
     assert again.output_ids == cold["A"] and again.cached_tokens == 0
 
-    restarted = small_engine(model, page_size, host_cache_gb=0.01, write_policy=policy,
-                             file_cache_dir=str(tmp_path), file_cache_gb=1.0)
-    assert restarted.file_tier.num_blobs == len(blob_files(tmp_path))
+    restarted = small_engine(model, page_size, host=host, file=file)
+    assert file_tier(restarted).num_blobs == len(blob_files(tmp_path))
     first = run(restarted, "A")
     assert first.output_ids == cold["A"]
     assert first.cached_by_tier["file"] > 0, first.cached_by_tier
     assert first.cached_tokens == usable
-    assert restarted.file_tier.stats.errors == 0
-    restarted.close_tiers()
+    assert file_tier(restarted).stats.errors == 0
+    restarted.close()
     assert_all_free(restarted)
 
 
 def test_write_through_selective_backs_up_on_the_second_hit(model, cold, tmp_path):
-    eng = small_engine(model, host_cache_gb=0.01, write_policy="write_through_selective",
-                       file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    eng = small_engine(model, host={"size_gb": 0.01, "write_policy": "write_through_selective"},
+                       file={"dir": str(tmp_path), "size_gb": 1.0})
     run(eng, "A")
-    assert eng.host_tier.num_free_pages == eng.host_tier.num_pages       # inserted, not backed up
-    eng.file_tier.flush(10)
+    assert host_tier(eng).num_free_pages == host_tier(eng).num_pages       # inserted, not backed up
+    file_tier(eng).flush(10)
     assert not blob_files(tmp_path)
     run(eng, "A")                                                         # first hit
-    assert eng.host_tier.num_free_pages == eng.host_tier.num_pages
+    assert host_tier(eng).num_free_pages == host_tier(eng).num_pages
     r = run(eng, "A")                                                     # second hit: backed up now
     assert r.output_ids == cold["A"] and r.cached_by_tier["device"] > 0
-    assert eng.host_tier.num_free_pages < eng.host_tier.num_pages
-    eng.file_tier.flush(10)
+    assert host_tier(eng).num_free_pages < host_tier(eng).num_pages
+    file_tier(eng).flush(10)
     assert blob_files(tmp_path)
     run(eng, "B"), run(eng, "C")                                          # evict A from the device
     again = run(eng, "A")
     assert again.output_ids == cold["A"] and again.cached_by_tier["host"] > 0
-    eng.close_tiers()
+    eng.close()
     assert_all_free(eng)
 
 
@@ -156,10 +162,11 @@ def xdg(tmp_path_factory):
 
 
 def test_file_hit_after_a_real_server_restart(xdg, tmp_path):
+    """With the default prefetch policy: the first request after a restart is served from the file tier."""
     cache_dir = tmp_path / "kv"
     cfg = server_config(free_port(), {
         "engine": {"kv_cache_tokens": 1024, "max_running_requests": 2},
-        "cache": {"file": {"dir": str(cache_dir), "size_gb": 1.0, "prefetch_policy": "wait_complete"}}})
+        "cache": {"file": {"dir": str(cache_dir), "size_gb": 1.0}}})
     prompt = tokens(300, 42)            # ids < 256 < the demo vocabulary (663)
     body = {"model": "tinyserve", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
 
@@ -192,15 +199,15 @@ def test_file_hit_after_a_real_server_restart(xdg, tmp_path):
 
 def write_sessions(model, folder: Path, names: str = "ABC") -> dict[str, Path]:
     """Run each session once through a file-only engine; returns each session's blob."""
-    eng = small_engine(model, file_cache_dir=str(folder), file_cache_gb=1.0)
+    eng = small_engine(model, file={"dir": str(folder), "size_gb": 1.0})
     out = {}
     for name in names:
         before = set(blob_files(folder))
         run(eng, name)
-        eng.file_tier.flush(10)
+        file_tier(eng).flush(10)
         (new,) = set(blob_files(folder)) - before
         out[name] = new
-    eng.close_tiers()
+    eng.close()
     return out
 
 
@@ -216,40 +223,41 @@ def test_damaged_blobs_are_misses_counted_and_deleted(model, other_model, cold, 
     ours["B"].write_bytes(bytes(flipped))
     ours["C"].write_bytes(theirs["C"].read_bytes())
 
-    eng = small_engine(model, file_cache_dir=str(tmp_path / "ours"), file_cache_gb=1.0, write_policy="write_back")
-    assert eng.file_tier.num_blobs == 3                    # indexed from the listing: nothing read yet
+    eng = small_engine(model, host={"write_policy": "write_back"},
+                       file={"dir": str(tmp_path / "ours"), "size_gb": 1.0})
+    assert file_tier(eng).num_blobs == 3                    # indexed from the listing: nothing read yet
     for n, name in enumerate("ABC", 1):
         r = run(eng, name)
         assert r.output_ids == cold[name]
         assert r.cached_tokens == 0
-        assert eng.file_tier.stats.errors == n
+        assert file_tier(eng).stats.errors == n
         assert not ours[name].exists()                     # write_back: nothing rewrote it yet
-    assert eng.stats().tiers["file"]["errors"] == 3
-    eng.close_tiers()
+    assert eng.stats().cache.file.errors == 3
+    eng.close()
 
     # a damaged blob at the start of a chain does not hide the sound one after it... and a fresh engine serves
     # the sessions again once they were rewritten
-    eng = small_engine(model, file_cache_dir=str(tmp_path / "ours"), file_cache_gb=1.0)
+    eng = small_engine(model, file={"dir": str(tmp_path / "ours"), "size_gb": 1.0})
     for name in "ABC":
         assert run(eng, name).output_ids == cold[name]
-    eng.close_tiers()
-    again = small_engine(model, file_cache_dir=str(tmp_path / "ours"), file_cache_gb=1.0)
+    eng.close()
+    again = small_engine(model, file={"dir": str(tmp_path / "ours"), "size_gb": 1.0})
     for name in "ABC":
         r = run(again, name)
         assert r.output_ids == cold[name] and r.cached_by_tier["file"] > 0
-    assert again.file_tier.stats.errors == 0
-    again.close_tiers()
+    assert file_tier(again).stats.errors == 0
+    again.close()
 
 
 def test_blob_with_wrong_tokens_under_a_chain_name_is_rejected(model, cold, tmp_path):
     """A blob of session B renamed to session A's name (same fingerprint, wrong tokens): a miss, not B's KV."""
     blobs = write_sessions(model, tmp_path, "AB")
     blobs["A"].write_bytes(blobs["B"].read_bytes())
-    eng = small_engine(model, file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    eng = small_engine(model, file={"dir": str(tmp_path), "size_gb": 1.0})
     r = run(eng, "A")
     assert r.output_ids == cold["A"] and r.cached_tokens == 0
-    assert eng.file_tier.stats.errors == 1
-    eng.close_tiers()
+    assert file_tier(eng).stats.errors == 1
+    eng.close()
 
 
 def test_entries_that_cannot_be_read_or_deleted_are_misses(model, cold, tmp_path):
@@ -261,11 +269,11 @@ def test_entries_that_cannot_be_read_or_deleted_are_misses(model, cold, tmp_path
     (blobs["A"] / "x").write_text("x")
     (tmp_path / ".tmp-stuck").mkdir()
     (tmp_path / ".tmp-stuck" / "x").write_text("x")
-    eng = small_engine(model, file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    eng = small_engine(model, file={"dir": str(tmp_path), "size_gb": 1.0})
     for name in "AA":
         assert run(eng, name).output_ids == cold[name]
-    assert eng.file_tier.stats.errors == 1
-    eng.close_tiers()
+    assert file_tier(eng).stats.errors == 1
+    eng.close()
 
 
 def test_fingerprint_tells_set_ups_apart(model, other_model):
@@ -279,28 +287,28 @@ def test_fingerprint_tells_set_ups_apart(model, other_model):
 def test_unwritable_folder_disables_writes_and_serving_goes_on(model, cold, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    eng = small_engine(model, host_cache_gb=0.01, file_cache_dir=str(blocker / "kv"), file_cache_gb=1.0)
-    assert eng.file_tier.writable is False
-    assert eng.stats().tiers["file"]["writable"] == 0
+    eng = small_engine(model, host={"size_gb": 0.01}, file={"dir": str(blocker / "kv"), "size_gb": 1.0})
+    assert file_tier(eng).writable is False
+    assert eng.stats().cache.file.writable is False
     for name in "ABCA":
         assert run(eng, name).output_ids == cold[name]
-    eng.close_tiers()
+    eng.close()
     assert_all_free(eng)
 
 
 def test_folder_that_becomes_unwritable_disables_writes(model, cold, tmp_path):
     """The folder vanishes (replaced by a file) after start: the write fails, writes are disabled, no crash."""
     folder = tmp_path / "kv"
-    eng = small_engine(model, file_cache_dir=str(folder), file_cache_gb=1.0)
-    assert eng.file_tier.writable
+    eng = small_engine(model, file={"dir": str(folder), "size_gb": 1.0})
+    assert file_tier(eng).writable
     folder.rmdir()
     folder.write_text("now a file")
     for name in "AB":
         assert run(eng, name).output_ids == cold[name]
-    eng.file_tier.flush(10)
-    assert eng.file_tier.writable is False
+    file_tier(eng).flush(10)
+    assert file_tier(eng).writable is False
     assert run(eng, "A").output_ids == cold["A"]
-    eng.close_tiers()
+    eng.close()
 
 
 @pytest.mark.parametrize("blobs_that_fit", [0.5, 1.5])
@@ -308,14 +316,14 @@ def test_size_limit_below_one_session(model, cold, tmp_path, blobs_that_fit):
     one = write_sessions(model, tmp_path / "probe", "A")["A"].stat().st_size
     limit = int(one * blobs_that_fit)
     folder = tmp_path / "kv"
-    eng = small_engine(model, file_cache_dir=str(folder), file_cache_gb=limit / GIB)
+    eng = small_engine(model, file={"dir": str(folder), "size_gb": limit / GIB})
     for name in "ABCA":
         assert run(eng, name).output_ids == cold[name]
-        eng.file_tier.flush(10)
+        file_tier(eng).flush(10)
         assert sum(p.stat().st_size for p in blob_files(folder)) <= limit
-        assert eng.file_tier.used_bytes <= limit
+        assert file_tier(eng).used_bytes <= limit
     assert len(blob_files(folder)) == int(blobs_that_fit)
-    eng.close_tiers()
+    eng.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,15 +333,17 @@ def test_concurrent_sessions_with_host_evictions_match_uncached(model, tmp_path)
     bases = [tokens(150, 300 + i) for i in range(3)]
     prompts = [bases[i % 3][:100 + 10 * i] + tokens(20 + 5 * i, 400 + i) for i in range(8)]
     kw = dict(page_size=16, max_running_requests=3, chunked_prefill_size=64)
-    expected = Engine(model, None, kv_tokens=4096, enable_prefix_cache=False, **kw).generate(prompts, GREEDY)
+    expected = engine_for(model, engine=dict(kw, kv_cache_tokens=4096), cache={"enabled": False}).generate(
+        prompts, GREEDY)
     # host arena: about 12 pages and a few snapshots, far less than the 8 sessions cached
-    probe = Engine(model, None, kv_tokens=512, host_cache_gb=1e-9, **kw)
+    probe = engine_for(model, engine=dict(kw, kv_cache_tokens=512), cache={"host": {"size_gb": 1e-9}})
     page_bytes = probe.kv_pool.bytes_per_page
     host_gb = 16 * page_bytes / GIB
-    eng = Engine(model, None, kv_tokens=512, snapshot_slots=4, state_track_interval=64, host_cache_gb=host_gb,
-                 host_state_share=0.3, write_policy="write_through", file_cache_dir=str(tmp_path),
-                 file_cache_gb=1.0, **kw)
-    assert 0 < eng.host_tier.num_pages < 20 and eng.host_tier.num_snapshots >= 1
+    cache = {"state_slots": 4, "state_track_interval": 64,
+             "host": {"size_gb": host_gb, "state_share": 0.3, "write_policy": "write_through"},
+             "file": {"dir": str(tmp_path), "size_gb": 1.0}}
+    eng = engine_for(model, engine=dict(kw, kv_cache_tokens=512), cache=cache)
+    assert 0 < host_tier(eng).num_pages < 20 and host_tier(eng).num_snapshots >= 1
 
     async def scenario(ps):
         await eng.start()
@@ -350,9 +360,8 @@ def test_concurrent_sessions_with_host_evictions_match_uncached(model, tmp_path)
     assert outs == expected
     assert_all_free(eng)
     # again, everything from the host and file tiers now (the device cache was flushed)
-    eng2 = Engine(model, None, kv_tokens=512, snapshot_slots=4, state_track_interval=64, host_cache_gb=host_gb,
-                  host_state_share=0.3, write_policy="write_back", file_cache_dir=str(tmp_path),
-                  file_cache_gb=1.0, prefetch_policy="wait_complete", **kw)
+    cache = merge(cache, {"host": {"write_policy": "write_back"}, "file": {"prefetch_policy": "wait_complete"}})
+    eng2 = engine_for(model, engine=dict(kw, kv_cache_tokens=512), cache=cache)
     eng = eng2
     outs, results = asyncio.run(scenario(prompts + prompts[::-1]))
     assert outs == expected + expected[::-1]
@@ -365,7 +374,7 @@ def test_sequential_sessions_through_a_tiny_host_tier(model, cold, tmp_path):
     for policy in ("write_through", "write_back"):
         probe = small_engine(model)
         host_gb = 8 * probe.kv_pool.bytes_per_page / GIB
-        eng = small_engine(model, host_cache_gb=host_gb, host_state_share=0.5, write_policy=policy)
+        eng = small_engine(model, host={"size_gb": host_gb, "state_share": 0.5, "write_policy": policy})
         for name in "ABCABCA":
             assert run(eng, name).output_ids == cold[name]
         assert_all_free(eng)
@@ -383,8 +392,8 @@ def test_promoting_from_a_full_host_tier_under_write_back(model, cold):
     A's copy holds: A's copy is pinned while it is read (it was freed and then read: a crash), B is not backed up."""
     probe = small_engine(model)
     gb, share = host_gb_for(probe, pages=(SESSION - 1) // 16 + 1, snapshots=1)
-    eng = small_engine(model, host_cache_gb=gb, host_state_share=share, write_policy="write_back")
-    assert eng.host_tier.num_pages == (SESSION - 1) // 16 + 1 and eng.host_tier.num_snapshots == 1
+    eng = small_engine(model, host={"size_gb": gb, "state_share": share, "write_policy": "write_back"})
+    assert host_tier(eng).num_pages == (SESSION - 1) // 16 + 1 and host_tier(eng).num_snapshots == 1
     for name in "ABA":
         r = run(eng, name)
         assert r.output_ids == cold[name]
@@ -447,18 +456,20 @@ def test_kill_9_while_writing_leaves_a_consistent_folder(tmp_path):
 
 ENGINE_WRITER = r"""
 import sys, torch
+from tinyserve.config import from_dict
 from tinyserve.engine import Engine
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
-eng = Engine(load_model(sys.argv[1], torch.float32), None, page_size=16, kv_tokens=400, max_running_requests=1,
-             file_cache_dir=sys.argv[2], file_cache_gb=1.0)
+cfg = from_dict({"engine": {"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1},
+                 "cache": {"file": {"dir": sys.argv[2], "size_gb": 1.0}}})
+eng = Engine.for_model(cfg, load_model(sys.argv[1], torch.float32))
 p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 i = 0
 while True:
     g = torch.Generator().manual_seed(1000 + i)
     eng.generate([torch.randint(3, 256, (200,), generator=g).tolist()], p)
     if i == 3:
-        eng.file_tier.flush(10)
+        eng.cache.tree.tiers.file.flush(10)
         print("ready", flush=True)
     i += 1
 """
@@ -474,33 +485,33 @@ def test_kill_9_of_an_engine_then_restart_serves_what_was_complete(model, tmp_pa
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     own = load_model(ckpt, torch.float32)
-    eng = small_engine(own, file_cache_dir=str(folder), file_cache_gb=1.0)
+    eng = small_engine(own, file={"dir": str(folder), "size_gb": 1.0})
     assert not [p for p in folder.iterdir() if p.name.startswith(".tmp-")]
-    cold_eng = Engine(own, None, page_size=16, kv_tokens=4096, enable_prefix_cache=False)
+    cold_eng = engine_for(own, engine={"page_size": 16, "kv_cache_tokens": 4096}, cache={"enabled": False})
     p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     for i in range(4):                                       # the sessions written before "ready"
         prompt = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(1000 + i)).tolist()
         (r,) = eng.run_requests([prompt], p)
         assert r.output_ids == cold_eng.generate([prompt], p)[0]
         assert r.cached_by_tier["file"] > 0
-    assert eng.file_tier.stats.errors == 0
-    eng.close_tiers()
+    assert file_tier(eng).stats.errors == 0
+    eng.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 6. flush_cache: device and host always, the file tier only when asked
 
 def test_flush_cache_keeps_the_file_tier_unless_asked(model, cold, tmp_path):
-    eng = small_engine(model, host_cache_gb=0.01, file_cache_dir=str(tmp_path), file_cache_gb=1.0)
+    eng = small_engine(model, host={"size_gb": 0.01}, file={"dir": str(tmp_path), "size_gb": 1.0})
     run(eng, "A")
-    eng.file_tier.flush(10)
+    file_tier(eng).flush(10)
     assert eng.flush_cache()
-    assert eng.host_tier.num_free_pages == eng.host_tier.num_pages
-    assert eng.file_tier.num_blobs == len(blob_files(tmp_path)) > 0
+    assert host_tier(eng).num_free_pages == host_tier(eng).num_pages
+    assert file_tier(eng).num_blobs == len(blob_files(tmp_path)) > 0
     r = run(eng, "A")
     assert r.output_ids == cold["A"] and r.cached_by_tier["file"] > 0 and r.cached_by_tier["host"] == 0
     assert eng.flush_cache(include_file=True)
-    assert eng.file_tier.num_blobs == 0 and eng.file_tier.used_bytes == 0 and not blob_files(tmp_path)
+    assert file_tier(eng).num_blobs == 0 and file_tier(eng).used_bytes == 0 and not blob_files(tmp_path)
     r = run(eng, "A")
     assert r.output_ids == cold["A"] and r.cached_tokens == 0
-    eng.close_tiers()
+    eng.close()

@@ -1,7 +1,8 @@
 """Command line: `tinyserve CONFIG` serves; `tinyserve --check CONFIG` validates and prints the plan.
 
 Serving lifecycle (what systemd's Type=notify unit expects):
-  listen at once (/health answers 503 "loading") -> load the model in a thread -> READY=1, "ready on http://..."
+  listen at once (/health answers 503 "loading") -> load the model on the compute thread, which then runs every
+  step (engine.py's thread map) -> READY=1, "ready on http://..."
   SIGTERM / SIGINT -> STOPPING=1, /health 503, new requests 503, running requests get server.drain_timeout_s
   to finish, the rest are cancelled -> exit 0.
 Configuration and checkpoint errors exit 1 with one message on stderr, never a traceback: they are the user's to
@@ -16,7 +17,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from typing import Any
 
@@ -51,63 +51,31 @@ def sd_notify(message: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # --check
 
-def plan_text(cfg: Any) -> str:
-    """The memory plan: computed without loading weights when the engine offers it, else by loading the engine."""
-    from . import engine as engine_mod
-
-    planner = getattr(engine_mod, "plan_from_config", None) or getattr(engine_mod.Engine, "plan_from_config", None)
-    if planner is not None:
-        return str(planner(cfg))
-    engine = engine_mod.Engine.from_config(cfg)
-    return str(engine.plan)
-
-
 def check(cfg: Any) -> int:
+    """Print the effective config and the memory plan, from config.json and the safetensors headers alone."""
+    from .plan import plan_for
+
     print(config_mod.dumps(cfg).rstrip())
     print()
-    print(plan_text(cfg))
+    print(plan_for(cfg)[2])
     return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Serving
 
-def _load_in_thread(cfg: Any) -> asyncio.Future:
-    """Engine.from_config in a daemon thread, so the server answers /health 503 while loading and a SIGTERM during
-    a long load exits at once.
-
-    The thread stays parked after loading, never exits: when a thread that ran OpenMP work (the CPU load path)
-    exits, its OpenMP team keeps spin-waiting and later CPU forwards in the step thread ran 5-30x slower."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def run() -> None:
-        from .engine import Engine
-        try:
-            engine = Engine.from_config(cfg)
-        except BaseException as e:                    # handed to the loop, raised there
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(e))
-        else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(engine))
-        threading.Event().wait()                      # park (see above); a daemon thread, so exit is not held up
-
-    threading.Thread(target=run, name="tinyserve-load", daemon=True).start()
-    return future
-
-
-async def _drain(state: Any, timeout_s: float) -> None:
+async def _drain(engine: Any, timeout_s: float) -> None:
     """Let running requests finish up to timeout_s, then cancel the rest and give handlers a moment to close."""
     deadline = time.monotonic() + timeout_s
-    if state.streams:
-        log.info("draining %d request(s), up to %.0f s", len(state.streams), timeout_s)
-    while state.streams and time.monotonic() < deadline:
+    if engine.num_unfinished:
+        log.info("draining %d request(s), up to %.0f s", engine.num_unfinished, timeout_s)
+    while engine.num_unfinished and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if state.streams:
-        log.warning("drain timeout: cancelling %d request(s)", len(state.streams))
-        for stream in list(state.streams):
-            stream.cancel()
+    if engine.num_unfinished:
+        log.warning("drain timeout: cancelling %d request(s)", engine.num_unfinished)
+        engine.cancel_all()
         grace = time.monotonic() + 5.0
-        while state.streams and time.monotonic() < grace:
+        while engine.num_unfinished and time.monotonic() < grace:
             await asyncio.sleep(0.05)
 
 
@@ -135,10 +103,12 @@ async def serve(cfg: Any) -> int:
                           "server.port") from None
     log.info("listening on http://%s:%d, loading %s", host, port, cfg.model.path)
 
-    load = _load_in_thread(cfg)
+    # Load on the compute thread, which then runs every step: one OpenMP team for the whole life of the process.
+    from .engine import Engine, compute_thread
+    load = asyncio.wrap_future(compute_thread().submit(Engine.from_config, cfg))
     stop_wait = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-    if not load.done():                               # stopped while loading
+    if not load.done():                               # stopped while loading (the daemon thread dies with us)
         log.info("stopped while loading")
         sd_notify("STOPPING=1")
         await runner.cleanup()
@@ -158,7 +128,7 @@ async def serve(cfg: Any) -> int:
     log.info("shutting down")
     state.draining = True                             # before STOPPING=1: whoever hears it sees /health 503
     sd_notify("STOPPING=1")
-    await _drain(state, cfg.server.drain_timeout_s)
+    await _drain(engine, cfg.server.drain_timeout_s)
     await runner.cleanup()
     await engine.stop()
     log.info("stopped")

@@ -1,37 +1,65 @@
-"""The asyncio engine: submit() returns an async stream of tokens; one step loop batches every running request.
+"""The engine: submit() returns an async stream of tokens; one step loop batches every running request.
 
-The forward step runs in a single worker thread so the event loop (HTTP, streaming) stays responsive. All scheduler
-state is touched only inside that thread's `_step`; the event loop hands new requests and aborts over through
-thread-safe queues, which `_step` drains first, so an aborted request frees its pages at the next step boundary.
+Threads of a serving process, and what each may do:
+  1. main:               the asyncio event loop: HTTP, SSE streaming, submit / cancel, and `_dispatch`, which hands
+                         each step's tokens to the request streams. No torch compute.
+  2. tinyserve-engine:   the one compute thread (`compute_thread()`), from start to exit: loads and dequantizes the
+                         weights, allocates the pools, warms up, runs every step, every device <-> host tier copy,
+                         every flush, and `Engine.call` jobs. A second thread running torch ops would start a second
+                         OpenMP team, and on a 2-core machine both crawl (84 -> 54 tokens/s measured).
+  3. torch's OpenMP workers, owned by the engine thread.
+  4. tokenizer workers:  asyncio's default executor: chat templates, encode, decode (tokenizers; no torch).
+  5. tinyserve-file-write: encodes and writes file-tier blobs from CPU copies the engine thread made (bytes only).
+  6. tinyserve-file-read:  reads and checks file-tier blobs; tensors are views of the bytes read (no compute).
+  7. aiohttp and asyncio internals (DNS resolver threads etc.), unused by us.
+The event loop and the engine thread share only thread-safe queues: new requests, aborts and `call` jobs go in
+(`_new`, `_aborts`, `_calls`, drained at the top of each step, so an abort frees its pages at the next step
+boundary), and StepEvents come out through `loop.call_soon_threadsafe`. Everything the engine owns (scheduler,
+pools, prefix cache) is touched on the engine thread only.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import queue
 import random
 import threading
 import time
 import uuid
 from collections import deque
-from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from tinyserve.kv import FP8_DTYPES, KVPool, PageAllocator
+from tinyserve.cache import CacheStats, NullCache, PrefixCache
+from tinyserve.config import Config
+from tinyserve.kernels.linear import calibrate as calibrate_linear
+from tinyserve.kv import KVPool, PageAllocator
+from tinyserve.plan import MemoryPlan, dtype_name, plan_for
 from tinyserve.radix import RadixCache
-from tinyserve.tiers import FileTier, HostTier, model_fingerprint
+from tinyserve.request import TIERS, Request, Status
 from tinyserve.runner import ModelRunner
 from tinyserve.sampling import SamplingParams
-from tinyserve.scheduler import Request, Scheduler, Status
+from tinyserve.scheduler import Scheduler
 from tinyserve.state import StatePool
+from tinyserve.tiers import FileTier, HostTier, Tiers, model_fingerprint
 
 log = logging.getLogger("tinyserve.engine")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-CPU_DEFAULT_KV_TOKENS = 32768     # the CPU path's modest default when engine.kv_cache_tokens = 0
+IDLE_WAIT_S = 0.05        # how long an idle engine thread sleeps between checks when a file-tier read may land
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take. `field` names what is wrong: a SamplingParams field, "prompt" or
+    "max_tokens" (the API maps it to the request's own field name)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -42,12 +70,22 @@ class TokenEvent:
 
 
 @dataclass
+class StepEvent:
+    """What one step did to one request, handed from the engine thread to the event loop."""
+    request_id: str
+    tokens: list[TokenEvent]
+    finish_reason: str | None = None     # set when the request finished with this step
+    cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
 class RequestResult:
     request_id: str
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "file": 0})
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -63,51 +101,43 @@ class EngineStats:
     state_slots_used: int
     state_slots_total: int
     num_preemptions: int
-    prefix_cache_query_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    cached_pages: int = 0
-    snapshots_held: int = 0
-    snapshots_evicted: int = 0
-    tiers: dict[str, dict[str, float]] = field(default_factory=dict)
+    cache: CacheStats
 
 
-@dataclass
-class MemoryPlan:
-    device: str
-    dtype: str
-    weights_bytes: int
-    kv_cache_dtype: str
-    page_size: int
-    kv_pages: int
-    kv_bytes_per_token: int
-    state_slots: int
-    state_bytes_per_slot: int
-    context_length: int
-    snapshot_slots: int = 0
-    host_pages: int = 0
-    host_snapshots: int = 0
-    file_dir: str = ""
-    file_bytes: int = 0
-    file_blobs: int = 0
+class ComputeThread:
+    """The one thread that runs torch compute in a serving process. A daemon that never exits: a SIGTERM during a
+    long load ends the process at once, and no OpenMP team is left spinning by a finished thread."""
 
-    @property
-    def kv_tokens(self) -> int:
-        return self.kv_pages * self.page_size
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="tinyserve-engine", daemon=True).start()
 
-    def __str__(self) -> str:
-        gib = 1 << 30
-        return (f"device {self.device} ({self.dtype}); weights {self.weights_bytes / gib:.2f} GiB; "
-                f"KV pool {self.kv_tokens} tokens ({self.kv_pages} pages of {self.page_size}, {self.kv_cache_dtype}, "
-                f"{self.kv_tokens * self.kv_bytes_per_token / gib:.2f} GiB); "
-                f"GDN state {self.state_slots} slots ({self.state_slots * self.state_bytes_per_slot / gib:.2f} GiB); "
-                f"prefix-cache state snapshots {self.snapshot_slots} "
-                f"({self.snapshot_slots * self.state_bytes_per_slot / gib:.2f} GiB); "
-                f"context {self.context_length} tokens"
-                + (f"; host tier {self.host_pages * self.page_size} tokens ({self.host_pages} pages) + "
-                   f"{self.host_snapshots} snapshots" if self.host_pages else "")
-                + (f"; file tier {self.file_dir} up to {self.file_bytes / gib:.2f} GiB "
-                   f"(~{self.file_bytes // max(1, self.kv_bytes_per_token)} tokens), {self.file_blobs} blobs found"
-                   if self.file_dir else ""))
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            fut, fn, args = self._jobs.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:           # noqa: BLE001 - handed to whoever waits on the future
+                    fut.set_exception(e)
+
+
+_compute: ComputeThread | None = None
+_compute_lock = threading.Lock()
+
+
+def compute_thread() -> ComputeThread:
+    """The process's compute thread (made on first use)."""
+    global _compute
+    with _compute_lock:
+        if _compute is None:
+            _compute = ComputeThread()
+        return _compute
 
 
 class RequestStream:
@@ -134,175 +164,167 @@ class RequestStream:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, *, page_size: int = 16, kv_tokens: int = CPU_DEFAULT_KV_TOKENS,
-                 max_running_requests: int = 8, chunked_prefill_size: int = 2048, context_length: int = 0,
-                 kv_cache_dtype: torch.dtype | None = None, served_name: str = "tinyserve",
-                 enable_prefix_cache: bool = True, state_track_interval: int = 512, snapshot_slots: int = 0,
-                 sleep_on_idle: bool = True, host_cache_gb: float = 0.0, host_state_share: float = 0.0,
-                 write_policy: str = "write_through", file_cache_dir: str = "", file_cache_gb: float = 0.0,
-                 prefetch_policy: str = "best_effort") -> None:
-        cfg = model.cfg
-        self.model, self.tokenizer, self.model_config = model, tokenizer, cfg
-        self.served_name = served_name
-        self.device = model.device
-        self.context_length = context_length or cfg.max_position_embeddings
-        self.page_size = page_size
-        kv_dtype = kv_cache_dtype or model.dtype
-        num_pages = max(1, kv_tokens // page_size)
-        self.kv_pool = KVPool(num_pages, page_size, len(cfg.attn_layer_ids), cfg.num_key_value_heads, cfg.head_dim,
-                              kv_dtype, self.device)
-        self.allocator = PageAllocator(num_pages)
-        hybrid = bool(cfg.gdn_layer_ids)
-        if not enable_prefix_cache:
-            snapshot_slots = 0
-        elif snapshot_slots == 0:
-            snapshot_slots = 4 * max_running_requests if hybrid else 0
-        self.state_pool = StatePool(max_running_requests, len(cfg.gdn_layer_ids), cfg.conv_dim,
-                                    cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                    cfg.linear_value_head_dim, model.dtype, self.device,
-                                    num_snapshot_slots=snapshot_slots)
-        self.host_tier = self.file_tier = None
-        if enable_prefix_cache and host_cache_gb > 0:
-            self.host_tier = HostTier(self.kv_pool, self.state_pool, int(host_cache_gb * (1 << 30)),
-                                      host_state_share, hybrid)
-        if enable_prefix_cache and file_cache_dir:
-            self.file_tier = FileTier(Path(file_cache_dir), int(file_cache_gb * (1 << 30)),
-                                      model_fingerprint(model, kv_dtype, page_size),
-                                      tuple(self.kv_pool.buffer.shape[1:]), kv_dtype,
-                                      tuple(self.state_pool.conv.shape[1:]), self.state_pool.conv.dtype,
-                                      tuple(self.state_pool.ssm.shape[1:]))
-        self.cache = RadixCache(self.allocator, self.state_pool, page_size, hybrid, self.host_tier, self.file_tier,
-                                write_policy, self.kv_pool.buffer) if enable_prefix_cache else None
-        self.scheduler = Scheduler(self.allocator, self.state_pool, page_size, max_running_requests,
-                                   chunked_prefill_size, self.cache, state_track_interval, prefetch_policy)
-        eos = sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", []) or []))
-        self.eos_token_ids = eos
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, eos)
-        self.plan = MemoryPlan(
-            device=str(self.device), dtype=str(model.dtype).replace("torch.", ""),
-            weights_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            kv_cache_dtype=str(kv_dtype).replace("torch.", ""), page_size=page_size, kv_pages=num_pages,
-            kv_bytes_per_token=KVPool.bytes_per_token(len(cfg.attn_layer_ids), cfg.num_key_value_heads,
-                                                      cfg.head_dim, kv_dtype),
-            state_slots=max_running_requests, state_bytes_per_slot=self.state_pool.bytes_per_slot,
-            snapshot_slots=snapshot_slots,
-            host_pages=self.host_tier.num_pages if self.host_tier else 0,
-            host_snapshots=self.host_tier.num_snapshots if self.host_tier else 0,
-            file_dir=file_cache_dir if self.file_tier else "", file_bytes=int(file_cache_gb * (1 << 30)),
-            file_blobs=self.file_tier.num_blobs if self.file_tier else 0,
-            context_length=self.context_length)
-        # hand-over between the event loop and the step thread
-        self._new: deque[Request] = deque()
-        self._aborts: deque[Request] = deque()
-        self._streams: dict[str, RequestStream] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-step")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._lock = threading.Lock()
-        self.sleep_on_idle = sleep_on_idle
-
-    # ---- construction from the TOML config ----
-    @classmethod
-    def from_config(cls, cfg) -> "Engine":
-        from tinyserve.loader import load_model
-        from tinyserve.tokenizer import Tokenizer
-        device = cfg.model.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("model.device = \"cuda\" but no CUDA device is available")
-        dtype = DTYPES.get(cfg.model.dtype) or (torch.bfloat16 if device == "cuda" else torch.float32)
-        folder = cfg.model.path
-        if folder == "demo":
-            from tinyserve.demo import ensure_demo_checkpoint
-            folder = ensure_demo_checkpoint()
-        model = load_model(Path(folder), dtype, device)
-        tokenizer = Tokenizer.from_folder(folder)
+    def __init__(self, cfg: Config, model, tokenizer, plan: MemoryPlan) -> None:
+        mc = model.cfg
+        self.cfg, self.model, self.tokenizer, self.plan = cfg, model, tokenizer, plan
+        self.served_name = cfg.model.served_name
+        self.context_length = plan.context_length
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = sorted(set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or []))
         if cfg.speculative.algorithm:   # accepted so production configs stay valid; not built yet: say so
             log.warning("speculative.algorithm: not implemented in this version yet; running without it")
-        kv_name = cfg.model.kv_cache_dtype
-        kv_dtype = FP8_DTYPES.get(kv_name) or DTYPES.get(kv_name) or dtype
-        kv_tokens = cfg.engine.kv_cache_tokens or cls._derive_kv_tokens(model, kv_dtype, cfg, device)
-        return cls(model, tokenizer, page_size=cfg.engine.page_size, kv_tokens=kv_tokens,
-                   max_running_requests=cfg.engine.max_running_requests,
-                   chunked_prefill_size=cfg.engine.chunked_prefill_size,
-                   context_length=cfg.model.context_length, kv_cache_dtype=kv_dtype,
-                   served_name=cfg.model.served_name, enable_prefix_cache=cfg.cache.enabled,
-                   state_track_interval=cfg.cache.state_track_interval, snapshot_slots=cfg.cache.state_slots,
-                   sleep_on_idle=cfg.engine.sleep_on_idle, host_cache_gb=cfg.cache.host.size_gb,
-                   host_state_share=cfg.cache.host.state_share, write_policy=cfg.cache.host.write_policy,
-                   file_cache_dir=cfg.cache.file.dir, file_cache_gb=cfg.cache.file.size_gb,
-                   prefetch_policy=cfg.cache.file.prefetch_policy)
+        device = model.device
+        self.kv_pool = KVPool(plan.kv_pages, plan.page_size, len(mc.attn_layer_ids), mc.num_key_value_heads,
+                              mc.head_dim, plan.kv_dtype, device)
+        self.allocator = PageAllocator(plan.kv_pages)
+        self.state_pool = StatePool(plan.state_slots, len(mc.gdn_layer_ids), mc.conv_dim, mc.linear_conv_kernel_dim,
+                                    mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
+                                    model.dtype, device, num_snapshot_slots=plan.snapshot_slots)
+        self._work = threading.Event()           # set when the engine thread has something to do
+        self.cache = self._build_cache(cfg, plan) if cfg.cache.enabled else NullCache(self.state_pool)
+        self.scheduler = Scheduler(self.allocator, self.state_pool, plan.page_size, cfg.engine.max_running_requests,
+                                   cfg.engine.chunked_prefill_size, self.cache)
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, self.eos_token_ids)
+        if plan.device == "cpu":         # pick this CPU's faster GEMM route on the model's own shapes
+            shapes = {tuple(p.shape): p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
+            log.info("CPU GEMM route: %s", calibrate_linear(list(shapes.values())))
+        # hand-over between the event loop and the engine thread (see the module docstring)
+        self._new: deque[Request] = deque()
+        self._aborts: deque[Request] = deque()
+        self._calls: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
+        self._streams: dict[str, RequestStream] = {}     # unfinished requests; event-loop side only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._serving: asyncio.Future | None = None
+        self._stopping = False
 
-    @staticmethod
-    def _derive_kv_tokens(model, kv_dtype: torch.dtype, cfg, device: str) -> int:
-        if device != "cuda":
-            return CPU_DEFAULT_KV_TOKENS
-        free, _ = torch.cuda.mem_get_info()
-        mc = model.cfg
-        per_token = KVPool.bytes_per_token(len(mc.attn_layer_ids), mc.num_key_value_heads, mc.head_dim, kv_dtype)
-        state = cfg.engine.max_running_requests * len(mc.gdn_layer_ids) * mc.linear_num_value_heads * \
-            mc.linear_key_head_dim * mc.linear_value_head_dim * 4
-        budget = free * cfg.engine.mem_fraction_static - state - (1 << 30)   # 1 GiB for activations
-        return max(cfg.engine.page_size, int(budget // per_token))
+    def _build_cache(self, cfg: Config, plan: MemoryPlan) -> PrefixCache:
+        host = file = None
+        if plan.host_pages or plan.host_snapshots:
+            host = HostTier(self.kv_pool, self.state_pool, plan.host_pages, plan.host_snapshots)
+        if plan.file_dir:
+            file = FileTier(Path(plan.file_dir), plan.file_bytes,
+                            model_fingerprint(self.model, plan.kv_dtype, plan.page_size),
+                            tuple(self.kv_pool.buffer.shape[1:]), plan.kv_dtype,
+                            tuple(self.state_pool.conv.shape[1:]), self.state_pool.conv.dtype,
+                            tuple(self.state_pool.ssm.shape[1:]))
+            log.info("file tier %s: %d blobs found", plan.file_dir, file.num_blobs)
+        tiers = Tiers(self.kv_pool, self.state_pool, host, file, cfg.cache.host.write_policy)
+        tree = RadixCache(self.allocator, self.state_pool, plan.page_size, plan.hybrid, tiers)
+        return PrefixCache(cfg, tree, self.allocator, self.state_pool, wake=self._work.set)
 
-    # ---- requests ----
-    def _make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
-        params.validate()
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Engine":
+        """Plan from the checkpoint's headers, then load the weights and build the pools, on the calling thread
+        (a server calls this on the compute thread)."""
+        from tinyserve.loader import load_model
+        from tinyserve.tokenizer import Tokenizer
+        folder, _, plan = plan_for(cfg)
+        model = load_model(folder, plan.dtype, plan.device)
+        return cls(cfg, model, Tokenizer.from_folder(folder), plan)
+
+    @classmethod
+    def for_model(cls, cfg: Config, model, tokenizer=None) -> "Engine":
+        """An engine around a model already loaded (tests, notebooks): the plan from cfg and the model's sizes,
+        in the model's own dtype."""
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype_name(model.dtype)))
+        values = sum(p.numel() for p in model.parameters())
+        return cls(cfg, model, tokenizer, MemoryPlan.resolve(cfg, model.cfg, model.device.type, values))
+
+    # ---- requests (called from the event loop or offline code) ----
+    def fit_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
+        """The max_tokens a request with this prompt gets: None means up to the end of the context (vLLM's
+        default), but never past what the KV pool holds, which on a small card or the CPU can be less."""
+        context, pool = self.context_length, self.plan.kv_tokens
+        if prompt_len >= context:
+            raise RequestError(f"the prompt is {prompt_len} tokens long, but the context is {context} tokens "
+                               "(there must be room for at least one generated token)", "prompt")
+        if prompt_len >= pool:
+            raise RequestError(f"the prompt is {prompt_len} tokens long, but the KV cache holds {pool} tokens; "
+                               "raise engine.kv_cache_tokens", "prompt")
+        if max_tokens is None:
+            return min(context, pool) - prompt_len
+        room = context - prompt_len
+        if max_tokens > room:
+            raise RequestError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) is longer than the "
+                               f"context ({context} tokens); at most {room} tokens fit", "max_tokens")
+        if prompt_len + max_tokens > pool:
+            raise RequestError(f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}, which is more "
+                               f"than the KV cache holds ({pool} tokens); raise engine.kv_cache_tokens",
+                               "max_tokens")
+        return max_tokens
+
+    def validate(self, params: SamplingParams) -> None:
+        """The one validation of sampling parameters; raises RequestError naming the field."""
+        try:
+            params.validate()
+        except ValueError as e:                          # its messages start with the field name
+            raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
-        if n + params.max_tokens > self.context_length:
-            raise ValueError(f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, which is more than "
-                             f"the context length of {self.context_length} tokens")
-        pool_tokens = self.kv_pool.num_pages * self.page_size
-        if n + params.max_tokens > pool_tokens:
-            raise ValueError(f"the prompt has {n} tokens and max_tokens is {params.max_tokens}, which is more than "
-                             f"the KV cache holds ({pool_tokens} tokens); raise engine.kv_cache_tokens")
+            raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               "stop_token_ids")
+
+    def _make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
+        self.validate(params)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", "prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               "prompt")
+        self.fit_max_tokens(len(prompt_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         req = self._make_request(prompt_ids, params, request_id)
-        result = RequestResult(req.request_id, len(prompt_ids))
-        stream = RequestStream(self, req, result)
+        stream = RequestStream(self, req, RequestResult(req.request_id, len(prompt_ids)))
         self._streams[req.request_id] = stream
         self._new.append(req)
-        self._wake()
+        self._work.set()
         return stream
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not finished yet (running or waiting)."""
+        return len(self._streams)
+
+    def cancel_all(self) -> None:
+        for stream in list(self._streams.values()):
+            stream.cancel()
 
     def _abort(self, req: Request) -> None:
         self._aborts.append(req)
-        self._wake()
+        self._work.set()
 
-    def _wake(self) -> None:
-        if self._loop is not None and self._wakeup is not None:
-            self._loop.call_soon_threadsafe(self._wakeup.set)
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on the engine thread between two steps (all torch work and everything the engine owns
+        stays on that thread) and return its result."""
+        fut: Future = Future()
+        self._calls.append((fut, fn, args))
+        self._work.set()
+        return await asyncio.wrap_future(fut)
 
-    # ---- the step (runs in the worker thread) ----
-    def _step(self) -> list[tuple[Request, list[TokenEvent], bool]]:
-        with self._lock:                                   # flush_cache() may come from the event loop
-            return self._step_locked()
-
-    def _step_locked(self) -> list[tuple[Request, list[TokenEvent], bool]]:
+    # ---- the step (engine thread) ----
+    def _step(self) -> list[StepEvent]:
         sched = self.scheduler
-        events: list[tuple[Request, list[TokenEvent], bool]] = []
-        while self._new:                                   # before the aborts: a request may be cancelled at once
+        events: list[StepEvent] = []
+        while self._calls:
+            fut, fn, args = self._calls.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except Exception as e:                   # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+        while self._new:                                 # before the aborts: a request may be cancelled at once
             sched.add(self._new.popleft())
         while self._aborts:
             req = self._aborts.popleft()
             if req.status != Status.FINISHED:
                 sched.abort(req)
-                events.append((req, [], True))
+                events.append(self._event(req, []))
         seqs = sched.schedule()
         if not seqs:
-            pending = sched.blocking_prefetches()
-            if pending:   # nothing to run until a file-tier read lands: wait for it (bounded) instead of spinning
-                futures.wait(pending, timeout=0.05, return_when=futures.FIRST_COMPLETED)
             return events
         out = self.runner.step(seqs)
         sched.advance(seqs)
@@ -314,9 +336,7 @@ class Engine:
         top_ids = r.top_ids.tolist() if r.top_ids is not None else None
         top_lps = r.top_logprobs.tolist() if r.top_logprobs is not None else None
         for row, s in enumerate(out.sampled):
-            req = s.req
-            p = req.params
-            tok = tokens[row]
+            req, p, tok = s.req, s.req.params, tokens[row]
             ev = TokenEvent(tok)
             if p.logprobs is not None and logprobs is not None:
                 ev.logprob = logprobs[row]
@@ -326,8 +346,14 @@ class Engine:
             reason = self._finish_reason(req, tok)
             if reason:
                 sched.finish(req, reason)
-            events.append((req, [ev], reason is not None))
+            events.append(self._event(req, [ev]))
         return events
+
+    @staticmethod
+    def _event(req: Request, tokens: list[TokenEvent]) -> StepEvent:
+        done = req.status == Status.FINISHED
+        return StepEvent(req.request_id, tokens, req.finish_reason if done else None, req.cached_tokens,
+                         dict(req.cached_by_tier))
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p, n = req.params, len(req.output_ids)
@@ -337,121 +363,107 @@ class Engine:
             return "length"
         return None
 
-    # ---- async loop ----
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.create_task(self._run_loop())
+    def _has_work(self) -> bool:
+        return bool(self._new or self._aborts or self._calls or self.scheduler.has_work())
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+    def _serve(self) -> None:
+        """The engine thread's loop while serving: step, hand the events over, sleep when there is nothing to do."""
+        while not self._stopping:
+            self._work.clear()                           # before looking: a submit after this wakes the wait below
             try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-        self._executor.shutdown(wait=True)
-        self.close_tiers()
-
-    def close_tiers(self, timeout: float = 10.0) -> None:
-        """Flush pending file-tier writes (bounded) so a restart finds them."""
-        if self.file_tier is not None:
-            self.file_tier.close(timeout)
-
-    async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not (self._new or self._aborts or self.scheduler.has_work()):
-                if not self.sleep_on_idle:             # poll: a new request starts without a wake-up hop
-                    await asyncio.sleep(0.0005)
-                    continue
-                self._wakeup.clear()
-                if not (self._new or self._aborts):
-                    await self._wakeup.wait()
-                continue
-            try:
-                events = await loop.run_in_executor(self._executor, self._step)
-            except Exception:                      # a failed step must not kill the server: fail its requests
+                events = self._step()
+            except Exception:                            # a failed step must not kill the server: fail its requests
                 log.exception("engine step failed; aborting the running requests")
-                events = await loop.run_in_executor(self._executor, self._fail_all)
-            self._dispatch(events)
+                events = self._fail_all()
+            if events:
+                self._loop.call_soon_threadsafe(self._dispatch, events)
+                continue
+            if not self._has_work():
+                if self.cfg.engine.sleep_on_idle:
+                    self._work.wait()
+                else:                                    # poll: a new request starts without a wake-up hop
+                    time.sleep(0.0005)
+            elif not self.scheduler.running:             # requests wait on file-tier reads: their landing wakes us
+                self._work.wait(IDLE_WAIT_S)
+        self.cache.close()
 
-    def _fail_all(self) -> list[tuple[Request, list[TokenEvent], bool]]:
+    def _fail_all(self) -> list[StepEvent]:
         events = []
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort(req)
             req.finish_reason = "error"
-            events.append((req, [], True))
+            events.append(self._event(req, []))
         return events
 
-    def _dispatch(self, events: list[tuple[Request, list[TokenEvent], bool]]) -> None:
+    # ---- async serving (event loop) ----
+    async def start(self) -> None:
+        """Run the step loop on the process's compute thread (the one that loaded the model, in a server)."""
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._serving = asyncio.wrap_future(compute_thread().submit(self._serve))
+
+    async def stop(self) -> None:
+        """Stop the step loop and flush pending file-tier writes (bounded)."""
+        if self._serving is None:
+            return
+        self._stopping = True
+        self._work.set()
+        await self._serving
+        self._serving = None
+
+    def _dispatch(self, events: list[StepEvent]) -> None:
         now = time.monotonic()
-        for req, tokens, finished in events:
-            stream = self._streams.get(req.request_id)
+        for ev in events:
+            stream = self._streams.get(ev.request_id)
             if stream is None:
                 continue
             res = stream.result
-            res.cached_tokens = req.cached_tokens
-            res.cached_tokens_by_tier.update(req.cached_by_tier)
-            if tokens:
-                res.completion_tokens += len(tokens)
+            res.cached_tokens = ev.cached_tokens
+            res.cached_tokens_by_tier.update(ev.cached_by_tier)
+            if ev.tokens:
+                res.completion_tokens += len(ev.tokens)
                 if res.first_token_time is None:
                     res.first_token_time = now
-                stream._queue.put_nowait(tokens)
-            if finished:
-                res.finish_reason = req.finish_reason
+                stream._queue.put_nowait(ev.tokens)
+            if ev.finish_reason is not None:
+                res.finish_reason = ev.finish_reason
                 res.finish_time = now
                 stream._queue.put_nowait(None)
-                del self._streams[req.request_id]
+                del self._streams[ev.request_id]
 
-    # ---- offline API ----
+    # ---- offline API (the calling thread does the compute; not while serving) ----
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Synchronous batch generation (tests, benchmarks). Not for use while the async loop runs."""
+        """Synchronous batch generation (tests, benchmarks)."""
         return [r.output_ids for r in self.run_requests(prompts, params)]
 
     def run_requests(self, prompts: list[list[int]],
                      params: SamplingParams | list[SamplingParams]) -> list[Request]:
         """Like generate(), returning the finished Requests (outputs, cached_tokens, finish_reason)."""
+        assert self._serving is None, "run_requests() is offline only; use submit() while serving"
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self._make_request(p, sp, None) for p, sp in zip(prompts, plist)]
         for r in reqs:
             self.scheduler.add(r)
         while any(r.status != Status.FINISHED for r in reqs):
-            self._step()
+            if not self._step() and not self.scheduler.running:
+                self._work.wait(IDLE_WAIT_S)             # a file-tier read is in flight
+                self._work.clear()
         return reqs
 
     def stats(self) -> EngineStats:
+        """On the engine thread (`await engine.call(engine.stats)` while serving)."""
         s = self.scheduler
         return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting) + len(self._new),
                            kv_pages_used=self.allocator.num_used, kv_pages_total=self.allocator.num_pages,
                            state_slots_used=self.state_pool.num_slots - self.state_pool.num_free,
                            state_slots_total=self.state_pool.num_slots, num_preemptions=s.num_preemptions,
-                           prefix_cache_query_tokens=self.cache.query_tokens if self.cache else 0,
-                           prefix_cache_hit_tokens=self.cache.hit_tokens if self.cache else 0,
-                           cached_pages=self.cache.num_pages if self.cache else 0,
-                           snapshots_held=self.cache.num_snapshots if self.cache else 0,
-                           snapshots_evicted=self.cache.snapshots_evicted if self.cache else 0,
-                           tiers=self._tier_stats())
-
-    def _tier_stats(self) -> dict[str, dict[str, float]]:
-        out = {}
-        if self.host_tier is not None:
-            h = self.host_tier
-            out["host"] = dict(vars(h.stats), used_pages=h.num_pages - h.num_free_pages, capacity_pages=h.num_pages,
-                               used_snapshots=h.num_snapshots - h.num_free_snapshots,
-                               capacity_snapshots=h.num_snapshots)
-        if self.file_tier is not None:
-            f = self.file_tier
-            out["file"] = dict(vars(f.stats), used_bytes=f.used_bytes, capacity_bytes=f.size_bytes,
-                               blobs=f.num_blobs, writable=int(f.writable))
-        return out
+                           cache=self.cache.stats())
 
     def flush_cache(self, include_file: bool = False) -> bool:
         """Empty the prefix cache (device and host tiers; the file tier too when asked); False when a running
-        request holds part of it (nothing is freed then)."""
-        with self._lock:
-            ok = self.scheduler.flush_cache()
-        if ok and include_file and self.file_tier is not None:
-            self.file_tier.clear()
-        return ok
+        request holds part of it (nothing is freed then). On the engine thread while serving."""
+        return self.cache.flush(include_file)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Offline: flush pending file-tier writes (bounded) so a restart finds them."""
+        self.cache.close(timeout)

@@ -2,16 +2,19 @@
 
 Each Metrics owns its own CollectorRegistry, so several apps can live in one process (the tests start many).
 Counters and histograms that the HTTP layer sees are updated by api.py as requests run; gauges and the engine's own
-counters (prefix-cache queries/hits) are read from engine.stats() at scrape time by a custom collector, so they are
+counters (prefix-cache queries/hits) come from the EngineStats taken on the engine thread for each scrape, so they are
 never stale and the engine does not need to know about Prometheus.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from tinyserve.engine import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -24,75 +27,60 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
-def _stat(stats: Any, name: str) -> float | None:
-    """One field of EngineStats, or None when this engine does not report it (e.g. no prefix cache)."""
-    value = getattr(stats, name, None)
-    if value is None and isinstance(stats, dict):
-        value = stats.get(name)
-    return None if value is None else float(value)
-
-
 class _EngineCollector(Collector):
-    """Reads engine.stats() when Prometheus scrapes; gauges plus the engine's cumulative counters."""
+    """Turns the EngineStats of the current scrape into gauges and the engine's cumulative counters."""
 
-    def __init__(self, get_engine: Callable[[], Any]) -> None:
-        self._get_engine = get_engine
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None     # set by Metrics.render for the scrape in progress
 
     def collect(self) -> Iterable[Metric]:
-        engine = self._get_engine()
-        if engine is None:                        # still loading: nothing to report yet
+        st = self.stats
+        if st is None:                            # still loading: nothing to report yet
             return []
-        stats = engine.stats()
+        c = st.cache
         out: list[Metric] = []
 
-        def gauge(name: str, doc: str, value: float | None) -> None:
-            if value is not None:
-                out.append(GaugeMetricFamily(f"tinyserve:{name}", doc, value=value))
+        def gauge(name: str, doc: str, value: float) -> None:
+            out.append(GaugeMetricFamily(f"tinyserve:{name}", doc, value=value))
 
-        def counter(name: str, doc: str, value: float | None) -> None:
-            if value is not None:
-                out.append(CounterMetricFamily(f"tinyserve:{name}", doc, value=value))
+        def counter(name: str, doc: str, value: float) -> None:
+            out.append(CounterMetricFamily(f"tinyserve:{name}", doc, value=value))
 
-        def ratio(used: str, total: str) -> float | None:
-            u, t = _stat(stats, used), _stat(stats, total)
-            return None if u is None or not t else u / t
+        def ratio(used: float, total: float) -> float:
+            return used / total if total else 0.0
 
-        gauge("num_requests_running", "Requests in the running batch.", _stat(stats, "num_running"))
-        gauge("num_requests_waiting", "Requests waiting for admission.", _stat(stats, "num_waiting"))
+        gauge("num_requests_running", "Requests in the running batch.", st.num_running)
+        gauge("num_requests_waiting", "Requests waiting for admission.", st.num_waiting)
         gauge("kv_cache_usage_perc", "Share of device KV pages in use (0..1).",
-              ratio("kv_pages_used", "kv_pages_total"))
+              ratio(st.kv_pages_used, st.kv_pages_total))
         gauge("state_pool_usage_perc", "Share of recurrent-state slots in use (0..1).",
-              ratio("state_slots_used", "state_slots_total"))
-        gauge("kv_pages_used", "Device KV pages in use.", _stat(stats, "kv_pages_used"))
-        gauge("kv_pages_total", "Device KV pages in the pool.", _stat(stats, "kv_pages_total"))
-        counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                _stat(stats, "prefix_cache_query_tokens"))
-        counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", _stat(stats, "prefix_cache_hit_tokens"))
+              ratio(st.state_slots_used, st.state_slots_total))
+        gauge("kv_pages_used", "Device KV pages in use.", st.kv_pages_used)
+        gauge("kv_pages_total", "Device KV pages in the pool.", st.kv_pages_total)
+        counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", c.query_tokens)
+        counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", c.hit_tokens)
         gauge("cache_hit_rate", "Prefix-cache hit tokens / query tokens since start (0..1).",
-              ratio("prefix_cache_hit_tokens", "prefix_cache_query_tokens"))
-        gauge("prefix_cache_pages", "Device KV pages held by the prefix cache.", _stat(stats, "cached_pages"))
-        gauge("prefix_cache_snapshots", "Recurrent-state snapshots held by the prefix cache.",
-              _stat(stats, "snapshots_held"))
+              ratio(c.hit_tokens, c.query_tokens))
+        gauge("prefix_cache_pages", "Device KV pages held by the prefix cache.", c.cached_pages)
+        gauge("prefix_cache_snapshots", "Recurrent-state snapshots held by the prefix cache.", c.snapshots_held)
         counter("prefix_cache_snapshots_evicted", "State snapshots evicted from the prefix cache.",
-                _stat(stats, "snapshots_evicted"))
-        counter("num_preemptions", "Requests preempted (pages freed, recomputed later).",
-                _stat(stats, "num_preemptions"))
-        tiers = getattr(stats, "tiers", None) or {}          # host and file tiers, one label value each
-        for name, doc, key, family_type in [
-                ("tier_hit_tokens", "Prompt tokens loaded from the tier.", "hit_tokens", CounterMetricFamily),
-                ("tier_bytes_in", "Bytes written into the tier (backups).", "bytes_in", CounterMetricFamily),
-                ("tier_bytes_out", "Bytes read from the tier (loads).", "bytes_out", CounterMetricFamily),
-                ("tier_transfer_seconds", "Time spent copying / reading / writing.", "seconds", CounterMetricFamily),
-                ("tier_errors", "Corrupt, truncated or foreign blobs (each deleted).", "errors", CounterMetricFamily),
-                ("tier_used", "Used capacity (pages for host, bytes for file).", "used", GaugeMetricFamily),
-                ("tier_capacity", "Capacity (pages for host, bytes for file).", "capacity", GaugeMetricFamily)]:
-            if not tiers:
-                break
-            family = family_type(f"tinyserve:{name}", doc, labels=["tier"])
+                c.snapshots_evicted)
+        counter("num_preemptions", "Requests preempted (pages freed, recomputed later).", st.num_preemptions)
+        tiers = {name: t for name, t in (("host", c.host), ("file", c.file)) if t is not None}
+        if not tiers:
+            return out
+        for name, doc, family_type in [
+                ("hit_tokens", "Prompt tokens loaded from the tier.", CounterMetricFamily),
+                ("bytes_in", "Bytes written into the tier (backups).", CounterMetricFamily),
+                ("bytes_out", "Bytes read from the tier (loads).", CounterMetricFamily),
+                ("seconds", "Time spent copying / reading / writing.", CounterMetricFamily),
+                ("errors", "Corrupt, truncated or foreign blobs (each deleted).", CounterMetricFamily),
+                ("used", "Used capacity (pages for host, bytes for file).", GaugeMetricFamily),
+                ("capacity", "Capacity (pages for host, bytes for file).", GaugeMetricFamily)]:
+            metric = "tier_transfer_seconds" if name == "seconds" else f"tier_{name}"
+            family = family_type(f"tinyserve:{metric}", doc, labels=["tier"])
             for tier, t in tiers.items():
-                value = t.get(key, t.get(key + ("_pages" if tier == "host" else "_bytes")))
-                if value is not None:
-                    family.add_metric([tier], float(value))
+                family.add_metric([tier], float(getattr(t, name)))
             out.append(family)
         return out
 
@@ -100,7 +88,7 @@ class _EngineCollector(Collector):
 class Metrics:
     """The metrics of one app. api.py calls the on_* methods; render() is the /metrics body."""
 
-    def __init__(self, get_engine: Callable[[], Any]) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         # Counter names drop the `_total` suffix: prometheus_client appends it.
@@ -118,7 +106,8 @@ class Metrics:
                              "Time between consecutive generated tokens.", buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("tinyserve:e2e_request_latency_seconds",
                              "From the HTTP request to its last token.", buckets=_E2E_BUCKETS, registry=r)
-        r.register(_EngineCollector(get_engine))
+        self._engine = _EngineCollector()
+        r.register(self._engine)
 
     # ---- events from api.py ----
     def on_response(self, status: int) -> None:
@@ -144,5 +133,11 @@ class Metrics:
                 self.cached_tokens.labels(tier=tier).inc(n)
         self.e2e.observe(seconds)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, stats: EngineStats | None) -> bytes:
+        """The /metrics body; `stats` from the engine thread (`await engine.call(engine.stats)`), None while
+        loading."""
+        self._engine.stats = stats
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._engine.stats = None

@@ -1,0 +1,57 @@
+"""Fixtures and helpers shared by the test modules: tiny checkpoints, engines built from TOML-named keys, prompts,
+and the no-leak check that also asserts the prefix cache's invariants."""
+from __future__ import annotations
+
+import os
+
+# One OpenMP thread per torch-running thread in the test process: the tests run engines both offline (main thread)
+# and served (the compute thread), and two multi-threaded OpenMP teams on a 2-core machine crawl. Tests are not
+# timed; the benchmarks in bench/ run tinyserve as a user does. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from checkpoints import make_qwen3_5_text  # noqa: E402
+from tinyserve.config import from_dict  # noqa: E402
+from tinyserve.engine import Engine  # noqa: E402
+from tinyserve.loader import load_model  # noqa: E402
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Deep merge of TOML tables (extra wins)."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def engine_for(loaded_model, tokenizer=None, **tables: dict[str, Any]) -> Engine:
+    """An engine around a loaded model, configured by TOML tables with the TOML's own key names:
+    engine_for(model, engine={"page_size": 16}, cache={"enabled": False, "host": {"size_gb": 0.01}})."""
+    return Engine.for_model(from_dict(tables), loaded_model, tokenizer)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_no_leaks(engine: Engine) -> None:
+    """The prefix cache keeps its invariants; once emptied, every page, state slot and snapshot slot is free."""
+    engine.cache.check()
+    assert engine.flush_cache()
+    engine.cache.check()
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.state_pool.num_free == engine.state_pool.num_slots
+    assert engine.state_pool.num_free_snapshots == engine.state_pool.num_snapshot_slots
+    stats = engine.cache.stats()
+    assert stats.cached_pages == 0 and stats.snapshots_held == 0
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    """A Qwen3.5 text model (GDN + full attention), fp32, 2048 positions."""
+    folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("hybrid"), max_position_embeddings=2048)
+    return load_model(folder, torch.float32)
