@@ -245,6 +245,17 @@ def test_tools_reach_the_template(client, tokenizer):
     assert "<tool_response>\n{\"temperature\": 20}\n</tool_response>" in prompt3
 
 
+def test_text_parts_join_like_the_tokenizer(client, tokenizer):
+    """Content as text parts: the server's prompt is the one apply_chat_template builds from the same parts, the
+    parts joined with a newline (one normaliser, tinyserve.tokenizer.content_text, serves both)."""
+    parts = [{"type": "text", "text": "Weather in Paris"}, {"type": "text", "text": "and Oslo?"}]
+    r = client.chat.completions.create(model="tinyserve", messages=[{"role": "user", "content": parts}],
+                                       max_tokens=1, extra_body={"return_token_ids": True})
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": parts}])
+    assert expected == tokenizer.apply_chat_template([{"role": "user", "content": "Weather in Paris\nand Oslo?"}])
+    assert r.model_extra["prompt_token_ids"] == tokenizer.encode(expected)
+
+
 def test_thinking_switch_reaches_the_template(client, tokenizer):
     def prompt_of(**template_kwargs: Any) -> str:
         r = chat(client, max_tokens=2, extra_body={"return_token_ids": True, "chat_template_kwargs": template_kwargs})
@@ -305,6 +316,9 @@ BAD_INPUTS = [
      {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 9}, 400, "max_tokens"),
     ("huge-max-completion-tokens", "POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10 ** 9}, 400,
+     "max_completion_tokens"),
+    ("prompt-plus-max-completion-tokens-over-context", "POST", "/v1/chat/completions",   # each alone would fit
+     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": CONTEXT - 2}, 400,
      "max_completion_tokens"),
     ("negative-temperature", "POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
@@ -515,14 +529,15 @@ def test_check_prints_config_and_plan(tmp_path, xdg):
 # Parser plumbing without the model (its output never holds a tool call): the same functions the handlers use
 
 def test_tool_call_and_reasoning_plumbing():
-    from tinyserve.api import ChatStreamChoice, ChoiceResult, ServerState, chat_message, parse_chat_request
+    from tinyserve.protocol import Chat, ChatStreamChoice, ChoiceResult, parse_chat_request
 
-    state = ServerState(cfg=config_mod.from_dict(PARSERS))
+    parsers = config_mod.from_dict(PARSERS).parsers
+    chat = Chat(parsers.reasoning, parsers.tool_call)
     req = parse_chat_request({"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER_TOOL]},
-                             "tinyserve", vocab_size=1000)
+                             "tinyserve")
     text = ("<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n"
             "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
-    message, finish = chat_message(state, req, ChoiceResult(0, text=text, finish_reason="stop"))
+    message, finish = chat.message(req, ChoiceResult(0, text=text, finish_reason="stop"))
     assert finish == "tool_calls"
     assert message["reasoning_content"] == "The user wants the weather."
     assert message["content"] == "Let me check."
@@ -531,7 +546,7 @@ def test_tool_call_and_reasoning_plumbing():
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}   # typed by the schema
 
     # Streamed a few characters at a time, the deltas add up to the same message.
-    stream = ChatStreamChoice(state, req)
+    stream = ChatStreamChoice(chat, req)
     pieces = []
     for i in range(0, len(text), 3):
         pieces += stream.pieces(text[i:i + 3], final=False)
@@ -551,6 +566,42 @@ def test_tool_call_and_reasoning_plumbing():
     # tool_choice "none" and thinking off: everything is content.
     plain = parse_chat_request({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER_TOOL],
                                 "tool_choice": "none", "chat_template_kwargs": {"enable_thinking": False}},
-                               "tinyserve", vocab_size=1000)
-    message, finish = chat_message(state, plain, ChoiceResult(0, text=text, finish_reason="stop"))
+                               "tinyserve")
+    message, finish = chat.message(plain, ChoiceResult(0, text=text, finish_reason="stop"))
     assert finish == "stop" and message["content"] == text and not message.get("reasoning_content")
+
+
+def test_generation_never_half_submits():
+    """n choices: parameters out of range fail the engine's validate before any submit; a submit that fails later
+    cancels the ones already in."""
+    from types import SimpleNamespace
+
+    from tinyserve.api import Generation, ServerState
+    from tinyserve.engine import RequestError
+    from tinyserve.sampling import SamplingParams
+
+    class FakeEngine:
+        def __init__(self, fail_at: int) -> None:
+            self.fail_at, self.streams = fail_at, []
+
+        def validate(self, params: SamplingParams) -> None:
+            if params.temperature < 0:
+                raise RequestError("temperature must be >= 0", "temperature")
+
+        def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Any:
+            if len(self.streams) == self.fail_at:
+                raise RequestError("no", "prompt")
+            stream = SimpleNamespace(cancelled=False, result=SimpleNamespace(prompt_tokens=2))
+            stream.cancel = lambda: setattr(stream, "cancelled", True)
+            self.streams.append(stream)
+            return stream
+
+    cfg = config_mod.from_dict({"metrics": {"enabled": False}})
+    engine = FakeEngine(fail_at=99)
+    with pytest.raises(RequestError):
+        Generation(ServerState(cfg=cfg, engine=engine), [1, 2], SamplingParams(temperature=-1.0), 3, [], "r", 0.0)
+    assert engine.streams == []
+    engine = FakeEngine(fail_at=2)
+    with pytest.raises(RequestError):
+        Generation(ServerState(cfg=cfg, engine=engine), [1, 2], SamplingParams(), 3, [], "r", 0.0)
+    assert [s.cancelled for s in engine.streams] == [True, True]

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from tinyserve.demo import write_demo_tokenizer_files
-from tinyserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from tinyserve.tokenizer import (IncrementalDetokenizer, MessageError, Tokenizer, content_text, normalise_messages,
+                                 tool_call_arguments)
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city, ünïcode kept",
@@ -119,16 +120,41 @@ def test_template_tools_and_tool_results(tok):
 
 
 def test_template_accepts_openai_shapes(tok):
-    """Arguments as a JSON string and content as text parts render like their plain forms."""
-    plain = CONVERSATIONS["tool_round_trip"]
+    """Arguments as a JSON string and content as text parts render like their plain forms (parts joined by
+    newlines, as vLLM does)."""
+    plain = json.loads(json.dumps(CONVERSATIONS["tool_round_trip"]))
+    plain[1]["content"] = "Weather in Paris\nand Oslo?"
     openai = json.loads(json.dumps(plain))
     for call in openai[2]["tool_calls"]:
         call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
-    openai[1]["content"] = [{"type": "text", "text": "Weather in Paris "}, {"type": "text", "text": "and Oslo?"}]
+    openai[1]["content"] = [{"type": "text", "text": "Weather in Paris"}, {"type": "text", "text": "and Oslo?"}]
     assert tok.apply_chat_template(openai, tools=TOOLS) == tok.apply_chat_template(plain, tools=TOOLS)
     assert isinstance(openai[2]["tool_calls"][0]["function"]["arguments"], str)   # caller's dicts untouched
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\].*image_url"):
         tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_message_normaliser():
+    """The one normaliser the API and apply_chat_template share: text parts joined by "\n", arguments parsed,
+    errors naming where they are."""
+    assert content_text([{"type": "text", "text": "a"}, "b", {"type": "text", "text": ""}], "c") == "a\nb\n"
+    assert content_text("as is", "c") == "as is" and content_text(None, "c") is None
+    with pytest.raises(MessageError, match="image_url") as e:
+        content_text(["ok", {"type": "image_url"}], "messages[2].content")
+    assert e.value.param == "messages[2].content[1]"
+    with pytest.raises(MessageError) as e:
+        content_text(5, "messages[0].content")
+    assert e.value.param == "messages[0].content"
+    assert tool_call_arguments('{"city": "Oslo"}', "a") == {"city": "Oslo"} and tool_call_arguments(" ", "a") == {}
+    for bad in ("{not json", "[1, 2]"):
+        with pytest.raises(MessageError) as e:
+            tool_call_arguments(bad, "messages[1].tool_calls[0].function.arguments")
+        assert e.value.param == "messages[1].tool_calls[0].function.arguments"
+    messages = [{"role": "user", "content": ["a", "b"]}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}]
+    out = normalise_messages(messages)
+    assert out[0]["content"] == "a\nb" and out[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert "content" not in out[1] and messages[0]["content"] == ["a", "b"]      # caller's dicts untouched
 
 
 def test_template_errors_become_value_errors(tok):

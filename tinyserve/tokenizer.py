@@ -93,45 +93,69 @@ def _pick_template(raw: Any, source: Path) -> str | None:
     raise ValueError(f"{source}: chat_template must be a string or a list of named templates")
 
 
-def _normalise_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI-shaped messages -> what Qwen-style templates expect (without touching the caller's dicts).
+class MessageError(ValueError):
+    """A chat message the template cannot take; `param` says where (e.g. messages[1].content[0])."""
 
-    - content given as a list of text parts is joined into one string (this server is text-only);
-    - assistant tool_calls arguments given as a JSON string are parsed into a mapping, because templates iterate
-      `arguments | items` (vLLM does the same).
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def content_text(content: Any, param: str) -> str | None:
+    """A message's content as one string (None stays None: templates render it as nothing).
+
+    Text parts are joined with "\\n", as vLLM does (Qwen's templates would concatenate them with nothing between);
+    the API and apply_chat_template both come through here, so a prompt is the same whichever path built it.
     """
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise MessageError(f"{param} must be a string or a list of text parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):                    # a bare string part (vLLM accepts it too)
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise MessageError(f"{param}[{j}]: unsupported content part type {kind!r} "
+                               "(only text parts are supported)", f"{param}[{j}]")
+    return "\n".join(texts)
+
+
+def tool_call_arguments(arguments: Any, param: str) -> dict:
+    """An earlier tool call's arguments as a mapping: templates iterate `arguments | items` (vLLM parses them too)."""
+    if arguments is None:
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise MessageError(f"{param} is not valid JSON", param) from None
+    if not isinstance(arguments, dict):
+        raise MessageError(f"{param} must be a JSON object", param)
+    return arguments
+
+
+def normalise_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI-shaped messages -> what Qwen-style templates expect, without touching the caller's dicts: content
+    parts joined (content_text), tool-call arguments parsed (tool_call_arguments). Raises MessageError."""
     out = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
-            raise ValueError(f"messages[{i}] must be an object")
+            raise MessageError(f"messages[{i}] must be an object", f"messages[{i}]")
         msg = dict(msg)
-        content = msg.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                    texts.append(part["text"])
-                elif isinstance(part, str):
-                    texts.append(part)
-                else:
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ValueError(f"messages[{i}].content[{j}]: unsupported content part type {kind!r} "
-                                     "(only text is supported)")
-            msg["content"] = "".join(texts)
+        if "content" in msg:
+            msg["content"] = content_text(msg["content"], f"messages[{i}].content")
         calls = msg.get("tool_calls")
         if isinstance(calls, list):
             new_calls = []
-            for call in calls:
+            for j, call in enumerate(calls):
                 if isinstance(call, dict) and isinstance(call.get("function"), dict):
                     fn = dict(call["function"])
-                    args = fn.get("arguments")
-                    if isinstance(args, str):
-                        try:
-                            parsed = json.loads(args) if args.strip() else {}
-                        except json.JSONDecodeError:
-                            parsed = None
-                        if isinstance(parsed, dict):
-                            fn["arguments"] = parsed
+                    fn["arguments"] = tool_call_arguments(fn.get("arguments"),
+                                                          f"messages[{i}].tool_calls[{j}].function.arguments")
                     call = {**call, "function": fn}
                 new_calls.append(call)
             msg["tool_calls"] = new_calls
@@ -237,7 +261,7 @@ class Tokenizer:
                              "(no chat_template.jinja and no chat_template in tokenizer_config.json)")
         variables: dict[str, Any] = dict(self.special_tokens)
         variables.update(template_kwargs)
-        variables.update(messages=_normalise_messages(messages), tools=tools or None,
+        variables.update(messages=normalise_messages(messages), tools=tools or None,
                          add_generation_prompt=add_generation_prompt)
         try:
             return self._template.render(**variables)

@@ -1,0 +1,164 @@
+"""tinyserve.protocol without a server: request parsing (each error names its field), the engine-error mapping,
+response bodies and stream chunks."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tinyserve.protocol import (APIError, Chat, ChoiceResult, Completions, Delta, Meta, Usage, parse_chat_request,
+                                parse_completion_request, sampling_params)
+
+USER = [{"role": "user", "content": "x"}]
+
+
+def chat_error(body: dict[str, Any]) -> APIError:
+    with pytest.raises(APIError) as e:
+        parse_chat_request(body, "tinyserve")
+    return e.value
+
+
+CHAT_ERRORS = [
+    # id, body, status, param
+    ("messages-missing", {}, 400, "messages"),
+    ("messages-empty", {"messages": []}, 400, "messages"),
+    ("message-not-object", {"messages": ["hi"]}, 400, "messages[0]"),
+    ("role-unknown", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("content-missing", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("content-number", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("content-image", {"messages": USER + [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[1].content[1]"),
+    ("tool-call-bad-json", {"messages": USER + [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{x"}}]}]}, 400,
+     "messages[1].tool_calls[0].function.arguments"),
+    ("tool-call-no-name", {"messages": USER + [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, 400,
+     "messages[1].tool_calls[0]"),
+    ("name-number", {"messages": [{"role": "user", "content": "x", "name": 3}]}, 400, "messages[0].name"),
+    ("string-temperature", {"messages": USER, "temperature": "hot"}, 400, "temperature"),
+    ("nan-top-p", {"messages": USER, "top_p": float("nan")}, 400, "top_p"),
+    ("bool-top-k", {"messages": USER, "top_k": True}, 400, "top_k"),
+    ("string-max-tokens", {"messages": USER, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("float-max-completion-tokens", {"messages": USER, "max_completion_tokens": 1.5}, 400, "max_completion_tokens"),
+    ("seed-past-64-bits", {"messages": USER, "seed": 2 ** 64}, 400, "seed"),
+    ("n-nine", {"messages": USER, "n": 9}, 400, "n"),
+    ("stop-number", {"messages": USER, "stop": 5}, 400, "stop"),
+    ("stop-too-many", {"messages": USER, "stop": ["a"] * 17}, 400, "stop"),
+    ("stop-token-string", {"messages": USER, "stop_token_ids": ["a"]}, 400, "stop_token_ids"),
+    ("stream-string", {"messages": USER, "stream": "yes"}, 400, "stream"),
+    ("stream-options-list", {"messages": USER, "stream_options": []}, 400, "stream_options"),
+    ("include-usage-string", {"messages": USER, "stream_options": {"include_usage": 1}}, 400, "include_usage"),
+    ("top-logprobs-alone", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top-logprobs-21", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("tools-not-list", {"messages": USER, "tools": {}}, 400, "tools"),
+    ("tool-no-name", {"messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]}, 400,
+     "tools[0].function.name"),
+    ("tool-choice-unknown", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                             "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ("template-kwargs-reserved", {"messages": USER, "chat_template_kwargs": {"tools": []}}, 400,
+     "chat_template_kwargs"),
+    ("response-format-json", {"messages": USER, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("model-unknown", {"messages": USER, "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("case", CHAT_ERRORS, ids=[c[0] for c in CHAT_ERRORS])
+def test_chat_parse_errors_name_the_field(case):
+    _, body, status, param = case
+    err = chat_error(body)
+    assert (err.status, err.param) == (status, param)
+    assert err.message and err.type
+
+
+COMPLETION_ERRORS = [
+    ("prompt-missing", {}, "prompt"),
+    ("prompt-empty-string", {"prompt": ""}, "prompt"),
+    ("prompt-batch", {"prompt": ["a", "b"]}, "prompt"),
+    ("prompt-empty-ids", {"prompt": []}, "prompt"),
+    ("prompt-bool-id", {"prompt": [True]}, "prompt"),
+    ("logprobs-6", {"prompt": "x", "logprobs": 6}, "logprobs"),
+    ("echo", {"prompt": "x", "echo": True}, "echo"),
+    ("best-of", {"prompt": "x", "best_of": 2}, "best_of"),
+]
+
+
+@pytest.mark.parametrize("case", COMPLETION_ERRORS, ids=[c[0] for c in COMPLETION_ERRORS])
+def test_completion_parse_errors_name_the_field(case):
+    _, body, param = case
+    with pytest.raises(APIError) as e:
+        parse_completion_request(body, "tinyserve")
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_ranges_are_the_engines():
+    """Types are checked while parsing; ranges (sampling parameters, ids in the vocabulary) reach the engine, whose
+    RequestError names the field."""
+    req = parse_chat_request({"messages": USER, "temperature": -1, "top_p": 0, "min_tokens": -3, "max_tokens": 0,
+                              "stop_token_ids": [10 ** 9]}, "tinyserve")
+    p = req.options.params
+    assert (p.temperature, p.top_p, p.min_tokens, req.options.max_tokens) == (-1.0, 0.0, -3, 0)
+    assert p.stop_token_ids == [10 ** 9]
+    assert parse_completion_request({"prompt": [-1, 10 ** 9]}, "tinyserve").prompt == [-1, 10 ** 9]
+
+
+def test_engine_error_fields_map_to_what_the_client_sent():
+    chat, completions = Chat(), Completions()
+    newer = parse_chat_request({"messages": USER, "max_completion_tokens": 5}, "tinyserve")
+    older = parse_chat_request({"messages": USER, "max_tokens": 5}, "tinyserve")
+    assert chat.error_param(newer, "max_tokens") == "max_completion_tokens"
+    assert chat.error_param(older, "max_tokens") == "max_tokens"
+    assert chat.error_param(older, "prompt") == "messages"
+    assert chat.error_param(older, "temperature") == "temperature"
+    comp = parse_completion_request({"prompt": [1, 2]}, "tinyserve")
+    assert completions.error_param(comp, "prompt") == "prompt"
+
+
+def test_sampling_params_after_fit():
+    """min_tokens is cut to a max_tokens the engine chose, never to one the client chose (that is an error)."""
+    free = parse_chat_request({"messages": USER, "min_tokens": 50}, "tinyserve").options
+    assert (sampling_params(free, 20).max_tokens, sampling_params(free, 20).min_tokens) == (20, 20)
+    fixed = parse_chat_request({"messages": USER, "min_tokens": 50, "max_tokens": 20}, "tinyserve").options
+    assert sampling_params(fixed, 20).min_tokens == 50
+
+
+class _Event:
+    def __init__(self, token_id: int, logprob: float = -0.5) -> None:
+        self.token_id, self.logprob, self.top_logprobs = token_id, logprob, [(token_id, logprob)]
+
+
+META = Meta("cmpl-1", 123, "tinyserve", [1, 2, 3], lambda t: f"<{t}>")
+
+
+def test_completion_body_and_stream():
+    comp = Completions()
+    req = parse_completion_request({"prompt": [1, 2, 3], "logprobs": 1, "n": 2, "return_token_ids": True,
+                                    "stream_options": {"include_usage": True}}, "tinyserve")
+    usage = Usage(3, 2, cached_tokens=1, cached_tokens_by_tier={"device": 1})
+    results = [ChoiceResult(0, "ab", [7, 8], [_Event(7), _Event(8)], "length"), ChoiceResult(1, "", [], [], "stop")]
+    body = comp.response(req, META, results, usage)
+    assert body["object"] == "text_completion" and body["prompt_token_ids"] == [1, 2, 3]
+    assert body["choices"][0]["token_ids"] == [7, 8] and body["choices"][0]["logprobs"]["text_offset"] == [0, 3]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details":
+                             {"cached_tokens": 1, "cached_tokens_by_tier": {"device": 1}}}
+    stream = comp.stream(req, META)
+    assert stream.start() == []
+    (a,) = stream.delta(0, Delta("<7>", [7], [_Event(7)]))
+    (b,) = stream.delta(0, Delta("", [], [], "length"))
+    assert a["choices"][0]["logprobs"]["text_offset"] == [0] and b["choices"][0]["finish_reason"] == "length"
+    (last,) = stream.end(Usage(3, 1))
+    assert last["choices"] == [] and "prompt_tokens_details" not in last["usage"]
+    assert stream.frame({"a": 1}) == b'data: {"a":1}\n\n' and stream.done == b"data: [DONE]\n\n"
+
+
+def test_chat_stream_chunks():
+    chat = Chat()
+    req = parse_chat_request({"messages": USER, "n": 2, "logprobs": True}, "tinyserve")
+    stream = chat.stream(req, META)
+    assert [c["choices"][0]["delta"] for c in stream.start()] == [{"role": "assistant", "content": ""}] * 2
+    (piece,) = stream.delta(1, Delta("hi", [5], [_Event(5)]))
+    assert piece["object"] == "chat.completion.chunk" and piece["choices"][0]["delta"] == {"content": "hi"}
+    assert piece["choices"][0]["logprobs"]["content"][0]["token"] == "<5>"
+    (fin,) = stream.delta(1, Delta("", [], [], "stop"))
+    assert fin["choices"][0] == {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert stream.end(Usage(3, 1)) == []                     # no include_usage
