@@ -571,37 +571,13 @@ def test_tool_call_and_reasoning_plumbing():
     assert finish == "stop" and message["content"] == text and not message.get("reasoning_content")
 
 
-def test_generation_never_half_submits():
-    """n choices: parameters out of range fail the engine's validate before any submit; a submit that fails later
-    cancels the ones already in."""
-    from types import SimpleNamespace
-
-    from tinyserve.api import Generation, ServerState
-    from tinyserve.engine import RequestError
-    from tinyserve.sampling import SamplingParams
-
-    class FakeEngine:
-        def __init__(self, fail_at: int) -> None:
-            self.fail_at, self.streams = fail_at, []
-
-        def validate(self, params: SamplingParams) -> None:
-            if params.temperature < 0:
-                raise RequestError("temperature must be >= 0", "temperature")
-
-        def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Any:
-            if len(self.streams) == self.fail_at:
-                raise RequestError("no", "prompt")
-            stream = SimpleNamespace(cancelled=False, result=SimpleNamespace(prompt_tokens=2))
-            stream.cancel = lambda: setattr(stream, "cancelled", True)
-            self.streams.append(stream)
-            return stream
-
-    cfg = config_mod.from_dict({"metrics": {"enabled": False}})
-    engine = FakeEngine(fail_at=99)
-    with pytest.raises(RequestError):
-        Generation(ServerState(cfg=cfg, engine=engine), [1, 2], SamplingParams(temperature=-1.0), 3, [], "r", 0.0)
-    assert engine.streams == []
-    engine = FakeEngine(fail_at=2)
-    with pytest.raises(RequestError):
-        Generation(ServerState(cfg=cfg, engine=engine), [1, 2], SamplingParams(), 3, [], "r", 0.0)
-    assert [s.cancelled for s in engine.streams] == [True, True]
+def test_bad_parameters_with_n_leave_nothing_submitted(server):
+    """n choices with an out-of-range parameter: the engine's validation fails the first submit, a 400 names the
+    field, and no request is left behind in the engine."""
+    status, _, body = http("POST", server.base_url + "/v1/completions",
+                           {"prompt": "Hello", "max_tokens": 4, "n": 3, "temperature": -1.0})
+    assert status == 400 and json.loads(body)["error"]["param"] == "temperature"
+    status, _, body = http("GET", server.base_url + "/metrics")
+    assert "tinyserve:num_requests_running 0.0" in body.decode()
+    assert "tinyserve:num_requests_waiting 0.0" in body.decode()
+    tiny_request_works(server.base_url)

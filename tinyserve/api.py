@@ -162,8 +162,7 @@ class Generation:
         self.streams: list[Any] = []
         self.completion_tokens = 0
         self._open: set[int] = set()                  # choices not finished yet
-        self.engine.validate(params)                  # once, before any submit: never a half-submitted n
-        try:
+        try:                                          # the first submit validates params: a bad one submits nothing
             for i in range(n):
                 seed = params.seed if params.seed is None or n == 1 else (params.seed + i) % 2 ** 64
                 self.streams.append(self.engine.submit(prompt_ids, replace(params, seed=seed), f"{request_id}-{i}"))
@@ -183,7 +182,7 @@ class Generation:
         self._open.discard(index)
         if self.metrics is not None:
             r = self.streams[index].result
-            self.metrics.on_finished(reason, r.prompt_tokens, getattr(r, "cached_tokens_by_tier", None),
+            self.metrics.on_finished(reason, r.prompt_tokens, r.cached_tokens_by_tier,
                                      time.monotonic() - self.arrival)
 
     async def deltas(self, index: int) -> AsyncIterator[Delta]:
@@ -259,7 +258,7 @@ class Generation:
         if self.cache_report:
             first = self.streams[0].result    # the other choices share the prompt (and hit what the first wrote)
             usage.cached_tokens = first.cached_tokens
-            usage.cached_tokens_by_tier = dict(getattr(first, "cached_tokens_by_tier", None) or {})
+            usage.cached_tokens_by_tier = dict(first.cached_tokens_by_tier)
         return usage
 
 

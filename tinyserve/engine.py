@@ -170,7 +170,7 @@ class Engine:
         self.served_name = cfg.model.served_name
         self.context_length = plan.context_length
         self.vocab_size = mc.vocab_size
-        self.eos_token_ids = sorted(set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or []))
+        self.eos_token_ids = sorted(set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
         if cfg.speculative.algorithm:   # accepted so production configs stay valid; not built yet: say so
             log.warning("speculative.algorithm: not implemented in this version yet; running without it")
         device = model.device

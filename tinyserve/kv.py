@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
-
-
 class KVPool:
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device) -> None:

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from tinyserve.config import Config, ConfigError
+from tinyserve.config import DTYPES, KV_CACHE_DTYPES, Config, ConfigError
 from tinyserve.models.qwen3_next import ModelConfig
 
 # The one table from the config's dtype names to torch dtypes ("auto" is resolved by the plan).
 TORCH_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                                         "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+assert set(DTYPES + KV_CACHE_DTYPES) - {"auto"} == set(TORCH_DTYPES), "config.py's dtype names and this table"
 CPU_DEFAULT_KV_TOKENS = 32768       # engine.kv_cache_tokens = 0 on the CPU: a modest pool
 SNAPSHOTS_PER_RUNNING_REQUEST = 4   # cache.state_slots = 0: device snapshots per engine.max_running_requests
 CUDA_ACTIVATION_RESERVE = 1 << 30   # bytes kept free on the GPU for activations and the CUDA context

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from tinyserve.config import WRITE_POLICIES
 from tinyserve.kv import KVPool
 from tinyserve.state import StatePool
 
@@ -510,9 +511,9 @@ class FileTier:
         return Blob(start, end, tokens, kv, conv, ssm)
 
 
-# The one table of write policies: at which event a device node is backed up to the host tier (and from there, or
-# straight from the device without a host tier, written to the file tier).
-BACKUP_EVENT = {"write_through": "insert", "write_through_selective": "hit", "write_back": "evict"}
+# The one table of write policies (cache.host.write_policy, in config.py's order): at which event a device node is
+# backed up to the host tier (and from there, or straight from the device without a host tier, to the file tier).
+BACKUP_EVENT = dict(zip(WRITE_POLICIES, ("insert", "hit", "evict")))
 
 
 class Tiers:
