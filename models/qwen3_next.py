@@ -6,90 +6,20 @@ per-key-head-group rows are reordered once at load time.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Callable
 
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-@dataclass
-class ModelConfig:
-    """The text model's hyper-parameters, read from a checkpoint's config.json by tinyserve.loader."""
-
-    model_type: str                      # qwen3_next | qwen3_5_text | qwen3_5_moe_text
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    layer_types: list[str]               # "linear_attention" | "full_attention" per layer
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    partial_rotary_factor: float
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    intermediate_size: int               # dense MLP width (dense layers only)
-    num_experts: int = 0                 # 0: dense model
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    tie_word_embeddings: bool = False
-    interleaved_gdn_proj: bool = False   # Qwen3-Next checkpoints: in_proj_qkvz / in_proj_ba interleaved per group
-    num_mtp_layers: int = 0              # NEXTN layers present in the checkpoint (mtp.*)
-    eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
-    torch_dtype: str = "float32"         # dtype the checkpoint was saved in
-
-    # ---- derived sizes ----
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def attn_layer_ids(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
-
-    @property
-    def gdn_layer_ids(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
-
-    @property
-    def key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
-
-    def is_moe_layer(self, i: int) -> bool:
-        return (self.num_experts > 0 and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The model
-# ----------------------------------------------------------------------------------------------------------------
-import math  # noqa: E402
-from typing import Callable  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv  # noqa: E402
-from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill  # noqa: E402
-from tinyserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_decode  # noqa: E402
-from tinyserve.kernels.linear import linear  # noqa: E402
-from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm  # noqa: E402
+from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv
+from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill
+from tinyserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_decode
+from tinyserve.kernels.linear import linear
+from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm
+from tinyserve.models.config import ModelConfig  # noqa: F401 - re-exported
 
 
 @dataclass

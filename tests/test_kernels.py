@@ -13,7 +13,7 @@ from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill
 from tinyserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_decode
 from tinyserve.kernels.norm import gated_rms_norm, rms_norm
 from tinyserve.kv import KVPool
-from tinyserve.plan import TORCH_DTYPES
+from tinyserve.plan import DTYPE_TABLE, torch_dtype
 
 DK, DV = 16, 8
 
@@ -279,9 +279,9 @@ def test_kv_pool_layer_views_share_the_buffer():
     assert pool.bytes_per_page == 2 * 2 * 4 * NKV * HD * 4
 
 
-@pytest.mark.parametrize("name", [n for n in TORCH_DTYPES if n.startswith("fp8")])
+@pytest.mark.parametrize("name", [n for n in DTYPE_TABLE if n.startswith("fp8")])
 def test_fp8_kv_pool_round_trip(name):
-    dtype = TORCH_DTYPES[name]
+    dtype = torch_dtype(name)
     pool = KVPool(4, 16, num_layers=1, num_kv_heads=NKV, head_dim=HD, dtype=dtype, device="cpu")
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(20, NKV, HD, generator=gen), torch.randn(20, NKV, HD, generator=gen)

@@ -34,7 +34,7 @@ def test_derived_sizes(header_folder):
     cfg = from_dict({"model": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"},
                      "engine": {"max_running_requests": 2}})
     plan = MemoryPlan.resolve(cfg, mc, "cpu", values)
-    assert plan.dtype == torch.bfloat16 and plan.kv_dtype == torch.float8_e4m3fn
+    assert plan.dtype == "bfloat16" and plan.kv_dtype == "fp8_e4m3"
     assert plan.weights_bytes == 2 * values
     assert plan.kv_tokens == CPU_DEFAULT_KV_TOKENS and plan.context_length == 262144
     assert plan.kv_bytes_per_token == 16 * 2 * 4 * 256 * 1           # 16 attention layers, K and V, fp8
@@ -42,8 +42,8 @@ def test_derived_sizes(header_folder):
     assert plan.state_bytes_per_slot == 48 * ((2 * 16 * 128 + 48 * 128) * 3 * 2 + 48 * 128 * 128 * 4)
     assert plan.state_slots == 2 and plan.snapshot_slots == SNAPSHOTS_PER_RUNNING_REQUEST * 2
     assert plan.host_pages == plan.host_snapshots == 0 and plan.file_dir == ""
-    assert kv_bytes_per_token(mc, torch.float8_e4m3fn) == plan.kv_bytes_per_token
-    assert state_bytes_per_slot(mc, torch.bfloat16) == plan.state_bytes_per_slot
+    assert kv_bytes_per_token(mc, "fp8_e4m3") == plan.kv_bytes_per_token
+    assert state_bytes_per_slot(mc, "bfloat16") == plan.state_bytes_per_slot
 
 
 def test_host_tier_split_and_explicit_keys(header_folder):
@@ -83,6 +83,16 @@ def test_check_prints_the_plan_of_a_27b_folder_of_headers(header_folder, tmp_pat
     plan = out.stdout.strip().splitlines()[-1]
     assert "weights 50.89 GiB" in plan and "KV pool 262144 tokens" in plan and "fp8_e4m3" in plan, plan
     assert "context 262144 tokens" in plan
+
+
+def test_planning_needs_no_torch(header_folder):
+    """A CPU plan (what `tinyserve --check` prints) comes from config.json and the headers without importing torch,
+    so it answers at once even for a 27B release."""
+    code = ("import sys; from tinyserve.config import from_dict; from tinyserve.plan import plan_for; "
+            f"plan_for(from_dict({{'model': {{'path': {str(header_folder)!r}, 'device': 'cpu'}}}})); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
 
 
 def test_check_fails_naming_the_host_key(header_folder, tmp_path):

@@ -20,8 +20,6 @@ import sys
 import time
 from typing import Any
 
-from aiohttp import web
-
 from . import config as config_mod
 from .config import ConfigError
 
@@ -80,6 +78,8 @@ async def _drain(engine: Any, timeout_s: float) -> None:
 
 
 async def serve(cfg: Any) -> int:
+    from aiohttp import web                           # imported here: --check needs neither aiohttp nor torch
+
     from .api import create_app, get_state, set_engine
 
     loop = asyncio.get_running_loop()

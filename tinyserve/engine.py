@@ -39,7 +39,7 @@ from tinyserve.cache import CacheStats, NullCache, PrefixCache
 from tinyserve.config import Config
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
-from tinyserve.plan import MemoryPlan, dtype_name, plan_for
+from tinyserve.plan import MemoryPlan, dtype_name, plan_for, torch_dtype
 from tinyserve.radix import RadixCache
 from tinyserve.request import TIERS, Request, Status
 from tinyserve.runner import ModelRunner
@@ -174,8 +174,9 @@ class Engine:
         if cfg.speculative.algorithm:   # accepted so production configs stay valid; not built yet: say so
             log.warning("speculative.algorithm: not implemented in this version yet; running without it")
         device = model.device
+        kv_dtype = torch_dtype(plan.kv_dtype)
         self.kv_pool = KVPool(plan.kv_pages, plan.page_size, len(mc.attn_layer_ids), mc.num_key_value_heads,
-                              mc.head_dim, plan.kv_dtype, device)
+                              mc.head_dim, kv_dtype, device)
         self.allocator = PageAllocator(plan.kv_pages)
         self.state_pool = StatePool(plan.state_slots, len(mc.gdn_layer_ids), mc.conv_dim, mc.linear_conv_kernel_dim,
                                     mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
@@ -203,8 +204,8 @@ class Engine:
             host = HostTier(self.kv_pool, self.state_pool, plan.host_pages, plan.host_snapshots)
         if plan.file_dir:
             file = FileTier(Path(plan.file_dir), plan.file_bytes,
-                            model_fingerprint(self.model, plan.kv_dtype, plan.page_size),
-                            tuple(self.kv_pool.buffer.shape[1:]), plan.kv_dtype,
+                            model_fingerprint(self.model, self.kv_pool.dtype, plan.page_size),
+                            tuple(self.kv_pool.buffer.shape[1:]), self.kv_pool.dtype,
                             tuple(self.state_pool.conv.shape[1:]), self.state_pool.conv.dtype,
                             tuple(self.state_pool.ssm.shape[1:]))
             log.info("file tier %s: %d blobs found", plan.file_dir, file.num_blobs)
@@ -219,7 +220,7 @@ class Engine:
         from tinyserve.loader import load_model
         from tinyserve.tokenizer import Tokenizer
         folder, _, plan = plan_for(cfg)
-        model = load_model(folder, plan.dtype, plan.device)
+        model = load_model(folder, torch_dtype(plan.dtype), plan.device)
         return cls(cfg, model, Tokenizer.from_folder(folder), plan)
 
     @classmethod

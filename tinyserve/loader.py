@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
 
-from tinyserve.models.qwen3_next import ModelConfig
+from tinyserve.models.config import ModelConfig
 
 log = logging.getLogger("tinyserve.loader")
 
@@ -467,6 +465,7 @@ class _QuantScheme:
 def _dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], scale_name: str) -> torch.Tensor:
     """FP8 [..., out, in] times its scale: scalar, per output channel [..., out, 1], or per block
     [..., ceil(out/b0), ceil(in/b1)] (the last blocks may be partial)."""
+    import torch
     out, inp = w.shape[-2], w.shape[-1]
     lead = tuple(w.shape[:-2])
     wf = w.to(torch.float32)
@@ -601,7 +600,11 @@ def _progress(total: int, size_bytes: int):
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"):
     """Build the model described by `folder`/config.json and stream the checkpoint's weights into it."""
-    from tinyserve.models.qwen3_next import Qwen3NextForCausalLM  # the model module is heavy; import on use
+    # torch and the model are imported on use: reading configs and headers (the plan, --check) needs neither
+    import torch
+    from safetensors import safe_open
+
+    from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
 
     path = _check_folder(folder)
     raw = _raw_config(path)

@@ -12,36 +12,42 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from tinyserve.config import DTYPES, KV_CACHE_DTYPES, Config, ConfigError
-from tinyserve.models.qwen3_next import ModelConfig
+from tinyserve.models.config import ModelConfig
 
-# The one table from the config's dtype names to torch dtypes ("auto" is resolved by the plan).
-TORCH_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-                                        "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
-assert set(DTYPES + KV_CACHE_DTYPES) - {"auto"} == set(TORCH_DTYPES), "config.py's dtype names and this table"
+# The one table of dtypes: the config's name -> (torch's name, bytes per value). Plans carry the config's names, so
+# planning (and `tinyserve --check` on a CPU) never imports torch; the engine turns them into torch dtypes.
+DTYPE_TABLE: dict[str, tuple[str, int]] = {"bfloat16": ("bfloat16", 2), "float16": ("float16", 2),
+                                           "float32": ("float32", 4), "fp8_e4m3": ("float8_e4m3fn", 1)}
+assert set(DTYPES + KV_CACHE_DTYPES) - {"auto"} == set(DTYPE_TABLE), "config.py's dtype names and this table"
 CPU_DEFAULT_KV_TOKENS = 32768       # engine.kv_cache_tokens = 0 on the CPU: a modest pool
 SNAPSHOTS_PER_RUNNING_REQUEST = 4   # cache.state_slots = 0: device snapshots per engine.max_running_requests
 CUDA_ACTIVATION_RESERVE = 1 << 30   # bytes kept free on the GPU for activations and the CUDA context
 GIB = 1 << 30
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in TORCH_DTYPES.items() if d == dtype)
+def torch_dtype(name: str) -> Any:
+    import torch
+    return getattr(torch, DTYPE_TABLE[name][0])
 
 
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def dtype_name(dtype: Any) -> str:
+    """The config's name of a torch dtype."""
+    return next(name for name, (torch_name, _) in DTYPE_TABLE.items() if str(dtype) == f"torch.{torch_name}")
 
 
-def kv_bytes_per_token(mc: ModelConfig, kv_dtype: torch.dtype) -> int:
+def element_size(dtype: str) -> int:
+    return DTYPE_TABLE[dtype][1]
+
+
+def kv_bytes_per_token(mc: ModelConfig, kv_dtype: str) -> int:
     """K and V of every full-attention layer for one token."""
     return len(mc.attn_layer_ids) * 2 * mc.num_key_value_heads * mc.head_dim * element_size(kv_dtype)
 
 
-def state_bytes_per_slot(mc: ModelConfig, dtype: torch.dtype) -> int:
+def state_bytes_per_slot(mc: ModelConfig, dtype: str) -> int:
     """Conv state (model dtype) and SSM state (fp32) of every GDN layer: one request's recurrent state."""
     layers = len(mc.gdn_layer_ids)
     conv = mc.conv_dim * (mc.linear_conv_kernel_dim - 1) * element_size(dtype)
@@ -64,8 +70,8 @@ def host_available_bytes() -> int:
 @dataclass(frozen=True)
 class MemoryPlan:
     device: str                  # "cpu" | "cuda"
-    dtype: torch.dtype           # weights and activations
-    kv_dtype: torch.dtype
+    dtype: str                   # weights and activations (a name of DTYPE_TABLE)
+    kv_dtype: str
     weights_bytes: int
     context_length: int
     page_size: int
@@ -91,9 +97,8 @@ class MemoryPlan:
     def resolve(cls, cfg: Config, mc: ModelConfig, device: str, weight_values: int) -> "MemoryPlan":
         """Decide every derived size. `weight_values` is the number of weight values the model holds (from the
         safetensors headers); `device` is "cpu" or "cuda" (see resolve_device)."""
-        dtype = TORCH_DTYPES[cfg.model.dtype] if cfg.model.dtype != "auto" else \
-            (torch.bfloat16 if device == "cuda" else torch.float32)
-        kv_dtype = TORCH_DTYPES[cfg.model.kv_cache_dtype] if cfg.model.kv_cache_dtype != "auto" else dtype
+        dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        kv_dtype = cfg.model.kv_cache_dtype if cfg.model.kv_cache_dtype != "auto" else dtype
         e, c = cfg.engine, cfg.cache
         hybrid = bool(mc.gdn_layer_ids)
         per_token = kv_bytes_per_token(mc, kv_dtype)
@@ -106,6 +111,7 @@ class MemoryPlan:
         if e.kv_cache_tokens:
             kv_tokens = e.kv_cache_tokens
         elif device == "cuda":
+            import torch
             free, _ = torch.cuda.mem_get_info()
             budget = free * e.mem_fraction_static - weights - state_bytes - CUDA_ACTIVATION_RESERVE
             if budget < per_token * e.page_size:
@@ -143,9 +149,9 @@ class MemoryPlan:
                    file_dir=c.file.dir if file_on else "", file_bytes=int(c.file.size_gb * GIB) if file_on else 0)
 
     def __str__(self) -> str:
-        return (f"device {self.device} ({dtype_name(self.dtype)}); weights {self.weights_bytes / GIB:.2f} GiB; "
+        return (f"device {self.device} ({self.dtype}); weights {self.weights_bytes / GIB:.2f} GiB; "
                 f"KV pool {self.kv_tokens} tokens ({self.kv_pages} pages of {self.page_size}, "
-                f"{dtype_name(self.kv_dtype)}, {self.kv_tokens * self.kv_bytes_per_token / GIB:.2f} GiB); "
+                f"{self.kv_dtype}, {self.kv_tokens * self.kv_bytes_per_token / GIB:.2f} GiB); "
                 f"GDN state {self.state_slots} slots ({self.state_slots * self.state_bytes_per_slot / GIB:.2f} GiB); "
                 f"prefix-cache state snapshots {self.snapshot_slots} "
                 f"({self.snapshot_slots * self.state_bytes_per_slot / GIB:.2f} GiB); "
@@ -158,9 +164,12 @@ class MemoryPlan:
 
 def resolve_device(cfg: Config) -> str:
     device = cfg.model.device
+    if device == "cpu":
+        return device
+    import torch                       # only here: a CPU plan needs no torch
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise ConfigError('model.device = "cuda" but no CUDA device is available', "model.device")
     return device
 
