@@ -55,3 +55,14 @@ def hybrid_model(tmp_path_factory):
     """A Qwen3.5 text model (GDN + full attention), fp32, 2048 positions."""
     folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("hybrid"), max_position_embeddings=2048)
     return load_model(folder, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def xdg(tmp_path_factory: pytest.TempPathFactory):
+    """One XDG_CACHE_HOME per session, set for this process and its children: the demo checkpoint is written once."""
+    folder = tmp_path_factory.mktemp("xdg")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(folder))
+        from tinyserve.demo import ensure_demo_checkpoint
+        ensure_demo_checkpoint()
+        yield folder

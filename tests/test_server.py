@@ -38,17 +38,6 @@ WEATHER_TOOL = {"type": "function", "function": {
 # Fixtures
 
 @pytest.fixture(scope="session")
-def xdg(tmp_path_factory: pytest.TempPathFactory):
-    """One XDG_CACHE_HOME per session: the demo checkpoint is written once."""
-    folder = tmp_path_factory.mktemp("xdg")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(folder))
-        from tinyserve.demo import ensure_demo_checkpoint
-        ensure_demo_checkpoint()
-        yield folder
-
-
-@pytest.fixture(scope="session")
 def tokenizer(xdg):
     from tinyserve.demo import ensure_demo_checkpoint
     from tinyserve.tokenizer import Tokenizer

@@ -151,16 +151,6 @@ def test_write_through_selective_backs_up_on_the_second_hit(model, cold, tmp_pat
 # ---------------------------------------------------------------------------------------------------------------
 # 2. File hit after a real restart of the server process
 
-@pytest.fixture(scope="module")
-def xdg(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("xdg")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(folder))
-        from tinyserve.demo import ensure_demo_checkpoint
-        ensure_demo_checkpoint()
-        yield folder
-
-
 def test_file_hit_after_a_real_server_restart(xdg, tmp_path):
     """With the default prefetch policy: the first request after a restart is served from the file tier."""
     cache_dir = tmp_path / "kv"
