@@ -1,27 +1,37 @@
-"""Shared helpers of the benchmark scripts: the cached ~30M-parameter hybrid checkpoint, prompts, timers, RSS.
+"""Shared helpers of the benchmark scripts: the cached ~31M-parameter hybrid checkpoint, prompts, timers, RSS, and
+the plumbing of bench/serve.py (server processes, worker subprocesses, streaming HTTP clients, CPU accounting).
 
 The checkpoint is a transformers Qwen3_5ForCausalLM (fp32, random weights, perturbed 1-D weights) in the 3:1
-linear/full layer pattern, saved sharded so the loader's multi-file path is what gets measured. It is built once
-and reused from the cache folder (a marker file records the build parameters, so a change rebuilds it).
+linear/full layer pattern, saved sharded so the loader's multi-file path is what gets measured, with a byte-level
+BPE tokenizer of exactly `vocab_size` ids (so `tinyserve CONFIG` can serve it and llama.cpp can convert it). It is
+built once and reused from the cache folder (a marker file records the build parameters, so a change rebuilds it).
+
+torch is imported inside the functions that need it: bench/serve.py's orchestrating process (the HTTP client) only
+needs the standard library and aiohttp.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import resource
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 DEFAULT_DIR = Path(os.environ.get("TINYSERVE_BENCH_DIR", Path.home() / ".cache" / "tinyserve" / "bench"))
+BENCH_TOKENIZER_VERSION = "bench-bpe-ascii-v2"
 
 
 @dataclass(frozen=True)
 class BenchModelSpec:
-    """Shape of the benchmark checkpoint (about 30M parameters)."""
+    """Shape of the benchmark checkpoint (about 31M parameters)."""
 
     vocab_size: int = 4096
     hidden_size: int = 512
@@ -50,8 +60,10 @@ class BenchModelSpec:
         return kw
 
 
-def _perturb_1d(model: torch.nn.Module, seed: int) -> None:
+def _perturb_1d(model, seed: int) -> None:
     """Random values for every 1-D weight (norms initialise to 0/1, A_log and dt_bias to constants)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -61,30 +73,88 @@ def _perturb_1d(model: torch.nn.Module, seed: int) -> None:
 
 def bench_checkpoint(folder: str | Path | None = None, spec: BenchModelSpec = BenchModelSpec()) -> Path:
     """Folder of the benchmark checkpoint, building it with transformers (CPU, fp32) on first use."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
     folder = Path(folder or DEFAULT_DIR) / "qwen3_5_30m"
     marker = folder / "bench_spec.json"
     want = json.dumps(spec.hf_config_kwargs() | {"max_shard_size": spec.max_shard_size, "seed": spec.seed},
                       sort_keys=True)
-    if marker.exists() and marker.read_text() == want:
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in folder.glob("*.safetensors"):
-        f.unlink()
-    torch.manual_seed(spec.seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**spec.hf_config_kwargs())).eval()
-    _perturb_1d(model, spec.seed)
-    model.save_pretrained(str(folder), safe_serialization=True, max_shard_size=spec.max_shard_size)
-    marker.write_text(want)
+    if not (marker.exists() and marker.read_text() == want):
+        import torch
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in folder.glob("*.safetensors"):
+            f.unlink()
+        torch.manual_seed(spec.seed)
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**spec.hf_config_kwargs())).eval()
+        _perturb_1d(model, spec.seed)
+        model.save_pretrained(str(folder), safe_serialization=True, max_shard_size=spec.max_shard_size)
+        marker.write_text(want)
+        (folder / "tokenizer.json").unlink(missing_ok=True)
+    tok_marker = folder / "bench_tokenizer.txt"
+    if not (tok_marker.exists() and tok_marker.read_text() == BENCH_TOKENIZER_VERSION):
+        write_bench_tokenizer(folder, spec.vocab_size)
+        tok_marker.write_text(BENCH_TOKENIZER_VERSION)
     return folder
 
 
-def load_hf(folder: Path):
-    """The transformers oracle of a benchmark checkpoint (fp32, eval mode)."""
-    from transformers import Qwen3_5ForCausalLM
+# Ids 0..2 are the special tokens (bos_token_id = 1, eos_token_id = 2 in the model config), then the 95 printable
+# ASCII characters, then merges of two of them up to vocab_size: every id is a real token, so the tokenizer and the
+# model agree on the vocabulary size (tinyserve's API and llama.cpp's converter both look at it), and every token
+# is whole ASCII text (no server holds a token back as an incomplete UTF-8 character). Text outside printable
+# ASCII has no tokens: the benchmarks send token ids.
+BENCH_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-    return Qwen3_5ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte -> printable character map of the ByteLevel pre-tokenizer and decoder."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def write_bench_tokenizer(folder: Path, vocab_size: int) -> None:
+    """tokenizer.json + tokenizer_config.json (+ a ChatML template) with exactly vocab_size ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    to_char = _bytes_to_unicode()
+    byte_chars = [to_char[b] for b in range(0x20, 0x7F)]       # printable ASCII, as ByteLevel spells it
+    vocab = {t: i for i, t in enumerate(BENCH_SPECIAL_TOKENS)}
+    for ch in byte_chars:
+        vocab[ch] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    for a in byte_chars:
+        for b in byte_chars:
+            if len(vocab) >= vocab_size:
+                break
+            merges.append((a, b))
+            vocab[a + b] = len(vocab)
+    if len(vocab) != vocab_size:
+        raise ValueError(f"cannot build a {vocab_size}-token bench tokenizer")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BENCH_SPECIAL_TOKENS])
+    tok.save(str(folder / "tokenizer.json"), pretty=False)
+    template = ("{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+                "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 8192, "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None, "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False, "chat_template": template}, indent=2) + "\n")
+
+
+def load_hf(folder: Path, dtype=None):
+    """The transformers model of a checkpoint (AutoModelForCausalLM; fp32 unless told, eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32).eval()
 
 
 def weights_bytes(folder: Path) -> int:
@@ -104,10 +174,18 @@ def weights_bytes(folder: Path) -> int:
 
 
 def make_prompts(n: int, lo: int = 32, hi: int = 64, vocab: int = 4096, seed: int = 0) -> list[list[int]]:
-    """n random prompts with lengths spread over [lo, hi] (ids avoid the special ids 0..2)."""
+    """n random prompts with lengths spread over [lo, hi] (ids avoid the special ids 0..2; torch's generator)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+def token_prompts(n: int, lo: int, hi: int, vocab: int, seed: str | int) -> list[list[int]]:
+    """n random token-id prompts of [lo, hi] tokens, ids in [3, vocab) (no torch; `seed` may be a string)."""
+    rng = random.Random(str(seed))
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 @contextmanager
@@ -130,3 +208,239 @@ def fmt_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Machine load: load average, and the CPU time other processes took while the benchmark ran
+# ---------------------------------------------------------------------------------------------------------------
+def _busy_ticks() -> int:
+    """Busy CPU time of the whole machine (clock ticks): user+nice+system+irq+softirq+steal of /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+
+
+def _own_ticks() -> int:
+    """CPU time of this process and of its children that were waited for (clock ticks)."""
+    t = os.times()
+    return round((t.user + t.system + t.children_user + t.children_system) * os.sysconf("SC_CLK_TCK"))
+
+
+class CpuMeter:
+    """Cores' worth of CPU that processes outside this benchmark used between start() and others_cores().
+
+    Call others_cores() after every child process has been waited for (its CPU time then counts as ours)."""
+
+    def start(self) -> "CpuMeter":
+        self.t0, self.busy0, self.own0 = time.monotonic(), _busy_ticks(), _own_ticks()
+        return self
+
+    def others_cores(self) -> float:
+        hz = os.sysconf("SC_CLK_TCK")
+        others = (_busy_ticks() - self.busy0) - (_own_ticks() - self.own0)
+        return max(0.0, others / hz / max(1e-9, time.monotonic() - self.t0))
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def gguf_file_type(path: str | Path) -> str:
+    """The `general.file_type` of a GGUF file ("F32", "BF16", "F16", another number, or "?")."""
+    import struct
+
+    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    names = {0: "F32", 1: "F16", 32: "BF16"}
+    try:
+        with open(path, "rb") as f:
+            def read(fmt: str):
+                return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+            def string() -> str:
+                return f.read(read("<Q")).decode("utf-8", "replace")
+
+            def skip(t: int) -> None:
+                if t == 8:
+                    f.seek(read("<Q"), 1)
+                elif t == 9:
+                    et, n = read("<I"), read("<Q")
+                    if et in scalar:
+                        f.seek(n * struct.calcsize(scalar[et]), 1)
+                    else:
+                        for _ in range(n):
+                            skip(et)
+                else:
+                    f.seek(struct.calcsize(scalar[t]), 1)
+
+            if f.read(4) != b"GGUF":
+                return "?"
+            read("<I")
+            read("<Q")
+            for _ in range(read("<Q")):
+                key, t = string(), read("<I")
+                if key == "general.file_type" and t in scalar:
+                    v = read(scalar[t])
+                    return names.get(v, str(v))
+                skip(t)
+    except (OSError, struct.error, KeyError):
+        pass
+    return "?"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Processes: HTTP servers and worker subprocesses
+# ---------------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class ServerProcess:
+    """An HTTP server child process: started, polled on `health_path` until it answers 200, stopped."""
+
+    def __init__(self, name: str, argv: list[str], url: str, log: Path, health_path: str = "/health",
+                 env: dict | None = None) -> None:
+        self.name, self.url, self.log = name, url, log
+        self.proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL)
+        self.health_path = health_path
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}; its log "
+                                   f"({self.log}) ends with:\n{log_tail(self.log)}")
+            try:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.name} did not become ready in {timeout:.0f} s; log: {self.log}")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Worker:
+    """A Python subprocess that answers one JSON request line with one JSON reply line (see `serve_worker`).
+
+    Its stdout carries only the protocol; whatever the libraries print goes to its stderr, the log file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict | None = None) -> None:
+        self.name, self.log = name, log
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "wb"),
+                                     text=True, env=env)
+
+    def call(self, op: str, **kw) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self.proc.wait(10)
+            raise RuntimeError(f"{self.name} worker died (code {self.proc.returncode}); its log ({self.log}) "
+                               f"ends with:\n{log_tail(self.log)}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"{self.name} worker: {op} failed:\n{reply['error']}")
+        return reply
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def serve_worker(handler) -> None:
+    """Worker side of `Worker`: `handler(op, request) -> dict` for each request line until stdin closes."""
+    import traceback
+
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)                                      # prints of the libraries (C level too) go to the log
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            reply = handler(req.pop("op"), req)
+        except Exception:                              # reported to the orchestrator, which stops the run
+            reply = {"error": traceback.format_exc()}
+        proto.write(json.dumps(reply) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming HTTP clients
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class StreamResult:
+    """One streamed request, timed on this side of the socket (wall clock)."""
+
+    start: float
+    first: float | None = None     # arrival of the first event that reports a generated token
+    end: float = 0.0
+    count: int = 0                 # generated tokens, as the server counts them
+    token_ids: list[int] = field(default_factory=list)   # the ids the events carried (may miss some: see below)
+
+    @property
+    def ttft(self) -> float:
+        return (self.first if self.first is not None else self.end) - self.start
+
+
+async def stream_sse(session, url: str, body: dict, progress) -> StreamResult:
+    """POST `body` and read the server-sent events. `progress(event) -> (new_ids, total)` gives the token ids an
+    event carries and, where the server reports it, the running count of generated tokens (None: count the ids).
+    llama-server holds back a token that ends in an incomplete UTF-8 character and later sends only the newest
+    id, so its count comes from `tokens_predicted` and its ids can be incomplete."""
+    res = StreamResult(time.perf_counter())
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"POST {url}: HTTP {resp.status}: {(await resp.text())[:500]}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            ids, total = progress(json.loads(line[6:]))
+            res.token_ids += ids
+            count = max(res.count, len(res.token_ids) if total is None else total)
+            if count > res.count and res.first is None:
+                res.first = time.perf_counter()
+            res.count = count
+    res.end = time.perf_counter()
+    return res
+
+
+async def stream_many(session, url: str, bodies: list[dict], progress) -> tuple[float, list[StreamResult]]:
+    """All bodies at once (one connection each); wall time from the first send to the last token."""
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(stream_sse(session, url, b, progress) for b in bodies))
+    return time.perf_counter() - t0, list(results)
+
+
+def engine_for(model, **tables):
+    """An engine around a loaded model, configured by TOML tables with the TOML's key names
+    (engine_for(model, engine={"page_size": 16}, cache={"enabled": False}))."""
+    from tinyserve.config import from_dict
+    from tinyserve.engine import Engine
+    return Engine.for_model(from_dict(tables), model)

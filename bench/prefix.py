@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_checkpoint, fmt_table, make_prompts  # noqa: E402
+from common import bench_checkpoint, fmt_table, make_prompts, engine_for  # noqa: E402
 
 from tinyserve.engine import Engine  # noqa: E402
 from tinyserve.loader import load_model  # noqa: E402
@@ -40,9 +40,9 @@ def main() -> None:
     args = ap.parse_args()
     model = load_model(bench_checkpoint(args.dir), torch.float32)
     ps = args.page_size
-    kw = dict(page_size=ps, kv_tokens=65536, max_running_requests=4, chunked_prefill_size=2048)
-    warm = Engine(model, None, state_track_interval=512, **kw)
-    cold = Engine(model, None, enable_prefix_cache=False, **kw)
+    pool = dict(page_size=ps, kv_cache_tokens=65536, max_running_requests=4, chunked_prefill_size=2048)
+    warm = engine_for(model, engine=pool, cache={"state_track_interval": 512})
+    cold = engine_for(model, engine=pool, cache={"enabled": False})
     (long_prompt,) = make_prompts(1, 3000, 3000, seed=1)
     timed(cold, long_prompt[:64])                                   # warm up both paths
     rows = []

@@ -1,246 +1,512 @@
-"""What does HTTP cost? The same streaming load through the OpenAI API and straight through engine.submit.
+"""What a user gets: a real `tinyserve CONFIG` server over HTTP, beside its peers, each in its own clean process.
 
-    python bench/serve.py                         # the demo model on this machine's default device
-    python bench/serve.py --config my.toml --concurrency 1 8 32 --requests 64 --prompt-len 512 --max-tokens 128
+    python bench/serve.py                                   # ~31M Qwen3.5-shaped random checkpoint, fp32, CPU
+    python bench/serve.py --dtype bfloat16 --llama-server ~/llama/bin/llama-server --gguf model-bf16.gguf
+    python bench/serve.py --config my.toml --rounds 5 --stat median
 
-1. A real server process (`python -m tinyserve.cli CONFIG`, port from the config or a free one) gets N concurrent
-   streaming /v1/completions clients (aiohttp) per concurrency level; then it is stopped.
-2. The same requests (same token-id prompts, ignore_eos, fixed lengths) go to an engine loaded in this process.
-Per mode and level: requests/s, output tokens/s, TTFT and inter-token latency p50/p99. Last line: HTTP/in-process
-throughput at 8 concurrent streams (target: HTTP costs at most 10%, i.e. a ratio >= 0.90).
-Prompts are random token ids, distinct per request, so the prefix cache does not help one mode more than the other.
+Systems (each one a separate process that runs nothing else; all load first, then they take turns):
+  tinyserve HTTP        `tinyserve CONFIG` (the console script); streaming POST /v1/completions with token-id
+                        prompts, ignore_eos, temperature 0, fixed max_tokens, from an aiohttp client in this process
+  tinyserve in-process  a fresh Python subprocess: Engine.from_config(cfg), then engine.generate(prompts, params)
+  llama-server          with --llama-server and --gguf: `llama-server -m GGUF -np 8 -t THREADS -c ...`; the same
+                        token-id prompts through streaming POST /completion (n_predict, ignore_eos, temperature 0)
+  transformers          a fresh Python subprocess: model.generate on the same prompts, one after the other, greedy,
+                        eos ignored (transformers has no server and no batching of independent requests)
+
+Measures (the same prompts for every system within a round, new prompts every round and for every warm-up, so
+no prefix cache, tinyserve's or llama-server's, ever holds a prompt it is asked for):
+  1 request x 48 tokens       tokens / wall time of the request (prompt 32-64 tokens)
+  8 concurrent x 48 tokens    all 8 sent at once; 384 tokens / wall time until the last one ends
+  prefill, 2000-token prompt  2000 / time to first token, with max_tokens = 1
+  TTFT                        time to first token of one 32-token prompt, max_tokens = 1
+Every time is wall clock taken by this script: around the HTTP request (send -> streamed token) for the servers,
+around the call for in-process tinyserve and transformers; no server's self-reported timings are used. Each
+figure is the best (or, with --stat median, the median) of --rounds rounds; inside a round the systems take
+turns for each measure, in an order that rotates from round to round. --dtype picks the weights' dtype of
+tinyserve and transformers (pass the GGUF of the same dtype); with bfloat16 the max abs difference of the bf16
+logits from the fp32 logits (transformers, one prompt, every position) is printed too.
+
+The machine must be quiet: the load average before and after, and the CPU time that other processes took during
+the run, are printed, with a warning when the machine was oversubscribed. Logs of every process are kept in the
+work folder, printed at the end (removed after a successful run unless --keep).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import random
-import signal
-import socket
-import subprocess
+import os
+import shutil
+import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-import tomli_w
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # `bench.common` when run as a script
 
-from tinyserve import config as config_mod
-from tinyserve.sampling import SamplingParams
+from bench.common import (CpuMeter, ServerProcess, Worker, fmt_table, free_port, gguf_file_type,  # noqa: E402
+                          load_average, serve_worker, stream_many, token_prompts)
 
-
-@dataclass
-class RequestTiming:
-    start: float
-    first: float | None = None
-    tokens: int = 0
-    gaps: list[float] = field(default_factory=list)   # per-token gaps after the first token
-    end: float = 0.0
-
-    def on_tokens(self, n: int, now: float, last: float | None) -> float:
-        if self.first is None:
-            self.first = now
-        elif last is not None and n:
-            self.gaps += [(now - last) / n] * n
-        self.tokens += n
-        return now
+HTTP, INPROC, LLAMA, HF = "tinyserve HTTP", "tinyserve in-process", "llama-server", "transformers"
+SYSTEM_KEYS = {"http": HTTP, "inprocess": INPROC, "llama": LLAMA, "transformers": HF}
+ONE, BATCH, PREFILL, TTFT = "one", "batch", "prefill", "ttft"
+TTFT_PROMPT_TOKENS = 32
+SETTLE_S = 0.2     # pause before each measure: the previous system's spinning threads go to sleep
 
 
 @dataclass
-class LevelResult:
-    mode: str
-    concurrency: int
-    timings: list[RequestTiming]
-    wall: float
+class Shape:
+    """The workload of one run (the defaults are the reported benchmark; smaller ones are for quick checks)."""
 
-    @property
-    def rps(self) -> float:
-        return len(self.timings) / self.wall
+    new_tokens: int = 48
+    concurrency: int = 8
+    prefill_tokens: int = 2000
+    vocab: int = 4096
 
-    @property
-    def tok_s(self) -> float:
-        return sum(t.tokens for t in self.timings) / self.wall
-
-    def ttft(self, q: float) -> float:
-        return _pct([t.first - t.start for t in self.timings if t.first is not None], q)
-
-    def itl(self, q: float) -> float:
-        return _pct([g for t in self.timings for g in t.gaps], q)
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+    def prompts(self, kind: str, tag: str) -> tuple[list[list[int]], int]:
+        """(prompts, max_tokens) of one measure; `tag` names the round, so each round gets new prompts."""
+        seed = f"{kind}/{tag}"
+        if kind == ONE:
+            return token_prompts(1, 32, 64, self.vocab, seed), self.new_tokens
+        if kind == BATCH:
+            return token_prompts(self.concurrency, 32, 64, self.vocab, seed), self.new_tokens
+        if kind == PREFILL:
+            return token_prompts(1, self.prefill_tokens, self.prefill_tokens, self.vocab, seed), 1
+        return token_prompts(1, TTFT_PROMPT_TOKENS, TTFT_PROMPT_TOKENS, self.vocab, seed), 1
 
 
-def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(300, vocab) for _ in range(length)] for _ in range(n)]
+@dataclass
+class Sample:
+    """One measure of one system: `seconds` is the wall time (one, batch) or the time to first token (prefill,
+    ttft); `outputs` the generated ids per prompt."""
+
+    seconds: float
+    outputs: list[list[int]]
+    counts: list[int] | None = None    # generated tokens per prompt when `outputs` may miss ids (llama-server)
+
+    def lengths(self) -> list[int]:
+        return self.counts if self.counts is not None else [len(o) for o in self.outputs]
 
 
-async def _run_level(concurrency: int, prompts: list[list[int]], one) -> tuple[list[RequestTiming], float]:
-    """Run every prompt with at most `concurrency` in flight; `one(prompt) -> RequestTiming`."""
-    queue = list(prompts)
-    timings: list[RequestTiming] = []
+# ---------------------------------------------------------------------------------------------------------------
+# Systems
+# ---------------------------------------------------------------------------------------------------------------
+class HTTPSystem:
+    """A server process measured through streaming HTTP requests."""
 
-    async def worker() -> None:
-        while queue:
-            timings.append(await one(queue.pop()))
+    def __init__(self, name: str, server: ServerProcess, path: str, body, progress) -> None:
+        self.name, self.server, self.path, self.body, self.progress = name, server, path, body, progress
+        self.session = None
+        self.info = ""
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return timings, time.perf_counter() - t0
+    async def measure(self, prompts: list[list[int]], max_tokens: int, ttft: bool) -> Sample:
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=900),
+                                                 # a new connection per request: llama-server may close
+                                                 # an idle kept-alive one just as it is reused
+                                                 connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        wall, results = await stream_many(self.session, self.server.url + self.path,
+                                          [self.body(p, max_tokens) for p in prompts], self.progress)
+        return Sample(results[0].ttft if ttft else wall, [r.token_ids for r in results],
+                      [r.count for r in results])
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        self.server.stop()
 
 
-# ---- HTTP ----
+class WorkerSystem:
+    """A worker subprocess (tinyserve in-process or transformers) measured around its call."""
 
-async def http_one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> RequestTiming:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+    def __init__(self, name: str, worker: Worker, info: str) -> None:
+        self.name, self.worker, self.info = name, worker, info
+
+    async def measure(self, prompts: list[list[int]], max_tokens: int, ttft: bool) -> Sample:
+        r = self.worker.call("run", prompts=prompts, max_tokens=max_tokens)
+        return Sample(r["seconds"], r["outputs"])
+
+    async def close(self) -> None:
+        self.worker.stop()
+
+
+def _tinyserve_progress(event: dict) -> tuple[list[int], int | None]:
+    return [t for c in event.get("choices", []) for t in (c.get("token_ids") or [])], None
+
+
+def _llama_progress(event: dict) -> tuple[list[int], int | None]:
+    return list(event.get("tokens") or []), event.get("tokens_predicted")
+
+
+def _tinyserve_body(prompt: list[int], max_tokens: int) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
             "return_token_ids": True}
-    t = RequestTiming(time.perf_counter())
-    last = None
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
-            if n:
-                last = t.on_tokens(n, time.perf_counter(), last)
-    t.end = time.perf_counter()
-    return t
 
 
-async def bench_http(url: str, levels: list[int], prompts: list[list[int]], max_tokens: int) -> list[LevelResult]:
-    results = []
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        await http_one(session, url, prompts[0], 4)                   # warm-up
-        for c in levels:
-            timings, wall = await _run_level(c, prompts, lambda p: http_one(session, url, p, max_tokens))
-            results.append(LevelResult("http", c, timings, wall))
-    return results
+def _llama_body(prompt: list[int], max_tokens: int) -> dict:
+    return {"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "return_tokens": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker_argv(kind: str, spec: dict) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--spec", json.dumps(spec)]
 
 
-def start_server(cfg_data: dict, folder: Path) -> tuple[subprocess.Popen, str]:
-    path = folder / "bench.toml"
-    path.write_text(tomli_w.dumps(cfg_data))
-    port = cfg_data["server"]["port"]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "tinyserve.cli", str(path)], stderr=open(folder / "server.log", "wb"))
-    deadline = time.monotonic() + 600
-    import urllib.request
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {(folder / 'server.log').read_text()}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit("server did not become healthy")
+def _tinyserve_argv(cfg_path: Path) -> list[str]:
+    script = Path(sys.executable).parent / "tinyserve"
+    return [str(script), str(cfg_path)] if script.exists() else [sys.executable, "-m", "tinyserve.cli",
+                                                                   str(cfg_path)]
 
 
-# ---- in-process ----
-
-async def engine_one(engine, prompt: list[int], max_tokens: int) -> RequestTiming:
-    t = RequestTiming(time.perf_counter())
-    last = None
-    stream = engine.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
-    async for events in stream:
-        last = t.on_tokens(len(events), time.perf_counter(), last)
-    t.end = time.perf_counter()
-    return t
-
-
-async def bench_engine(cfg, levels: list[int], prompts: list[list[int]], max_tokens: int) -> list[LevelResult]:
-    from tinyserve.engine import Engine
-
-    engine = Engine.from_config(cfg)
-    await engine.start()
+def _get_json(url: str) -> dict:
     try:
-        await engine_one(engine, prompts[0], 4)                       # warm-up
-        results = []
-        for c in levels:
-            timings, wall = await _run_level(c, prompts, lambda p: engine_one(engine, p, max_tokens))
-            results.append(LevelResult("in-process", c, timings, wall))
-        return results
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker subprocesses (python bench/serve.py --worker KIND --spec JSON)
+# ---------------------------------------------------------------------------------------------------------------
+def worker_main(kind: str, spec: dict) -> None:
+    """Loads its system once, then answers `run` (and `logits_diff`) requests from the orchestrator."""
+    import torch
+
+    if kind == "prepare":                     # resolve / build the checkpoint (needs torch + transformers)
+        def prepare(op: str, req: dict) -> dict:
+            from bench.common import bench_checkpoint
+            if req["path"] is None:
+                folder = bench_checkpoint(req["dir"])
+            elif req["path"] == "demo":
+                from tinyserve.demo import ensure_demo_checkpoint
+                folder = ensure_demo_checkpoint()
+            else:
+                folder = Path(req["path"])
+            cfg = json.loads((Path(folder) / "config.json").read_text())
+            cfg = cfg.get("text_config", cfg)
+            return {"folder": str(folder), "vocab": cfg["vocab_size"]}
+        serve_worker(prepare)
+        return
+
+    if kind == "tinyserve":
+        from tinyserve import config as config_mod
+        from tinyserve.engine import Engine
+        from tinyserve.sampling import SamplingParams
+
+        engine = Engine.from_config(config_mod.load(spec["config"]))
+
+        def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+            return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        info = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    else:                                     # transformers
+        import transformers
+
+        from bench.common import load_hf
+        transformers.logging.set_verbosity_error()
+        dtype = getattr(torch, spec["dtype"])
+        device = spec["device"]
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        hf = load_hf(Path(spec["folder"]), dtype).to(device)
+        hf.generation_config.eos_token_id = None      # ignore_eos, as the other systems' requests
+        hf.generation_config.pad_token_id = 0
+
+        @torch.inference_mode()
+        def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+            outs = []
+            for p in prompts:                           # one by one: generate has no batching of requests
+                ids = torch.tensor([p], device=device)
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                  min_new_tokens=max_tokens, do_sample=False)
+                outs.append(out[0, len(p):].tolist())
+            return outs
+        info = f"transformers {transformers.__version__}, torch {torch.__version__}, " \
+               f"{torch.get_num_threads()} threads"
+
+        @torch.inference_mode()
+        def logits_diff(prompt: list[int]) -> dict:
+            ref = load_hf(Path(spec["folder"]), torch.float32).to(device)
+            ids = torch.tensor([prompt], device=device)
+            a = ref(ids).logits.float()
+            b = hf(ids).logits.float()
+            return {"max_abs_diff": (a - b).abs().max().item(), "max_abs": a.abs().max().item(),
+                    "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
+
+    def handle(op: str, req: dict) -> dict:
+        if op == "info":
+            return {"info": info}
+        if op == "run":
+            t0 = time.perf_counter()
+            outs = generate(req["prompts"], req["max_tokens"])
+            return {"seconds": time.perf_counter() - t0, "outputs": outs}
+        if op == "logits_diff" and kind == "transformers":
+            return logits_diff(req["prompt"])
+        raise ValueError(f"unknown op {op!r}")
+
+    serve_worker(handle)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Orchestration
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Results:
+    samples: dict[tuple[str, str], list[Sample]] = field(default_factory=dict)
+    prompts: dict[tuple[str, str], tuple[list[list[int]], int]] = field(default_factory=dict)
+
+    def add(self, system: str, kind: str, sample: Sample) -> None:
+        self.samples.setdefault((system, kind), []).append(sample)
+
+
+def value(kind: str, sample: Sample, prompts: list[list[int]]) -> float:
+    """tokens/s (one, batch), prompt tokens/s (prefill), seconds (ttft)."""
+    if kind in (ONE, BATCH):
+        return sum(sample.lengths()) / sample.seconds
+    if kind == PREFILL:
+        return len(prompts[0]) / sample.seconds
+    return sample.seconds
+
+
+def check_lengths(system: str, kind: str, prompts: list[list[int]], max_tokens: int, sample: Sample) -> None:
+    got = sample.lengths()
+    if len(got) != len(prompts) or any(n != max_tokens for n in got):
+        raise RuntimeError(f"{system}, {kind}: expected {len(prompts)} outputs of {max_tokens} tokens, got {got}")
+
+
+async def run(args: argparse.Namespace) -> int:
+    from tinyserve import config as config_mod
+
+    meter = CpuMeter().start()
+    load_before = load_average()
+    threads = args.threads or len(os.sched_getaffinity(0))
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="tinyserve-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    names = [SYSTEM_KEYS[s] for s in args.systems] if args.systems else [HTTP, INPROC, HF] + (
+        [LLAMA] if args.llama_server else [])
+    if LLAMA in names and not (args.llama_server and args.gguf):
+        raise SystemExit("llama-server needs --llama-server PATH and --gguf PATH")
+
+    # the tinyserve config: the user's, or one for the bench checkpoint; dtype, port and logging from here
+    if args.config:
+        data = config_mod.to_dict(config_mod.load(args.config))
+        model_path = data["model"]["path"]
+    else:
+        data = config_mod.to_dict(config_mod.from_dict({"model": {"path": "demo", "device": "cpu"}}))
+        model_path = None
+    prep = Worker("prepare", _worker_argv("prepare", {}), work / "prepare.log", env)
+    try:
+        ckpt = prep.call("prepare", path=model_path, dir=str(args.dir) if args.dir else None)
     finally:
-        await engine.stop()
+        prep.stop()
+    folder, shape = ckpt["folder"], Shape(args.new_tokens, args.concurrency, args.prefill_tokens, ckpt["vocab"])
+    data["model"].update(path=folder, dtype=args.dtype)
+    data["server"].update(host="127.0.0.1", port=free_port(), api_key="")
+    data["log"]["level"] = "warning"
+    data["engine"]["max_running_requests"] = max(data["engine"]["max_running_requests"], shape.concurrency)
+    cfg = config_mod.from_dict(data)
+    cfg_path = work / "tinyserve.toml"
+    cfg_path.write_text(config_mod.dumps(cfg))
+    device = cfg.model.device           # "auto": the transformers worker picks as tinyserve does
+
+    systems: dict[str, HTTPSystem | WorkerSystem] = {}
+    try:
+        # start every system (one after the other), then measure
+        for name in names:
+            t0 = time.perf_counter()
+            if name == HTTP:
+                srv = ServerProcess(HTTP, _tinyserve_argv(cfg_path), f"http://127.0.0.1:{cfg.server.port}",
+                                    work / "tinyserve-server.log", env=env)
+                systems[name] = HTTPSystem(name, srv, "/v1/completions", _tinyserve_body, _tinyserve_progress)
+                srv.wait_ready()
+                systems[name].info = f"`tinyserve {cfg_path.name}`, OMP_NUM_THREADS={threads}"
+            elif name == LLAMA:
+                per_slot = -(-(max(shape.prefill_tokens, TTFT_PROMPT_TOKENS + 64 + shape.new_tokens) + 256)
+                             // 256) * 256
+                port = free_port()
+                argv = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port),
+                        "-np", str(shape.concurrency), "-t", str(threads), "-c", str(per_slot * shape.concurrency)]
+                srv = ServerProcess(LLAMA, argv, f"http://127.0.0.1:{port}", work / "llama-server.log")
+                systems[name] = HTTPSystem(name, srv, "/completion", _llama_body, _llama_progress)
+                srv.wait_ready()
+                build = _get_json(srv.url + "/props").get("build_info", "?")
+                ftype = gguf_file_type(args.gguf)
+                systems[name].info = (f"{Path(args.gguf).name} (file type {ftype}), build {build}, "
+                                      f"{' '.join(argv[5:])}")
+                want = {"float32": "F32", "bfloat16": "BF16"}[args.dtype]
+                if ftype != want:
+                    print(f"warning: --dtype {args.dtype} but the GGUF's file type is {ftype}", file=sys.stderr)
+            else:
+                kind = "tinyserve" if name == INPROC else "transformers"
+                spec = {"config": str(cfg_path), "folder": folder, "dtype": args.dtype, "device": device}
+                w = Worker(name, _worker_argv(kind, spec), work / f"{kind}-worker.log", env)
+                systems[name] = WorkerSystem(name, w, "")
+                systems[name].info = w.call("info")["info"]
+            print(f"{name}: ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+        res = Results()
+        kinds = [ONE, BATCH, PREFILL, TTFT]
+
+        async def measure(name: str, kind: str, tag: str, max_tokens: int | None = None) -> Sample:
+            prompts, n = shape.prompts(kind, tag)
+            n = max_tokens or n
+            time.sleep(SETTLE_S)
+            sample = await systems[name].measure(prompts, n, ttft=kind in (PREFILL, TTFT))
+            check_lengths(name, kind, prompts, n, sample)
+            return sample
+
+        # warm-up: every path once (few tokens), with prompts no round uses
+        for name in systems:
+            for kind in kinds:
+                await measure(name, kind, "warm-up", 4 if kind in (ONE, BATCH) else None)
+        order = list(systems)
+        for rnd in range(args.rounds):
+            for k, kind in enumerate(kinds):
+                shift = (rnd + k) % len(order)
+                for name in order[shift:] + order[:shift]:
+                    res.add(name, kind, await measure(name, kind, str(rnd)))
+                    res.prompts[(kind, str(rnd))] = shape.prompts(kind, str(rnd))
+            print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
+
+        diff = None
+        if args.dtype != "float32":
+            if HF in systems:
+                w = systems[HF].worker
+            else:
+                w = Worker("transformers", _worker_argv("transformers", {
+                    "folder": folder, "dtype": args.dtype, "device": device}), work / "logits-worker.log", env)
+            try:
+                diff = w.call("logits_diff", prompt=token_prompts(1, 64, 64, shape.vocab, "logits")[0])
+            finally:
+                if HF not in systems:
+                    w.stop()
+    except BaseException:
+        print(f"the run failed; config and logs of every process are in {work}", file=sys.stderr)
+        raise
+    finally:
+        for s in systems.values():
+            await s.close()
+    others = meter.others_cores()
+    report(args, shape, folder, threads, systems, res, load_before, load_average(), others, diff)
+    if args.keep:
+        print(f"logs and config: {work}")
+    elif not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
 
 
-# ---- report ----
+def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Results, load_before: str,
+           load_after: str, others: float, diff: dict | None) -> None:
+    names = list(systems)
+    figures: dict[tuple[str, str], float] = {}
+    for (name, kind), samples in res.samples.items():
+        prompts = [res.prompts[(kind, str(i))][0] for i in range(len(samples))]
+        vals = [value(kind, s, p) for s, p in zip(samples, prompts)]
+        if args.stat == "median":
+            figures[(name, kind)] = statistics.median(vals)
+        else:
+            figures[(name, kind)] = min(vals) if kind == TTFT else max(vals)
 
-def print_table(results: list[LevelResult]) -> None:
-    head = f"{'mode':<11} {'conc':>4} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} " \
-           f"{'ITL p50':>8} {'ITL p99':>8}"
-    print(head)
-    print("-" * len(head))
-    for r in sorted(results, key=lambda r: (r.concurrency, r.mode)):
-        print(f"{r.mode:<11} {r.concurrency:>4} {r.rps:>8.2f} {r.tok_s:>9.1f} {r.ttft(50) * 1e3:>7.1f}ms "
-              f"{r.ttft(99) * 1e3:>7.1f}ms {r.itl(50) * 1e3:>6.1f}ms {r.itl(99) * 1e3:>6.1f}ms")
+    c, n = shape.concurrency, shape.new_tokens
+    labels = {ONE: f"1 request x {n} tokens (tok/s)", BATCH: f"{c} concurrent x {n} tokens (tok/s)",
+              PREFILL: f"prefill, {shape.prefill_tokens}-token prompt (tok/s)",
+              TTFT: f"TTFT, one {TTFT_PROMPT_TOKENS}-token prompt (ms)"}
+    rows = []
+    for kind in (ONE, BATCH, PREFILL, TTFT):
+        cells = []
+        for name in names:
+            v = figures.get((name, kind))
+            cells.append("" if v is None else f"{v * 1e3:.1f}" if kind == TTFT else f"{v:.1f}" if v < 100
+                         else f"{v:.0f}")
+        rows.append((labels[kind], *cells))
+
+    def ratio(a: str, b: str, kind: str) -> str:
+        x, y = figures.get((a, kind)), figures.get((b, kind))
+        return f"{x / y:.2f}x" if x and y else "n/a"
+
+    stat = "best" if args.stat == "best" else "median"
+    print(f"\nbench/serve.py: {Path(folder).name} ({folder}), {args.dtype} weights, {threads} threads per system, "
+          f"{stat} of {args.rounds} rounds")
+    for name in names:
+        print(f"  {name}: {systems[name].info}")
+    print(f"  load average before {load_before}, after {load_after}; other processes used {others:.2f} cores "
+          f"on average during the run ({os.cpu_count()} CPUs)")
+    print("  times: wall clock in this script (HTTP: request sent -> streamed token; in-process and "
+          "transformers: around the call)\n")
+    print(fmt_table(rows, ("measure", *names)))
+    print("\nratios (tinyserve = the HTTP server, what a user gets)")
+    ratio_rows = []
+    if HTTP in systems and INPROC in systems:
+        ratio_rows.append(("tinyserve HTTP / in-process", f"1 request {ratio(HTTP, INPROC, ONE)}",
+                           f"{c} requests {ratio(HTTP, INPROC, BATCH)}", ""))
+    for peer in (LLAMA, HF):
+        if HTTP in systems and peer in systems:
+            ratio_rows.append((f"tinyserve / {peer}", f"1 request {ratio(HTTP, peer, ONE)}",
+                               f"{c} requests {ratio(HTTP, peer, BATCH)}", f"prefill {ratio(HTTP, peer, PREFILL)}"))
+    width = [max(len(r[i]) for r in ratio_rows) for i in range(4)] if ratio_rows else []
+    for r in ratio_rows:
+        print("  " + "   ".join(cell.ljust(w) for cell, w in zip(r, width)).rstrip())
+
+    ref = HTTP if HTTP in systems else names[0]
+    same = []
+    for name in names:
+        if name == ref:
+            continue
+        a, b = res.samples.get((ref, BATCH), []), res.samples.get((name, BATCH), [])
+        pairs = [(x, y) for sa, sb in zip(a, b) for x, y, n in zip(sa.outputs, sb.outputs, sb.lengths())
+                 if len(y) == n]             # llama-server's streamed ids can miss some (see stream_sse)
+        same.append(f"{name} {sum(x == y for x, y in pairs)}/{len(pairs)}")
+    if same:
+        print(f"\ngreedy outputs equal to {ref}'s ({c} concurrent, every round): {', '.join(same)}"
+              + (" (bf16 and a random model: near-ties may flip)" if args.dtype != "float32" else ""))
+    if diff is not None:
+        print(f"{args.dtype} logits vs fp32 logits (transformers, one 64-token prompt, every position): max abs "
+              f"difference {diff['max_abs_diff']:.4f} (largest |logit| {diff['max_abs']:.2f}); argmax agrees at "
+              f"{diff['argmax_agree']:.0%} of the positions")
+    if others > 0.25 or float(load_before.split()[0]) > (os.cpu_count() or 1):
+        print(f"\nWARNING: the machine was not quiet (other processes used {others:.2f} of {os.cpu_count()} cores; "
+              f"load average before the run {load_before}). Every system here uses all {threads} threads, so any "
+              "other load slows them unevenly; rerun on a quiet machine before trusting these figures.")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="TOML config (default: the demo model, CPU-sized pools)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--config", help="tinyserve TOML config (default: the bench checkpoint on CPU, default "
+                                     "engine settings); its model.dtype, server address and log level are "
+                                     "overridden")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="weights dtype of tinyserve and transformers (pass a GGUF of the same dtype)")
+    ap.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary")
+    ap.add_argument("--gguf", metavar="PATH", help="the checkpoint converted to GGUF (f32 or bf16, as --dtype)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; each figure is the best or median (default 3)")
+    ap.add_argument("--stat", choices=["best", "median"], default="best", help="figure over the rounds")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="threads of every system: llama-server -t, OMP_NUM_THREADS of the torch processes "
+                         "(default: the CPUs this process may run on)")
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEM_KEYS),
+                    help="systems to run (default: http inprocess transformers, and llama with --llama-server)")
+    ap.add_argument("--dir", type=Path, help="cache folder of the bench checkpoint (default: "
+                                             "$TINYSERVE_BENCH_DIR or ~/.cache/tinyserve/bench)")
+    ap.add_argument("--workdir", type=Path, help="folder for the config and the logs (default: a temp folder)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (config, logs)")
+    ap.add_argument("--new-tokens", type=int, default=48, help=argparse.SUPPRESS)      # quick checks only
+    ap.add_argument("--concurrency", type=int, default=8, help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-tokens", type=int, default=2000, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-
-    if args.config:
-        cfg = config_mod.load(args.config)
-        data = config_mod.to_dict(cfg)
-    else:
-        data = {"model": {"path": "demo"}, "engine": {"kv_cache_tokens": 65536}, "cache": {"state_track_interval": 64}}
-        cfg = config_mod.from_dict(data)
-        data = config_mod.to_dict(cfg)
-    data["server"]["host"] = "127.0.0.1"
-    data["server"]["port"] = _free_port()
-    data["server"]["api_key"] = ""
-    data["log"]["level"] = "warning"
-    levels = sorted(set(args.concurrency) | {8})
-
-    from tinyserve.loader import read_model_config
-    from tinyserve.demo import ensure_demo_checkpoint
-    folder = ensure_demo_checkpoint() if cfg.model.path == "demo" else cfg.model.path
-    vocab = read_model_config(folder).vocab_size
-    prompts = make_prompts(args.requests, args.prompt_len, vocab)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_server(data, Path(tmp))
-        try:
-            http_results = asyncio.run(bench_http(url, levels, prompts, args.max_tokens))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
-    engine_results = asyncio.run(bench_engine(cfg, levels, prompts, args.max_tokens))
-
-    print(f"\n{args.requests} requests per level, prompt {args.prompt_len} tokens, {args.max_tokens} output tokens, "
-          f"model {cfg.model.path}\n")
-    print_table(http_results + engine_results)
-    h8 = next(r for r in http_results if r.concurrency == 8)
-    e8 = next(r for r in engine_results if r.concurrency == 8)
-    ratio = h8.tok_s / e8.tok_s
-    verdict = "ok" if ratio >= 0.90 else "HTTP costs more than 10%"
-    print(f"\nHTTP / in-process throughput at 8 streams: {ratio:.3f} ({verdict})")
-    return 0
+    if args.worker:
+        worker_main(args.worker, json.loads(args.spec or "{}"))
+        return 0
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    return asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_checkpoint, fmt_table, make_prompts  # noqa: E402
+from common import bench_checkpoint, fmt_table, make_prompts, engine_for  # noqa: E402
 
 from tinyserve.engine import Engine  # noqa: E402
 from tinyserve.loader import load_model  # noqa: E402
@@ -63,10 +63,10 @@ def tiers_str(req) -> str:
 
 # ---------------------------------------------------------------- 1. the experiment
 def experiment(model, ps: int, reps: int, rows: list) -> None:
-    kw = dict(page_size=ps, kv_tokens=4000, max_running_requests=1, chunked_prefill_size=2048)
+    kw = dict(engine=dict(page_size=ps, kv_cache_tokens=4000, max_running_requests=1, chunked_prefill_size=2048))
     a, b, c = (make_prompts(1, 3000, 3000, seed=s)[0] for s in (11, 12, 13))
 
-    cold = Engine(model, None, enable_prefix_cache=False, **kw)
+    cold = engine_for(model, **kw, cache={"enabled": False})
     ttft(cold, a[:64])                                               # warm-up
     dt, r = ttft(cold, a)
     t_cold, ref = [dt], r.output_ids
@@ -84,7 +84,7 @@ def experiment(model, ps: int, reps: int, rows: list) -> None:
         cold_round()
 
     # device only (control): A after B and C is recomputed
-    dev = Engine(model, None, **kw)
+    dev = engine_for(model, **kw)
     ttft(dev, a)
     t_dev, r_dev = [], None
     for _ in range(reps):
@@ -100,7 +100,7 @@ def experiment(model, ps: int, reps: int, rows: list) -> None:
     row("control: device only, A after B, C", t_ctl, r_ctl, "")
     del dev
 
-    host = Engine(model, None, host_cache_gb=1.0, write_policy="write_through", **kw)
+    host = engine_for(model, **kw, cache={"host": {"size_gb": 1.0, "write_policy": "write_through"}})
     ttft(host, a)
     t_host, r_host = [], None
     for _ in range(reps):
@@ -112,19 +112,19 @@ def experiment(model, ps: int, reps: int, rows: list) -> None:
     del host
 
     with tempfile.TemporaryDirectory(prefix="tinyserve-bench-tiers-") as d:
-        writer = Engine(model, None, file_cache_dir=d, file_cache_gb=1.0, **kw)
+        writer = engine_for(model, **kw, cache={"file": {"dir": d, "size_gb": 1.0}})
         ttft(writer, a)
         ttft(writer, b)
         ttft(writer, c)
-        writer.close_tiers()                                         # the blobs are on disk now
+        writer.close()                                         # the blobs are on disk now
         del writer
         t_file, r_file = [], None
         for _ in range(reps):                                        # each rep is a fresh "restart"
-            reader = Engine(model, None, file_cache_dir=d, file_cache_gb=1.0, prefetch_policy="wait_complete",
-                            **kw)
+            reader = engine_for(model, **kw,
+                                cache={"file": {"dir": d, "size_gb": 1.0, "prefetch_policy": "wait_complete"}})
             dt, r_file = ttft(reader, a)
             t_file.append(dt)
-            reader.close_tiers()
+            reader.close()
             del reader
         row("file hit after restart", t_file, r_file, "<= 0.10")
 
@@ -139,10 +139,10 @@ def experiment(model, ps: int, reps: int, rows: list) -> None:
 
 # ---------------------------------------------------------------- 2. bandwidth
 def host_bandwidth(model, ps: int, reps: int, rows: list) -> None:
-    eng = Engine(model, None, page_size=ps, kv_tokens=4096 * ps, max_running_requests=1)
+    eng = engine_for(model, engine={"page_size": ps, "kv_cache_tokens": 4096 * ps, "max_running_requests": 1})
     pool = eng.kv_pool
     n = pool.num_pages
-    host = HostTier(pool, eng.state_pool, n * pool.bytes_per_page + (1 << 20), 0.0, hybrid=False)
+    host = HostTier(pool, eng.state_pool, num_pages=n, num_snapshots=0)
     pool.buffer.copy_(torch.randn_like(pool.buffer))
     dev_pages, host_pages = list(range(n)), host.alloc_pages(n)
     nbytes = n * pool.bytes_per_page
@@ -166,7 +166,7 @@ def host_bandwidth(model, ps: int, reps: int, rows: list) -> None:
 
 
 def file_bandwidth(model, ps: int, reps: int, rows: list, breakdown: list) -> None:
-    eng = Engine(model, None, page_size=ps, kv_tokens=64 * ps, max_running_requests=1)
+    eng = engine_for(model, engine={"page_size": ps, "kv_cache_tokens": 64 * ps, "max_running_requests": 1})
     page_shape = tuple(eng.kv_pool.buffer.shape[1:])
     conv_shape, ssm_shape = tuple(eng.state_pool.conv.shape[1:]), tuple(eng.state_pool.ssm.shape[1:])
     n_blobs, pages_per_blob = 24, 192                # ~ a 3000-token session per blob, with its snapshot
