@@ -123,13 +123,16 @@ def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch
     q = _expand_heads(q, HV).float().unsqueeze(-2)                       # [N, HV, 1, dk]
     k = _expand_heads(k, HV).float()
     # One gathered fp32 copy of the states, updated in place, written back once (no per-op temporaries of the
-    # state's size: it is the largest tensor a decode step touches after the weights).
-    S = state.index_select(0, slot_ids)
+    # state's size: it is the largest tensor a decode step touches after the weights). A lone fp32 sequence on the
+    # CPU updates its slot in place through a view: no gather, no write-back (the single-stream case).
+    lone = slot_ids.numel() == 1 and state.dtype == torch.float32 and state.device.type == "cpu"
+    S = state.narrow(0, int(slot_ids), 1) if lone else state.index_select(0, slot_ids)
     if S.dtype != torch.float32:
         S = S.float()
     S.mul_(g.float().exp()[..., None, None])                             # [N, HV, dk, dv]
     pred = (k.unsqueeze(-2) @ S).squeeze(-2)                             # S^T k: [N, HV, dv]
     delta = beta.float().unsqueeze(-1) * (v.float() - pred)
     S.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))                     # S += k delta^T
-    state.index_copy_(0, slot_ids, S.to(state.dtype))
+    if not lone:
+        state.index_copy_(0, slot_ids, S.to(state.dtype))
     return (q @ S).squeeze(-2).to(v.dtype)                               # S^T q

@@ -3,8 +3,9 @@
 On CPU, torch's F.linear goes to MKL (sgemm / gemv) and torch's private oneDNN op `mkldnn._linear_pointwise` (what
 torch's own CPU compiler emits) to oneDNN. Which is faster depends on the CPU: oneDNN was 2-3x faster than MKL on
 AMD EPYC for 8..2000 rows (fp32), while plain F.linear was 9-17% faster on an Intel CPU with AMX. So `calibrate`
-times both on the model's own weight shapes at start, separately for decode-sized and prefill-sized row counts,
-and `linear` follows its choice. Until calibrated, oneDNN is used where available. Greedy tokens do not depend on
+times both on the model's own weight shapes at start, separately for one row (a lone decode: a GEMV), a few rows
+(a batch of decodes) and many rows (prefill), and `linear` follows its choice. Measured on one Intel CPU here:
+MKL's GEMV won for one row, oneDNN for 8 and 256 rows. Until calibrated, oneDNN is used where available. Greedy tokens do not depend on
 the route (both are exact GEMMs; only summation order differs).
 """
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch.nn.functional as F
 
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
     else None
-DECODE_ROWS = 16                       # row counts up to this are "decode" (a batch of single-token requests)
-_use_onednn = {"decode": _onednn_linear is not None, "prefill": _onednn_linear is not None}
+BUCKETS = {"one": 1, "few": 8, "many": 256}   # row-count buckets and the row count each is timed at
+FEW_MAX = 16                                    # "few": 2..16 rows (a batch of decodes); "many": more
+_use_onednn = dict.fromkeys(BUCKETS, _onednn_linear is not None)
 _calibrated = False                    # once per process: every engine in it then computes the same way
 
 
@@ -30,21 +32,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T -> [..., N], no bias."""
     if _onednn_ok(x, weight):
         rows = x.numel() // x.shape[-1]
-        if _use_onednn["decode" if rows <= DECODE_ROWS else "prefill"]:
+        if _use_onednn["one" if rows == 1 else "few" if rows <= FEW_MAX else "many"]:
             return _onednn_linear(x, weight, None, "none", [], "")
     return F.linear(x, weight)
 
 
 @torch.inference_mode()
-def calibrate(weights: list[torch.Tensor], rows: tuple[int, int] = (1, 256), repeats: int = 5) -> dict[str, str]:
-    """Time F.linear against oneDNN on these weights (CPU) for a decode-sized and a prefill-sized input, and use the
-    faster route for each from now on; once per process (later calls keep the first choice). Returns the choice,
-    e.g. {"decode": "onednn", "prefill": "mkl"}."""
+def calibrate(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, str]:
+    """Time F.linear against oneDNN on these weights (CPU) for each row-count bucket, and use the faster route for
+    each from now on; once per process (later calls keep the first choice). Returns the choice, e.g.
+    {"one": "mkl", "few": "onednn", "many": "onednn"}."""
     global _calibrated
     if _calibrated or not weights or _onednn_linear is None or not _onednn_ok(weights[0][:1], weights[0]):
         return {k: "onednn" if v else "mkl" for k, v in _use_onednn.items()}
     _calibrated = True
-    for kind, n in zip(("decode", "prefill"), rows):
+    for kind, n in BUCKETS.items():
         inputs = [torch.randn(n, w.shape[1], dtype=w.dtype) for w in weights]
 
         def run(fn) -> float:

@@ -92,10 +92,11 @@ def test_chunk_gdn_continuation_equals_one_pass(chunk_size):
     torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("slot_list", [[4, 1, 2], [4]], ids=["three", "lone"])   # a lone one updates in place
 @pytest.mark.parametrize("H,HV", [(2, 2), (2, 4), (2, 6)])
-def test_recurrent_decode_matches_loop(H, HV):
-    N, steps = 3, 4
-    slots = torch.tensor([4, 1, 2])
+def test_recurrent_decode_matches_loop(H, HV, slot_list):
+    N, steps = len(slot_list), 4
+    slots = torch.tensor(slot_list)
     gen = torch.Generator().manual_seed(HV)
     state = torch.randn(6, HV, DK, DV, generator=gen) * 0.5
     before = state.clone()
