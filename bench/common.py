@@ -105,24 +105,12 @@ def bench_checkpoint(folder: str | Path | None = None, spec: BenchModelSpec = Be
 BENCH_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte -> printable character map of the ByteLevel pre-tokenizer and decoder."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
 def write_bench_tokenizer(folder: Path, vocab_size: int) -> None:
     """tokenizer.json + tokenizer_config.json (+ a ChatML template) with exactly vocab_size ids."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    to_char = _bytes_to_unicode()
+    from tinyserve.demo import bytes_to_unicode   # the GPT-2 byte -> character map of ByteLevel
+    to_char = bytes_to_unicode()
     byte_chars = [to_char[b] for b in range(0x20, 0x7F)]       # printable ASCII, as ByteLevel spells it
     vocab = {t: i for i, t in enumerate(BENCH_SPECIAL_TOKENS)}
     for ch in byte_chars:

@@ -69,7 +69,7 @@ system user assistant tool function parameter content reasoning thinking answer
 """
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """The GPT-2 byte -> printable character map that the ByteLevel pre-tokenizer and decoder use."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     mapping, extra = {}, 0
@@ -116,7 +116,7 @@ def build_demo_tokenizer() -> Tokenizer:
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     words: Counter[str] = Counter(w for w, _ in pre.pre_tokenize_str(_CORPUS))
     merges = _train_merges(words, NUM_MERGES)
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
