@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels.gdn import slot_run
+
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                           cu_seqlens: list[int], slot_ids: list[int]) -> torch.Tensor:
@@ -30,7 +32,13 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                          slot_ids: torch.Tensor) -> torch.Tensor:
     """One new token per sequence: x [N, C]; conv_state [slots, C, K-1] updated in place. Returns [N, C]."""
-    # index_select / index_copy_ rather than advanced indexing: same result, a fraction of the dispatch cost
-    window = torch.cat([conv_state.index_select(0, slot_ids).to(x.dtype), x.unsqueeze(-1)], dim=-1)   # [N, C, K]
-    conv_state.index_copy_(0, slot_ids, window[..., 1:].to(conv_state.dtype))
+    # a run of slots is a view; otherwise index_select / index_copy_ (a fraction of advanced indexing's cost)
+    first = slot_run(slot_ids, conv_state)
+    rows = conv_state.narrow(0, first, slot_ids.numel()) if first is not None else \
+        conv_state.index_select(0, slot_ids)
+    window = torch.cat([rows.to(x.dtype), x.unsqueeze(-1)], dim=-1)                                 # [N, C, K]
+    if first is not None:
+        rows.copy_(window[..., 1:])
+    else:
+        conv_state.index_copy_(0, slot_ids, window[..., 1:].to(conv_state.dtype))
     return F.silu(torch.linalg.vecdot(window, weight))

@@ -116,6 +116,15 @@ def _chunk_layout(cu_seqlens: tuple[int, ...], C: int, T: int, device: torch.dev
     return _ChunkLayout(idx, steps, real)
 
 
+def slot_run(slot_ids: torch.Tensor, pool: torch.Tensor) -> int | None:
+    """The first slot when slot_ids are consecutive ascending slots of a CPU pool (then `pool.narrow` is a view of
+    exactly those rows); None otherwise. Reading the ids is free on the CPU; a GPU kernel indexes directly."""
+    if pool.device.type != "cpu":
+        return None
+    ids = slot_ids.tolist()
+    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
+
+
 def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                       beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
     """One token per sequence. q, k [N, H, dk]; v [N, HV, dv]; g, beta [N, HV]; state [slots, HV, dk, dv]."""
@@ -123,16 +132,17 @@ def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch
     q = _expand_heads(q, HV).float().unsqueeze(-2)                       # [N, HV, 1, dk]
     k = _expand_heads(k, HV).float()
     # One gathered fp32 copy of the states, updated in place, written back once (no per-op temporaries of the
-    # state's size: it is the largest tensor a decode step touches after the weights). A lone fp32 sequence on the
-    # CPU updates its slot in place through a view: no gather, no write-back (the single-stream case).
-    lone = slot_ids.numel() == 1 and state.dtype == torch.float32 and state.device.type == "cpu"
-    S = state.narrow(0, int(slot_ids), 1) if lone else state.index_select(0, slot_ids)
+    # state's size: it is the largest tensor a decode step touches after the weights). Slots that form one run
+    # (the usual case: slots are handed out in admission order, decodes run in it) are updated in place through
+    # a view: no gather, no write-back.
+    first = slot_run(slot_ids, state) if state.dtype == torch.float32 else None
+    S = state.narrow(0, first, slot_ids.numel()) if first is not None else state.index_select(0, slot_ids)
     if S.dtype != torch.float32:
         S = S.float()
     S.mul_(g.float().exp()[..., None, None])                             # [N, HV, dk, dv]
     pred = (k.unsqueeze(-2) @ S).squeeze(-2)                             # S^T k: [N, HV, dv]
     delta = beta.float().unsqueeze(-1) * (v.float() - pred)
     S.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))                     # S += k delta^T
-    if not lone:
+    if first is None:
         state.index_copy_(0, slot_ids, S.to(state.dtype))
     return (q @ S).squeeze(-2).to(v.dtype)                               # S^T q

@@ -92,7 +92,7 @@ def test_chunk_gdn_continuation_equals_one_pass(chunk_size):
     torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("slot_list", [[4, 1, 2], [4]], ids=["three", "lone"])   # a lone one updates in place
+@pytest.mark.parametrize("slot_list", [[4, 1, 2], [1, 2, 3], [4]], ids=["scattered", "run", "lone"])  # runs: views
 @pytest.mark.parametrize("H,HV", [(2, 2), (2, 4), (2, 6)])
 def test_recurrent_decode_matches_loop(H, HV, slot_list):
     N, steps = len(slot_list), 4
@@ -109,7 +109,7 @@ def test_recurrent_decode_matches_loop(H, HV, slot_list):
                                        before[slot])
         torch.testing.assert_close(out[:, n], o_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state[slot], S_ref, atol=1e-5, rtol=1e-5)
-    for untouched in (0, 3, 5):
+    for untouched in sorted(set(range(6)) - set(slot_list)):
         assert torch.equal(state[untouched], before[untouched])
 
 
@@ -175,6 +175,25 @@ def test_conv_continuations_equal_one_pass():
     torch.testing.assert_close(torch.cat(parts), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(st[1], x[-(K - 1):].t())
     assert torch.equal(st[0], torch.zeros(C, K - 1))
+
+
+@pytest.mark.parametrize("slot_list", [[1, 2, 3], [3, 0, 2], [4]], ids=["run", "scattered", "lone"])
+def test_conv_decode_batch_matches_reference(slot_list):
+    """A batch of decodes: each output from its own slot's window, each slot shifted by one, others untouched
+    (a run of slots is updated through a view, other sets through index_copy_)."""
+    C, K = 6, 4
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(C, K, generator=g)
+    state = torch.randn(5, C, K - 1, generator=g)
+    before = state.clone()
+    x = torch.randn(len(slot_list), C, generator=g)
+    out = causal_conv1d_decode(x, weight, state, torch.tensor(slot_list))
+    for n, slot in enumerate(slot_list):
+        window = torch.cat([before[slot], x[n][:, None]], dim=1)
+        torch.testing.assert_close(out[n], F.silu((window * weight).sum(-1)))
+        torch.testing.assert_close(state[slot], window[:, 1:])
+    for slot in set(range(5)) - set(slot_list):
+        assert torch.equal(state[slot], before[slot])
 
 
 # ---------------------------------------------------------------------------------------------------------------
