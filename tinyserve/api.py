@@ -1,6 +1,7 @@
-"""The HTTP server: OpenAI-compatible routes over aiohttp.
+"""The HTTP server: OpenAI- and Anthropic-compatible routes over aiohttp.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/messages   POST /v1/messages/count_tokens   (Anthropic's Messages API, anthropic.py)
     GET /health   GET /metrics   POST /flush_cache
 
 This module is the HTTP layer only: routes, middlewares (errors, auth), reading JSON, SSE, disconnects, and the
@@ -27,6 +28,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from . import anthropic
 from .engine import RequestError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
@@ -84,6 +86,7 @@ def create_app(engine: Any, cfg: Any) -> web.Application:
     app[STATE] = state
     for path, endpoint in state.endpoints.items():
         app.router.add_post(path, _generation_handler(endpoint))
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -94,14 +97,18 @@ def create_app(engine: Any, cfg: Any) -> web.Application:
 def _endpoints(cfg: Any) -> dict[str, Endpoint]:
     """The generation routes: one protocol Endpoint each, all served by `generate`."""
     return {"/v1/chat/completions": Chat(cfg.parsers.reasoning, cfg.parsers.tool_call),
-            "/v1/completions": Completions()}
+            "/v1/completions": Completions(),
+            "/v1/messages": anthropic.Messages(cfg.parsers.reasoning, cfg.parsers.tool_call,
+                                               cfg.server.keep_billing_header)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Middlewares
 
-def error_response(err: APIError) -> web.Response:
-    return web.json_response(error_body(err), status=err.status, headers=err.headers, dumps=dumps)
+def error_response(err: APIError, path: str = "") -> web.Response:
+    """OpenAI's error shape, or Anthropic's on the Anthropic routes (its clients parse only their own)."""
+    body = anthropic.error_body(err) if anthropic.is_anthropic_path(path) else error_body(err)
+    return web.json_response(body, status=err.status, headers=err.headers, dumps=dumps)
 
 
 @web.middleware
@@ -111,7 +118,7 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     try:
         response = await handler(request)
     except APIError as e:
-        response = error_response(e)
+        response = error_response(e, request.path)
     except web.HTTPException as e:                    # routing (404, 405) and body size (413) from aiohttp
         if e.status < 400:
             raise
@@ -120,12 +127,12 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
                    413: f"request body is larger than server.max_request_body_mb "
                         f"({state.cfg.server.max_request_body_mb:g} MB)"}.get(e.status, e.reason)
         response = error_response(APIError(e.status, message, headers={
-            k: v for k, v in e.headers.items() if k.lower() == "allow"}))
+            k: v for k, v in e.headers.items() if k.lower() == "allow"}), request.path)
     except (asyncio.CancelledError, ConnectionResetError):
         raise                                         # the client went away; the handler cleaned up
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
-        response = error_response(APIError(500, "internal server error (logged on the server)"))
+        response = error_response(APIError(500, "internal server error (logged on the server)"), request.path)
     if state.metrics is not None and request.path in state.endpoints:
         state.metrics.on_response(response.status)
     return response
@@ -133,13 +140,14 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """`Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic clients), on every route."""
     key = request.app[STATE].cfg.server.api_key
     if key and request.path != "/health":
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        given = given.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        if not given or not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>')", code="invalid_api_key")
     return await handler(request)
 
 
@@ -203,7 +211,7 @@ class Generation:
             if detok.stopped:                         # a stop string: the rest of the text is cut
                 stream.cancel()
                 self._finished(index, "stop")
-                yield Delta(text, ids, events, "stop")
+                yield Delta(text, ids, events, "stop", detok.stop_reason)
                 return
             if text or ids:
                 yield Delta(text, ids, events)
@@ -251,6 +259,7 @@ class Generation:
             r.events += d.events
             if d.finish_reason is not None:
                 r.finish_reason = d.finish_reason
+                r.stop_string = d.stop_string
         return results
 
     def usage(self) -> Usage:
@@ -315,10 +324,12 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     meta = Meta(endpoint.id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompt_ids,
                 state.token_text)
     try:                                              # the engine decides what fits and what is in range
-        params = sampling_params(options, engine.fit_max_tokens(len(prompt_ids), options.max_tokens))
+        fitted = engine.fit_max_tokens(len(prompt_ids), options.max_tokens, endpoint.clamp_max_tokens)
+        params = sampling_params(options, fitted)
         gen = Generation(state, prompt_ids, params, options.n, options.stop, meta.request_id, arrival)
     except RequestError as e:
         raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
+    meta.usage = gen.usage
     try:                                              # close() cancels on any exit: done, error, client gone
         if options.stream:
             return await _stream(request, gen, endpoint.stream(req, meta))
@@ -355,6 +366,17 @@ async def _stream(request: web.Request, gen: Generation, out: EndpointStream) ->
 
 # ---------------------------------------------------------------------------------------------------------------
 # Other routes
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens: the length of the prompt a Messages request renders to."""
+    state = request.app[STATE]
+    _check_serving(state)
+    endpoint = state.endpoints["/v1/messages"]
+    assert isinstance(endpoint, anthropic.Messages)
+    req = endpoint.parse_count(await _read_json(request))
+    ids = await _in_thread(endpoint.prompt_ids, req, state.engine.tokenizer)
+    return web.json_response({"input_tokens": len(ids)}, dumps=dumps)
+
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]

@@ -85,6 +85,7 @@ class ServerSection(_Section):
     max_queued_requests: int = _opt(64, ge=0)   # waiting beyond max_running_requests; more gets 503
     max_request_body_mb: float = _opt(32.0, gt=0)
     drain_timeout_s: float = _opt(30.0, ge=0)   # SIGTERM: time running requests get to finish
+    keep_billing_header: bool = False           # keep Claude Code's per-request system block (breaks the cache)
 
 
 @dataclass

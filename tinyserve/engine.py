@@ -232,9 +232,11 @@ class Engine:
         return cls(cfg, model, tokenizer, MemoryPlan.resolve(cfg, model.cfg, model.device.type, values))
 
     # ---- requests (called from the event loop or offline code) ----
-    def fit_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
+    def fit_max_tokens(self, prompt_len: int, max_tokens: int | None, clamp: bool = False) -> int:
         """The max_tokens a request with this prompt gets: None means up to the end of the context (vLLM's
-        default), but never past what the KV pool holds, which on a small card or the CPU can be less."""
+        default), but never past what the KV pool holds, which on a small card or the CPU can be less. With clamp,
+        a larger max_tokens is cut to what fits instead of refused (Anthropic's clients send one large
+        max_tokens whatever the server's context)."""
         context, pool = self.context_length, self.plan.kv_tokens
         if prompt_len >= context:
             raise RequestError(f"the prompt is {prompt_len} tokens long, but the context is {context} tokens "
@@ -242,8 +244,9 @@ class Engine:
         if prompt_len >= pool:
             raise RequestError(f"the prompt is {prompt_len} tokens long, but the KV cache holds {pool} tokens; "
                                "raise engine.kv_cache_tokens", "prompt")
-        if max_tokens is None:
-            return min(context, pool) - prompt_len
+        if max_tokens is None or (clamp and prompt_len + max_tokens > min(context, pool)):
+            return min(context, pool) - prompt_len if max_tokens is None else \
+                min(max_tokens, min(context, pool) - prompt_len)
         room = context - prompt_len
         if max_tokens > room:
             raise RequestError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) is longer than the "

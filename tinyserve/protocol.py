@@ -359,6 +359,7 @@ class Delta:
     token_ids: list[int]
     events: list[Any]                 # engine TokenEvents: token_id, logprob, top_logprobs
     finish_reason: str | None = None
+    stop_string: str | None = None    # the stop string that ended the choice (finish_reason "stop")
 
 
 @dataclass
@@ -368,6 +369,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     events: list[Any] = field(default_factory=list)
     finish_reason: str = "stop"
+    stop_string: str | None = None
 
 
 @dataclass
@@ -387,6 +389,7 @@ class Meta:
     model: str
     prompt_ids: list[int]
     token_text: Callable[[int], str]                  # one token as text, for logprobs
+    usage: Callable[[], Usage] | None = None          # the usage so far, once the generation is submitted
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -455,6 +458,7 @@ class EndpointStream(ABC):
 class Endpoint(ABC):
     id_prefix: str
     prompt_field: str                                 # where the engine's "prompt" errors point
+    clamp_max_tokens = False                          # cut a max_tokens past the context instead of a 400
 
     @abstractmethod
     def parse(self, body: dict, served_name: str) -> Any:

@@ -1,0 +1,438 @@
+"""Anthropic's Messages API without HTTP: POST /v1/messages (and /v1/messages/count_tokens) as an Endpoint.
+
+A Messages request is translated into the chat request the OpenAI route builds (protocol.ChatRequest), so both
+protocols render the same prompt through the same template and share the prefix cache; the answer is split by the
+same qwen3 reasoning and qwen3_coder tool parsers (protocol.Chat) and written as Anthropic content blocks.
+
+Mapping (request):
+  system (string or text blocks)   -> one system message first; a text block starting with
+                                      "x-anthropic-billing-header:" (Claude Code's per-request hash) is dropped
+                                      unless server.keep_billing_header: it would change every prompt's prefix
+  text blocks                      -> content (joined with "\\n", as the chat route joins text parts)
+  tool_use (assistant)             -> tool_calls; tool_result (user) -> a "tool" message ("Error: " first when
+                                      is_error)
+  thinking (assistant)             -> reasoning_content (the template shows it only for turns after the last user
+                                      query, as Qwen3 does); redacted_thinking is opaque and dropped
+  image blocks                     -> 400 (not supported yet)
+  tools[].input_schema             -> OpenAI function tools; tool_choice auto | any | tool | none -> "auto" |
+                                      "required" | named | no tools in the prompt. any / tool only limit what is
+                                      parsed: nothing constrains decoding yet
+  thinking.type enabled|adaptive / disabled -> enable_thinking true / false; absent: the template's default (Qwen3.5
+                                      thinks); budget_tokens is accepted and not enforced
+  model                            -> any name is accepted (Claude Code sends its own); responses carry the served
+                                      name
+Mapping (response): thinking blocks carry signature "" (there is nothing to sign; the key is there because clients
+require it); tool_use ids are "toolu_..."; stop_reason end_turn | max_tokens | stop_sequence | tool_use. Usage
+follows Anthropic's split: input_tokens is the uncached part of the prompt, cache_read_input_tokens the prompt
+tokens served from the prefix cache, cache_creation_input_tokens 0 (writing the cache costs nothing extra here), so
+their sum is the prompt length.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .protocol import (MAX_STOP_STRINGS, APIError, Chat, ChatRequest, ChatStreamChoice, ChoiceResult, Delta,
+                       Endpoint, EndpointStream, GenerationOptions, Meta, Usage, _integer, _number, bad_request,
+                       dumps)
+from .sampling import SamplingParams
+
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors). Statuses are the server's own
+# (a full queue is 503 + Retry-After, not Anthropic's 529); the type says what kind of failure it is.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_body(err: APIError) -> dict[str, Any]:
+    """{"type": "error", "error": {"type", "message"}}; the field in question, when known, leads the message."""
+    kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    message = err.message
+    if err.param and err.param not in message:
+        message = f"{err.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Requests
+
+@dataclass
+class MessagesRequest:
+    chat: ChatRequest                 # what the chat template and the parsers take
+
+    @property
+    def options(self) -> GenerationOptions:
+        return self.chat.options
+
+
+def _text_blocks(value: Any, param: str, allowed: tuple[str, ...] = ("text",)) -> list[dict[str, Any]]:
+    """A string or a list of blocks -> the list of blocks (a string is one text block); types are checked."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise bad_request(f"{param} must be a string or a list of content blocks", param)
+    for j, block in enumerate(value):
+        p = f"{param}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in ("image", "document"):
+            raise bad_request(f"{p}: {kind} blocks are not supported by this server yet (text only)", f"{p}.type")
+        if kind not in allowed:
+            raise bad_request(f"{p}.type must be one of {', '.join(allowed)}; got {kind!r}", f"{p}.type")
+        if kind == "text" and not isinstance(block.get("text"), str):
+            raise bad_request(f"{p}.text must be a string", f"{p}.text")
+    return value
+
+
+def _join(blocks: list[dict[str, Any]]) -> str:
+    return "\n".join(b["text"] for b in blocks)
+
+
+def _system(value: Any, keep_billing_header: bool) -> str | None:
+    if value is None:
+        return None
+    blocks = _text_blocks(value, "system")
+    if isinstance(value, list) and not keep_billing_header:
+        blocks = [b for b in blocks if not b["text"].lstrip().startswith(BILLING_HEADER_PREFIX)]
+    text = _join(blocks)
+    return text if blocks else None
+
+
+def _tool_result(block: dict[str, Any], p: str) -> dict[str, Any]:
+    tool_use_id = block.get("tool_use_id")
+    if not isinstance(tool_use_id, str):
+        raise bad_request(f"{p}.tool_use_id must be a string", f"{p}.tool_use_id")
+    content = block.get("content")
+    text = "" if content is None else _join(_text_blocks(content, f"{p}.content"))
+    if block.get("is_error") is True:
+        text = "Error: " + text
+    return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
+
+
+def _tool_use(block: dict[str, Any], p: str) -> dict[str, Any]:
+    name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{p}.name must be a non-empty string", f"{p}.name")
+    if call_id is not None and not isinstance(call_id, str):
+        raise bad_request(f"{p}.id must be a string", f"{p}.id")
+    if not isinstance(args, dict):
+        raise bad_request(f"{p}.input must be an object", f"{p}.input")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+USER_BLOCKS = ("text", "tool_result")
+ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    """Anthropic turns -> chat messages (OpenAI shape, tool results as "tool" messages, in the client's order)."""
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(value):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{p} must be an object with role and content", p)
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise bad_request(f"{p}.role must be 'user' or 'assistant'; got {role!r}", f"{p}.role")
+        if "content" not in m:
+            raise bad_request(f"{p}.content is required", f"{p}.content")
+        allowed = USER_BLOCKS if role == "user" else ASSISTANT_BLOCKS
+        blocks = _text_blocks(m["content"], f"{p}.content", allowed)
+        if role == "user":
+            texts: list[str] = []
+            for j, b in enumerate(blocks):
+                if b["type"] == "text":
+                    texts.append(b["text"])
+                    continue
+                if texts:                             # text before a result: its own turn, in order
+                    out.append({"role": "user", "content": "\n".join(texts)})
+                    texts = []
+                out.append(_tool_result(b, f"{p}.content[{j}]"))
+            if texts or not blocks:
+                out.append({"role": "user", "content": "\n".join(texts)})
+            continue
+        msg: dict[str, Any] = {"role": "assistant"}
+        texts, reasoning, calls = [], [], []
+        for j, b in enumerate(blocks):
+            q = f"{p}.content[{j}]"
+            if b["type"] == "text":
+                texts.append(b["text"])
+            elif b["type"] == "thinking":
+                if not isinstance(b.get("thinking"), str):
+                    raise bad_request(f"{q}.thinking must be a string", f"{q}.thinking")
+                reasoning.append(b["thinking"])
+            elif b["type"] == "tool_use":
+                calls.append(_tool_use(b, q))
+            # redacted_thinking: opaque (encrypted by Anthropic), nothing to render
+        msg["content"] = "\n".join(texts)
+        if reasoning:
+            msg["reasoning_content"] = "\n".join(reasoning)
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any]:
+    """Anthropic tools + tool_choice -> OpenAI function tools + tool_choice (what the template and parser take)."""
+    tools = body.get("tools")
+    converted: list[dict[str, Any]] = []
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_request("tools must be a list", "tools")
+        for i, tool in enumerate(tools):
+            p = f"tools[{i}]"
+            if not isinstance(tool, dict):
+                raise bad_request(f"{p} must be an object", p)
+            if tool.get("type", "custom") != "custom":
+                raise bad_request(f"{p}: server tool {tool.get('type')!r} is not supported (custom tools only)",
+                                  f"{p}.type")
+            name, schema = tool.get("name"), tool.get("input_schema")
+            if not isinstance(name, str) or not name:
+                raise bad_request(f"{p}.name must be a non-empty string", f"{p}.name")
+            if not isinstance(schema, dict):
+                raise bad_request(f"{p}.input_schema must be a JSON schema object", f"{p}.input_schema")
+            fn: dict[str, Any] = {"name": name}
+            if isinstance(tool.get("description"), str):
+                fn["description"] = tool["description"]
+            fn["parameters"] = schema
+            converted.append({"type": "function", "function": fn})
+    choice = body.get("tool_choice")
+    if choice is None:
+        return converted or None, "auto"
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "none":
+        return None, "none"                           # no tools offered at all
+    if kind == "auto":
+        return converted or None, "auto"
+    # any / tool: like OpenAI's "required" / a named function. Only the parser side exists: a named tool limits
+    # what is parsed as a call, but decoding is not constrained yet, so the model may still answer in text.
+    if kind == "any":
+        return converted or None, "required"
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in converted}:
+            raise bad_request(f"tool_choice names tool {name!r}, which is not in tools", "tool_choice.name")
+        return converted, {"type": "function", "function": {"name": name}}
+    raise bad_request('tool_choice.type must be "auto", "any", "tool" or "none"', "tool_choice.type")
+
+
+def _thinking(body: dict) -> dict[str, Any]:
+    thinking = body.get("thinking")
+    if thinking is None:
+        return {}                                     # the template's default
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad_request('thinking.type must be "enabled" or "disabled"', "thinking.type")
+    _integer(thinking, "budget_tokens", None)         # type-checked; not enforced
+    return {"enable_thinking": kind != "disabled"}
+
+
+def _stop_sequences(body: dict) -> list[str]:
+    value = body.get("stop_sequences")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad_request("stop_sequences must be a list of strings", "stop_sequences")
+    if len(value) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop_sequences takes at most {MAX_STOP_STRINGS} strings, got {len(value)}",
+                          "stop_sequences")
+    return [s for s in value if s]
+
+
+def parse_messages_request(body: dict, keep_billing_header: bool = False, count_only: bool = False
+                           ) -> MessagesRequest:
+    """count_only (count_tokens): no max_tokens, no sampling fields."""
+    messages = _messages(body.get("messages"))
+    system = _system(body.get("system"), keep_billing_header)
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    tools, tool_choice = _tools(body)
+    max_tokens = _integer(body, "max_tokens", None, lo=1)
+    if max_tokens is None and not count_only:
+        raise bad_request("max_tokens is required", "max_tokens")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request(f"stream must be a boolean, got {stream!r}", "stream")
+    params = SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+                            top_k=_integer(body, "top_k", 0))
+    options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_tokens",
+                                stop=_stop_sequences(body), n=1, stream=bool(stream), include_usage=True,
+                                return_token_ids=False)
+    chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=_thinking(body),
+                       logprobs=False, top_logprobs=0, options=options)
+    return MessagesRequest(chat)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Responses
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    cached = usage.cached_tokens or 0
+    return {"input_tokens": usage.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": usage.completion_tokens}
+
+
+def tool_use_id(call_id: str | None) -> str:
+    return "toolu_" + (call_id or "").removeprefix("call_")
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:                      # the parser writes JSON; never fail an answer over it
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def stop_reason(finish_reason: str | None, stop_string: str | None, called_tools: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) from the engine's finish reason."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if stop_string is not None:
+        return "stop_sequence", stop_string
+    return ("tool_use" if called_tools else "end_turn"), None
+
+
+class Messages(Endpoint):
+    """POST /v1/messages. The parsers come from the config's [parsers] table, as for /v1/chat/completions."""
+
+    id_prefix = "msg_"
+    prompt_field = "messages"
+    # Claude Code sends one large max_tokens (e.g. 32000) whatever the model: generation stops at the end of the
+    # context instead (stop_reason max_tokens), as on Anthropic's own API, rather than a 400 on a small context.
+    clamp_max_tokens = True
+
+    def __init__(self, reasoning_parser: str = "", tool_parser: str = "", keep_billing_header: bool = False
+                 ) -> None:
+        self.chat = Chat(reasoning_parser, tool_parser)
+        self.keep_billing_header = keep_billing_header
+
+    def parse(self, body: dict, served_name: str) -> MessagesRequest:
+        return parse_messages_request(body, self.keep_billing_header)
+
+    def parse_count(self, body: dict) -> MessagesRequest:
+        return parse_messages_request(body, self.keep_billing_header, count_only=True)
+
+    def prompt_ids(self, req: MessagesRequest, tokenizer: Any) -> list[int]:
+        return self.chat.prompt_ids(req.chat, tokenizer)
+
+    def response(self, req: MessagesRequest, meta: Meta, results: list[ChoiceResult], usage: Usage
+                 ) -> dict[str, Any]:
+        (r,) = results
+        message, _ = self.chat.message(req.chat, r)
+        content: list[dict[str, Any]] = []
+        if message.get("reasoning_content"):
+            content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+        if message.get("content"):
+            content.append({"type": "text", "text": message["content"]})
+        calls = message.get("tool_calls") or []
+        for call in calls:
+            content.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
+                            "input": _input(call["function"]["arguments"])})
+        reason, sequence = stop_reason(r.finish_reason, r.stop_string, bool(calls))
+        return {"id": meta.request_id, "type": "message", "role": "assistant", "model": meta.model,
+                "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": usage_body(usage)}
+
+    def stream(self, req: MessagesRequest, meta: Meta) -> "MessagesStream":
+        return MessagesStream(self, req, meta)
+
+
+class MessagesStream(EndpointStream):
+    """message_start, ping, then content_block_start / _delta / _stop per block, message_delta, message_stop.
+
+    message_start waits for the first delta: by then the prefill has run and the cached prompt tokens are known, so
+    its usage is already the final split of the input (message_delta repeats it with output_tokens)."""
+
+    done = b""                                        # message_stop ends the stream; no [DONE]
+
+    def __init__(self, endpoint: Messages, req: MessagesRequest, meta: Meta) -> None:
+        self.meta = meta
+        self.choice = ChatStreamChoice(endpoint.chat, req.chat)
+        self.started = False
+        self.block: str | None = None                 # type of the open block
+        self.index = -1                               # its index
+        self.reason: tuple[str, str | None] = ("end_turn", None)
+
+    def frame(self, obj: dict[str, Any]) -> bytes:
+        return f"event: {obj['type']}\ndata: ".encode() + dumps(obj).encode() + b"\n\n"
+
+    def error(self, err: APIError) -> dict[str, Any]:
+        return error_body(err)
+
+    def _usage(self, output_tokens: int | None = None) -> dict[str, Any]:
+        usage = self.meta.usage() if self.meta.usage is not None else Usage(len(self.meta.prompt_ids), 0)
+        body = usage_body(usage)
+        if output_tokens is not None:
+            body["output_tokens"] = output_tokens
+        return body
+
+    def _start(self) -> list[dict[str, Any]]:
+        if self.started:
+            return []
+        self.started = True
+        message = {"id": self.meta.request_id, "type": "message", "role": "assistant", "model": self.meta.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": self._usage(0)}
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self.block is None:
+            return []
+        self.block = None
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self._close()
+        self.index += 1
+        self.block = block["type"]
+        return out + [{"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def _piece(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if "reasoning_content" in piece:
+            if self.block != "thinking":
+                out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "thinking_delta", "thinking": piece["reasoning_content"]}})
+        elif "content" in piece:
+            if self.block != "text":
+                out += self._open({"type": "text", "text": ""})
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "text_delta", "text": piece["content"]}})
+        elif "tool_calls" in piece:
+            call = piece["tool_calls"][0]
+            if "id" in call:                          # a new call: its own block
+                out += self._open({"type": "tool_use", "id": tool_use_id(call["id"]),
+                                   "name": call["function"]["name"], "input": {}})
+            fragment = call["function"].get("arguments") or ""
+            if fragment:
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "input_json_delta", "partial_json": fragment}})
+        return out
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
+        out = self._start()
+        final = d.finish_reason is not None
+        for piece in self.choice.pieces(d.text, final):
+            out += self._piece(piece)
+        if final:
+            self.reason = stop_reason(d.finish_reason, d.stop_string, self.choice.called_tools)
+        return out
+
+    def end(self, usage: Usage) -> list[dict[str, Any]]:
+        reason, sequence = self.reason
+        return self._start() + self._close() + [
+            {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+             "usage": usage_body(usage)},
+            {"type": "message_stop"}]
