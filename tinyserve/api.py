@@ -1,6 +1,7 @@
 """The HTTP server: OpenAI- and Anthropic-compatible routes over aiohttp.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/responses   (OpenAI's Responses API, stateless, responses.py)
     POST /v1/messages   POST /v1/messages/count_tokens   (Anthropic's Messages API, anthropic.py)
     GET /health   GET /metrics   POST /flush_cache
 
@@ -28,7 +29,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from . import anthropic
+from . import anthropic, responses
 from .engine import RequestError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
@@ -99,7 +100,8 @@ def _endpoints(cfg: Any) -> dict[str, Endpoint]:
     return {"/v1/chat/completions": Chat(cfg.parsers.reasoning, cfg.parsers.tool_call),
             "/v1/completions": Completions(),
             "/v1/messages": anthropic.Messages(cfg.parsers.reasoning, cfg.parsers.tool_call,
-                                               cfg.server.keep_billing_header)}
+                                               cfg.server.keep_billing_header),
+            "/v1/responses": responses.Responses(cfg.parsers.reasoning, cfg.parsers.tool_call)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

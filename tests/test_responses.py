@@ -1,0 +1,317 @@
+"""OpenAI's Responses API end to end: a real `tinyserve` process (demo model, qwen3 + qwen3_coder parsers) and the
+real `openai` client; the parsed-output paths the random model will not reach (reasoning and function_call items)
+are checked on the module directly.
+
+The demo model's text is gibberish: these tests check shapes and plumbing (items, status, usage, streaming events,
+errors), with temperature 0 where outputs are compared.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+
+from server_util import ServerProcess, free_port, http, server_config
+
+PARSERS = {"parsers": {"reasoning": "qwen3", "tool_call": "qwen3_coder"}}
+SHELL_TOOL = {"type": "function", "name": "shell", "description": "Run a shell command",
+              "parameters": {"type": "object", "properties": {"command": {"type": "array",
+                                                                          "items": {"type": "string"}},
+                                                              "timeout": {"type": "integer"}},
+                             "required": ["command"]}}
+LONG_INSTRUCTIONS = "You are a careful coding agent. " * 40       # long enough for the prefix cache to keep snapshots
+
+
+@pytest.fixture(scope="module")
+def server(xdg, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("responses")
+    proc = ServerProcess(folder, server_config(free_port(), {**PARSERS, "model": {"context_length": 2048}}),
+                         env={"XDG_CACHE_HOME": str(xdg)}).start()
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def create(client: openai.OpenAI, input: Any = "Hello! How are you?", **kw: Any) -> Any:
+    kw.setdefault("max_output_tokens", 8)
+    kw.setdefault("store", False)
+    return client.responses.create(model="gpt-5-codex", input=input, **kw)
+
+
+def assert_healthy(server: ServerProcess) -> None:
+    assert http("GET", server.base_url + "/health")[0] == 200
+
+
+def comparable(response: Any) -> dict[str, Any]:
+    """The response without what differs between two calls: ids, the creation time and the cached part of the
+    prompt (the second call reads what the first wrote); `parsed` is the stream helper's own (None here)."""
+    body = response.model_dump()
+    body.pop("id"), body.pop("created_at")
+    body["usage"]["input_tokens_details"].pop("cached_tokens")
+    for item in body["output"]:
+        item.pop("id")
+        for part in item.get("content") or []:
+            part.pop("parsed", None)
+    return body
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_create_with_a_string(client):
+    r = create(client, temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == "tinyserve"
+    assert r.status in ("completed", "incomplete") and r.error is None
+    assert all(item.type in ("reasoning", "message") for item in r.output)
+    for item in r.output:
+        if item.type == "reasoning":
+            assert item.id.startswith("rs_") and item.summary == [] and item.content[0].type == "reasoning_text"
+        else:
+            assert item.id.startswith("msg_") and item.role == "assistant"
+            assert [c.type for c in item.content] == ["output_text"] and item.content[0].annotations == []
+    assert r.output_text == "".join(c.text for i in r.output if i.type == "message" for c in i.content)
+    u = r.usage
+    assert 1 <= u.output_tokens <= 8 and u.total_tokens == u.input_tokens + u.output_tokens
+    assert 0 <= u.output_tokens_details.reasoning_tokens <= u.output_tokens
+    assert 0 <= u.input_tokens_details.cached_tokens < u.input_tokens
+    assert r.store is False and r.previous_response_id is None and r.tools == [] and r.tool_choice == "auto"
+
+
+def test_message_items_and_instructions(client):
+    plain = create(client, max_output_tokens=1).usage.input_tokens
+    items = [{"role": "user", "content": "Hello! How are you?"}]
+    assert create(client, items, max_output_tokens=1).usage.input_tokens == plain     # a string is one user message
+    parts = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello!"},
+                                                              {"type": "input_text", "text": "How are you?"}]}]
+    r = create(client, parts, instructions="Be brief.", max_output_tokens=2)
+    assert r.usage.input_tokens > plain and r.instructions == "Be brief."
+    # instructions and leading developer messages make one system message
+    dev = [{"role": "developer", "content": "Answer in English."}, *items]
+    merged = create(client, dev, instructions="Be brief.", max_output_tokens=1).usage.input_tokens
+    one = create(client, [{"role": "system", "content": "Be brief.\n\nAnswer in English."}, *items],
+                 max_output_tokens=1).usage.input_tokens
+    assert merged == one
+
+
+def test_stream_equals_the_non_streamed_response(client):
+    for effort in ("none", "medium"):
+        kw: dict[str, Any] = dict(max_output_tokens=24, temperature=0, instructions="Be brief.",
+                                  reasoning={"effort": effort}, metadata={"k": "v"})
+        whole = create(client, **kw)
+        with client.responses.stream(model="codex", input="Hello! How are you?", store=False, **kw) as s:
+            events = [e for e in s]
+            final = s.get_final_response()
+        types = [e.type for e in events]
+        assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert types.count("response.output_item.added") == types.count("response.output_item.done") \
+            == len(final.output)
+        assert final.id == events[0].response.id
+        assert comparable(final) == comparable(whole)
+        assert final.output_text == whole.output_text
+    with client.responses.create(model="codex", input="Hi", stream=True, max_output_tokens=4) as raw:
+        assert [e.type for e in raw][-1] == "response.completed"
+
+
+def test_raw_event_sequence(server):
+    """The wire format: `event:` lines whose name is the data's type; text deltas add up to the done text."""
+    status, headers, body = http("POST", server.base_url + "/v1/responses", {
+        "model": "codex", "input": "Hi", "max_output_tokens": 6, "stream": True, "temperature": 0,
+        "reasoning": {"effort": "none"}})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = []
+    for frame in (f for f in body.decode().split("\n\n") if f.strip()):
+        event_line, data_line = frame.split("\n")
+        data = json.loads(data_line.removeprefix("data: "))
+        assert data["type"] == event_line.removeprefix("event: ")
+        events.append(data)
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    done = [e for e in events if e["type"] == "response.output_text.done"]
+    assert len(done) == 1 and done[0]["text"] == text and text
+    final = events[-1]["response"]
+    assert final["status"] == "incomplete" and final["output"][-1]["content"][0]["text"] == text
+
+
+def test_codex_style_history_with_tools(client):
+    history = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Run ls."}],
+         "encrypted_content": None},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "shell",
+         "arguments": json.dumps({"command": ["ls"]})},
+        {"type": "function_call_output", "call_id": "call_1", "output": "README.md\nsetup.py"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Two files."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Thanks. Now count them."}]},
+    ]
+    r = create(client, history, tools=[SHELL_TOOL], tool_choice="auto", parallel_tool_calls=False,
+               instructions="You are Codex.", max_output_tokens=4)
+    assert r.usage.output_tokens >= 1
+    assert r.tools[0].name == "shell" and r.parallel_tool_calls is False
+    without = create(client, history[:1], tools=[SHELL_TOOL], instructions="You are Codex.", max_output_tokens=1)
+    assert r.usage.input_tokens > without.usage.input_tokens
+    for choice in ("required", "none", {"type": "function", "name": "shell"}):
+        assert create(client, history, tools=[SHELL_TOOL], tool_choice=choice, max_output_tokens=1).usage
+    assert create(client, max_output_tokens=1, tools=[SHELL_TOOL]).usage.input_tokens \
+        > create(client, max_output_tokens=1).usage.input_tokens
+
+
+def test_reasoning_effort_none_changes_the_prompt(client):
+    on = create(client, reasoning={"effort": "high"}, max_output_tokens=1).usage.input_tokens
+    off = create(client, reasoning={"effort": "none"}, max_output_tokens=1).usage.input_tokens
+    assert on != off
+    assert create(client, max_output_tokens=1).usage.input_tokens == on     # absent: the template's default
+
+
+def test_max_output_tokens_gives_incomplete(client):
+    r = create(client, max_output_tokens=3, temperature=0, reasoning={"effort": "none"})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.max_output_tokens == 3
+    assert r.output[-1].status == "incomplete"
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_second_turn_reads_the_prefix_cache(client):
+    turn1 = [{"role": "user", "content": "Tell me a story about a fox."}]
+    r1 = create(client, turn1, instructions=LONG_INSTRUCTIONS, max_output_tokens=4, temperature=0)
+    turn2 = turn1 + [item.model_dump(exclude_none=True) for item in r1.output] + [
+        {"role": "user", "content": "And then?"}]
+    r2 = create(client, turn2, instructions=LONG_INSTRUCTIONS, max_output_tokens=4, temperature=0)
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+    assert r2.usage.input_tokens > r1.usage.input_tokens
+
+
+def test_text_formats_are_accepted(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    r = create(client, text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}},
+               max_output_tokens=2)
+    assert r.text.format.type == "json_schema" and r.usage.output_tokens >= 1   # accepted; not enforced yet
+    assert create(client, text={"format": {"type": "json_object"}}, max_output_tokens=1).text.format.type \
+        == "json_object"
+
+
+@pytest.mark.parametrize("body,param", [({"previous_response_id": "resp_123"}, "previous_response_id"),
+                                        ({"store": True}, "store")], ids=["previous_response_id", "store"])
+def test_stateless(server, client, body, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post("/responses", body={"model": "codex", "input": "Hi", **body}, cast_to=object)
+    err = info.value.body
+    assert err["param"] == param and "stateless" in err["message"] and "whole conversation" in err["message"]
+    assert_healthy(server)
+
+
+BAD = [
+    ("missing-input", {}, "input"),
+    ("bad-item-type", {"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
+    ("bad-role", {"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ("bad-part", {"input": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
+     "input[0].content[0].type"),
+    ("image", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+     "input[0].content[0].type"),
+    ("non-function-tool", {"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ("bad-call-arguments", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]},
+     "input[0].arguments"),
+    ("unknown-tool-choice", {"input": "Hi", "tools": [SHELL_TOOL], "tool_choice": {"type": "function",
+                                                                                   "name": "nope"}}, "tool_choice"),
+    ("bad-effort", {"input": "Hi", "reasoning": {"effort": "max"}}, "reasoning.effort"),
+    ("bad-format", {"input": "Hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ("bad-temperature", {"input": "Hi", "temperature": "hot"}, "temperature"),
+    ("max-output-past-context", {"input": "Hi", "max_output_tokens": 100000}, "max_output_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_requests(server, client, body, param):
+    with pytest.raises(openai.BadRequestError) as info:      # the raw post: the client checks some arguments
+        client.post("/responses", body={"model": "codex", **body}, cast_to=object)
+    err = info.value
+    assert err.status_code == 400 and err.body["type"] == "invalid_request_error"
+    assert err.body["param"] == param, err.body
+    assert_healthy(server)
+
+
+def test_errors_keep_the_openai_shape(server, client):
+    status, _, raw = http("POST", server.base_url + "/v1/responses", b"{not json")
+    assert status == 400 and json.loads(raw)["error"]["type"] == "invalid_request_error"
+    assert create(client, max_output_tokens=1).usage.output_tokens == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parsed paths, on the module (the random model writes neither a think block that closes nor a tool call)
+
+def test_parsed_items_and_their_stream():
+    from tinyserve.protocol import ChoiceResult, Delta, Meta, Usage
+    from tinyserve.responses import Responses, parse_responses_request
+    endpoint = Responses("qwen3", "qwen3_coder")
+    req = parse_responses_request({"input": "List the files", "tools": [SHELL_TOOL]})
+    req.chat.starts_in_reasoning = True
+    text = ("I should run ls.\n</think>\n\nChecking.\n<tool_call>\n<function=shell>\n<parameter=command>\n[\"ls\"]\n"
+            "</parameter>\n<parameter=timeout>\n5\n</parameter>\n</function>\n</tool_call>")
+    chars = list(text)                                # one "token" per character: token_text is the identity
+    meta = Meta("resp_1", 0, "tinyserve", [1, 2, 3], lambda t: t)
+    usage = Usage(3, len(chars), cached_tokens=1)
+    body = endpoint.response(req, meta, [ChoiceResult(0, text=text, token_ids=chars)], usage)
+    assert [i["type"] for i in body["output"]] == ["reasoning", "message", "function_call"]
+    reasoning, message, call = body["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "I should run ls."}]
+    assert message["content"][0]["text"] == "Checking."
+    assert call["id"].startswith("fc_") and call["call_id"].startswith("call_") and call["name"] == "shell"
+    assert json.loads(call["arguments"]) == {"command": ["ls"], "timeout": 5}
+    assert body["status"] == "completed" and body["incomplete_details"] is None
+    assert body["usage"] == {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 1},
+                             "output_tokens": len(chars), "output_tokens_details": {
+                                 "reasoning_tokens": text.index("</think>") + len("</think>")},
+                             "total_tokens": 3 + len(chars)}
+    # The stream gives the same items: feed the text in small pieces and assemble the events.
+    out = endpoint.stream(req, meta)
+    events = out.start()
+    for k in range(0, len(text), 7):
+        events += out.delta(0, Delta(text[k:k + 7], chars[k:k + 7], []))
+    events += out.delta(0, Delta("", [], [], "stop")) + out.end(usage)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+
+    def strip(items: list[dict]) -> list[dict]:
+        return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+    assert strip(final["output"]) == strip(body["output"]) and final["usage"] == body["usage"]
+    args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert json.loads(args) == {"command": ["ls"], "timeout": 5}
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought == "I should run ls."
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "message", "function_call"]
+
+
+def test_history_becomes_chat_messages():
+    from tinyserve.responses import parse_responses_request
+    req = parse_responses_request({"instructions": "Sys.", "input": [
+        {"role": "developer", "content": "Dev."},
+        {"role": "user", "content": "Q"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "A"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": "{\"command\": [\"ls\"]}"},
+        {"type": "function_call", "call_id": "call_2", "name": "shell", "arguments": ""},
+        {"type": "function_call_output", "call_id": "call_1", "output": "x"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "y"}]},
+        {"role": "user", "content": "Q2"}], "tools": [SHELL_TOOL], "tool_choice": {"type": "function",
+                                                                                   "name": "shell"}})
+    assert req.chat.messages == [
+        {"role": "system", "content": "Sys.\n\nDev."},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "A", "reasoning_content": "think", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "shell", "arguments": {"command": ["ls"]}}},
+            {"id": "call_2", "type": "function", "function": {"name": "shell", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "x"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "y"},
+        {"role": "user", "content": "Q2"}]
+    assert req.chat.tool_choice == {"type": "function", "function": {"name": "shell"}}
+    assert req.chat.tools[0]["function"]["name"] == "shell"
+    assert req.chat.template_kwargs == {}
+    assert parse_responses_request({"input": "x", "reasoning": {"effort": "none"}}).chat.template_kwargs == {
+        "enable_thinking": False}

@@ -1,0 +1,525 @@
+"""OpenAI's Responses API without HTTP: POST /v1/responses as an Endpoint (what Codex speaks: wire_api =
+"responses").
+
+Stateless: nothing is stored, so `previous_response_id` and `store: true` get a 400 telling the client to resend
+the whole history in `input` (Codex sends `store: false` and the full history every turn). A Responses request is
+translated into the chat request the chat route builds (protocol.ChatRequest), so all protocols render the same
+prompt through the same template and share the prefix cache; the answer is split by the same qwen3 reasoning and
+qwen3_coder tool parsers (protocol.Chat) and written as Responses output items.
+
+Mapping (request):
+  instructions (string)              -> a system message first; it and the system / developer messages that open
+                                        `input` are joined ("\\n\\n") into one system message
+  input: a string                    -> one user message
+  input: message items               -> role user | assistant | system | developer (developer -> system), content a
+                                        string or input_text / output_text parts (joined with "\\n", as the chat route
+                                        joins text parts); input_image / input_file / input_audio -> 400 (not
+                                        supported yet)
+  function_call items                -> the assistant turn's tool_calls (arguments: a JSON string)
+  function_call_output items         -> "tool" messages
+  reasoning items                    -> the assistant turn's reasoning_content (content reasoning_text, else the
+                                        summary_text; encrypted_content is opaque and dropped). The template shows it
+                                        only for turns after the last user query, as Qwen3 does
+  consecutive reasoning / assistant message / function_call items form one assistant turn
+  tools (function only)              -> OpenAI chat function tools; any other tool type -> 400
+  tool_choice                        -> auto | none | required | {"type": "function", "name"}; required and a named
+                                        function only limit what is parsed: nothing constrains decoding yet
+  reasoning.effort                   -> "none": enable_thinking false; any other effort: the template's default
+  text.format                        -> text | json_object | json_schema are accepted; json_object / json_schema are
+                                        NOT enforced yet (no constrained decoding: the model is not held to the
+                                        schema, so the output may not parse)
+  max_output_tokens, temperature, top_p, stream; metadata, parallel_tool_calls, truncation, user are checked and
+  echoed on the response; model: any name is accepted (Codex sends its own), responses carry the served name;
+  unknown fields are ignored.
+Mapping (response): output items reasoning ("rs_...", summary [], content [reasoning_text]), message ("msg_...",
+one output_text part) and function_call ("fc_...", call_id "call_...", arguments a JSON string); status "incomplete"
+with incomplete_details.reason "max_output_tokens" when the generation was cut by the token limit (its last item is
+"incomplete" too). usage.output_tokens_details.reasoning_tokens counts the generated tokens up to the one that closes
+the think block. A stream ends with response.completed whatever the status (the openai client's
+get_final_response() needs it), carrying the same response the blocking call returns.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .parsers import THINK_END
+from .protocol import (APIError, Chat, ChatRequest, ChatStreamChoice, ChoiceResult, Delta, Endpoint,
+                       EndpointStream, GenerationOptions, Meta, Usage, _boolean, _integer, _number, bad_request,
+                       dumps)
+from .sampling import SamplingParams
+from .tokenizer import MessageError, tool_call_arguments
+
+ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text")
+UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+TEXT_FORMATS = ("text", "json_object", "json_schema")
+STATELESS = ("this server is stateless: it stores no responses, so send the whole conversation in `input` "
+             "(with store: false) instead of")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Requests
+
+@dataclass
+class ResponsesRequest:
+    chat: ChatRequest                 # what the chat template and the parsers take
+    echo: dict[str, Any]              # request fields the response object repeats
+
+    @property
+    def options(self) -> GenerationOptions:
+        return self.chat.options
+
+
+def _string(item: dict, name: str, p: str, non_empty: bool = False) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or (non_empty and not value):
+        raise bad_request(f"{p}.{name} must be a{' non-empty' if non_empty else ''} string", f"{p}.{name}")
+    return value
+
+
+def _parts_text(value: Any, param: str, allowed: tuple[str, ...], key: str = "text") -> str:
+    """A string, or a list of parts of the allowed types -> their text joined with "\\n"."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_request(f"{param} must be a string or a list of content parts", param)
+    texts = []
+    for j, part in enumerate(value):
+        p = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in UNSUPPORTED_PARTS:
+            raise bad_request(f"{p}: {kind} parts are not supported by this server yet (text only)", f"{p}.type")
+        if kind not in allowed:
+            raise bad_request(f"{p}.type must be one of {', '.join(allowed)}; got {kind!r}", f"{p}.type")
+        if not isinstance(part.get(key), str):
+            raise bad_request(f"{p}.{key} must be a string", f"{p}.{key}")
+        texts.append(part[key])
+    return "\n".join(texts)
+
+
+def _reasoning_text(item: dict, p: str) -> str:
+    content = item.get("content")
+    if content:
+        return _parts_text(content, f"{p}.content", ("reasoning_text",))
+    summary = item.get("summary")
+    return _parts_text(summary, f"{p}.summary", ("summary_text",)) if summary else ""
+
+
+def _function_call(item: dict, p: str) -> dict[str, Any]:
+    call_id, name = _string(item, "call_id", p, True), _string(item, "name", p, True)
+    try:
+        args = tool_call_arguments(item.get("arguments"), f"{p}.arguments")
+    except MessageError as e:
+        raise bad_request(str(e), e.param) from None
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _input(value: Any) -> list[dict[str, Any]]:
+    """Responses input items -> chat messages (OpenAI shape, in the client's order)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise bad_request("input must be a string or a non-empty list of items", "input")
+    out: list[dict[str, Any]] = []
+
+    def assistant() -> dict[str, Any]:
+        """The open assistant turn: reasoning, text and calls that follow each other belong to one turn."""
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        return out[-1]
+
+    for i, item in enumerate(value):
+        p = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{p} must be an object (a message or another input item)", p)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise bad_request(f"{p}.role must be one of {', '.join(ROLES)}; got {role!r}", f"{p}.role")
+            if "content" not in item:
+                raise bad_request(f"{p}.content is required", f"{p}.content")
+            text = _parts_text(item["content"], f"{p}.content", TEXT_PARTS)
+            if role == "assistant":
+                turn = assistant()
+                turn["content"] = "\n".join(t for t in (turn["content"], text) if t)
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            assistant().setdefault("tool_calls", []).append(_function_call(item, p))
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", p, True)
+            if "output" not in item:
+                raise bad_request(f"{p}.output is required", f"{p}.output")
+            text = _parts_text(item["output"], f"{p}.output", ("input_text", "output_text"))
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind == "reasoning":
+            text = _reasoning_text(item, p)
+            turn = assistant()
+            if text:
+                turn["reasoning_content"] = "\n".join(t for t in (turn.get("reasoning_content"), text) if t)
+        else:
+            raise bad_request(f"{p}.type must be one of message, function_call, function_call_output, reasoning; "
+                              f"got {kind!r}", f"{p}.type")
+    return out
+
+
+def _merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """instructions and the system / developer messages that open the input -> one system message (templates take
+    one system message, first)."""
+    k = 0
+    while k < len(messages) and messages[k]["role"] == "system":
+        k += 1
+    if k < 2:
+        return messages
+    text = "\n\n".join(m["content"] for m in messages[:k] if m["content"])
+    return [{"role": "system", "content": text}] + messages[k:]
+
+
+def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any, list[dict[str, Any]], Any]:
+    """Responses function tools + tool_choice -> chat tools + tool_choice, and both as the response echoes them."""
+    tools = body.get("tools")
+    converted: list[dict[str, Any]] = []
+    echoed: list[dict[str, Any]] = []
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_request("tools must be a list", "tools")
+        for i, tool in enumerate(tools):
+            p = f"tools[{i}]"
+            if not isinstance(tool, dict):
+                raise bad_request(f"{p} must be an object", p)
+            if tool.get("type") != "function":
+                raise bad_request(f"{p}.type must be \"function\" (this server runs no built-in tools); got "
+                                  f"{tool.get('type')!r}", f"{p}.type")
+            name, params = _string(tool, "name", p, True), tool.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise bad_request(f"{p}.parameters must be a JSON schema object", f"{p}.parameters")
+            fn: dict[str, Any] = {"name": name}
+            if isinstance(tool.get("description"), str):
+                fn["description"] = tool["description"]
+            fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+            converted.append({"type": "function", "function": fn})
+            echoed.append({"type": "function", "name": name, "description": fn.get("description"),
+                           "parameters": fn["parameters"], "strict": tool.get("strict")})
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto"
+    chat_choice = choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad_request('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+                              "tool_choice")
+        if choice["name"] not in {t["function"]["name"] for t in converted}:
+            raise bad_request(f"tool_choice names function {choice['name']!r}, which is not in tools", "tool_choice")
+        chat_choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice not in ("auto", "none", "required"):
+        raise bad_request(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "name": ...}}; '
+                          f"got {choice!r}", "tool_choice")
+    # required and a named function are accepted but not enforced (no constrained decoding, as on the chat route); a
+    # named function limits what is parsed as a call.
+    return converted or None, chat_choice, echoed, choice
+
+
+def _reasoning(body: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(template kwargs, the response's reasoning echo)."""
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return {}, {"effort": None, "summary": None}
+    if not isinstance(reasoning, dict):
+        raise bad_request("reasoning must be an object", "reasoning")
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}; got {effort!r}", "reasoning.effort")
+    kwargs = {"enable_thinking": False} if effort == "none" else {}   # other efforts: the template's default
+    return kwargs, {"effort": effort, "summary": None}
+
+
+def _text(body: dict) -> dict[str, Any]:
+    text = body.get("text")
+    if text is None:
+        return {"format": {"type": "text"}}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict) or (fmt is not None and not isinstance(fmt, dict)):
+        raise bad_request('text must be {"format": {"type": ...}}', "text")
+    fmt = fmt or {"type": "text"}
+    if fmt.get("type") not in TEXT_FORMATS:
+        raise bad_request(f"text.format.type must be one of {', '.join(TEXT_FORMATS)}; got {fmt.get('type')!r}",
+                          "text.format.type")
+    if fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict):
+        raise bad_request("text.format.schema must be a JSON schema object", "text.format.schema")
+    # json_object / json_schema are accepted but NOT enforced: there is no constrained decoding yet, so the model is
+    # only as likely to follow the schema as its prompt makes it. Nothing here pretends otherwise.
+    return {"format": fmt}
+
+
+def _check_stateless(body: dict) -> None:
+    if body.get("previous_response_id") is not None:
+        raise bad_request(f"{STATELESS} previous_response_id", "previous_response_id")
+    store = _boolean(body, "store", False)
+    if store:
+        raise bad_request(f"{STATELESS} store: true", "store")
+    if body.get("conversation") is not None:
+        raise bad_request(f"{STATELESS} conversation", "conversation")
+
+
+def parse_responses_request(body: dict) -> ResponsesRequest:
+    _check_stateless(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {model!r}", "model")
+    if "input" not in body or body["input"] is None:
+        raise bad_request("input is required (a string or a list of items)", "input")
+    messages = _input(body["input"])
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad_request("instructions must be a string", "instructions")
+        messages.insert(0, {"role": "system", "content": instructions})
+    messages = _merge_leading_system(messages)
+    tools, tool_choice, echoed_tools, echoed_choice = _tools(body)
+    template_kwargs, reasoning = _reasoning(body)
+    text = _text(body)
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad_request("metadata must be an object", "metadata")
+    truncation = body.get("truncation")
+    if truncation is not None and truncation not in ("auto", "disabled"):
+        raise bad_request(f'truncation must be "auto" or "disabled"; got {truncation!r}', "truncation")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request("user must be a string", "user")
+    max_tokens = _integer(body, "max_output_tokens", None, lo=1)
+    params = SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0))
+    options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_output_tokens", stop=[],
+                                n=1, stream=_boolean(body, "stream", False), include_usage=True,
+                                return_token_ids=False)
+    chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
+                       logprobs=False, top_logprobs=0, options=options)
+    echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata or {},
+            "parallel_tool_calls": _boolean(body, "parallel_tool_calls", True), "previous_response_id": None,
+            "reasoning": reasoning, "store": False, "temperature": params.temperature, "text": text,
+            "tool_choice": echoed_choice, "tools": echoed_tools, "top_p": params.top_p,
+            "truncation": truncation or "disabled", "user": user}
+    return ResponsesRequest(chat, echo)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Responses
+
+def _id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def usage_body(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens or 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def count_reasoning_tokens(token_ids: list[int], token_text: Callable[[int], str], reasoning: str | None) -> int:
+    """Generated tokens that belong to the think block: up to the one that completes </think> (all of them when it
+    never closed); 0 without reasoning."""
+    if not reasoning:
+        return 0
+    text = ""
+    for k, token_id in enumerate(token_ids):
+        text += token_text(token_id)
+        if THINK_END in text:
+            return k + 1
+    return len(token_ids)
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed"
+                       ) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def response_body(req: ResponsesRequest, meta: Meta, output: list[dict[str, Any]], status: str,
+                  usage: dict[str, Any] | None) -> dict[str, Any]:
+    """The response object; status in_progress (stream start), completed or incomplete."""
+    return {"id": meta.request_id, "object": "response", "created_at": meta.created, "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": meta.model, "output": output, **req.echo, "usage": usage}
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+class Responses(Endpoint):
+    """POST /v1/responses. The parsers come from the config's [parsers] table, as for /v1/chat/completions."""
+
+    id_prefix = "resp_"
+    prompt_field = "input"
+
+    def __init__(self, reasoning_parser: str = "", tool_parser: str = "") -> None:
+        self.chat = Chat(reasoning_parser, tool_parser)
+
+    def parse(self, body: dict, served_name: str) -> ResponsesRequest:
+        return parse_responses_request(body)
+
+    def prompt_ids(self, req: ResponsesRequest, tokenizer: Any) -> list[int]:
+        try:
+            return self.chat.prompt_ids(req.chat, tokenizer)
+        except APIError as e:                         # the template rejected the history: it came from `input`
+            if e.param == "messages":
+                e.param = "input"
+                e.message = e.message.replace("the messages", "the input")
+            raise
+
+    def response(self, req: ResponsesRequest, meta: Meta, results: list[ChoiceResult], usage: Usage
+                 ) -> dict[str, Any]:
+        (r,) = results
+        message, _ = self.chat.message(req.chat, r)
+        output: list[dict[str, Any]] = []
+        reasoning = message.get("reasoning_content")
+        if reasoning:
+            output.append(reasoning_item(_id("rs_"), reasoning))
+        if message.get("content"):
+            output.append(message_item(_id("msg_"), message["content"]))
+        for call in message.get("tool_calls") or []:
+            output.append(function_call_item(_id("fc_"), call["id"], call["function"]["name"],
+                                             call["function"]["arguments"]))
+        status = _status(r.finish_reason)
+        if status == "incomplete" and output:
+            output[-1]["status"] = "incomplete"
+        tokens = count_reasoning_tokens(r.token_ids, meta.token_text, reasoning)
+        return response_body(req, meta, output, status, usage_body(usage, tokens))
+
+    def stream(self, req: ResponsesRequest, meta: Meta) -> "ResponsesStream":
+        return ResponsesStream(self, req, meta)
+
+
+class ResponsesStream(EndpointStream):
+    """response.created, response.in_progress; per output item output_item.added, (content_part.added, text deltas,
+    text done, content_part.done | argument deltas, arguments done), output_item.done; response.completed with the
+    whole response. Every event carries a sequence_number."""
+
+    done = b""                                        # response.completed ends the stream; no [DONE]
+
+    def __init__(self, endpoint: Responses, req: ResponsesRequest, meta: Meta) -> None:
+        self.req, self.meta = req, meta
+        self.choice = ChatStreamChoice(endpoint.chat, req.chat)
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []        # items so far; the last one is open while `open`
+        self.open = False
+        self.token_ids: list[int] = []
+        self.reasoning = ""
+        self.finish_reason: str | None = None
+
+    def frame(self, obj: dict[str, Any]) -> bytes:
+        return f"event: {obj['type']}\ndata: ".encode() + dumps(obj).encode() + b"\n\n"
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    def error(self, err: APIError) -> dict[str, Any]:
+        return self._event("error", code=err.code or err.type, message=err.message, param=err.param)
+
+    def start(self) -> list[dict[str, Any]]:
+        snapshot = response_body(self.req, self.meta, [], "in_progress", None)
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
+
+    # ---- items ----
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.output[-1]["id"], "output_index": len(self.output) - 1}
+
+    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self._close()
+        self.output.append(item)
+        self.open = True
+        out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                               item={**item, "status": "in_progress"}))
+        if item["type"] == "message":
+            out.append(self._event("response.content_part.added", **self._where(), content_index=0,
+                                   part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        elif item["type"] == "reasoning":
+            out.append(self._event("response.content_part.added", **self._where(), content_index=0,
+                                   part={"type": "reasoning_text", "text": ""}))
+        return out
+
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+        if not self.open:
+            return []
+        self.open = False
+        item = self.output[-1]
+        item["status"] = status
+        where, out = self._where(), []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self._event("response.output_text.done", **where, content_index=0, text=part["text"],
+                                   logprobs=[]))
+            out.append(self._event("response.content_part.done", **where, content_index=0, part=part))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out.append(self._event("response.reasoning_text.done", **where, content_index=0, text=part["text"]))
+            out.append(self._event("response.content_part.done", **where, content_index=0, part=part))
+        else:
+            out.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
+                                   arguments=item["arguments"]))
+        out.append(self._event("response.output_item.done", output_index=where["output_index"], item=dict(item)))
+        return out
+
+    def _piece(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        last = self.output[-1] if self.open else None
+        if "reasoning_content" in piece:
+            text = piece["reasoning_content"]
+            self.reasoning += text
+            if last is None or last["type"] != "reasoning":
+                out += self._open(reasoning_item(_id("rs_"), ""))
+            self.output[-1]["content"][0]["text"] += text
+            out.append(self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text))
+        elif "content" in piece:
+            text = piece["content"]
+            if last is None or last["type"] != "message":
+                out += self._open(message_item(_id("msg_"), ""))
+            self.output[-1]["content"][0]["text"] += text
+            out.append(self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
+                                   logprobs=[]))
+        elif "tool_calls" in piece:
+            call = piece["tool_calls"][0]
+            if "id" in call:                          # a new call: its own item
+                out += self._open(function_call_item(_id("fc_"), call["id"], call["function"]["name"], ""))
+            fragment = call["function"].get("arguments") or ""
+            if fragment and self.open and self.output[-1]["type"] == "function_call":
+                self.output[-1]["arguments"] += fragment
+                out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=fragment))
+        return out
+
+    def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
+        self.token_ids += d.token_ids
+        final = d.finish_reason is not None
+        out: list[dict[str, Any]] = []
+        for piece in self.choice.pieces(d.text, final):
+            out += self._piece(piece)
+        if final:
+            self.finish_reason = d.finish_reason
+        return out
+
+    def end(self, usage: Usage) -> list[dict[str, Any]]:
+        status = _status(self.finish_reason)
+        out = self._close(status)
+        tokens = count_reasoning_tokens(self.token_ids, self.meta.token_text, self.reasoning)
+        body = response_body(self.req, self.meta, [dict(item) for item in self.output], status,
+                             usage_body(usage, tokens))
+        return out + [self._event("response.completed", response=body)]
