@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client as httpclient
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -272,9 +273,12 @@ def test_metrics_and_flush_cache(server, client):
     text = body.decode()
     for name in ("tinyserve:requests_total", "tinyserve:prompt_tokens_total", "tinyserve:generation_tokens_total",
                  "tinyserve:time_to_first_token_seconds_bucket", "tinyserve:inter_token_latency_seconds_bucket",
-                 "tinyserve:num_requests_running", "tinyserve:num_requests_waiting", "tinyserve:kv_cache_usage_perc"):
+                 "tinyserve:num_requests_running", "tinyserve:num_requests_waiting", "tinyserve:kv_cache_usage_perc",
+                 "tinyserve:request_prompt_cache_hit_ratio_bucket"):
         assert name in text, name
     assert 'tinyserve:requests_total{status="200"}' in text
+    # per request, the log tells how much of the prompt the cache served (prompt drift shows as 0 every turn)
+    assert re.search(r"prompt \d+ tokens, \d+ from the prefix cache \(device \d+, host \d+, file \d+\)", server.log())
     status, _, body = http("POST", server.base_url + "/flush_cache")
     assert status == 200, body
 

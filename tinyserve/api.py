@@ -190,8 +190,13 @@ class Generation:
         if index not in self._open:                   # counted once
             return
         self._open.discard(index)
+        r = self.streams[index].result
+        # one line per request with its cache match, so prompt drift (0 cached on every turn) shows in the log
+        tiers = r.cached_tokens_by_tier
+        log.info("%s: %s, prompt %d tokens, %d from the prefix cache (device %d, host %d, file %d), %d generated",
+                 r.request_id, reason, r.prompt_tokens, r.cached_tokens, tiers.get("device", 0), tiers.get("host", 0),
+                 tiers.get("file", 0), r.completion_tokens)
         if self.metrics is not None:
-            r = self.streams[index].result
             self.metrics.on_finished(reason, r.prompt_tokens, r.cached_tokens_by_tier,
                                      time.monotonic() - self.arrival)
 

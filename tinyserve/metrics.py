@@ -22,6 +22,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()
 
 # Buckets in seconds. TTFT spans a cached 1-token prefill to a cold 100k-token prompt; ITL a few ms to a slow CPU.
+# Share of a request's prompt served by the prefix cache: a client whose prompts drift (a per-request hash in the
+# system prompt, a moved system message) shows every request in the lowest bucket.
+_HIT_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -104,6 +107,9 @@ class Metrics:
                               "From the HTTP request to the first generated token.", buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("tinyserve:inter_token_latency_seconds",
                              "Time between consecutive generated tokens.", buckets=_ITL_BUCKETS, registry=r)
+        self.prompt_hit_ratio = Histogram("tinyserve:request_prompt_cache_hit_ratio",
+                                          "Per request: prompt tokens from the prefix cache / prompt tokens.",
+                                          buckets=_HIT_RATIO_BUCKETS, registry=r)
         self.e2e = Histogram("tinyserve:e2e_request_latency_seconds",
                              "From the HTTP request to its last token.", buckets=_E2E_BUCKETS, registry=r)
         self._engine = _EngineCollector()
@@ -131,6 +137,8 @@ class Metrics:
         for tier, n in (cached_by_tier or {}).items():
             if n:
                 self.cached_tokens.labels(tier=tier).inc(n)
+        if prompt_tokens:
+            self.prompt_hit_ratio.observe(sum((cached_by_tier or {}).values()) / prompt_tokens)
         self.e2e.observe(seconds)
 
     def render(self, stats: EngineStats | None) -> bytes:
