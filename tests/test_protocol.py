@@ -57,8 +57,13 @@ CHAT_ERRORS = [
                              "tool_choice": "sometimes"}, 400, "tool_choice"),
     ("template-kwargs-reserved", {"messages": USER, "chat_template_kwargs": {"tools": []}}, 400,
      "chat_template_kwargs"),
-    ("response-format-json", {"messages": USER, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+    ("response-format-type", {"messages": USER, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
+    ("response-format-no-schema", {"messages": USER, "response_format": {"type": "json_schema",
+                                                                         "json_schema": {"name": "x"}}}, 400,
+     "response_format.json_schema.schema"),
+    ("response-format-strict", {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}}, 400,
+     "response_format.json_schema.strict"),
     ("model-unknown", {"messages": USER, "model": "gpt-4"}, 404, "model"),
 ]
 

@@ -37,6 +37,7 @@ import torch
 
 from tinyserve.cache import CacheStats, NullCache, PrefixCache
 from tinyserve.config import Config
+from tinyserve.grammar import GrammarCompiler
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.plan import MemoryPlan, dtype_name, plan_for, torch_dtype
@@ -197,6 +198,15 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: asyncio.Future | None = None
         self._stopping = False
+        # llguidance's view of the tokenizer, built once here (~1 s for a 250k vocabulary: not on the event loop)
+        self._grammar: GrammarCompiler | None = None
+        self._grammar_error = "the engine has no tokenizer"
+        if tokenizer is not None:
+            try:
+                self._grammar = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+            except Exception as e:                       # noqa: BLE001 - serve without constrained decoding
+                self._grammar_error = f"llguidance cannot use this tokenizer ({e})"
+                log.warning("constrained decoding (response_format) is off: %s", self._grammar_error)
 
     def _build_cache(self, cfg: Config, plan: MemoryPlan) -> PrefixCache:
         host = file = None
@@ -277,8 +287,23 @@ class Engine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                "prompt")
         self.fit_max_tokens(len(prompt_ids), params.max_tokens)
+        grammar = self._grammar_state(params) if params.constraint is not None else None
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed)
+        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, grammar=grammar)
+
+    def _grammar_state(self, params: SamplingParams):
+        """The request's matcher (grammar.py); RequestError(field="response_format") on a constraint it cannot
+        take. Compiling a schema runs here, on the caller's thread (milliseconds for API-sized schemas; cached)."""
+        if params.ignore_eos or params.min_tokens:
+            raise RequestError("a constrained response_format cannot be combined with ignore_eos or min_tokens "
+                               "(the grammar decides where the output ends)", "response_format")
+        if self._grammar is None:
+            raise RequestError(f"response_format: constrained decoding is not available: {self._grammar_error}",
+                               "response_format")
+        try:
+            return self._grammar.state(params.constraint)
+        except ValueError as e:
+            raise RequestError(f"response_format: {e}", "response_format") from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         req = self._make_request(prompt_ids, params, request_id)
@@ -348,6 +373,10 @@ class Engine:
                     ev.top_logprobs = list(zip(top_ids[row][:p.logprobs], top_lps[row][:p.logprobs]))
             req.output_ids.append(tok)
             reason = self._finish_reason(req, tok)
+            if req.grammar is not None and not req.grammar.advance(tok) and not reason:
+                # cannot happen with the mask applied; end the request rather than sample from an empty mask
+                log.error("request %s: the grammar rejected token %d (%s)", req.request_id, tok, req.grammar.error)
+                reason = "stop"
             if reason:
                 sched.finish(req, reason)
             events.append(self._event(req, [ev]))

@@ -17,7 +17,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from .parsers import Qwen3CoderToolParser, Qwen3ReasoningParser, make_tool_parser, prompt_opens_reasoning
+from .grammar import Constraint
+from .parsers import (THINK_END, Qwen3CoderToolParser, Qwen3ReasoningParser, make_tool_parser,
+                      prompt_opens_reasoning)
 from .sampling import MAX_LOGPROBS, SamplingParams
 from .tokenizer import MessageError, content_text, tool_call_arguments
 
@@ -281,8 +283,8 @@ def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any]:
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"
-    # "required" and a named function are accepted but not enforced (no constrained decoding); a named function
-    # limits what is parsed as a call.
+    # "required" and a named function are accepted but not enforced (tool calls are not grammar-constrained yet); a
+    # named function limits what is parsed as a call.
     try:
         make_tool_parser(tools, choice)
     except ValueError as e:
@@ -305,9 +307,51 @@ def _parse_template_kwargs(body: dict) -> dict[str, Any]:
     return dict(kwargs)
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def parse_response_format(value: Any, param: str = "response_format", nested: bool = True) -> Constraint | None:
+    """response_format {type: text | json_object | json_schema} -> the decoding constraint (None: free text).
+    Chat nests the schema ({"type": "json_schema", "json_schema": {"name", "schema", "strict"}}); the Responses
+    API's text.format has name / schema / strict beside type (nested=False). Whether the schema compiles is the
+    engine's to say (a 400 naming this field); `strict` is accepted either way: the schema is always enforced."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        got = value.get("type") if isinstance(value, dict) else value
+        raise bad_request(f"{param}.type must be one of {', '.join(RESPONSE_FORMATS)}; got {got!r}", f"{param}.type")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    spec, where = (value.get("json_schema"), f"{param}.json_schema") if nested else (value, param)
+    if not isinstance(spec, dict):
+        raise bad_request(f"{where} must be an object with name and schema", where)
+    if spec.get("name") is not None and not isinstance(spec["name"], str):
+        raise bad_request(f"{where}.name must be a string", f"{where}.name")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad_request(f"{where}.strict must be a boolean", f"{where}.strict")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}.schema must be a JSON schema object", f"{where}.schema")
+    return Constraint.json_schema(schema)
+
+
+def constraint_after_reasoning(params: SamplingParams, starts_in_reasoning: bool, tokenizer: Any) -> SamplingParams:
+    """When the prompt opened `<think>`, the output is free up to the model's `</think>` token and constrained after
+    it (the constraint carries that token id to the engine)."""
+    if params.constraint is None or not starts_in_reasoning:
+        return params
+    think_end = tokenizer.token_to_id(THINK_END)
+    if think_end is None:
+        return params
+    return replace(params, constraint=replace(params.constraint, start_after=think_end))
+
+
 def parse_chat_request(body: dict, served_name: str) -> ChatRequest:
     _check_model(body, served_name)
-    _reject_unsupported(body, {"response_format": lambda v: isinstance(v, dict) and v.get("type") == "text"})
+    constraint = parse_response_format(body.get("response_format"))
     messages = _parse_messages(body.get("messages"))
     tools, tool_choice = _parse_tools(body)
     logprobs = _boolean(body, "logprobs", False)
@@ -315,6 +359,7 @@ def parse_chat_request(body: dict, served_name: str) -> ChatRequest:
     if top_logprobs and not logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     options = parse_options(body, top_logprobs if logprobs else None)
+    options.params = replace(options.params, constraint=constraint)
     return ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice,
                        template_kwargs=_parse_template_kwargs(body), logprobs=logprobs,
                        top_logprobs=top_logprobs, options=options)
@@ -504,6 +549,7 @@ class Chat(Endpoint):
         except ValueError as e:                       # e.g. the template's raise_exception on a bad history
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
         req.starts_in_reasoning = prompt_opens_reasoning(text)
+        req.options.params = constraint_after_reasoning(req.options.params, req.starts_in_reasoning, tokenizer)
         return tokenizer.encode(text)
 
     # parsers are per choice: they are stateful

@@ -10,6 +10,7 @@ from tinyserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from tinyserve.cache import CacheRun
+    from tinyserve.grammar import GrammarState
 
 
 class Status(enum.Enum):
@@ -38,6 +39,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     admit_order: int = 0                               # larger = admitted later (preempted first)
     cache_run: CacheRun | None = None                  # the prefix cache's bookkeeping of this request
+    grammar: GrammarState | None = None                # params.constraint's matcher: has consumed output_ids
 
     @property
     def all_ids(self) -> list[int]:

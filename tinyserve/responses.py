@@ -25,9 +25,9 @@ Mapping (request):
   tool_choice                        -> auto | none | required | {"type": "function", "name"}; required and a named
                                         function only limit what is parsed: nothing constrains decoding yet
   reasoning.effort                   -> "none": enable_thinking false; any other effort: the template's default
-  text.format                        -> text | json_object | json_schema are accepted; json_object / json_schema are
-                                        NOT enforced yet (no constrained decoding: the model is not held to the
-                                        schema, so the output may not parse)
+  text.format                        -> text | json_object | json_schema {name, schema, strict}; json_object and
+                                        json_schema constrain decoding (grammar.py): the answer after any reasoning
+                                        is one-line JSON matching the schema (unless max_output_tokens cuts it)
   max_output_tokens, temperature, top_p, stream; metadata, parallel_tool_calls, truncation, user are checked and
   echoed on the response; model: any name is accepted (Codex sends its own), responses carry the served name;
   unknown fields are ignored.
@@ -47,7 +47,7 @@ from typing import Any, Callable
 from .parsers import THINK_END
 from .protocol import (APIError, Chat, ChatRequest, ChatStreamChoice, ChoiceResult, Delta, Endpoint,
                        EndpointStream, GenerationOptions, Meta, Usage, _boolean, _integer, _number, bad_request,
-                       dumps)
+                       dumps, parse_response_format)
 from .sampling import SamplingParams
 from .tokenizer import MessageError, tool_call_arguments
 
@@ -218,8 +218,8 @@ def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any, list[dict[str,
     elif choice not in ("auto", "none", "required"):
         raise bad_request(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "name": ...}}; '
                           f"got {choice!r}", "tool_choice")
-    # required and a named function are accepted but not enforced (no constrained decoding, as on the chat route); a
-    # named function limits what is parsed as a call.
+    # required and a named function are accepted but not enforced (tool calls are not grammar-constrained yet, as on
+    # the chat route); a named function limits what is parsed as a call.
     return converted or None, chat_choice, echoed, choice
 
 
@@ -248,10 +248,7 @@ def _text(body: dict) -> dict[str, Any]:
     if fmt.get("type") not in TEXT_FORMATS:
         raise bad_request(f"text.format.type must be one of {', '.join(TEXT_FORMATS)}; got {fmt.get('type')!r}",
                           "text.format.type")
-    if fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict):
-        raise bad_request("text.format.schema must be a JSON schema object", "text.format.schema")
-    # json_object / json_schema are accepted but NOT enforced: there is no constrained decoding yet, so the model is
-    # only as likely to follow the schema as its prompt makes it. Nothing here pretends otherwise.
+    parse_response_format(fmt, "text.format", nested=False)       # the checks; the constraint is built below
     return {"format": fmt}
 
 
@@ -292,7 +289,8 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
     if user is not None and not isinstance(user, str):
         raise bad_request("user must be a string", "user")
     max_tokens = _integer(body, "max_output_tokens", None, lo=1)
-    params = SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0))
+    params = SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+                            constraint=parse_response_format(text["format"], "text.format", nested=False))
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_output_tokens", stop=[],
                                 n=1, stream=_boolean(body, "stream", False), include_usage=True,
                                 return_token_ids=False)
@@ -373,6 +371,11 @@ class Responses(Endpoint):
 
     def parse(self, body: dict, served_name: str) -> ResponsesRequest:
         return parse_responses_request(body)
+
+    def error_param(self, req: ResponsesRequest, engine_field: str) -> str:
+        if engine_field == "response_format":
+            return "text.format"
+        return super().error_param(req, engine_field)
 
     def prompt_ids(self, req: ResponsesRequest, tokenizer: Any) -> list[int]:
         try:

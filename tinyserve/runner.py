@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyserve.grammar import MaskBuffer
 from tinyserve.kv import KVPool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
 from tinyserve.sampling import SampleResult, SamplingBatch, sample
@@ -26,6 +27,7 @@ class ModelRunner:
         self.page_size = kv_pool.page_size
         self.eos_token_ids = eos_token_ids
         self.vocab_size = model.cfg.vocab_size
+        self._masks: MaskBuffer | None = None      # grammar bitmasks of the constrained rows (made on first use)
 
     def build_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
         """Pack the step's sequences (decodes first, as the scheduler orders them)."""
@@ -59,6 +61,15 @@ class ModelRunner:
             state_slots_t=torch.tensor(state_slots, dtype=torch.long, device=dev),
             num_decode=num_decode)
 
+    def grammar_masks(self, sampled: list[ScheduledSeq]) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, bitmask) of the rows whose grammar is active this step, filled by llguidance; None if none."""
+        rows = [r for r, s in enumerate(sampled) if s.req.grammar is not None and s.req.grammar.active]
+        if not rows:
+            return None
+        if self._masks is None:
+            self._masks = MaskBuffer(sampled[rows[0]].req.grammar.vocab_size)
+        return rows, self._masks.fill([sampled[r].req.grammar for r in rows])
+
     @torch.inference_mode()
     def step(self, seqs: list[ScheduledSeq]) -> StepResult:
         if not seqs:
@@ -73,5 +84,5 @@ class ModelRunner:
         sampled = [seqs[i] for i in rows]
         sb = SamplingBatch.build([s.req.params for s in sampled], [s.req.prompt_ids for s in sampled],
                                  [s.req.output_ids for s in sampled], [s.req.seed for s in sampled],
-                                 self.eos_token_ids, self.vocab_size, self.device)
+                                 self.eos_token_ids, self.vocab_size, self.device, self.grammar_masks(sampled))
         return StepResult(sampled, sample(logits, sb))

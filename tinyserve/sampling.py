@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tinyserve.grammar import Constraint, apply_mask, unpack_bitmask
+
 # Temperatures below this are treated as greedy (same cut-off vLLM uses); dividing by them would overflow.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -47,6 +49,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None       # None: off; 0: the chosen token's logprob; n: plus top-n
+    constraint: Constraint | None = None   # grammar the output must match (grammar.py); None: free text
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its allowed range."""
@@ -90,6 +93,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint or None, got {self.constraint!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -133,6 +138,10 @@ class SamplingBatch:
     suppress_rows: torch.Tensor | None = None
     suppress_cols: torch.Tensor | None = None
     max_logprobs: int | None = None               # largest `logprobs` any row asks for; None if none asks
+    # Grammar constraints: rows mask_rows ([C] int64) may only pick the tokens set in mask_bits
+    # (int32 [C, ceil(V / 32)], bit j of word w = token 32 w + j, filled by llguidance on the host).
+    mask_rows: torch.Tensor | None = None
+    mask_bits: torch.Tensor | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -141,7 +150,9 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_ids: list[list[int]], output_ids: list[list[int]],
               seeds: list[int], eos_token_ids: list[int], vocab_size: int,
-              device: torch.device | str = "cpu") -> "SamplingBatch":
+              device: torch.device | str = "cpu",
+              masks: tuple[list[int], torch.Tensor] | None = None) -> "SamplingBatch":
+        """masks: (rows, int32 bitmask [len(rows), ceil(V / 32)]) of the grammar-constrained rows, or None."""
         B = len(params)
         if not (len(prompt_ids) == len(output_ids) == len(seeds) == B):
             raise ValueError(
@@ -206,6 +217,10 @@ class SamplingBatch:
         if rows:
             batch.suppress_rows = torch.tensor(rows, dtype=torch.int64, device=device)
             batch.suppress_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+
+        if masks is not None and masks[0]:
+            batch.mask_rows = torch.tensor(masks[0], dtype=torch.int64, device=device)
+            batch.mask_bits = masks[1].to(device)
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         batch.max_logprobs = max(wanted) if wanted else None
@@ -391,6 +406,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
 
     x = apply_penalties(raw, batch) if batch.has_penalties else raw
     x = apply_min_tokens(x, batch)
+    if batch.mask_rows is not None:
+        x = apply_mask(x, batch.mask_rows, unpack_bitmask(batch.mask_bits, V))
 
     if batch.all_greedy:
         tokens = torch.argmax(x, dim=-1)

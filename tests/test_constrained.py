@@ -1,0 +1,358 @@
+"""Grammar-constrained decoding (grammar.py, llguidance): the mask against a per-row reference, the matcher's
+vocabulary and EOS rules, the engine (batched with free rows, preemption, the reasoning switch) and the HTTP routes
+(chat response_format and Responses text.format, streamed and not, batched with unconstrained requests, 400s).
+
+The demo model is random, so its free output is noise: every constrained output parsing and validating shows the
+constraint at work. The schemas are small and bounded (an enum and a one-digit integer; one-line JSON), so every
+constrained output closes well within max_tokens."""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import replace
+
+import jsonschema
+import openai
+import pytest
+import torch
+
+from server_util import ServerProcess, free_port, http, server_config
+from tinyserve.grammar import Constraint, GrammarCompiler, MaskBuffer, apply_mask, unpack_bitmask
+from tinyserve.sampling import SamplingBatch, SamplingParams, sample
+
+SCHEMA = {"type": "object",
+          "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["color", "n"], "additionalProperties": False}
+MAX_TOKENS = 64            # the longest SCHEMA output is ~15 demo tokens
+SEEDS = range(30)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fixtures
+
+@pytest.fixture(scope="module")
+def demo_folder(xdg):
+    from tinyserve.demo import ensure_demo_checkpoint
+    return ensure_demo_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_folder):
+    from tinyserve.tokenizer import Tokenizer
+    return Tokenizer.from_folder(demo_folder)
+
+
+def demo_engine(**engine):
+    from tinyserve import config as config_mod
+    from tinyserve.engine import Engine
+    eng = {"max_running_requests": 8, "page_size": 16, "kv_cache_tokens": 8192, "chunked_prefill_size": 512,
+           **engine}
+    return Engine.from_config(config_mod.from_dict({"model": {"path": "demo", "device": "cpu",
+                                                              "context_length": 1024},
+                                                    "engine": eng, "cache": {"enabled": False}}))
+
+
+@pytest.fixture(scope="module")
+def engine(xdg):
+    return demo_engine()
+
+
+def valid(text: str, schema: dict = SCHEMA) -> dict:
+    obj = json.loads(text)
+    jsonschema.validate(obj, schema)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mask
+
+@pytest.mark.parametrize("B,V,rows", [(1, 5, [0]), (4, 37, [1, 3]), (6, 100, [0, 1, 2, 3, 4, 5]), (3, 64, [2])])
+def test_mask_matches_per_row_reference(B, V, rows):
+    g = torch.Generator().manual_seed(B * V)
+    logits = torch.randn(B, V, generator=g)
+    words = (V + 31) // 32
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), words), generator=g, dtype=torch.int64).to(torch.int32)
+    allowed = unpack_bitmask(bits, V)
+    ref = logits.clone()
+    for i, r in enumerate(rows):                      # the reference: one row, one token at a time
+        for v in range(V):
+            word = int(bits[i, v // 32]) & 0xFFFFFFFF
+            assert bool(allowed[i, v]) == bool((word >> (v % 32)) & 1)
+            if not (word >> (v % 32)) & 1:
+                ref[r, v] = float("-inf")
+    out = apply_mask(logits, torch.tensor(rows), allowed)
+    assert torch.equal(out, ref)
+    assert not torch.equal(logits, out) or bool(allowed.all())      # out of place
+
+
+def test_sample_picks_only_allowed_tokens():
+    B, V = 4, 70
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0))
+    bits = torch.zeros(2, 3, dtype=torch.int32)
+    bits[0, 1] = 1 << 5                               # row 1 may only pick token 37
+    bits[1, 2] = (1 << 2) | (1 << 3)                  # row 3: tokens 66, 67
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((0.0, 1.0, 0.0, 1.0))]
+    free = sample(logits, SamplingBatch.build(params, [[1]] * B, [[]] * B, [1, 2, 3, 4], [0], V))
+    for seed in range(20):
+        sb = SamplingBatch.build([replace(p, seed=seed) for p in params], [[1]] * B, [[]] * B,
+                                 [seed] * B, [0], V, masks=([1, 3], bits))
+        tok = sample(logits, sb).tokens.tolist()
+        assert tok[1] == 37 and tok[3] in (66, 67)
+        assert tok[0] == free.tokens[0] and tok[2] == free.tokens[2]        # free rows untouched
+
+
+def test_matcher_masks_extra_ids_and_allows_eos_only_when_accepting(tokenizer):
+    V = tokenizer.vocab_size + 40                     # the model's vocabulary may be larger than the tokenizer's
+    eos = tokenizer.eos_token_ids
+    comp = GrammarCompiler(tokenizer, V, eos)
+    state = comp.state(Constraint.json_schema(SCHEMA))
+    buf = MaskBuffer(state.vocab_size, rows=1)
+
+    def allowed() -> set[int]:
+        return set(unpack_bitmask(buf.fill([state]), V)[0].nonzero().flatten().tolist())
+
+    first = allowed()
+    assert first and not first & set(eos) and max(first) < tokenizer.vocab_size
+    assert all(tokenizer.decode([t]).startswith("{") for t in first)
+    for t in tokenizer.encode('{"color": "red", "n": 7'):
+        assert state.advance(t)
+        assert not allowed() & set(eos) and max(allowed()) < tokenizer.vocab_size
+    assert state.advance(tokenizer.encode("}")[0])
+    assert allowed() == set(eos)
+    assert comp.compile(Constraint.json_schema(SCHEMA)) is comp.compile(Constraint.json_schema(SCHEMA))  # cached
+
+
+def test_bad_schemas_raise_value_error(tokenizer):
+    comp = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    for bad in ({"type": "objectx"}, {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}):
+        with pytest.raises(ValueError):
+            comp.state(Constraint.json_schema(bad))
+    with pytest.raises(ValueError):
+        comp.state(Constraint("yaml"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine
+
+def test_engine_batched_with_free_rows(engine, tokenizer):
+    prompt = tokenizer.encode("Give me a color and a number.")
+    c = Constraint.json_schema(SCHEMA)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=s, constraint=c if s % 2 else None)
+              for s in range(16)]
+    reqs = engine.run_requests([prompt] * 16, params)
+    alone = engine.run_requests([prompt], [params[1]])[0]
+    for s, r in enumerate(reqs):
+        if s % 2:
+            assert r.finish_reason == "stop"
+            valid(tokenizer.decode(r.output_ids))
+        else:
+            assert r.grammar is None
+    assert alone.output_ids == reqs[1].output_ids      # batching with free rows does not change a constrained one
+    free = engine.run_requests([prompt] * 4, [replace(p, max_tokens=20) for p in params[0:8:2]])
+    assert not any(_parses(tokenizer.decode(r.output_ids)) for r in free)    # free output is noise
+
+
+def _parses(text: str) -> bool:
+    try:
+        valid(text)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def test_engine_preemption_keeps_the_matcher_right(xdg, tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 12, "maxItems": 12,
+                                                     "items": {"type": "integer", "minimum": 0, "maximum": 9}}},
+              "required": ["a"], "additionalProperties": False}
+    c = Constraint.json_schema(schema)
+    prompts = [tokenizer.encode(f"request {i}: " + "a list of digits please " * 8)[:60] for i in range(8)]
+    params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i, constraint=c) for i in range(8)]
+    reference = demo_engine().run_requests(prompts, params)
+    tight = demo_engine(kv_cache_tokens=256)          # 16 pages of 16: two or three requests fit at once
+    out = tight.run_requests(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    for r, ref in zip(out, reference):
+        assert r.finish_reason == "stop"
+        valid(tokenizer.decode(r.output_ids), schema)
+        assert r.output_ids == ref.output_ids
+
+
+def test_engine_constraint_starts_after_think_end(engine, tokenizer, monkeypatch):
+    """Reasoning on: free up to the model's </think>, constrained after. The random model is nudged to emit
+    </think> as its first token (the mask would forbid it: JSON starts with "{")."""
+    think_end = tokenizer.token_to_id("</think>")
+    real = engine.model.compute_logits
+    calls = {"n": 0}
+
+    def nudged(hidden):
+        logits = real(hidden)
+        calls["n"] += 1
+        if calls["n"] == 1:                           # the step that samples the first token
+            logits[:, think_end] += 1e4
+        return logits
+
+    monkeypatch.setattr(engine.model, "compute_logits", nudged)
+    c = replace(Constraint.json_schema(SCHEMA), start_after=think_end)
+    (r,) = engine.run_requests([tokenizer.encode("think first")],
+                               [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3, constraint=c)])
+    assert r.output_ids[0] == think_end and r.finish_reason == "stop"
+    valid(tokenizer.decode(r.output_ids[1:]))
+
+    calls["n"] = 0                                    # without start_after the first token is held to the grammar
+    (r,) = engine.run_requests([tokenizer.encode("think first")],
+                               [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3,
+                                               constraint=Constraint.json_schema(SCHEMA))])
+    assert r.output_ids[0] != think_end
+    valid(tokenizer.decode(r.output_ids))
+
+
+def test_engine_rejects_bad_constraints(engine, tokenizer):
+    from tinyserve.engine import RequestError
+    prompt = tokenizer.encode("x")
+    for params in (SamplingParams(constraint=Constraint.json_schema({"type": "objectx"})),
+                   SamplingParams(constraint=Constraint("json_object"), ignore_eos=True),
+                   SamplingParams(constraint=Constraint("json_object"), min_tokens=2)):
+        with pytest.raises(RequestError) as e:
+            engine.submit(prompt, params)
+        assert e.value.field == "response_format"
+
+
+def test_chat_prompt_opening_think_sets_start_after(tokenizer):
+    from tinyserve.protocol import Chat, parse_chat_request
+    from tinyserve.tokenizer import Tokenizer
+    thinking = Tokenizer(hf=tokenizer.hf, chat_template="{{ messages[0].content }}<think>\n",
+                         eos_token_ids=tokenizer.eos_token_ids)
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
+    for tok, expected in ((thinking, tokenizer.token_to_id("</think>")), (tokenizer, None)):
+        req = parse_chat_request(dict(body), "tinyserve")
+        Chat().prompt_ids(req, tok)
+        assert req.options.params.constraint.start_after == expected
+        assert req.options.params.constraint.schema == json.dumps(SCHEMA, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The HTTP routes
+
+@pytest.fixture(scope="module")
+def server(xdg, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("constrained")
+    cfg = server_config(free_port(), {"parsers": {"reasoning": "qwen3", "tool_call": "qwen3_coder"},
+                                      "engine": {"max_running_requests": 8}})
+    proc = ServerProcess(folder, cfg, env={"XDG_CACHE_HOME": str(xdg)}).start()
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+MESSAGES = [{"role": "user", "content": "A color and a number, as JSON."}]
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+
+
+def chat_json(client, seed: int, stream: bool, response_format=SCHEMA_FORMAT,
+              max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
+    kw = dict(model="tinyserve", messages=MESSAGES, max_tokens=max_tokens, temperature=1.0, seed=seed)
+    if response_format is not None:
+        kw["response_format"] = response_format
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_json_schema_alone(client, stream):
+    for seed in SEEDS:
+        text, finish = chat_json(client, seed, stream)
+        assert finish == "stop", text
+        valid(text)
+
+
+def test_chat_json_schema_batched_with_free_requests(client):
+    results: dict[tuple[int, bool, bool], tuple[str, str]] = {}
+
+    def run(seed: int, stream: bool, constrained: bool) -> None:
+        results[seed, stream, constrained] = chat_json(client, seed, stream, SCHEMA_FORMAT if constrained else None)
+
+    jobs = [(s, s % 3 == 0, c) for s in SEEDS for c in (True, False)]
+    for i in range(0, len(jobs), 8):                 # 8 at a time: the engine runs them as one batch
+        threads = [threading.Thread(target=run, args=job) for job in jobs[i:i + 8]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(results) == len(jobs)
+    for (seed, stream, constrained), (text, finish) in results.items():
+        if constrained:
+            assert finish == "stop", text
+            valid(text)
+            assert (text, finish) == chat_json(client, seed, stream)      # the same alone
+    assert not any(_parses(t) for (_, _, c), (t, _) in results.items() if not c)
+
+
+def test_chat_json_object(client):
+    """Any JSON object: the random model may fill strings for long (no bound), so only the outputs that finished
+    must parse; some do."""
+    finished = 0
+    for seed in range(10):
+        text, finish = chat_json(client, seed, seed % 2 == 1, {"type": "json_object"}, max_tokens=400)
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict)
+            finished += 1
+        else:
+            assert text.startswith("{")
+    assert finished >= 3
+
+
+def test_chat_response_format_text_is_free(client):
+    text, _ = chat_json(client, 0, False, {"type": "text"})
+    assert not _parses(text)
+
+
+@pytest.mark.parametrize("fmt,param", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}, "response_format"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
+    ({"type": "xml"}, "response_format.type"),
+    ("json", "response_format.type"),
+])
+def test_chat_bad_response_format_is_400(server, fmt, param):
+    status, _, body = http("POST", server.base_url + "/v1/chat/completions",
+                           {"messages": MESSAGES, "max_tokens": 8, "response_format": fmt})
+    assert status == 400, body
+    assert json.loads(body)["error"]["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_text_format_json_schema(client, stream):
+    fmt = {"format": {"type": "json_schema", "name": "pick", "schema": SCHEMA, "strict": True}}
+    for _ in range(10):
+        kw = dict(model="tinyserve", input="A color and a number.", max_output_tokens=MAX_TOKENS,
+                  temperature=1.0, text=fmt)
+        if stream:
+            text = ""
+            for ev in client.responses.create(stream=True, **kw):
+                if ev.type == "response.output_text.delta":
+                    text += ev.delta
+        else:
+            r = client.responses.create(**kw)
+            assert r.status == "completed"
+            text = r.output_text
+        valid(text)
+
+
+def test_responses_bad_schema_is_400(server):
+    status, _, body = http("POST", server.base_url + "/v1/responses",
+                           {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                               "schema": {"type": "objectx"}}}})
+    assert status == 400, body
+    assert json.loads(body)["error"]["param"] == "text.format"
