@@ -1,6 +1,8 @@
 """Grammar-constrained decoding (grammar.py, llguidance): the mask against a per-row reference, the matcher's
-vocabulary and EOS rules, the engine (batched with free rows, preemption, the reasoning switch) and the HTTP routes
-(chat response_format and Responses text.format, streamed and not, batched with unconstrained requests, 400s).
+vocabulary and EOS rules, the engine (batched with free rows, preemption, the reasoning switch), the HTTP routes
+(chat response_format and Responses text.format, streamed and not, batched with unconstrained requests, 400s) and
+forced tool calls (the qwen3_coder call grammar against the parser; chat tool_choice required / named, Anthropic
+any / tool, Responses required / named, streamed and not, batched with unconstrained requests, bad tool schemas).
 
 The demo model is random, so its free output is noise: every constrained output parsing and validating shows the
 constraint at work. The schemas are small and bounded (an enum and a one-digit integer; one-line JSON), so every
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import replace
+from typing import Any
 
 import jsonschema
 import openai
@@ -356,3 +359,224 @@ def test_responses_bad_schema_is_400(server):
                                                                "schema": {"type": "objectx"}}}})
     assert status == 400, body
     assert json.loads(body)["error"]["param"] == "text.format"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forced tool calls (tool_choice required / named; Anthropic any / tool; Responses required / named)
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                          "metric": {"type": "boolean"}},
+           "required": ["city", "days"]}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name}.", "parameters": schema}}
+         for name, schema in TOOL_SCHEMAS.items()]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+TOOL_MAX_TOKENS = 160      # the longest forced call is ~60 demo tokens
+TOOL_SEEDS = range(20)
+TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+
+
+def test_tool_call_grammar_follows_the_parser(tokenizer):
+    from tinyserve.parsers import Qwen3CoderToolParser
+    comp = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    note = {**WEATHER, "properties": {**WEATHER["properties"], "note": {"type": "string"},
+                                      "opts": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                               "required": ["a"], "additionalProperties": False}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": note}},
+             {"type": "function", "function": {"name": "noop"}}]
+
+    def accepts(text: str, constraint: Constraint) -> bool:
+        state = comp.state(constraint)
+        return all(state.advance(t) for t in tokenizer.encode(text)) and state.matcher.is_accepting()
+
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n7\n"
+            "</parameter>\n<parameter=note>\n\nsome\n</par text\n\n</parameter>\n<parameter=opts>\n{\"a\": 5}\n"
+            "</parameter>\n</function>\n</tool_call>")
+    anyone, named = Constraint.tool_call(tools), Constraint.tool_call(tools, "get_weather")
+    assert accepts(call, anyone) and accepts(call, named)
+    _, calls = Qwen3CoderToolParser(tools).parse(call)
+    args = json.loads(calls[0]["function"]["arguments"])
+    assert args == {"city": "Rome", "days": 7, "note": "\nsome\n</par text\n", "opts": {"a": 5}}
+    jsonschema.validate(args, note)
+    noop = "<tool_call>\n<function=noop>\n</function>\n</tool_call>"
+    assert accepts(noop, anyone) and not accepts(noop, named)
+    for bad in (call.replace("\n7\n", "\n8\n"),                               # out of range
+                call.replace("Rome", "Bern"),                                 # not in the enum
+                call.replace("some", "a</function>b"),                        # would end the call early
+                call.replace('{"a": 5}', '{"a": 5, "b": 1}'),                 # additionalProperties false
+                call.replace("<parameter=city>\nRome\n</parameter>\n", ""),   # a required parameter missing
+                call + "\n",                                                  # nothing after the call
+                "Sure. " + call):                                             # nor before it
+        assert not accepts(bad, anyone), bad
+    # what comes after </tool_call>: EOS only
+    state = comp.state(named)
+    for t in tokenizer.encode(call):
+        assert state.advance(t)
+    buf = MaskBuffer(state.vocab_size, rows=1)
+    allowed = set(unpack_bitmask(buf.fill([state]), tokenizer.vocab_size)[0].nonzero().flatten().tolist())
+    assert allowed == set(tokenizer.eos_token_ids)
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": {"a>b": {"type": "string"}}},                      # not a tag name
+    {"type": "object", "properties": {"a": {"type": "string", "enum": ["x</parameter>"]}}},
+    {"type": "object", "properties": {"a": {"type": "integerx"}}},                        # llguidance rejects it
+    {"type": "object", "properties": "nope"},
+])
+def test_bad_tool_schemas_raise_value_error(tokenizer, parameters):
+    comp = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    with pytest.raises(ValueError):
+        comp.state(Constraint.tool_call([{"type": "function", "function": {"name": "f", "parameters": parameters}}]))
+
+
+def test_chat_sets_the_tool_call_constraint(tokenizer):
+    from tinyserve.protocol import Chat, parse_chat_request
+    from tinyserve.tokenizer import Tokenizer
+    thinking = Tokenizer(hf=tokenizer.hf, chat_template="{{ messages[0].content }}<think>\n",
+                         eos_token_ids=tokenizer.eos_token_ids)
+
+    def constraint(choice, chat=Chat("qwen3", "qwen3_coder"), tok=tokenizer, **extra):
+        req = parse_chat_request({"messages": TOOL_MESSAGES, "tools": TOOLS, "tool_choice": choice, **extra},
+                                 "tinyserve")
+        chat.prompt_ids(req, tok)
+        return req.options.params.constraint
+
+    assert [t["name"] for t in json.loads(constraint("required").schema)] == ["get_weather", "get_time"]
+    assert [t["name"] for t in json.loads(constraint(NAMED).schema)] == ["get_weather"]
+    assert constraint("required").kind == "tool_call" and constraint("required").start_after is None
+    assert constraint(NAMED, tok=thinking).start_after == tokenizer.token_to_id("</think>")
+    assert constraint("auto") is None and constraint("none") is None
+    assert constraint("required", chat=Chat("qwen3", "")) is None            # no tool parser: nothing forced
+    # the call is the answer: it replaces a response_format
+    assert constraint("required", response_format=SCHEMA_FORMAT).kind == "tool_call"
+    assert constraint("auto", response_format=SCHEMA_FORMAT).kind == "json_schema"
+
+
+def _check_call(name: str, arguments: Any, allowed: tuple[str, ...]) -> None:
+    assert name in allowed, name
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    jsonschema.validate(args, TOOL_SCHEMAS[name])
+
+
+def chat_tools(client, seed: int, stream: bool, tool_choice: Any) -> tuple[list[tuple[str, str]], str, str]:
+    """(calls [(name, arguments)], content, finish_reason)"""
+    kw = dict(model="tinyserve", messages=TOOL_MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+              max_tokens=TOOL_MAX_TOKENS, temperature=1.0, seed=seed)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        return ([(c.function.name, c.function.arguments) for c in msg.tool_calls or []], msg.content or "",
+                r.choices[0].finish_reason)
+    calls: dict[int, list[str]] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            entry = calls.setdefault(tc.index, ["", ""])
+            entry[0] += (tc.function.name or "") if tc.function else ""
+            entry[1] += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [(n, a) for n, a in calls.values()], content, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_chat_forced_tool_call(client, stream, choice):
+    tool_choice, allowed = ("required", tuple(TOOL_SCHEMAS)) if choice == "required" else (NAMED, ("get_weather",))
+    for seed in TOOL_SEEDS:
+        calls, content, finish = chat_tools(client, seed, stream, tool_choice)
+        assert finish == "tool_calls" and len(calls) == 1 and not content, (calls, content, finish)
+        _check_call(*calls[0], allowed)
+
+
+def test_chat_forced_tool_calls_batched_with_free_requests(client):
+    results: dict[tuple[int, bool, Any], tuple] = {}
+    choices = ("required", "auto", json.dumps(NAMED))
+
+    def run(seed: int, stream: bool, choice: str) -> None:
+        tc = json.loads(choice) if choice.startswith("{") else choice
+        results[seed, stream, choice] = chat_tools(client, seed, stream, tc)
+
+    jobs = [(s, s % 2 == 0, c) for s in range(12) for c in choices]
+    for i in range(0, len(jobs), 8):                  # 8 at a time: the engine runs them as one batch
+        threads = [threading.Thread(target=run, args=job) for job in jobs[i:i + 8]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(results) == len(jobs)
+    for (seed, stream, choice), (calls, content, finish) in results.items():
+        if choice == "auto":                          # unconstrained: the random model writes no call
+            assert not calls and finish != "tool_calls", (calls, content)
+            continue
+        assert finish == "tool_calls" and len(calls) == 1, (calls, content, finish)
+        _check_call(*calls[0], tuple(TOOL_SCHEMAS) if choice == "required" else ("get_weather",))
+        tc = json.loads(choice) if choice.startswith("{") else choice
+        assert chat_tools(client, seed, stream, tc)[:2] == (calls, content)      # the same alone
+
+
+def test_chat_bad_tool_schema_is_400(server):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integerx"}}}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        status, _, body = http("POST", server.base_url + "/v1/chat/completions",
+                               {"messages": MESSAGES, "max_tokens": 8, "tools": tools, "tool_choice": choice})
+        assert status == 400, body
+        assert json.loads(body)["error"]["param"] == "tools"
+    status, _, body = http("POST", server.base_url + "/v1/chat/completions",      # auto: nothing compiled
+                           {"messages": MESSAGES, "max_tokens": 8, "tools": tools, "tool_choice": "auto"})
+    assert status == 200, body
+
+
+ANTHROPIC_TOOLS = [{"name": name, "description": f"{name}.", "input_schema": schema}
+                   for name, schema in TOOL_SCHEMAS.items()]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_forced_tool_use(server, stream):
+    import anthropic
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    for seed in range(8):
+        choice = {"type": "any"} if seed % 2 else {"type": "tool", "name": "get_weather"}
+        allowed = tuple(TOOL_SCHEMAS) if seed % 2 else ("get_weather",)
+        kw = dict(model="tinyserve", messages=TOOL_MESSAGES, tools=ANTHROPIC_TOOLS, tool_choice=choice,
+                  max_tokens=TOOL_MAX_TOKENS, extra_body={"temperature": 1.0})
+        if stream:
+            with client.messages.stream(**kw) as s:
+                msg = s.get_final_message()
+        else:
+            msg = client.messages.create(**kw)
+        assert msg.stop_reason == "tool_use", msg
+        uses = [b for b in msg.content if b.type == "tool_use"]
+        assert len(uses) == 1 and not [b for b in msg.content if b.type == "text" and b.text], msg.content
+        _check_call(uses[0].name, uses[0].input, allowed)
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": name, "description": f"{name}.", "parameters": schema}
+                   for name, schema in TOOL_SCHEMAS.items()]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_forced_function_call(client, stream):
+    for seed in range(8):
+        choice = "required" if seed % 2 else {"type": "function", "name": "get_weather"}
+        allowed = tuple(TOOL_SCHEMAS) if seed % 2 else ("get_weather",)
+        kw = dict(model="tinyserve", input="Weather in Paris?", tools=RESPONSES_TOOLS, tool_choice=choice,
+                  max_output_tokens=TOOL_MAX_TOKENS, temperature=1.0, store=False)
+        if stream:
+            r = None
+            for ev in client.responses.create(stream=True, **kw):
+                if ev.type == "response.completed":
+                    r = ev.response
+        else:
+            r = client.responses.create(**kw)
+        assert r is not None and r.status == "completed", r
+        calls = [item for item in r.output if item.type == "function_call"]
+        assert len(calls) == 1 and not [item for item in r.output if item.type == "message"], r.output
+        _check_call(calls[0].name, calls[0].arguments, allowed)

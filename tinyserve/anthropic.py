@@ -15,8 +15,9 @@ Mapping (request):
                                       query, as Qwen3 does); redacted_thinking is opaque and dropped
   image blocks                     -> 400 (not supported yet)
   tools[].input_schema             -> OpenAI function tools; tool_choice auto | any | tool | none -> "auto" |
-                                      "required" | named | no tools in the prompt. any / tool only limit what is
-                                      parsed: nothing constrains decoding yet
+                                      "required" | named | no tools in the prompt. any / tool force one tool_use
+                                      (with the qwen3_coder parser on, decoding is constrained to one call whose
+                                      input follows the tool's input_schema; grammar.py)
   thinking.type enabled|adaptive / disabled -> enable_thinking true / false; absent: the template's default (Qwen3.5
                                       thinks); budget_tokens is accepted and not enforced
   model                            -> any name is accepted (Claude Code sends its own); responses carry the served
@@ -213,8 +214,8 @@ def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any]:
         return None, "none"                           # no tools offered at all
     if kind == "auto":
         return converted or None, "auto"
-    # any / tool: like OpenAI's "required" / a named function. Only the parser side exists: a named tool limits
-    # what is parsed as a call, but decoding is not constrained yet, so the model may still answer in text.
+    # any / tool: like OpenAI's "required" / a named function: decoding is constrained to one call (Chat.prompt_ids)
+    # and a named tool also limits what is parsed as a call.
     if kind == "any":
         return converted or None, "required"
     if kind == "tool":

@@ -292,18 +292,22 @@ class Engine:
         return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, grammar=grammar)
 
     def _grammar_state(self, params: SamplingParams):
-        """The request's matcher (grammar.py); RequestError(field="response_format") on a constraint it cannot
-        take. Compiling a schema runs here, on the caller's thread (milliseconds for API-sized schemas; cached)."""
+        """The request's matcher (grammar.py); RequestError(field="response_format", or "tool_choice" / "tools" for a
+        forced tool call) on a constraint it cannot take. Compiling a schema runs here, on the caller's thread
+        (milliseconds for API-sized schemas; cached)."""
+        tool_call = params.constraint.kind == "tool_call"
+        what = "a forced tool call (tool_choice)" if tool_call else "a constrained response_format"
         if params.ignore_eos or params.min_tokens:
-            raise RequestError("a constrained response_format cannot be combined with ignore_eos or min_tokens "
-                               "(the grammar decides where the output ends)", "response_format")
+            raise RequestError(f"{what} cannot be combined with ignore_eos or min_tokens "
+                               "(the grammar decides where the output ends)",
+                               "tool_choice" if tool_call else "response_format")
+        field = "tools" if tool_call else "response_format"
         if self._grammar is None:
-            raise RequestError(f"response_format: constrained decoding is not available: {self._grammar_error}",
-                               "response_format")
+            raise RequestError(f"{field}: constrained decoding is not available: {self._grammar_error}", field)
         try:
             return self._grammar.state(params.constraint)
         except ValueError as e:
-            raise RequestError(f"response_format: {e}", "response_format") from None
+            raise RequestError(f"{field}: {e}", field) from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         req = self._make_request(prompt_ids, params, request_id)

@@ -12,6 +12,14 @@ each constrained request's matcher consumes its token. The model's vocabulary ma
 the matcher's vocabulary is sized to the model's, and ids the tokenizer lacks have no bytes, so they are never
 allowed. EOS (the engine's eos ids) is allowed only where the grammar accepts.
 
+Tool calls: kind "tool_call" forces exactly one qwen3_coder call (`<tool_call>\n<function=NAME>\n<parameter=P>\n
+VALUE\n</parameter>\n...</function>\n</tool_call>`, then EOS) of one of the given tools (tool_choice required / any)
+or of the one named. `tool_call_grammar` builds it as a Lark grammar for llguidance, following how the qwen3_coder
+parser (parsers.py) reads values: the tool's properties in schema order, the required ones present and the others
+optional; a string value (or one with no type) is raw text that cannot contain `</parameter>` or `</function>` (an
+enum of strings: one of them); any other type is one-line JSON of its sub-schema (`%json`), which the parser types
+back. `<tool_call>` / `</tool_call>` are matched as the tokenizer's own tokens when it has them.
+
 Reasoning: when the prompt opened `<think>`, the constraint starts after the model's `</think>` token; before it the
 row is unconstrained (`GrammarState.active` is False).
 
@@ -28,7 +36,9 @@ from typing import Any
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
-KINDS = ("json_object", "json_schema")
+from .parsers import FUNCTION_END, PARAMETER_END, TOOL_CALL_END, TOOL_CALL_START, _schema_types, _tool_function
+
+KINDS = ("json_object", "json_schema", "tool_call")
 # One-line JSON with the usual separators: with llguidance's default (any whitespace between tokens) a model can
 # emit whitespace forever and never close the object (vLLM's disable_any_whitespace exists for the same reason).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -36,9 +46,10 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the output must match: kind "json_object" (any JSON object) or "json_schema" (schema: its JSON text,
-    so the dataclass stays hashable and frozen). start_after: a token id (the reasoning end, `</think>`) before
-    which the output is free; None: constrained from the first token."""
+    """What the output must match: kind "json_object" (any JSON object), "json_schema" (schema: its JSON text,
+    so the dataclass stays hashable and frozen) or "tool_call" (schema: the JSON text of the callable tools,
+    [{"name", "parameters"}]). start_after: a token id (the reasoning end, `</think>`) before which the output is
+    free; None: constrained from the first token."""
 
     kind: str
     schema: str | None = None
@@ -48,8 +59,21 @@ class Constraint:
     def json_schema(cls, schema: dict[str, Any]) -> "Constraint":
         return cls("json_schema", json.dumps(schema, sort_keys=True))
 
-    def grammar(self) -> str:
-        """The llguidance grammar; ValueError on a kind or schema it cannot take."""
+    @classmethod
+    def tool_call(cls, tools: list[dict[str, Any]], name: str | None = None) -> "Constraint":
+        """One call of any of these OpenAI function tools, or of the one named."""
+        callable_ = []
+        for tool in tools:
+            fn = _tool_function(tool)
+            if name is None or fn.get("name") == name:
+                callable_.append({"name": fn.get("name"), "parameters": fn.get("parameters")})
+        return cls("tool_call", json.dumps(callable_))
+
+    def grammar(self, tool_call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
+        """The llguidance grammar; ValueError on a kind or schema it cannot take. tool_call_tokens: the ids of
+        `<tool_call>` and `</tool_call>` (None: the tokenizer has no such token; the text is matched)."""
+        if self.kind == "tool_call":
+            return LLMatcher.grammar_from_lark(tool_call_grammar(json.loads(self.schema or "[]"), *tool_call_tokens))
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
         if self.kind != "json_schema":
@@ -64,6 +88,82 @@ class Constraint:
             return LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
         except Exception as e:                        # noqa: BLE001 - the library raises plain exceptions
             raise ValueError(f"the schema cannot be compiled: {e}") from None
+
+
+def _lark_string(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+# Raw parameter text up to and including the closing "\n</parameter>": no earlier `</parameter>` and no
+# `</function>` (the parser ends a value at the first of either).
+RAW_VALUE = (r"/(.|\n)*\n<\/parameter>/ & ~/(.|\n)*<\/parameter>(.|\n)+/ & ~/(.|\n)*<\/function>(.|\n)*/")
+
+
+def _tag_name(name: Any, what: str) -> str:
+    """A function or parameter name the qwen3_coder format can carry (`<function=NAME>`, stripped by the parser)."""
+    if not isinstance(name, str) or not name or name != name.strip() or ">" in name or "\n" in name:
+        raise ValueError(f"{what} {name!r} cannot be written as a qwen3_coder tag (it must be non-empty, without "
+                         "'>', newlines or surrounding whitespace)")
+    return name
+
+
+def _value_expansion(schema: Any, defs: dict[str, Any], where: str, rules: list[str], rule: str) -> str:
+    """The Lark expansion of one parameter's value and its closing "\n</parameter>"."""
+    if not isinstance(schema, dict):
+        return "RAW_VALUE"
+    types = _schema_types(schema)
+    choices = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema \
+        else None
+    if choices is not None and choices and all(isinstance(c, str) for c in choices) and set(types) <= {"string"}:
+        for c in choices:
+            if PARAMETER_END in c or FUNCTION_END in c:
+                raise ValueError(f"{where}: the enum value {c!r} cannot be written as a qwen3_coder parameter")
+        return "(" + " | ".join(_lark_string(c) for c in choices) + ") " + _lark_string("\n" + PARAMETER_END)
+    if not types or "string" in types:
+        return "RAW_VALUE"                            # any text is a string (or untyped) value
+    sub = {**defs, **schema, "x-guidance": JSON_OPTIONS}
+    rules.append(f"{rule}: %json {json.dumps(sub)}")
+    return f"{rule} {_lark_string(chr(10) + PARAMETER_END)}"
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], open_id: int | None = None, close_id: int | None = None) -> str:
+    """Lark (llguidance) for exactly one qwen3_coder call of one of tools ([{"name", "parameters"}]) and nothing
+    after it. ValueError naming the tool on a schema that cannot be written this way."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("no tool to call")
+    rules: list[str] = []
+    alternatives = []
+    for i, tool in enumerate(tools):
+        name = _tag_name(tool.get("name") if isinstance(tool, dict) else None, "the tool name")
+        where = f"tool {name!r}"
+        params = tool.get("parameters")
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise ValueError(f"{where}: parameters must be a JSON schema object")
+        props = params.get("properties") or {}
+        required = params.get("required") or []
+        if not isinstance(props, dict) or not isinstance(required, list):
+            raise ValueError(f"{where}: parameters.properties must be an object and required a list")
+        defs = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
+        names = list(props) + [r for r in required if r not in props]
+        parts = [_lark_string(f"<function={name}>\n")]
+        for j, pname in enumerate(names):
+            pname = _tag_name(pname, f"{where}: the parameter name")
+            value = _value_expansion(props.get(pname, {}), defs, f"{where}, parameter {pname!r}", rules,
+                                     f"v{i}_{j}")
+            rules.append(f"p{i}_{j}: {_lark_string(f'<parameter={pname}>' + chr(10))} {value} \"\\n\"")
+            parts.append(f"p{i}_{j}" if pname in required else f"p{i}_{j}?")
+        rules.append(f"f{i}: " + " ".join(parts))
+        alternatives.append(f"f{i}")
+    open_tag = f"<[{open_id}]>" if open_id is not None else _lark_string(TOOL_CALL_START)
+    close_tag = f"<[{close_id}]>" if close_id is not None else _lark_string(TOOL_CALL_END)
+    head = [
+        "%llguidance {}",
+        f"start: {open_tag} \"\\n\" ({' | '.join(alternatives)}) {_lark_string(FUNCTION_END + chr(10))} {close_tag}",
+        f"RAW_VALUE: {RAW_VALUE}",
+    ]
+    return "\n".join(head + rules) + "\n"
 
 
 class GrammarState:
@@ -97,6 +197,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)
         self.ll = LLTokenizer(tokenizer.hf.to_str(), n_vocab=self.vocab_size, eos_token=list(eos_token_ids))
+        self.tool_call_tokens = (tokenizer.token_to_id(TOOL_CALL_START), tokenizer.token_to_id(TOOL_CALL_END))
         self._grammars: dict[tuple[str, str | None], str] = {}
         self._lock = threading.Lock()
 
@@ -105,7 +206,7 @@ class GrammarCompiler:
         with self._lock:
             grammar = self._grammars.get(key)
         if grammar is None:
-            grammar = constraint.grammar()
+            grammar = constraint.grammar(self.tool_call_tokens)
             err = LLMatcher.validate_grammar(grammar, self.ll)
             if err and not err.startswith("WARNING"):
                 raise ValueError(f"the schema cannot be compiled: {err}")

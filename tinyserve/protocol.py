@@ -283,8 +283,8 @@ def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any]:
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"
-    # "required" and a named function are accepted but not enforced (tool calls are not grammar-constrained yet); a
-    # named function limits what is parsed as a call.
+    # "required" and a named function force one call when the tool-call parser is on (Chat.prompt_ids sets the
+    # grammar constraint); a named function also limits what is parsed as a call.
     try:
         make_tool_parser(tools, choice)
     except ValueError as e:
@@ -336,6 +336,18 @@ def parse_response_format(value: Any, param: str = "response_format", nested: bo
     if not isinstance(schema, dict):
         raise bad_request(f"{where}.schema must be a JSON schema object", f"{where}.schema")
     return Constraint.json_schema(schema)
+
+
+def forced_tool_call(tools: list[dict[str, Any]] | None, tool_choice: Any) -> Constraint | None:
+    """tool_choice "required" (one call of any tool) or {"type": "function", "function": {"name"}} (a call of that
+    one) -> the "tool_call" constraint (grammar.py); None when the choice forces nothing (auto, none, no tools)."""
+    if not tools:
+        return None
+    if tool_choice == "required":
+        return Constraint.tool_call(tools)
+    if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
+        return Constraint.tool_call(tools, tool_choice["function"].get("name"))
+    return None
 
 
 def constraint_after_reasoning(params: SamplingParams, starts_in_reasoning: bool, tokenizer: Any) -> SamplingParams:
@@ -549,6 +561,10 @@ class Chat(Endpoint):
         except ValueError as e:                       # e.g. the template's raise_exception on a bad history
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
         req.starts_in_reasoning = prompt_opens_reasoning(text)
+        if self.tool_parser == "qwen3_coder":
+            constraint = forced_tool_call(req.tools, req.tool_choice)
+            if constraint is not None:                # the answer is the call: it replaces any response_format
+                req.options.params = replace(req.options.params, constraint=constraint)
         req.options.params = constraint_after_reasoning(req.options.params, req.starts_in_reasoning, tokenizer)
         return tokenizer.encode(text)
 

@@ -23,7 +23,9 @@ Mapping (request):
   consecutive reasoning / assistant message / function_call items form one assistant turn
   tools (function only)              -> OpenAI chat function tools; any other tool type -> 400
   tool_choice                        -> auto | none | required | {"type": "function", "name"}; required and a named
-                                        function only limit what is parsed: nothing constrains decoding yet
+                                        function force one function_call (with the qwen3_coder parser on, decoding
+                                        is constrained to one call whose arguments follow the tool's parameters;
+                                        grammar.py)
   reasoning.effort                   -> "none": enable_thinking false; any other effort: the template's default
   text.format                        -> text | json_object | json_schema {name, schema, strict}; json_object and
                                         json_schema constrain decoding (grammar.py): the answer after any reasoning
@@ -218,8 +220,8 @@ def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any, list[dict[str,
     elif choice not in ("auto", "none", "required"):
         raise bad_request(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "name": ...}}; '
                           f"got {choice!r}", "tool_choice")
-    # required and a named function are accepted but not enforced (tool calls are not grammar-constrained yet, as on
-    # the chat route); a named function limits what is parsed as a call.
+    # required and a named function force one call (grammar-constrained, as on the chat route); a named function also
+    # limits what is parsed as a call.
     return converted or None, chat_choice, echoed, choice
 
 
