@@ -46,6 +46,7 @@ from tinyserve.request import TIERS, Request, Status
 from tinyserve.runner import ModelRunner
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import Scheduler
+from tinyserve.spec import SpecStats
 from tinyserve.state import StatePool
 from tinyserve.tiers import FileTier, HostTier, Tiers, model_fingerprint
 
@@ -78,6 +79,8 @@ class StepEvent:
     finish_reason: str | None = None     # set when the request finished with this step
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
+    drafted: int = 0                     # NEXTN draft tokens verified for this request in this step
+    accepted: int = 0                    # ... of which accepted (the committed tokens are accepted + 1)
 
 
 @dataclass
@@ -91,6 +94,8 @@ class RequestResult:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
+    draft_tokens: int = 0                # NEXTN draft tokens verified (usage: accepted + rejected prediction tokens)
+    accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -103,6 +108,7 @@ class EngineStats:
     state_slots_total: int
     num_preemptions: int
     cache: CacheStats
+    spec: SpecStats | None = None        # NEXTN counters; None when speculative decoding is off
 
 
 class ComputeThread:
@@ -456,6 +462,8 @@ class Engine:
                 continue
             res = stream.result
             res.cached_tokens = ev.cached_tokens
+            res.draft_tokens += ev.drafted
+            res.accepted_draft_tokens += ev.accepted
             res.cached_tokens_by_tier.update(ev.cached_by_tier)
             if ev.tokens:
                 res.completion_tokens += len(ev.tokens)

@@ -50,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # None: off; 0: the chosen token's logprob; n: plus top-n
     constraint: Constraint | None = None   # grammar the output must match (grammar.py); None: free text
+    speculative: bool = True          # False: this request never speculates (NEXTN), whatever the engine does
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its allowed range."""
@@ -93,6 +94,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a boolean, got {self.speculative!r}")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint or None, got {self.constraint!r}")
 

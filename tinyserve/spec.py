@@ -1,0 +1,79 @@
+"""NEXTN (MTP) speculative decoding: the per-request draft state, how deep to draft, and the counters.
+
+One round for a speculating request (the runner does the tensor work; this module decides and counts):
+  1. the step verifies [x0, d1..dk] (x0: the last committed token, not yet computed; d: the drafts) in the packed
+     batch, next to plain decodes and prefill chunks; the GDN layers keep the state after each of the k+1 tokens;
+  2. acceptance (sampling.py: greedy argmax match, or rejection sampling against the draft's distribution) commits
+     a+1 tokens: d1..da and a bonus / corrected token; the engine applies stops token by token inside the run;
+  3. the state after the last committed input becomes the request's state (a slot swap, no copy); the prefix
+     cache takes its snapshots from the state at exactly each position inside the run;
+  4. the NEXTN head runs over the committed positions with the target's hidden states (writing its own KV, one more
+     attention layer in the same pages), and drafts the next round's d1..dk.
+
+How deep to draft (DepthControl): each request keeps an estimate of the chance that a draft token is accepted
+given the ones before it were (alpha, an exponential average over its recent rounds), and drafts the depth d in
+0..num_steps that maximises the expected tokens per round, (1 - alpha^(d+1)) / (1 - alpha), over the round's cost,
+1 + cost_per_draft * d. At depth 0 the request decodes plainly and, every `PROBE_EVERY` steps, probes with one
+draft so the estimate can recover.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROBE_EVERY = 16           # plain decode steps between probes of a request whose depth fell to 0
+ALPHA_DECAY = 0.7          # weight of the previous estimate in the exponential average of the acceptance rate
+ALPHA_START = 0.8          # a new request starts by drafting deep (its estimate is refined from its first round)
+
+
+@dataclass
+class SpecStats:
+    """Engine-wide counters, with vLLM's definitions (mean accept length = 1 + accepted / drafts)."""
+    num_drafts: int = 0                      # verify rounds
+    num_draft_tokens: int = 0                # draft tokens verified
+    num_accepted_tokens: int = 0             # draft tokens accepted
+    accepted_per_pos: list[int] = field(default_factory=list)   # [i]: rounds whose draft i+1 was accepted
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos += [0] * (drafted - len(self.accepted_per_pos))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_accept_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class DepthControl:
+    """One request's draft depth (see the module docstring)."""
+    max_depth: int
+    cost_per_draft: float
+    alpha: float = ALPHA_START
+    plain_steps: int = 0                     # plain decode steps since the depth fell to 0
+
+    def next_depth(self) -> int:
+        """The depth of this request's next step (called once per decode step)."""
+        best, best_rate = 0, 1.0
+        for d in range(1, self.max_depth + 1):
+            a = min(self.alpha, 0.999)
+            rate = (1 - a ** (d + 1)) / (1 - a) / (1 + self.cost_per_draft * d)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        if best == 0:
+            self.plain_steps += 1
+            if self.plain_steps >= PROBE_EVERY:
+                self.plain_steps = 0
+                return 1
+        return best
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A round verified `drafted` drafts and accepted the first `accepted` of them."""
+        if drafted == 0:
+            return
+        tried = accepted + (1 if accepted < drafted else 0)     # drafts compared against the target
+        rate = accepted / tried
+        self.alpha = ALPHA_DECAY * self.alpha + (1 - ALPHA_DECAY) * rate
