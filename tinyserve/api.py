@@ -22,6 +22,7 @@ import asyncio
 import hmac
 import json
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,12 @@ from .tokenizer import IncrementalDetokenizer
 log = logging.getLogger("tinyserve.api")
 
 RETRY_AFTER_S = 1
+# TCP keepalive of the listening sockets (accepted connections inherit it): a client whose machine went away without
+# closing (laptop lid, Wi-Fi gone: a half-open connection) is found dead after 60 s idle + 3 probes 10 s apart, and
+# TCP_USER_TIMEOUT drops a connection whose sent data stays unacknowledged as long (keepalive does not probe while
+# data is in flight, as under a stream). Then its handler is cancelled and so is its request.
+TCP_KEEPALIVE = {"TCP_KEEPIDLE": 60, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 90_000}
+LISTEN_BACKLOG = 128
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,6 +109,38 @@ def _endpoints(cfg: Any) -> dict[str, Endpoint]:
             "/v1/messages": anthropic.Messages(cfg.parsers.reasoning, cfg.parsers.tool_call,
                                                cfg.server.keep_billing_header),
             "/v1/responses": responses.Responses(cfg.parsers.reasoning, cfg.parsers.tool_call)}
+
+
+def set_keepalive(sock: socket.socket) -> None:
+    """SO_KEEPALIVE and, where the platform has them, the TCP_KEEPALIVE timings."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in TCP_KEEPALIVE.items():
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening TCP sockets on every address `host` resolves to (as asyncio's create_server binds them), with
+    keepalive set so that every accepted connection inherits it; serve them with aiohttp's SockSite. Raises
+    OSError (nothing left open) when one cannot be bound."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)   # the IPv4 address has its own
+            set_keepalive(sock)
+            sock.bind(address)
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 # ---------------------------------------------------------------------------------------------------------------

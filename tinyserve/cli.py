@@ -55,12 +55,66 @@ def check(cfg: Any) -> int:
 
     print(config_mod.dumps(cfg).rstrip())
     print()
-    print(plan_for(cfg)[2])
+    plan = plan_for(cfg)[2]
+    print(plan)
+    if host_tier_line(cfg, plan):
+        print(host_tier_line(cfg, plan))
     return 0
+
+
+def host_tier_line(cfg: Any, plan: Any) -> str:
+    """The host tier's budget and floor, for the plan shown at start and by --check ("" when the tier is off)."""
+    from .plan import GIB, host_available_bytes
+
+    budget = (plan.host_pages * plan.page_size * plan.kv_bytes_per_token
+              + plan.host_snapshots * plan.state_bytes_per_slot)
+    if not budget:
+        return ""
+    floor = cfg.cache.host.min_free_gb
+    return (f"host tier: up to {budget / GIB:.2f} GiB, allocated in segments as it fills; "
+            + (f"gives memory back while the machine has less than {floor:g} GB available (cache.host.min_free_gb)"
+               if floor else "no floor (cache.host.min_free_gb = 0)")
+            + f"; {host_available_bytes() / GIB:.1f} GiB available now")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Serving
+
+HOST_MEMORY_CHECK_S = 1.0      # how often a serving process compares the host's available memory with the floor
+
+
+def _host_tier(engine: Any) -> tuple[Any, Any]:
+    """(radix tree, host tier) of an engine with a host tier, else (None, None). The composition root wires the host
+    tier's floor and its watcher; the engine owns both and touches them on its thread only."""
+    tree = getattr(engine.cache, "tree", None)
+    host = tree.tiers.host if tree is not None else None
+    return (tree, host) if host is not None else (None, None)
+
+
+def configure_host_tier(engine: Any, cfg: Any) -> None:
+    """Give the host tier its floor (cache.host.min_free_gb); before the engine starts."""
+    from .plan import GIB
+
+    _, host = _host_tier(engine)
+    if host is not None:
+        host.min_free_bytes = int(cfg.cache.host.min_free_gb * GIB)
+
+
+async def watch_host_memory(engine: Any, interval: float = HOST_MEMORY_CHECK_S) -> None:
+    """While serving: every `interval`, probe the host's available memory (a read of /proc/meminfo) and, when it is
+    below cache.host.min_free_gb (or an episode can end), have the engine thread give host memory back between two
+    steps (HostTier.relieve). Runs until cancelled."""
+    tree, host = _host_tier(engine)
+    if host is None or not host.min_free_bytes:
+        return
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            if host.relief_due():
+                await engine.call(host.relieve, tree)
+        except Exception:                             # noqa: BLE001 - serving goes on; the next check retries
+            log.exception("host tier: giving memory back failed")
+
 
 async def _drain(engine: Any, timeout_s: float) -> None:
     """Let running requests finish up to timeout_s, then cancel the rest and give handlers a moment to close."""
@@ -80,7 +134,7 @@ async def _drain(engine: Any, timeout_s: float) -> None:
 async def serve(cfg: Any) -> int:
     from aiohttp import web                           # imported here: --check needs neither aiohttp nor torch
 
-    from .api import create_app, get_state, set_engine
+    from .api import create_app, get_state, listening_sockets, set_engine
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -95,8 +149,9 @@ async def serve(cfg: Any) -> int:
                            shutdown_timeout=5.0)
     await runner.setup()
     host, port = cfg.server.host, cfg.server.port
-    try:
-        await web.TCPSite(runner, host, port).start()
+    try:                                              # our own sockets: keepalive set on them (api.TCP_KEEPALIVE)
+        for sock in listening_sockets(host, port):
+            await web.SockSite(runner, sock).start()
     except OSError as e:
         await runner.cleanup()
         raise ConfigError(f"cannot listen on {host}:{port} (server.host / server.port): {e.strerror or e}",
@@ -118,13 +173,18 @@ async def serve(cfg: Any) -> int:
     except BaseException:
         await runner.cleanup()
         raise
+    configure_host_tier(engine, cfg)
     await engine.start()
     set_engine(app, engine)
     log.info("plan: %s", engine.plan)
+    if host_tier_line(cfg, engine.plan):
+        log.info("%s", host_tier_line(cfg, engine.plan))
+    watcher = asyncio.ensure_future(watch_host_memory(engine))
     log.info("ready on http://%s:%d (model %s)", host, port, engine.served_name)
     sd_notify(f"READY=1\nSTATUS=serving {engine.served_name} on http://{host}:{port}")
 
     await stop_wait
+    watcher.cancel()
     log.info("shutting down")
     state.draining = True                             # before STOPPING=1: whoever hears it sees /health 503
     sd_notify("STOPPING=1")

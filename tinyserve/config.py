@@ -107,6 +107,9 @@ class HostCacheSection(_Section):
     # Share of the host tier kept for recurrent-state snapshots; 0: the same ratio as on the device. A separate
     # budget because too few host state slots strand host KV (a page without a state above it is no hit).
     state_share: float = _opt(0.0, ge=0, lt=1)
+    # The host tier gives memory back (evicts, frees segments) while the machine has less than this available,
+    # and does not grow past it. 0: no floor.
+    min_free_gb: float = _opt(4.0, ge=0)
 
 
 @dataclass

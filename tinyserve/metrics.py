@@ -85,6 +85,18 @@ class _EngineCollector(Collector):
             for tier, t in tiers.items():
                 family.add_metric([tier], float(getattr(t, name)))
             out.append(family)
+        if c.host is not None:
+            h = c.host
+            gauge("host_memory_allocated_bytes", "Host-tier memory held now (whole segments, taken as it fills).",
+                  h.allocated_bytes)
+            gauge("host_memory_budget_bytes", "Most host-tier memory (cache.host.size_gb as planned).",
+                  h.budget_bytes)
+            gauge("host_memory_min_free_bytes", "Available host memory the tier leaves to the machine "
+                  "(cache.host.min_free_gb).", h.min_free_bytes)
+            counter("host_memory_pressure_events", "Episodes of the host's available memory below "
+                    "cache.host.min_free_gb (the tier gave memory back).", h.pressure_events)
+            counter("host_memory_released_bytes", "Host-tier memory given back under memory pressure.",
+                    h.released_bytes)
         return out
 
 

@@ -1,10 +1,11 @@
 """Cache tiers behind the radix tree: host memory (L2) and a persistent folder (L3), state snapshots included.
 
-Host tier: one arena allocated at start from `cache.host.size_gb`, split explicitly between KV pages and state
-snapshots. Pages keep the device pool's page-major layout, so one page (all attention layers) is one contiguous
-block, and moving any set of pages is one bounds-checked indexed copy (`_copy_rows`), the same for every page
-size and dtype. Device <-> host copies run in the step thread between forwards (a memcpy; nothing else touches
-those rows then), so a page or slot is never freed while a copy reads it.
+Host tier: a budget from `cache.host.size_gb`, split explicitly between KV pages and state snapshots, taken in
+segments as it fills and given back (LRU entries evicted, whole segments freed) when the machine's available
+memory falls below `cache.host.min_free_gb`. Pages keep the device pool's page-major layout, so one page (all
+attention layers) is one contiguous block, and moving a set of pages is a bounds-checked indexed copy per segment
+(`_copy_rows`), the same for every page size and dtype. Device <-> host copies run in the step thread between
+forwards (a memcpy; nothing else touches those rows then), so a page or slot is never freed while a copy reads it.
 
 File tier: one blob per cached run of pages (a radix node), named by the hash chain at its start and end:
 `<start>-<end>.tsb`. The chain is seeded by a fingerprint of the model (config, tensor names, shapes, dtypes),
@@ -17,6 +18,7 @@ killed writer are deleted); a truncated, corrupt or foreign blob is a miss: coun
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import os
@@ -25,15 +27,19 @@ import threading
 import time
 import uuid
 import zlib
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 import dataclasses
+import gc
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from tinyserve.config import WRITE_POLICIES
 from tinyserve.kv import KVPool
+from tinyserve.plan import GIB, host_available_bytes
 from tinyserve.state import StatePool
 
 log = logging.getLogger("tinyserve.tiers")
@@ -43,6 +49,11 @@ MAGIC = b"TSKVBLOB"
 # magic, version, fingerprint, start hash, end hash, n_tokens, n_pages, kv bytes, conv bytes, ssm bytes, crc32
 HEADER = struct.Struct("<8sI32s32s32sIIQQQI")
 SUFFIX = ".tsb"
+STAT_BATCH = 2000          # file tier: blobs updated per hold of the index lock by the start-up stat job
+# The host tier takes and gives back memory in segments of about this size, one kind of row each (KV pages or state
+# snapshots; large snapshots get a larger power-of-two segment, see _rows_per_segment). A power of two: CUDA's
+# pinned-memory allocator rounds blocks up to one.
+SEGMENT_BYTES = 256 << 20
 
 
 def _copy_rows(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int]) -> None:
@@ -95,60 +106,340 @@ class TierStats:
     seconds: float = 0.0         # time spent copying / reading / writing
     errors: int = 0              # file tier: corrupt, truncated or foreign blobs (each deleted)
     used: int = 0                # host: KV pages, file: bytes
-    capacity: int = 0
+    capacity: int = 0            # host: KV pages it may hold now (lowered while memory is short), file: bytes
     used_snapshots: int = 0      # host only
     capacity_snapshots: int = 0
+    allocated_bytes: int = 0     # host only: memory held now (whole segments)
+    budget_bytes: int = 0        # host only: the most it may hold (cache.host.size_gb as planned)
+    min_free_bytes: int = 0      # host only: cache.host.min_free_gb
+    pressure_events: int = 0     # host only: episodes of the machine's available memory below the floor
+    released_bytes: int = 0      # host only: memory given back in those episodes
     blobs: int = 0               # file only
     writable: bool = True        # file only: False once a write failed (serving goes on)
 
 
-class HostTier:
-    """Pinned (on CUDA) host arena for KV pages and state snapshots, with free lists."""
+def _rows_per_segment(row_bytes: int, target: int) -> int:
+    """Rows per segment of about `target` bytes. Rows too large for that to fill a segment well (a state snapshot of
+    a large model) get a larger power-of-two segment, up to 8x, that they fill to at least 3/4: CUDA's pinned
+    allocator rounds every block up to a power of two."""
+    row_bytes = max(1, row_bytes)
+    size = max(target, 1 << (row_bytes - 1).bit_length())
+    while size <= 8 * target:
+        rows = size // row_bytes
+        if 4 * rows * row_bytes >= 3 * size:
+            return rows
+        size *= 2
+    return max(1, target // row_bytes)
 
-    def __init__(self, kv_pool: KVPool, state_pool: StatePool, num_pages: int, num_snapshots: int) -> None:
-        """num_pages / num_snapshots: the memory plan's split of cache.host.size_gb."""
+
+class _Rows:
+    """Rows of one shape (a KV page, or a state snapshot: conv + SSM) kept in segments that are allocated as the
+    rows fill them and freed whole under memory pressure. Callers hold logical row ids that never change; a row's
+    place (segment, offset) may move when segments are compacted before some are freed."""
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], torch.dtype]], total: int, per_segment: int,
+                 pin: bool) -> None:
+        self.specs, self.total, self.pin = specs, total, pin
+        self.per_segment = max(1, min(per_segment, total))
+        self.row_bytes = sum(_numel(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in specs)
+        self.segments: list[list[torch.Tensor]] = []       # per segment: one tensor per spec, [rows, *shape]
+        self.limit = total                                 # rows that may be in use now (lowered under pressure)
+        self._where = [-1] * total                         # logical id -> physical row (-1: free id)
+        self._owner: list[int] = []                        # physical row -> logical id (-1: free row)
+        self._free_ids = list(range(total - 1, -1, -1))    # pop() hands out low ids first
+        self._free_rows: list[int] = []                    # heap: the lowest free physical row goes first
+
+    @property
+    def used(self) -> int:
+        return self.total - len(self._free_ids)
+
+    @property
+    def max_segments(self) -> int:
+        return -(-self.total // self.per_segment)
+
+    def segments_for(self, rows: int) -> int:
+        """Segments needed to hold `rows` rows."""
+        return -(-rows // self.per_segment)
+
+    def rows_in(self, segments: int) -> int:
+        """Rows held by the first `segments` segments."""
+        return min(self.total, segments * self.per_segment)
+
+    def bytes_in(self, segments: int) -> int:
+        return self.rows_in(segments) * self.row_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.bytes_in(len(self.segments))
+
+    def growth_bytes(self, n: int) -> int:
+        """Bytes of the segments to allocate before n more rows fit (0: they fit already)."""
+        short, segs = n - len(self._free_rows), len(self.segments)
+        while short > 0 and segs < self.max_segments:
+            short -= self.rows_in(segs + 1) - self.rows_in(segs)
+            segs += 1
+        return self.bytes_in(segs) - self.allocated_bytes if short <= 0 else -1
+
+    def _grow(self) -> None:
+        i = len(self.segments)
+        rows = self.rows_in(i + 1) - self.rows_in(i)
+        self.segments.append([torch.empty((rows,) + shape, dtype=dt, pin_memory=self.pin) for shape, dt in self.specs])
+        base = i * self.per_segment
+        self._owner += [-1] * rows
+        for r in range(base, base + rows):
+            heapq.heappush(self._free_rows, r)
+
+    def alloc(self, n: int, may_grow: Callable[[int], bool]) -> list[int] | None:
+        """n logical ids, or None (nothing taken) when they exceed the limit or their segments may not grow."""
+        if n > self.limit - self.used:
+            return None
+        grow = self.growth_bytes(n)
+        if grow < 0 or (grow > 0 and not may_grow(grow)):
+            return None
+        while len(self._free_rows) < n:
+            self._grow()
+        ids = [self._free_ids.pop() for _ in range(n)]
+        for i in ids:
+            row = heapq.heappop(self._free_rows)
+            self._where[i], self._owner[row] = row, i
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            row = self._where[i]
+            assert row >= 0, f"host tier: double free of row {i}"
+            self._where[i], self._owner[row] = -1, -1
+            heapq.heappush(self._free_rows, row)
+            self._free_ids.append(i)
+
+    def _groups(self, ids: list[int]) -> dict[int, tuple[list[int], list[int]]]:
+        """segment -> (offsets in it, positions in ids)."""
+        out: dict[int, tuple[list[int], list[int]]] = {}
+        for pos, i in enumerate(ids):
+            row = self._where[i]
+            assert row >= 0, f"host tier: row {i} is not allocated"
+            offs, poss = out.setdefault(row // self.per_segment, ([], []))
+            offs.append(row % self.per_segment)
+            poss.append(pos)
+        return out
+
+    def write(self, ids: list[int], srcs: list[torch.Tensor], src_idx: list[int]) -> None:
+        """rows[ids] = src[src_idx], for each spec's tensor."""
+        for seg, (offs, poss) in self._groups(ids).items():
+            for k, src in enumerate(srcs):
+                _copy_rows(self.segments[seg][k], offs, src, [src_idx[p] for p in poss])
+
+    def read(self, ids: list[int], dsts: list[torch.Tensor], dst_idx: list[int]) -> None:
+        """dst[dst_idx] = rows[ids], for each spec's tensor."""
+        for seg, (offs, poss) in self._groups(ids).items():
+            for k, dst in enumerate(dsts):
+                _copy_rows(dst, [dst_idx[p] for p in poss], self.segments[seg][k], offs)
+
+    def gather(self, ids: list[int]) -> list[torch.Tensor]:
+        """New CPU tensors [len(ids), *shape] with the rows' contents, one per spec."""
+        out = [torch.empty((len(ids),) + shape, dtype=dt) for shape, dt in self.specs]
+        self.read(ids, out, list(range(len(ids))))
+        return out
+
+    def shrink_to(self, keep: int) -> int:
+        """Move every used row into the first `keep` segments and free the others; returns the bytes freed.
+        The caller has brought the used rows within rows_in(keep)."""
+        if keep >= len(self.segments):
+            return 0
+        cut = self.rows_in(keep)
+        assert self.used <= cut, "host tier: shrinking below the rows in use"
+        free_low = sorted(r for r in self._free_rows if r < cut)
+        moves = [(self._owner[r], r) for r in range(cut, len(self._owner)) if self._owner[r] >= 0]
+        for (i, src), dst in zip(moves, free_low):
+            for k in range(len(self.specs)):
+                self.segments[dst // self.per_segment][k][dst % self.per_segment].copy_(
+                    self.segments[src // self.per_segment][k][src % self.per_segment])
+            self._where[i], self._owner[dst], self._owner[src] = dst, i, -1
+        freed = self.allocated_bytes - self.bytes_in(keep)
+        del self.segments[keep:]
+        del self._owner[cut:]
+        self._free_rows = [r for r in range(cut) if self._owner[r] < 0]
+        heapq.heapify(self._free_rows)
+        return freed
+
+
+class HostTier:
+    """Host memory (pinned on CUDA) for KV pages and state snapshots, taken in segments as it fills, up to the
+    plan's budget, and given back when the machine runs short.
+
+    Memory is a budget (design invariant 8): a segment is allocated only when rows are needed and the machine
+    would still have `min_free_bytes` available afterwards (`available_memory()`, /proc/meminfo's MemAvailable
+    unless a probe is injected); otherwise the allocation fails and the tier works within what it holds (the radix
+    tree evicts its LRU host entries). `relieve(tree)` (engine thread) gives memory back while the machine has less
+    than `min_free_bytes` available: it lowers the tier's capacity, evicts LRU host entries through the tree's own
+    host eviction, moves the remaining rows into the lowest segments and frees the rest. Such an episode is logged
+    once and counted (stats.pressure_events, stats.released_bytes); capacity returns when memory does.
+
+    Ids handed to the tree (pages, snapshot slots) are logical: they stay valid when rows move between segments."""
+
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool, num_pages: int, num_snapshots: int, *,
+                 min_free_bytes: int = 0, available_memory: Callable[[], int] | None = None,
+                 segment_bytes: int | None = None) -> None:
+        """num_pages / num_snapshots: the memory plan's split of cache.host.size_gb (the most ever allocated);
+        min_free_bytes: cache.host.min_free_gb (0: no floor); segment_bytes: the allocation unit."""
         self.kv_pool, self.state_pool = kv_pool, state_pool
         pin = kv_pool.buffer.is_cuda and torch.cuda.is_available()
-        page_bytes, snap_bytes = kv_pool.bytes_per_page, state_pool.bytes_per_slot
-        self.num_pages, self.num_snapshots = num_pages, num_snapshots
+        self.page_bytes, self.snap_bytes = kv_pool.bytes_per_page, state_pool.bytes_per_slot
+        seg = segment_bytes or SEGMENT_BYTES
         buf = kv_pool.buffer
-        self.kv = torch.zeros((self.num_pages,) + tuple(buf.shape[1:]), dtype=buf.dtype, pin_memory=pin)
-        self.conv = torch.zeros((self.num_snapshots,) + tuple(state_pool.conv.shape[1:]),
-                                dtype=state_pool.conv.dtype, pin_memory=pin)
-        self.ssm = torch.zeros((self.num_snapshots,) + tuple(state_pool.ssm.shape[1:]),
-                               dtype=state_pool.ssm.dtype, pin_memory=pin)
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))
-        self._free_snaps = list(range(self.num_snapshots - 1, -1, -1))
-        self.page_bytes, self.snap_bytes = page_bytes, snap_bytes
+        self._pages = _Rows([(tuple(buf.shape[1:]), buf.dtype)], num_pages,
+                            _rows_per_segment(self.page_bytes, seg), pin)
+        self._snaps = _Rows([(tuple(state_pool.conv.shape[1:]), state_pool.conv.dtype),
+                             (tuple(state_pool.ssm.shape[1:]), state_pool.ssm.dtype)],
+                            num_snapshots, _rows_per_segment(self.snap_bytes, seg), pin)
+        self.max_pages, self.max_snapshots = num_pages, num_snapshots
+        self.min_free_bytes = min_free_bytes
+        self.available_memory: Callable[[], int] = available_memory or host_available_bytes
+        self.under_pressure = False
         self.stats = TierStats()
+
+    # ---- capacity (what the radix tree sees) ----
+    @property
+    def num_pages(self) -> int:
+        """KV pages the tier may hold now: the budget, or what it keeps while memory is short."""
+        return self._pages.limit
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        return self._pages.limit - self._pages.used
+
+    @property
+    def num_snapshots(self) -> int:
+        return self._snaps.limit
 
     @property
     def num_free_snapshots(self) -> int:
-        return len(self._free_snaps)
+        return self._snaps.limit - self._snaps.used
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._pages.allocated_bytes + self._snaps.allocated_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._pages.bytes_in(self._pages.max_segments) + self._snaps.bytes_in(self._snaps.max_segments)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._pages.segments) + len(self._snaps.segments)
+
+    def _may_grow(self, nbytes: int) -> bool:
+        """May the tier take nbytes more? Not when the machine would be left below the floor: then the tier keeps
+        what it has (the tree evicts within it) until memory comes back."""
+        if not self.min_free_bytes:
+            return True
+        available = self.available_memory()
+        if available - nbytes >= self.min_free_bytes:
+            return True
+        self._enter_pressure(available)
+        self._pages.limit = self._pages.rows_in(len(self._pages.segments))
+        self._snaps.limit = self._snaps.rows_in(len(self._snaps.segments))
+        return False
 
     def alloc_pages(self, n: int) -> list[int] | None:
-        if n > len(self._free_pages):
-            return None
-        return [self._free_pages.pop() for _ in range(n)]
+        return self._pages.alloc(n, self._may_grow)
 
     def free_pages(self, pages: list[int]) -> None:
-        self._free_pages.extend(pages)
+        self._pages.free(pages)
 
     def alloc_snapshot(self) -> int | None:
-        return self._free_snaps.pop() if self._free_snaps else None
+        slot = self._snaps.alloc(1, self._may_grow)
+        return slot[0] if slot else None
 
     def free_snapshot(self, slot: int) -> None:
-        self._free_snaps.append(slot)
+        self._snaps.free([slot])
 
     def report(self) -> TierStats:
-        return dataclasses.replace(self.stats, used=self.num_pages - self.num_free_pages, capacity=self.num_pages,
-                                   used_snapshots=self.num_snapshots - self.num_free_snapshots,
-                                   capacity_snapshots=self.num_snapshots)
+        return dataclasses.replace(self.stats, used=self._pages.used, capacity=self.num_pages,
+                                   used_snapshots=self._snaps.used, capacity_snapshots=self.num_snapshots,
+                                   allocated_bytes=self.allocated_bytes, budget_bytes=self.budget_bytes,
+                                   min_free_bytes=self.min_free_bytes)
 
+    # ---- memory pressure ----
+    def _enter_pressure(self, available: int) -> None:
+        if self.under_pressure:
+            return
+        self.under_pressure = True
+        self.stats.pressure_events += 1
+        log.warning("host tier: the machine has %.2f GiB available, below cache.host.min_free_gb (%.2f GiB): "
+                    "giving host memory back (LRU entries evicted, segments freed; %.2f GiB held); further "
+                    "releases in this episode are counted in /metrics, not logged", available / GIB,
+                    self.min_free_bytes / GIB, self.allocated_bytes / GIB)
+
+    def relief_due(self) -> bool:
+        """Should relieve() run? Memory is short, or an episode can end. Cheap (one probe), any thread."""
+        if not self.min_free_bytes:
+            return False
+        available = self.available_memory()
+        if available < self.min_free_bytes:                 # something to give back (or an episode to begin)
+            return self.allocated_bytes > 0 or not self.under_pressure
+        return self.under_pressure and self._can_recover(available)
+
+    def _can_recover(self, available: int) -> bool:
+        """Memory is back: one more segment would still leave the floor free."""
+        grow = max(self._pages.bytes_in(len(self._pages.segments) + 1) - self._pages.allocated_bytes,
+                   self._snaps.bytes_in(len(self._snaps.segments) + 1) - self._snaps.allocated_bytes)
+        return available - grow >= self.min_free_bytes
+
+    def relieve(self, tree) -> int:
+        """Engine thread. While the machine has less than min_free_bytes available: lower the capacity segment by
+        segment (the larger part gives first), evict LRU host entries through `tree` (a RadixCache) down to it,
+        compact and free the emptied segments, probe again. Ends an episode once memory is back. Returns the bytes
+        given back."""
+        if not self.min_free_bytes:
+            return 0
+        available = self.available_memory()
+        if available >= self.min_free_bytes:
+            if self.under_pressure and self._can_recover(available):
+                self.under_pressure = False
+                self._pages.limit, self._snaps.limit = self._pages.total, self._snaps.total
+                log.info("host tier: %.2f GiB available again; the tier may grow back to %.2f GiB",
+                         available / GIB, self.budget_bytes / GIB)
+            return 0
+        self._enter_pressure(available)
+        pages, snaps = self._pages, self._snaps
+        released = 0
+        while available < self.min_free_bytes and (pages.segments or snaps.segments):
+            keep_p, keep_s, freed = len(pages.segments), len(snaps.segments), 0
+            while freed < self.min_free_bytes - available and (keep_p or keep_s):
+                if keep_p and (not keep_s or pages.bytes_in(keep_p) >= snaps.bytes_in(keep_s)):
+                    keep_p -= 1
+                    freed += pages.bytes_in(keep_p + 1) - pages.bytes_in(keep_p)
+                else:
+                    keep_s -= 1
+                    freed += snaps.bytes_in(keep_s + 1) - snaps.bytes_in(keep_s)
+            pages.limit, snaps.limit = pages.rows_in(keep_p), snaps.rows_in(keep_s)
+            self._evict(tree)
+            keep_p, keep_s = max(keep_p, pages.segments_for(pages.used)), max(keep_s, snaps.segments_for(snaps.used))
+            pages.limit, snaps.limit = pages.rows_in(keep_p), snaps.rows_in(keep_s)
+            freed = pages.shrink_to(keep_p) + snaps.shrink_to(keep_s)
+            if not freed:                # what is left is held by running requests' paths: try again later
+                break
+            released += freed
+            available = self.available_memory()
+        if released and self.kv_pool.buffer.is_cuda and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()         # pinned blocks go back to the OS, not to torch's host cache
+        self.stats.released_bytes += released
+        return released
+
+    def _evict(self, tree) -> None:
+        """Evict LRU host entries until the rows in use fit the lowered limits, through the tree's own host
+        eviction (it keeps the tree's invariants: host-only nodes go with their copy, children before parents, a
+        snapshot a running request may still load stays). What it cannot evict stays, and so do its segments."""
+        if self._pages.used > self._pages.limit:
+            tree._host_alloc_pages(0, protect=None)         # evicts while num_free_pages < 0
+        while self._snaps.used > self._snaps.limit:
+            slot = tree._host_alloc_snapshot(protect=None)  # alloc fails over the limit: it evicts one and
+            if slot is None:                                # hands its slot over, which goes back here
+                break
+            self.free_snapshot(slot)
+
+    # ---- copies (engine thread) ----
     def _timed(self, nbytes: int, outward: bool):
         t0 = time.perf_counter()
 
@@ -161,26 +452,43 @@ class HostTier:
         return done
 
     def save_pages(self, device_pages: list[int], host_pages: list[int]) -> None:
+        assert len(device_pages) == len(host_pages), "copy with mismatched index counts"
         done = self._timed(len(host_pages) * self.page_bytes, outward=False)
-        _copy_rows(self.kv, host_pages, self.kv_pool.buffer, device_pages)
+        self._pages.write(host_pages, [self.kv_pool.buffer], device_pages)
         done()
 
     def load_pages(self, host_pages: list[int], device_pages: list[int]) -> None:
+        assert len(device_pages) == len(host_pages), "copy with mismatched index counts"
         done = self._timed(len(host_pages) * self.page_bytes, outward=True)
-        _copy_rows(self.kv_pool.buffer, device_pages, self.kv, host_pages)
+        self._pages.read(host_pages, [self.kv_pool.buffer], device_pages)
         done()
 
     def save_snapshot(self, device_slot: int, host_slot: int) -> None:
         done = self._timed(self.snap_bytes, outward=False)
-        _copy_rows(self.conv, [host_slot], self.state_pool.conv, [device_slot])
-        _copy_rows(self.ssm, [host_slot], self.state_pool.ssm, [device_slot])
+        self._snaps.write([host_slot], [self.state_pool.conv, self.state_pool.ssm], [device_slot])
         done()
 
     def load_snapshot(self, host_slot: int, device_slot: int) -> None:
         done = self._timed(self.snap_bytes, outward=True)
-        _copy_rows(self.state_pool.conv, [device_slot], self.conv, [host_slot])
-        _copy_rows(self.state_pool.ssm, [device_slot], self.ssm, [host_slot])
+        self._snaps.read([host_slot], [self.state_pool.conv, self.state_pool.ssm], [device_slot])
         done()
+
+    def read_pages(self, host_pages: list[int]) -> torch.Tensor:
+        """A CPU copy [len(host_pages), *page shape] of host pages (for the file tier's writer)."""
+        return self._pages.gather(host_pages)[0]
+
+    def read_snapshot(self, host_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU copies (conv, ssm) of one host snapshot."""
+        conv, ssm = self._snaps.gather([host_slot])
+        return conv[0], ssm[0]
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """Every KV page by logical id, as one CPU copy (free ids read as zeros): for tests and benchmarks."""
+        out = torch.zeros((self.max_pages,) + self._pages.specs[0][0], dtype=self._pages.specs[0][1])
+        used = [i for i in range(self.max_pages) if self._pages._where[i] >= 0]
+        self._pages.read(used, [out], used)
+        return out
 
 
 WEIGHT_SAMPLES = 4096      # values read from each tensor for the weight digest
@@ -239,11 +547,11 @@ class Blob:
     ssm: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
-    path: Path
-    size: int
-    last_use: float
+    name: str                   # file name in the folder (a Path per blob would cost more than the listing)
+    size: int = -1              # bytes; -1 until read (blobs found at start are stat'ed in the background)
+    last_use: float = 0.0       # time.time() of the last write or read; a found blob's mtime
 
 
 @dataclass
@@ -262,7 +570,9 @@ class FileTier:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._index: dict[bytes, dict[bytes, _Entry]] = {}      # start hash -> end hash -> blob
-        self._total = 0
+        self._lru: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()   # least recently used first
+        self._count = 0
+        self._total = 0                                          # bytes of the blobs whose size is known
         self._warned: set[str] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-file-write")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-file-read")
@@ -278,42 +588,111 @@ class FileTier:
 
     # ---- index ----
     def _scan(self) -> None:
-        if not self.folder.is_dir():
+        """Index the folder from its names alone (one listing, no per-file stat or open), so a restart with 100,000
+        blobs serves hits at once; their sizes and ages are read by the writer thread before its first write
+        (`_stat_found`), which is all eviction needs them for."""
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
             return
-        for p in self.folder.iterdir():
-            if p.name.startswith(".tmp-"):           # left by a writer that was killed mid-write
-                _unlink(p)
-                continue
-            if not p.name.endswith(SUFFIX):
-                continue
-            try:
-                start, end = p.name[:-len(SUFFIX)].split("-")
-                st = p.stat()
-                self._add(bytes.fromhex(start), bytes.fromhex(end), _Entry(p, st.st_size, st.st_mtime))
-            except (ValueError, OSError):
-                continue
-        log.info("file tier %s: %d blobs, %.2f GiB", self.folder, self.num_blobs, self._total / (1 << 30))
+        name_len, fromhex, index = 2 * 64 + 1 + len(SUFFIX), bytes.fromhex, self._index
+        found: list[tuple[bytes, bytes]] = []
+        collecting = gc.isenabled()
+        gc.disable()            # 100,000 new objects would run the collector over them again and again (~40% here)
+        try:
+            for name in names:
+                if len(name) != name_len or name[64] != "-" or not name.endswith(SUFFIX):
+                    if name.startswith(".tmp-"):     # left by a writer that was killed mid-write
+                        _unlink(self.folder / name)
+                    continue
+                try:
+                    start, end = fromhex(name[:64]), fromhex(name[65:129])
+                except ValueError:
+                    continue
+                ends = index.get(start)
+                if ends is None:
+                    index[start] = {end: _Entry(name)}
+                else:
+                    ends[end] = _Entry(name)
+                found.append((start, end))
+            self._lru = OrderedDict.fromkeys(found)
+            self._count = len(self._lru)
+        finally:
+            if collecting:
+                gc.enable()
+        log.info("file tier %s: %d blobs indexed", self.folder, self._count)
+        if found:
+            self._pending.append(self._writer.submit(self._stat_found, found))
+
+    def _stat_found(self, found: list[tuple[bytes, bytes]]) -> None:
+        """Writer thread, first job: the sizes and ages of the blobs found at start, LRU order by age (blobs read or
+        rewritten since the scan stay the most recent), then evict down to size_gb. The index lock is taken in short
+        batches, so the engine thread's lookups never wait long. A blob that went away meanwhile leaves the index."""
+        stats: list[tuple[float, int, bytes, bytes]] = []
+        gone: list[tuple[bytes, bytes]] = []
+        fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            for start, end in found:
+                try:
+                    st = os.stat(f"{start.hex()}-{end.hex()}{SUFFIX}", dir_fd=fd)
+                    stats.append((st.st_mtime, st.st_size, start, end))
+                except OSError:
+                    gone.append((start, end))
+        finally:
+            os.close(fd)
+        stats.sort(key=lambda t: t[0], reverse=True)   # newest first: each goes to the front, the oldest ends first
+        for i in range(0, len(stats), STAT_BATCH):
+            with self._lock:
+                for mtime, size, start, end in stats[i:i + STAT_BATCH]:
+                    entry = self._index.get(start, {}).get(end)
+                    if entry is None or entry.size >= 0:         # removed, or rewritten since the scan
+                        continue
+                    entry.size = size
+                    self._total += size
+                    if entry.last_use == 0.0:                     # not read since the scan
+                        entry.last_use = mtime
+                        self._lru.move_to_end((start, end), last=False)
+        with self._lock:
+            for start, end in gone:
+                entry = self._index.get(start, {}).get(end)
+                if entry is not None and entry.size < 0:
+                    self._forget(start, end)
+        while True:
+            with self._lock:
+                if not self._evict_to_limit(STAT_BATCH):
+                    break
+        log.info("file tier %s: %d blobs, %.2f GiB", self.folder, self.num_blobs, self._total / GIB)
 
     def _add(self, start: bytes, end: bytes, entry: _Entry) -> None:
         old = self._index.setdefault(start, {}).get(end)
         if old is not None:
-            self._total -= old.size
+            self._total -= max(0, old.size)
+        else:
+            self._count += 1
         self._index[start][end] = entry
-        self._total += entry.size
+        self._lru[(start, end)] = None
+        self._lru.move_to_end((start, end))
+        self._total += max(0, entry.size)
 
-    def _remove(self, start: bytes, end: bytes) -> None:
+    def _forget(self, start: bytes, end: bytes) -> _Entry | None:
         entry = self._index.get(start, {}).pop(end, None)
         if entry is None:
-            return
+            return None
         if not self._index[start]:
             del self._index[start]
-        self._total -= entry.size
-        _unlink(entry.path)
+        del self._lru[(start, end)]
+        self._count -= 1
+        self._total -= max(0, entry.size)
+        return entry
+
+    def _remove(self, start: bytes, end: bytes) -> None:
+        entry = self._forget(start, end)
+        if entry is not None:
+            _unlink(self.folder / entry.name)
 
     @property
     def num_blobs(self) -> int:
-        with self._lock:             # the writer thread changes the index
-            return sum(len(v) for v in self._index.values())
+        return self._count
 
     def report(self) -> TierStats:
         return dataclasses.replace(self.stats, used=self.used_bytes, capacity=self.size_bytes, blobs=self.num_blobs,
@@ -373,16 +752,21 @@ class FileTier:
             _unlink(tmp)          # raises nothing, also when the folder itself is gone or is not a folder
             return
         with self._lock:
-            self._add(blob.start_hash, blob.end_hash, _Entry(self.folder / name, size, time.time()))
+            self._add(blob.start_hash, blob.end_hash, _Entry(name, size, time.time()))
             self._evict_to_limit()
             self.stats.bytes_in += size
             self.stats.seconds += time.perf_counter() - t0
 
-    def _evict_to_limit(self) -> None:
-        while self._total > self.size_bytes:
-            start, end, _ = min(((s, e, en) for s, d in self._index.items() for e, en in d.items()),
-                                key=lambda t: t[2].last_use)
+    def _evict_to_limit(self, most: int | None = None) -> bool:
+        """Remove least recently used blobs while over size_gb (at most `most` of them); True if more remain to go."""
+        n = 0
+        while self._total > self.size_bytes and self._lru:
+            if most is not None and n >= most:
+                return True
+            start, end = next(iter(self._lru))
             self._remove(start, end)
+            n += 1
+        return False
 
     def flush(self, timeout: float) -> bool:
         """Wait (bounded) for queued writes; True when all of them completed."""
@@ -461,7 +845,7 @@ class FileTier:
     def _read(self, start: bytes, end: bytes, entry: _Entry, expect_tokens: list[int]) -> Blob | None:
         t0 = time.perf_counter()
         try:
-            data = entry.path.read_bytes()
+            data = (self.folder / entry.name).read_bytes()
         except OSError:
             self._bad(start, end, "unreadable")
             return None
@@ -501,9 +885,12 @@ class FileTier:
             off += conv_len
             ssm = tensor(ssm_len, torch.float32, self.ssm_shape)
         now = time.time()
-        entry.last_use = now
+        with self._lock:
+            entry.last_use = now
+            if (start, end) in self._lru:
+                self._lru.move_to_end((start, end))
         try:
-            os.utime(entry.path, (now, now))
+            os.utime(self.folder / entry.name, (now, now))
         except OSError:
             pass
         self.stats.bytes_out += len(data)
@@ -537,12 +924,12 @@ class Tiers:
                    host_pages: list[int] | None, snapshot: int | None, host_snapshot: int | None) -> None:
         """Queue one node for the file tier, copied from the host tier where it has a copy, else the device."""
         if host_pages is not None:
-            kv = self.host.kv[host_pages].clone()
+            kv = self.host.read_pages(host_pages)
         else:
             kv = self.kv_pool.buffer[torch.tensor(pages, device=self.kv_pool.buffer.device)].to("cpu")
         conv = ssm = None
         if host_snapshot is not None:
-            conv, ssm = self.host.conv[host_snapshot].clone(), self.host.ssm[host_snapshot].clone()
+            conv, ssm = self.host.read_snapshot(host_snapshot)
         elif snapshot is not None:
             conv = self.state_pool.conv[snapshot].to("cpu", copy=True)
             ssm = self.state_pool.ssm[snapshot].to("cpu", copy=True)
