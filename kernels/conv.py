@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels.gdn import slot_run
+from tinyserve.kernels.gdn import VerifyLayout, pad_to_layout, slot_run
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -42,3 +42,16 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     else:
         conv_state.index_copy_(0, slot_ids, window[..., 1:].to(conv_state.dtype))
     return F.silu(torch.linalg.vecdot(window, weight))
+
+
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         lay: VerifyLayout) -> torch.Tensor:
+    """Speculative verify: the decode conv (the same per-token sum) over each sequence's 1 + k tokens at once,
+    keeping the history after every token in its own slot (lay: kernels.gdn.VerifyLayout). x [T, C]."""
+    C, K = weight.shape
+    hist = conv_state.index_select(0, lay.in_slots).to(x.dtype)                          # [N, C, K-1]
+    window = torch.cat([hist, pad_to_layout(x, lay).transpose(1, 2)], dim=-1)           # [N, C, K-1+L]
+    out = F.silu(torch.linalg.vecdot(window.unfold(2, K, 1), weight[:, None, :]))       # [N, C, L]
+    after = window.unfold(2, K - 1, 1)[:, :, 1:]                  # [N, C, L, K-1]: the history after token t
+    conv_state.index_copy_(0, lay.out_slots, lay.unpad(after.transpose(1, 2)).to(conv_state.dtype))
+    return lay.unpad(out.transpose(1, 2))

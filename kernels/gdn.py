@@ -146,3 +146,65 @@ def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch
     if first is None:
         state.index_copy_(0, slot_ids, S.to(state.dtype))
     return (q @ S).squeeze(-2).to(v.dtype)                               # S^T q
+
+
+@dataclass(frozen=True)
+class VerifyLayout:
+    """The speculative-verify sequences of a step, padded to [N, L] (L: the longest, 1 + its drafts).
+
+    rows[i, t] is the token row (counted from the first verify token) of token t of sequence i, or T, an all-zero
+    padding row, past its end: a zero token leaves the GDN state and its conv history untouched. `valid` lists the
+    flat indices i * L + t of the real tokens, which in this order are the token rows 0..T-1. Sequence i reads its
+    state from in_slots[i]; the state after its token t goes to its own slot (out_slots, one per real token)."""
+    rows: torch.Tensor           # [N, L] int64
+    valid: torch.Tensor | None   # [T] int64; None when every sequence has L tokens (no padding: views, no gathers)
+    in_slots: torch.Tensor       # [N] int64
+    out_slots: torch.Tensor      # [T] int64
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, L, ...] -> the [T, ...] real tokens in token order."""
+        flat = x.flatten(0, 1)
+        return flat if self.valid is None else flat[self.valid]
+
+
+def verify_layout(cu_seqlens: list[int], in_slots: list[int], out_slots: list[list[int]], device) -> VerifyLayout:
+    n = [cu_seqlens[i + 1] - cu_seqlens[i] for i in range(len(in_slots))]
+    L, T = max(n), cu_seqlens[-1]
+    rows = [[cu_seqlens[i] + t if t < n[i] else T for t in range(L)] for i in range(len(n))]
+    valid = None if T == L * len(n) else torch.tensor([i * L + t for i in range(len(n)) for t in range(n[i])],
+                                                      device=device)
+    return VerifyLayout(torch.tensor(rows, device=device), valid,
+                        torch.tensor(in_slots, device=device),
+                        torch.tensor([s for i, slots in enumerate(out_slots) for s in slots[:n[i]]], device=device))
+
+
+def pad_to_layout(x: torch.Tensor, lay: VerifyLayout) -> torch.Tensor:
+    """[T, ...] token rows -> [N, L, ...] (zeros past each sequence's end)."""
+    if lay.valid is None:
+        return x.reshape(lay.rows.shape + x.shape[1:])
+    return torch.cat([x, x.new_zeros((1,) + x.shape[1:])])[lay.rows]
+
+
+def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, state: torch.Tensor, lay: VerifyLayout) -> torch.Tensor:
+    """Speculative verify: the decode recurrence (the same ops, so the same numbers as decoding the tokens one step
+    at a time) over each sequence's 1 + k tokens, batched over sequences, keeping the state after every token in
+    its own slot, so the state after the last accepted token can become the sequence's state as it is."""
+    HV, dv = v.shape[1], v.shape[2]
+    qp = pad_to_layout(_expand_heads(q, HV).float(), lay)                 # [N, L, HV, dk]
+    kp = pad_to_layout(_expand_heads(k, HV).float(), lay)
+    vp, gp, bp = pad_to_layout(v.float(), lay), pad_to_layout(g.float(), lay), pad_to_layout(beta.float(), lay)
+    S = state.index_select(0, lay.in_slots)
+    S = S.float() if S.dtype != torch.float32 else S                       # [N, HV, dk, dv], a copy
+    N, L = lay.rows.shape
+    states = S.new_empty((N, L) + S.shape[1:])
+    out = S.new_empty((N, L, HV, dv))
+    for t in range(L):
+        S.mul_(gp[:, t].exp()[..., None, None])
+        pred = (kp[:, t].unsqueeze(-2) @ S).squeeze(-2)                    # S^T k
+        delta = bp[:, t].unsqueeze(-1) * (vp[:, t] - pred)
+        S.addcmul_(kp[:, t].unsqueeze(-1), delta.unsqueeze(-2))           # S += k delta^T
+        out[:, t] = (qp[:, t].unsqueeze(-2) @ S).squeeze(-2)              # S^T q
+        states[:, t] = S
+    state.index_copy_(0, lay.out_slots, lay.unpad(states).to(state.dtype))
+    return lay.unpad(out).to(v.dtype)

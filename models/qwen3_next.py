@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv
-from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill
-from tinyserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_decode
+from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill, causal_conv1d_verify
+from tinyserve.kernels.gdn import (VerifyLayout, chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
+                                   recurrent_gated_delta_rule_verify)
 from tinyserve.kernels.linear import linear
 from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm
 from tinyserve.models.config import ModelConfig  # noqa: F401 - re-exported
@@ -26,7 +27,10 @@ from tinyserve.models.config import ModelConfig  # noqa: F401 - re-exported
 class ForwardBatch:
     """One step's packed tokens: no padding; sequence i owns tokens cu_seqlens[i]:cu_seqlens[i+1].
 
-    The first `num_decode` sequences contribute exactly one token each (decode), the rest are prefill chunks.
+    The first `num_decode` sequences contribute exactly one token each (decode); the next `num_verify` are
+    speculative verifies (the last accepted token plus the drafts), whose GDN layers run the decode recurrence token
+    by token and keep the state after each token (`verify`, a kernels.gdn.VerifyLayout, token rows counted from the
+    first verify token); the rest are prefill chunks. For attention a verify is a short prefill chunk.
     Tensors are laid out for the GPU path too (int32 page table, int64 slot mapping, int32 state slots).
     """
 
@@ -40,6 +44,8 @@ class ForwardBatch:
     state_slots: list[int]           # [N] GDN state slot of each sequence
     state_slots_t: torch.Tensor      # [N] int64, same values on the device
     num_decode: int                  # leading sequences with one token each
+    num_verify: int = 0              # speculative verifies after them
+    verify: VerifyLayout | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -153,19 +159,25 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
 
-        nd = batch.num_decode                       # decode tokens are the first nd tokens
+        nd, nv = batch.num_decode, batch.num_verify      # decode tokens are the first nd tokens, then verifies
         parts = []
         if nd:
             u = causal_conv1d_decode(mixed[:nd], self.conv_weight, conv_state, batch.state_slots_t[:nd])
             q, k, v = self._split_heads(u)
             parts.append(recurrent_gated_delta_rule_decode(q, k, v, g[:nd], beta[:nd], ssm_state,
                                                            batch.state_slots_t[:nd]))
-        if batch.num_seqs > nd:
-            cu = [c - nd for c in batch.cu_seqlens[nd:]]
-            slots = batch.state_slots[nd:]
-            u = causal_conv1d_prefill(mixed[nd:], self.conv_weight, conv_state, cu, slots)
+        vs, ve = nd, batch.cu_seqlens[nd + nv]           # the verify tokens
+        if nv:
+            u = causal_conv1d_verify(mixed[vs:ve], self.conv_weight, conv_state, batch.verify)
             q, k, v = self._split_heads(u)
-            parts.append(chunk_gated_delta_rule(q, k, v, g[nd:], beta[nd:], ssm_state, cu, slots))
+            parts.append(recurrent_gated_delta_rule_verify(q, k, v, g[vs:ve], beta[vs:ve], ssm_state,
+                                                           batch.verify))
+        if batch.num_seqs > nd + nv:
+            cu = [c - ve for c in batch.cu_seqlens[nd + nv:]]
+            slots = batch.state_slots[nd + nv:]
+            u = causal_conv1d_prefill(mixed[ve:], self.conv_weight, conv_state, cu, slots)
+            q, k, v = self._split_heads(u)
+            parts.append(chunk_gated_delta_rule(q, k, v, g[ve:], beta[ve:], ssm_state, cu, slots))
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         y = gated_rms_norm(o, z.reshape(T, self.nv, self.dv), self.norm_weight, self.cfg.rms_norm_eps)
         return linear(y.reshape(T, vd), self.out_proj)
@@ -428,6 +440,12 @@ class Qwen3NextForCausalLM(nn.Module):
                     kv_layer: int) -> torch.Tensor:
         """NEXTN draft logits. hidden [T, H] final hidden states at positions p, next_ids [T] tokens at p+1;
         batch describes positions p and the MTP layer's own KV pages in pool layer `kv_layer`."""
+        return self.compute_logits(self.mtp_hidden(next_ids, hidden, batch, kv_pool, kv_layer))
+
+    def mtp_hidden(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_pool,
+                   kv_layer: int) -> torch.Tensor:
+        """The NEXTN head's output after mtp.norm [T, H]: what its logits are computed from, and the hidden the
+        next draft step takes in place of the target's (a chain of drafts)."""
         assert self.mtp is not None, "this checkpoint has no mtp.* weights"
         eps, m = self.cfg.rms_norm_eps, self.mtp
         e = rms_norm(F.embedding(next_ids, self.embed_tokens), m.pre_fc_norm_embedding, eps)
@@ -436,4 +454,4 @@ class Qwen3NextForCausalLM(nn.Module):
         kv = kv_pool.layer(kv_layer)
         for layer in m.layers:
             u = layer(u, lambda h: layer.mixer(h, batch, kv, self.rotary, cos_sin))
-        return self.compute_logits(rms_norm(u, m.norm, eps))
+        return rms_norm(u, m.norm, eps)

@@ -263,3 +263,34 @@ def make_header_only(path: str | Path, config: dict, dtype_tag: str = "BF16") ->
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
     return folder
+
+
+def make_agreeing_head(folder: str | Path, *, mix: float = 0.0, head_noise: float = 0.0, seed: int = 0) -> None:
+    """Rewrite a checkpoint with `mtp.*` so its NEXTN head agrees with the model by construction (for speculative
+    decoding tests and benchmarks; random heads accept almost nothing).
+
+    Every layer's output projections (attention o_proj, GDN out_proj, MLP / expert down projections) are scaled by
+    `mix`: at 0 each layer passes its input through, so the final hidden state at p is norm(embed(x_p)) and the next
+    token depends on x_p alone. The head's fc passes the (normed) token embedding through ([I | 0]), its own layer
+    adds nothing, and mtp.norm is the model's final norm: its logits at p are the model's logits at p+1, so it drafts
+    exactly the model's next token. mix > 0 gives the model real dependence on its context (the GDN states, the KV)
+    that the head cannot see, and head_noise perturbs fc: both lower acceptance.
+    """
+    t = read_tensors(folder)
+    g = torch.Generator().manual_seed(seed)
+    outputs = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "down_proj.weight", "experts.down_proj")
+    for name in list(t):
+        if name.startswith("mtp."):
+            continue
+        if name.endswith(outputs):
+            t[name] = t[name] * mix
+    H = t["mtp.fc.weight"].shape[0]
+    fc = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
+    t["mtp.fc.weight"] = fc + head_noise * torch.randn(fc.shape, generator=g)
+    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(H)
+    final_norm = "model.norm.weight" if "model.norm.weight" in t else "model.language_model.norm.weight"
+    t["mtp.norm.weight"] = t[final_norm].clone()
+    for name in list(t):
+        if name.startswith("mtp.layers.") and name.endswith(outputs):
+            t[name] = torch.zeros_like(t[name])
+    write_tensors(folder, t)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .protocol import (MAX_STOP_STRINGS, APIError, Chat, ChatRequest, ChatStreamChoice, ChoiceResult, Delta,
-                       Endpoint, EndpointStream, GenerationOptions, Meta, Usage, _integer, _number, bad_request,
+                       Endpoint, EndpointStream, GenerationOptions, Meta, Usage, _boolean, _integer, _number, bad_request,
                        dumps)
 from .sampling import SamplingParams
 
@@ -264,7 +264,7 @@ def parse_messages_request(body: dict, keep_billing_header: bool = False, count_
     if stream is not None and not isinstance(stream, bool):
         raise bad_request(f"stream must be a boolean, got {stream!r}", "stream")
     params = SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-                            top_k=_integer(body, "top_k", 0))
+                            top_k=_integer(body, "top_k", 0), speculative=_boolean(body, "speculative", True))
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_tokens",
                                 stop=_stop_sequences(body), n=1, stream=bool(stream), include_usage=True,
                                 return_token_ids=False)

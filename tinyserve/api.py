@@ -252,8 +252,16 @@ class Generation:
                 self.metrics.on_tokens(len(events), None if last is None else now - last)
             last = now
             ids = [e.token_id for e in events]
+            if len(ids) == 1:
+                text = detok.add(ids)
+            else:                                     # a NEXTN run: token by token, so nothing after a stop counts
+                text = ""
+                for k, token_id in enumerate(ids):
+                    text += detok.add([token_id])
+                    if detok.stopped:
+                        ids, events = ids[:k + 1], events[:k + 1]
+                        break
             self.completion_tokens += len(ids)
-            text = detok.add(ids)
             if detok.stopped:                         # a stop string: the rest of the text is cut
                 stream.cancel()
                 self._finished(index, "stop")
@@ -314,6 +322,10 @@ class Generation:
             first = self.streams[0].result    # the other choices share the prompt (and hit what the first wrote)
             usage.cached_tokens = first.cached_tokens
             usage.cached_tokens_by_tier = dict(first.cached_tokens_by_tier)
+        if self.engine.nextn is not None:
+            results = [s.result for s in self.streams]
+            usage.accepted_prediction_tokens = sum(r.accepted_draft_tokens for r in results)
+            usage.rejected_prediction_tokens = sum(r.draft_tokens - r.accepted_draft_tokens for r in results)
         return usage
 
 

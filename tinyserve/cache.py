@@ -4,7 +4,8 @@
                 ready(req)          may req be admitted now? (the prefetch policy)
     admission:  admit(req)          promote host / file copies onto the device, match, share the matched pages,
                                     copy the state snapshot, lock the path
-    each step:  advance(req, pos, is_decode)   take the state snapshots that fall due
+    each step:  advance(req, pos, is_decode, slot)   take the state snapshots that fall due (from `slot`, the
+                                    state at pos: a speculative verify keeps one per verified token)
     end:        finish(req)         cache what the request computed;  release(req): unlock (also on preemption)
     room:       make_room(pages)    evict unlocked cached pages until `pages` are free
 
@@ -75,7 +76,7 @@ class NullCache:
     def admit(self, req: Request) -> None:
         self.state_pool.zero(req.state_slot)
 
-    def advance(self, req: Request, pos: int, is_decode: bool) -> None:
+    def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None:
         pass
 
     def finish(self, req: Request) -> None:
@@ -181,28 +182,30 @@ class PrefixCache:
         return min(later) if later else None
 
     # ---- after each step ----
-    def advance(self, req: Request, pos: int, is_decode: bool) -> None:
-        """req has computed up to pos: take the snapshots that fall due there."""
+    def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None:
+        """req has computed up to pos, and `slot` (default: its state slot) holds its state there: take the
+        snapshots that fall due at pos."""
         run, ps = req.cache_run, self.page_size
+        slot = req.state_slot if slot is None else slot
         if pos in run.snapshot_points or (is_decode and pos % self.track_interval == 0):
-            self._snapshot(req, pos)
+            self._snapshot(req, pos, slot)
         elif is_decode and self.hybrid and ps > 1 and pos % ps == 0:   # keep the state at the last page boundary
             if run.track_slot is None:
                 run.track_slot = self.tree.alloc_snapshot()
             if run.track_slot is not None:
-                self.state_pool.copy(req.state_slot, run.track_slot)
+                self.state_pool.copy(slot, run.track_slot)
                 run.track_pos = pos
 
-    def _snapshot(self, req: Request, pos: int) -> None:
-        """Cache tokens [0, pos) of req with a copy of its current state (which is the state at pos)."""
+    def _snapshot(self, req: Request, pos: int, slot: int | None = None) -> None:
+        """Cache tokens [0, pos) of req with a copy of `slot` (default: its state slot), its state at pos."""
         if not self.hybrid:                                # no recurrent state: the KV pages are enough
             self.tree.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], None)
             return
-        slot = self.tree.alloc_snapshot()
-        if slot is None:
+        snap = self.tree.alloc_snapshot()
+        if snap is None:
             return
-        self.state_pool.copy(req.state_slot, slot)
-        self.tree.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], slot)
+        self.state_pool.copy(req.state_slot if slot is None else slot, snap)
+        self.tree.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], snap)
 
     # ---- end ----
     def finish(self, req: Request) -> None:

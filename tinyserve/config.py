@@ -136,6 +136,7 @@ class SpeculativeSection(_Section):
     algorithm: str = _opt("", choices=SPEC_ALGORITHMS)
     num_steps: int = _opt(3, ge=1)
     num_draft_tokens: int = _opt(4, ge=1)
+    max_running: int = _opt(4, ge=0)
 
 
 @dataclass
@@ -188,6 +189,13 @@ class Config(_Section):
                 f"cache.state_track_interval must be a multiple of engine.page_size ({page}) and at least "
                 f"that large, found {interval}",
                 "cache.state_track_interval",
+            )
+        spec = self.speculative
+        if spec.algorithm == "nextn" and spec.num_draft_tokens != spec.num_steps + 1:
+            raise ConfigError(
+                f"speculative.num_draft_tokens must be speculative.num_steps + 1 = {spec.num_steps + 1} for nextn "
+                f"(chain drafting verifies the drafts plus one token), found {spec.num_draft_tokens}",
+                "speculative.num_draft_tokens",
             )
         if self.cache.file.dir and self.cache.file.size_gb == 0:
             raise ConfigError(

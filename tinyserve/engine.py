@@ -46,7 +46,7 @@ from tinyserve.request import TIERS, Request, Status
 from tinyserve.runner import ModelRunner
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import Scheduler
-from tinyserve.spec import SpecStats
+from tinyserve.spec import NextNSetup, SpecStats
 from tinyserve.state import StatePool
 from tinyserve.tiers import FileTier, HostTier, Tiers, model_fingerprint
 
@@ -178,21 +178,27 @@ class Engine:
         self.context_length = plan.context_length
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = sorted(set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
-        if cfg.speculative.algorithm:   # accepted so production configs stay valid; not built yet: say so
-            log.warning("speculative.algorithm: not implemented in this version yet; running without it")
+        self.nextn: NextNSetup | None = None
+        if plan.nextn_layers:
+            sp = cfg.speculative
+            self.nextn = NextNSetup(sp.num_steps, sp.max_running, kv_layer=len(mc.attn_layer_ids))
+        self.spec_stats = SpecStats()
         device = model.device
         kv_dtype = torch_dtype(plan.kv_dtype)
-        self.kv_pool = KVPool(plan.kv_pages, plan.page_size, len(mc.attn_layer_ids), mc.num_key_value_heads,
+        self.kv_pool = KVPool(plan.kv_pages, plan.page_size, plan.kv_layers, mc.num_key_value_heads,
                               mc.head_dim, kv_dtype, device)
         self.allocator = PageAllocator(plan.kv_pages)
-        self.state_pool = StatePool(plan.state_slots, len(mc.gdn_layer_ids), mc.conv_dim, mc.linear_conv_kernel_dim,
+        self.state_pool = StatePool(plan.state_slots + plan.verify_slots, len(mc.gdn_layer_ids), mc.conv_dim,
+                                    mc.linear_conv_kernel_dim,
                                     mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
                                     model.dtype, device, num_snapshot_slots=plan.snapshot_slots)
         self._work = threading.Event()           # set when the engine thread has something to do
         self.cache = self._build_cache(cfg, plan) if cfg.cache.enabled else NullCache(self.state_pool)
         self.scheduler = Scheduler(self.allocator, self.state_pool, plan.page_size, cfg.engine.max_running_requests,
-                                   cfg.engine.chunked_prefill_size, self.cache)
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, self.eos_token_ids)
+                                   cfg.engine.chunked_prefill_size, self.cache,
+                                   lookahead=self.nextn.num_steps if self.nextn else 0)
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, self.eos_token_ids, self.nextn,
+                                  self.context_length)
         if plan.device == "cpu":         # pick this CPU's faster GEMM route on the model's own shapes
             shapes = {tuple(p.shape): p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
             log.info("CPU GEMM route: %s", calibrate_linear(list(shapes.values())))
@@ -365,31 +371,45 @@ class Engine:
         seqs = sched.schedule()
         if not seqs:
             return events
-        out = self.runner.step(seqs)
-        sched.advance(seqs)
-        if out.result is None:
-            return events
-        r = out.result
-        tokens = r.tokens.tolist()
-        logprobs = r.logprobs.tolist() if r.logprobs is not None else None
-        top_ids = r.top_ids.tolist() if r.top_ids is not None else None
-        top_lps = r.top_logprobs.tolist() if r.top_logprobs is not None else None
-        for row, s in enumerate(out.sampled):
-            req, p, tok = s.req, s.req.params, tokens[row]
-            ev = TokenEvent(tok)
-            if p.logprobs is not None and logprobs is not None:
-                ev.logprob = logprobs[row]
-                if p.logprobs > 0 and top_ids is not None:
-                    ev.top_logprobs = list(zip(top_ids[row][:p.logprobs], top_lps[row][:p.logprobs]))
-            req.output_ids.append(tok)
-            reason = self._finish_reason(req, tok)
-            if req.grammar is not None and not req.grammar.advance(tok) and not reason:
-                # cannot happen with the mask applied; end the request rather than sample from an empty mask
-                log.error("request %s: the grammar rejected token %d (%s)", req.request_id, tok, req.grammar.error)
-                reason = "stop"
-            if reason:
-                sched.finish(req, reason)
-            events.append(self._event(req, [ev]))
+        out = self.runner.step(seqs, len(sched.running))
+        # commit each sequence's tokens one by one: nothing after a stop is kept (a verify may commit several)
+        kept: dict[int, int] = {}
+        reasons: dict[int, str | None] = {}
+        for o in out.outputs:
+            req, reason = o.seq.req, None
+            for n, tok in enumerate(o.tokens, 1):
+                req.output_ids.append(tok)
+                reason = self._finish_reason(req, tok)
+                if req.grammar is not None and not req.grammar.advance(tok) and not reason:
+                    # cannot happen with the mask applied; end the request rather than sample from an empty mask
+                    log.error("request %s: the grammar rejected token %d (%s)", req.request_id, tok,
+                              req.grammar.error)
+                    reason = "stop"
+                if reason:
+                    kept[id(o.seq)] = n
+                    break
+            else:
+                kept[id(o.seq)] = len(o.tokens)
+            reasons[id(o.seq)] = reason
+        sched.advance(seqs, [kept.get(id(s), 0) for s in seqs])
+        for o in out.outputs:
+            req, p, n = o.seq.req, o.seq.req.params, kept[id(o.seq)]
+            tokens = []
+            for k in range(n):
+                ev = TokenEvent(o.tokens[k])
+                if p.logprobs is not None:
+                    ev.logprob = o.logprobs[k]
+                    if p.logprobs > 0 and o.top is not None:
+                        ev.top_logprobs = o.top[k]
+                tokens.append(ev)
+            drafted = len(o.seq.draft)
+            if drafted:
+                self.spec_stats.observe(drafted, o.accepted)
+                if req.depth is not None:
+                    req.depth.observe(drafted, o.accepted)
+            if reasons[id(o.seq)]:
+                sched.finish(req, reasons[id(o.seq)])
+            events.append(dataclasses.replace(self._event(req, tokens), drafted=drafted, accepted=o.accepted))
         return events
 
     @staticmethod
@@ -502,7 +522,7 @@ class Engine:
                            kv_pages_used=self.allocator.num_used, kv_pages_total=self.allocator.num_pages,
                            state_slots_used=self.state_pool.num_slots - self.state_pool.num_free,
                            state_slots_total=self.state_pool.num_slots, num_preemptions=s.num_preemptions,
-                           cache=self.cache.stats())
+                           cache=self.cache.stats(), spec=self.spec_stats if self.nextn else None)
 
     def flush_cache(self, include_file: bool = False) -> bool:
         """Empty the prefix cache (device and host tiers; the file tier too when asked); False when a running

@@ -69,6 +69,19 @@ class _EngineCollector(Collector):
         counter("prefix_cache_snapshots_evicted", "State snapshots evicted from the prefix cache.",
                 c.snapshots_evicted)
         counter("num_preemptions", "Requests preempted (pages freed, recomputed later).", st.num_preemptions)
+        if st.spec is not None:                   # NEXTN, with vLLM's counters and definitions
+            sp = st.spec
+            counter("spec_decode_num_drafts", "Verify rounds of speculating requests.", sp.num_drafts)
+            counter("spec_decode_num_draft_tokens", "Draft tokens verified.", sp.num_draft_tokens)
+            counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", sp.num_accepted_tokens)
+            per_pos = CounterMetricFamily("tinyserve:spec_decode_num_accepted_tokens_per_pos",
+                                          "Rounds whose draft at this position (0 = first) was accepted.",
+                                          labels=["position"])
+            for i, n in enumerate(sp.accepted_per_pos):
+                per_pos.add_metric([str(i)], float(n))
+            out.append(per_pos)
+            gauge("spec_decode_mean_accept_length", "Tokens committed per verify round since start, the bonus "
+                  "token included (1 + accepted / drafts; 0 before the first round).", sp.mean_accept_length)
         tiers = {name: t for name, t in (("host", c.host), ("file", c.file)) if t is not None}
         if not tiers:
             return out

@@ -42,9 +42,9 @@ def element_size(dtype: str) -> int:
     return DTYPE_TABLE[dtype][1]
 
 
-def kv_bytes_per_token(mc: ModelConfig, kv_dtype: str) -> int:
-    """K and V of every full-attention layer for one token."""
-    return len(mc.attn_layer_ids) * 2 * mc.num_key_value_heads * mc.head_dim * element_size(kv_dtype)
+def kv_bytes_per_token(mc: ModelConfig, kv_dtype: str, nextn_layers: int = 0) -> int:
+    """K and V of every full-attention layer for one token (the NEXTN head's layers are attention layers too)."""
+    return (len(mc.attn_layer_ids) + nextn_layers) * 2 * mc.num_key_value_heads * mc.head_dim * element_size(kv_dtype)
 
 
 def state_bytes_per_slot(mc: ModelConfig, dtype: str) -> int:
@@ -80,6 +80,9 @@ class MemoryPlan:
     state_slots: int             # working GDN state slots: one per running request
     state_bytes_per_slot: int
     snapshot_slots: int          # device slots for prefix-cache state snapshots
+    verify_slots: int = 0        # NEXTN: extra slots for the state after each verified draft (num_steps per request)
+    nextn_layers: int = 0        # NEXTN: its attention layers, stored after the target's in the KV pages
+    kv_layers: int = 0           # attention layers in the KV pages (the target's, then NEXTN's)
     host_pages: int = 0          # host tier (L2): KV pages ...
     host_snapshots: int = 0      # ... and state snapshots
     file_dir: str = ""           # file tier (L3): "" = off
@@ -101,13 +104,22 @@ class MemoryPlan:
         kv_dtype = cfg.model.kv_cache_dtype if cfg.model.kv_cache_dtype != "auto" else dtype
         e, c = cfg.engine, cfg.cache
         hybrid = bool(mc.gdn_layer_ids)
-        per_token = kv_bytes_per_token(mc, kv_dtype)
+        nextn_layers = verify_slots = 0
+        if cfg.speculative.algorithm == "nextn":
+            if mc.num_mtp_layers == 0:
+                raise ConfigError('speculative.algorithm = "nextn" needs the checkpoint\'s NEXTN head, but model.path '
+                                  'has no mtp.* tensors (some quantized releases drop them); set '
+                                  'speculative.algorithm = "" or use a checkpoint with mtp.* weights',
+                                  "speculative.algorithm")
+            nextn_layers = mc.num_mtp_layers
+            verify_slots = e.max_running_requests * cfg.speculative.num_steps if hybrid else 0
+        per_token = kv_bytes_per_token(mc, kv_dtype, nextn_layers)
         per_slot = state_bytes_per_slot(mc, dtype)
         weights = weight_values * element_size(dtype)
         snapshots = 0
         if c.enabled and hybrid:
             snapshots = c.state_slots or SNAPSHOTS_PER_RUNNING_REQUEST * e.max_running_requests
-        state_bytes = (e.max_running_requests + snapshots) * per_slot
+        state_bytes = (e.max_running_requests + verify_slots + snapshots) * per_slot
         if e.kv_cache_tokens:
             kv_tokens = e.kv_cache_tokens
         elif device == "cuda":
@@ -145,7 +157,9 @@ class MemoryPlan:
         return cls(device=device, dtype=dtype, kv_dtype=kv_dtype, weights_bytes=weights, context_length=context,
                    page_size=e.page_size, kv_pages=kv_pages, kv_bytes_per_token=per_token,
                    state_slots=e.max_running_requests, state_bytes_per_slot=per_slot if hybrid else 0,
-                   snapshot_slots=snapshots, host_pages=host_pages, host_snapshots=host_snapshots,
+                   snapshot_slots=snapshots, verify_slots=verify_slots, nextn_layers=nextn_layers,
+                   kv_layers=len(mc.attn_layer_ids) + nextn_layers,
+                   host_pages=host_pages, host_snapshots=host_snapshots,
                    file_dir=c.file.dir if file_on else "", file_bytes=int(c.file.size_gb * GIB) if file_on else 0)
 
     def __str__(self) -> str:
@@ -153,6 +167,10 @@ class MemoryPlan:
                 f"KV pool {self.kv_tokens} tokens ({self.kv_pages} pages of {self.page_size}, "
                 f"{self.kv_dtype}, {self.kv_tokens * self.kv_bytes_per_token / GIB:.2f} GiB); "
                 f"GDN state {self.state_slots} slots ({self.state_slots * self.state_bytes_per_slot / GIB:.2f} GiB); "
+                + (f"NEXTN: {self.nextn_layers} attention layer in the KV pages "
+                   f"({self.kv_tokens * self.kv_bytes_per_token * self.nextn_layers / max(1, self.kv_layers) / GIB:.2f}"
+                   f" GiB of the KV pool), {self.verify_slots} verify state slots "
+                   f"({self.verify_slots * self.state_bytes_per_slot / GIB:.2f} GiB); " if self.nextn_layers else "") +
                 f"prefix-cache state snapshots {self.snapshot_slots} "
                 f"({self.snapshot_slots * self.state_bytes_per_slot / GIB:.2f} GiB); "
                 f"context {self.context_length} tokens"

@@ -178,6 +178,7 @@ def parse_options(body: dict, logprobs: int | None) -> GenerationOptions:
         stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
         ignore_eos=_boolean(body, "ignore_eos", False),
         logprobs=logprobs,
+        speculative=_boolean(body, "speculative", True),     # extension: false keeps this request off NEXTN
     )
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
@@ -435,6 +436,8 @@ class Usage:
     completion_tokens: int
     cached_tokens: int | None = None                  # None: not reported (metrics.cache_report = false)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    accepted_prediction_tokens: int | None = None     # NEXTN drafts accepted / rejected; None: speculation off
+    rejected_prediction_tokens: int | None = None
 
 
 @dataclass
@@ -455,6 +458,9 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     if usage.cached_tokens is not None:
         body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens,
                                          "cached_tokens_by_tier": dict(usage.cached_tokens_by_tier)}
+    if usage.accepted_prediction_tokens is not None:
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": usage.accepted_prediction_tokens,
+                                             "rejected_prediction_tokens": usage.rejected_prediction_tokens}
     return body
 
 

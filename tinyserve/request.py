@@ -9,8 +9,11 @@ from typing import TYPE_CHECKING
 from tinyserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from tinyserve.cache import CacheRun
     from tinyserve.grammar import GrammarState
+    from tinyserve.spec import DepthControl
 
 
 class Status(enum.Enum):
@@ -40,6 +43,11 @@ class Request:
     admit_order: int = 0                               # larger = admitted later (preempted first)
     cache_run: CacheRun | None = None                  # the prefix cache's bookkeeping of this request
     grammar: GrammarState | None = None                # params.constraint's matcher: has consumed output_ids
+    # NEXTN: the drafts to verify after the last output token, the distribution each sampled draft was drawn from
+    # ([len(draft), V], None for greedy requests), and how deep this request drafts (None: never speculates)
+    draft: list[int] = field(default_factory=list)
+    draft_q: torch.Tensor | None = None
+    depth: DepthControl | None = None
 
     @property
     def all_ids(self) -> list[int]:

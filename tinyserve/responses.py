@@ -292,7 +292,8 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
         raise bad_request("user must be a string", "user")
     max_tokens = _integer(body, "max_output_tokens", None, lo=1)
     params = SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-                            constraint=parse_response_format(text["format"], "text.format", nested=False))
+                            constraint=parse_response_format(text["format"], "text.format", nested=False),
+                            speculative=_boolean(body, "speculative", True))
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_output_tokens", stop=[],
                                 n=1, stream=_boolean(body, "stream", False), include_usage=True,
                                 return_token_ids=False)

@@ -1,47 +1,83 @@
-"""Owns the model and the pools; turns a scheduled step into one packed forward pass and sampled tokens."""
+"""Owns the model and the pools; turns a scheduled step into one packed forward pass and the tokens it commits.
+
+With NEXTN on (spec.py), a step also verifies the drafts of the speculating requests (their rows go through
+sampling.verify_drafts, the other rows through the same math with no drafts) and then drafts the next round: the
+NEXTN head runs over the positions this step committed, with the target's hidden states (writing its own KV, so
+prefill chunks fill it too and a later cache hit can draft at once), and chains num_steps single-token steps.
+"""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from tinyserve.grammar import MaskBuffer
 from tinyserve.kv import KVPool
+from tinyserve.kernels.gdn import verify_layout
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
-from tinyserve.sampling import SampleResult, SamplingBatch, sample
+from tinyserve.request import Request
+from tinyserve.sampling import SamplingBatch, sample
+from tinyserve import sampling
 from tinyserve.scheduler import ScheduledSeq
+from tinyserve.spec import DepthControl, NextNSetup, StepCost
 from tinyserve.state import StatePool
 
 
 @dataclass
+class SeqOutput:
+    """What one sequence of the step produced, before the engine applies stops."""
+    seq: ScheduledSeq
+    tokens: list[int]                                  # a verify: accepted drafts + bonus; otherwise one token
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None = None   # per token, when the request asks for top logprobs
+    accepted: int = 0                                  # drafts accepted (a verify)
+
+
+@dataclass
 class StepResult:
-    sampled: list[ScheduledSeq]        # sequences that produced a token this step, in row order of `result`
-    result: SampleResult | None
+    outputs: list[SeqOutput]           # the sequences that produced tokens this step, in batch order
+
+
+@dataclass
+class _Segment:
+    """NEXTN positions pos .. pos+len(next_ids)-1 of one request, fed the target's hidden rows `rows`."""
+    req: Request
+    rows: list[int]
+    pos: int
+    next_ids: list[int]
+    depth: int = 0                     # drafts to make from its last position (0: only its KV is written)
+    outputs: list[int] | None = None   # the request's outputs once this step's tokens are committed
 
 
 class ModelRunner:
     def __init__(self, model: Qwen3NextForCausalLM, kv_pool: KVPool, state_pool: StatePool,
-                 eos_token_ids: list[int]) -> None:
+                 eos_token_ids: list[int], nextn: NextNSetup | None = None, context_length: int = 0) -> None:
         self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
         self.device = model.device
         self.page_size = kv_pool.page_size
         self.eos_token_ids = eos_token_ids
         self.vocab_size = model.cfg.vocab_size
+        self.nextn, self.context_length = nextn, context_length
+        self.step_cost = StepCost()                # what a draft costs here, for the draft depth
         self._masks: MaskBuffer | None = None      # grammar bitmasks of the constrained rows (made on first use)
 
+    # ---- the packed batch ----
     def build_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
-        """Pack the step's sequences (decodes first, as the scheduler orders them)."""
+        """Pack the step's sequences (plain decodes, then verifies, then prefill chunks, as scheduled)."""
         ps = self.page_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu = [0]
         seq_lens: list[int] = []
-        num_decode = sum(s.is_decode for s in seqs)
-        assert all(s.is_decode for s in seqs[:num_decode]), "the scheduler puts decodes first"
+        num_decode = sum(s.is_decode and not s.is_verify for s in seqs)
+        num_verify = sum(s.is_verify for s in seqs)
+        assert all(s.is_decode and not s.is_verify for s in seqs[:num_decode]) and \
+            all(s.is_verify for s in seqs[num_decode:num_decode + num_verify]), "decodes, verifies, then prefills"
         for s in seqs:
             req, end = s.req, s.start + s.num_tokens
-            ids += req.all_ids[s.start:end]
+            ids += req.all_ids[s.start:s.start + 1] + s.draft if s.is_verify else req.all_ids[s.start:end]
             positions += range(s.start, end)
             slots += [req.pages[p // ps] * ps + p % ps for p in range(s.start, end)]
             cu.append(cu[-1] + s.num_tokens)
@@ -50,6 +86,11 @@ class ModelRunner:
         table = [s.req.pages + [0] * (max_pages - len(s.req.pages)) for s in seqs]
         state_slots = [s.req.state_slot for s in seqs]
         dev = self.device
+        layout = None
+        if num_verify:
+            vs = seqs[num_decode:num_decode + num_verify]
+            layout = verify_layout([c - cu[num_decode] for c in cu[num_decode:num_decode + num_verify + 1]],
+                                 [s.req.state_slot for s in vs], [s.verify_slots for s in vs], dev)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -59,30 +100,191 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             state_slots=state_slots,
             state_slots_t=torch.tensor(state_slots, dtype=torch.long, device=dev),
-            num_decode=num_decode)
+            num_decode=num_decode, num_verify=num_verify, verify=layout)
 
-    def grammar_masks(self, sampled: list[ScheduledSeq]) -> tuple[list[int], torch.Tensor] | None:
-        """(rows, bitmask) of the rows whose grammar is active this step, filled by llguidance; None if none."""
-        rows = [r for r, s in enumerate(sampled) if s.req.grammar is not None and s.req.grammar.active]
-        if not rows:
+    def grammar_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
+        """(sampling rows, bitmask) of the requests whose grammar is active this step, filled by llguidance; None
+        if none. reqs[i] samples at row rows[i] (a constrained request never verifies drafts: one row)."""
+        active = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.active]
+        if not active:
             return None
         if self._masks is None:
-            self._masks = MaskBuffer(sampled[rows[0]].req.grammar.vocab_size)
-        return rows, self._masks.fill([sampled[r].req.grammar for r in rows])
+            self._masks = MaskBuffer(reqs[active[0]].grammar.vocab_size)
+        return [rows[i] for i in active], self._masks.fill([reqs[i].grammar for i in active])
 
+    # ---- the step ----
     @torch.inference_mode()
-    def step(self, seqs: list[ScheduledSeq]) -> StepResult:
+    def step(self, seqs: list[ScheduledSeq], num_running: int = 1) -> StepResult:
         if not seqs:
-            return StepResult([], None)
+            return StepResult([])
+        start = time.perf_counter()
         batch = self.build_batch(seqs)
         hidden = self.model(batch, self.kv_pool, self.state_pool)
-        rows = [i for i, s in enumerate(seqs) if s.samples]
-        if not rows:
-            return StepResult([], None)
-        last = torch.tensor([batch.cu_seqlens[i + 1] - 1 for i in rows], device=self.device)
-        logits = self.model.compute_logits(hidden[last]).float()
-        sampled = [seqs[i] for i in rows]
-        sb = SamplingBatch.build([s.req.params for s in sampled], [s.req.prompt_ids for s in sampled],
-                                 [s.req.output_ids for s in sampled], [s.req.seed for s in sampled],
-                                 self.eos_token_ids, self.vocab_size, self.device, self.grammar_masks(sampled))
-        return StepResult(sampled, sample(logits, sb))
+        sampled = [i for i, s in enumerate(seqs) if s.samples]
+        outputs = self._sample(seqs, sampled, batch, hidden) if sampled else []
+        if self.nextn is not None:
+            self._draft(seqs, batch, hidden, {id(o.seq): o for o in outputs}, num_running)
+            if len(seqs) == 1 and seqs[0].is_decode:    # one request decoding: its time prices a draft
+                self.step_cost.observe(len(seqs[0].draft), time.perf_counter() - start)
+        return StepResult(outputs)
+
+    def _sample(self, seqs: list[ScheduledSeq], sampled: list[int], batch: ForwardBatch,
+                hidden: torch.Tensor) -> list[SeqOutput]:
+        """Sample the plain rows and verify the drafts, in one batched pass over all their logits rows."""
+        rows: list[int] = []          # hidden rows to take logits of: every verify token, a chunk's last token
+        first_row: list[int] = []     # each sampled sequence's first sampling row
+        for i in sampled:
+            first_row.append(len(rows))
+            s = seqs[i]
+            rows += range(batch.cu_seqlens[i], batch.cu_seqlens[i + 1]) if s.is_verify else [batch.cu_seqlens[i + 1] - 1]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        reqs = [seqs[i].req for i in sampled]
+        masks = self.grammar_masks(reqs, first_row)
+        if not any(seqs[i].is_verify for i in sampled):
+            sb = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
+                                     [r.output_ids for r in reqs], [r.seed for r in reqs], self.eos_token_ids,
+                                     self.vocab_size, self.device, masks)
+            r = sample(logits, sb)
+            tokens, lps = r.tokens.tolist(), r.logprobs.tolist()
+            top = None
+            if r.top_ids is not None:
+                top = [list(zip(i, lp)) for i, lp in zip(r.top_ids.tolist(), r.top_logprobs.tolist())]
+            return [SeqOutput(seqs[i], [tokens[j]], [lps[j]],
+                              [top[j][:seqs[i].req.params.logprobs]] if top and seqs[i].req.params.logprobs else None)
+                    for j, i in enumerate(sampled)]
+        # one row per verified position: row j of a request sees its outputs plus the drafts before it
+        params, prompts, outs, seeds, drafts, qs = [], [], [], [], [], []
+        for i in sampled:
+            s, req = seqs[i], seqs[i].req
+            for j in range(len(s.draft) + 1):
+                params.append(req.params)
+                prompts.append(req.prompt_ids)
+                outs.append(req.output_ids + s.draft[:j])
+                seeds.append(req.seed)
+            drafts.append(s.draft)
+            if s.draft:
+                qs.append(req.draft_q if req.draft_q is not None else
+                          torch.zeros(len(s.draft), self.vocab_size, device=self.device))
+        sb = SamplingBatch.build(params, prompts, outs, seeds, self.eos_token_ids, self.vocab_size, self.device,
+                                 masks)
+        any_q = any(seqs[i].req.draft_q is not None for i in sampled if seqs[i].is_verify)
+        v = sampling.verify_drafts(logits, sb, drafts, torch.cat(qs) if any_q else None)
+        return [SeqOutput(seqs[i], v.tokens[j], v.logprobs[j], v.top[j] if v.top is not None else None,
+                          v.accepted[j]) for j, i in enumerate(sampled)]
+
+    # ---- NEXTN drafting ----
+    def _speculates(self, req: Request) -> bool:
+        return req.params.speculative and req.params.constraint is None
+
+    def _depth(self, req: Request, outputs: list[int], next_pos: int) -> int:
+        """How many drafts req makes for its next round: its DepthControl's choice, cut to what max_tokens, the
+        context and its pages leave room for. next_pos: its first position not computed yet."""
+        if outputs[-1] in self.eos_token_ids or outputs[-1] in req.params.stop_token_ids:
+            return 0                                   # it is about to finish
+        if req.depth is None:
+            req.depth = DepthControl(self.nextn.num_steps)
+        depth = req.depth.next_depth(self.step_cost.cost_per_draft)
+        room_pages = len(req.pages) * self.page_size - next_pos + 1     # draft step j writes KV at next_pos + j-2
+        return max(0, min(depth, req.params.max_tokens - len(outputs) - 1,
+                          self.context_length - next_pos - 1, room_pages))
+
+    def _draft(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor,
+               outputs: dict[int, SeqOutput], num_running: int) -> None:
+        allowed = self.nextn.allows(num_running)
+        segments: list[_Segment] = []
+        for i, s in enumerate(seqs):
+            req = s.req
+            req.draft, req.draft_q = [], None
+            if not self._speculates(req):
+                continue
+            start = batch.cu_seqlens[i]
+            if not s.samples:                          # a prefill chunk that is not the last: KV only
+                end = s.start + s.num_tokens
+                segments.append(_Segment(req, list(range(start, batch.cu_seqlens[i + 1])), s.start,
+                                         req.all_ids[s.start + 1:end + 1]))
+                continue
+            toks = outputs[id(s)].tokens
+            after = req.output_ids + toks
+            if s.is_decode:                            # the last accepted token, then the accepted drafts
+                n_in = len(toks)
+                seg = _Segment(req, list(range(start, start + n_in)), s.start, toks, outputs=after)
+            else:                                      # the prompt's (or a recompute's) last chunk
+                end = s.start + s.num_tokens
+                seg = _Segment(req, list(range(start, batch.cu_seqlens[i + 1])), s.start,
+                               req.all_ids[s.start + 1:end] + toks, outputs=after)
+            next_pos = seg.pos + len(seg.rows)
+            seg.depth = self._depth(req, after, next_pos) if allowed else 0
+            if s.is_decode and seg.depth == 0:
+                continue                               # decoding plainly: no NEXTN work (its KV there stays stale)
+            segments.append(seg)
+        if not segments:
+            return
+        segments.sort(key=lambda g: len(g.rows) != 1)   # one-row segments first: they use the decode attention
+        g = self.model.mtp_hidden(
+            torch.tensor([t for seg in segments for t in seg.next_ids], device=self.device),
+            hidden[torch.tensor([r for seg in segments for r in seg.rows], device=self.device)],
+            self._mtp_batch([(seg.req, seg.pos, len(seg.rows)) for seg in segments]),
+            self.kv_pool, self.nextn.kv_layer)
+        ends = torch.tensor(list(_cumsum(len(seg.rows) for seg in segments)), device=self.device) - 1
+        drafting = [k for k, seg in enumerate(segments) if seg.depth > 0]
+        if not drafting:
+            return
+        live = [segments[k] for k in drafting]
+        h = g[ends[torch.tensor(drafting, device=self.device)]]
+        qs: dict[int, list[torch.Tensor]] = {id(seg.req): [] for seg in live}
+        for step in range(max(seg.depth for seg in live)):
+            if step:                                   # a chain step: the last draft and the head's own hidden
+                h = self.model.mtp_hidden(
+                    torch.tensor([seg.req.draft[-1] for seg in live], device=self.device), h,
+                    self._mtp_batch([(seg.req, seg.pos + len(seg.rows) + step - 1, 1) for seg in live]),
+                    self.kv_pool, self.nextn.kv_layer)
+            reqs = [seg.req for seg in live]
+            sb = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
+                                     [seg.outputs + seg.req.draft for seg in live], [r.seed for r in reqs],
+                                     self.eos_token_ids, self.vocab_size, self.device)
+            tokens, q = sampling.draw_drafts(self.model.compute_logits(h).float(), sb)
+            for j, (seg, t) in enumerate(zip(live, tokens.tolist())):
+                seg.req.draft.append(t)
+                if q is not None and not seg.req.params.is_greedy:
+                    qs[id(seg.req)].append(q[j])
+            keep = [j for j, seg in enumerate(live) if seg.depth > step + 1]
+            live = [live[j] for j in keep]
+            if not live:
+                break
+            h = h[torch.tensor(keep, device=self.device)]
+        for seg in segments:
+            rows = qs.get(id(seg.req))
+            if rows:
+                seg.req.draft_q = torch.stack(rows)
+
+    def _mtp_batch(self, spans: list[tuple[Request, int, int]]) -> ForwardBatch:
+        """A ForwardBatch for the NEXTN layer: request r computes positions pos .. pos+n-1 over its own pages
+        (leading one-token spans use the decode attention)."""
+        ps, dev = self.page_size, self.device
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        for req, pos, n in spans:
+            positions += range(pos, pos + n)
+            slots += [req.pages[p // ps] * ps + p % ps for p in range(pos, pos + n)]
+            cu.append(cu[-1] + n)
+        seq_lens = [pos + n for _, pos, n in spans]
+        num_decode = next((k for k, (_, _, n) in enumerate(spans) if n != 1), len(spans))
+        max_pages = max(len(req.pages) for req, _, _ in spans)
+        table = [req.pages + [0] * (max_pages - len(req.pages)) for req, _, _ in spans]
+        none = torch.zeros(len(spans), dtype=torch.long, device=dev)
+        return ForwardBatch(
+            input_ids=torch.zeros(len(positions), dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            cu_seqlens=cu, seq_lens=seq_lens,
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            page_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            state_slots=[0] * len(spans), state_slots_t=none, num_decode=num_decode)
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total

@@ -5,11 +5,17 @@ prefill chunks fill the rest of the `chunked_prefill_size` token budget, admitti
 order while there are free running slots, state slots and pages. When a decode needs a page and none is free, the
 newest running request is preempted: its pages and state slot are freed and it waits again at the front of the
 queue; when it comes back it recomputes prompt + tokens generated so far, so its output does not change.
+
+NEXTN: a decoding request that holds drafts (`req.draft`, made by the runner at the end of its last step) is
+scheduled as a verify of 1 + len(draft) tokens, after the plain decodes, when its pages and one spare state slot per
+draft (the state after each verified token) are free without preempting anyone; otherwise it decodes plainly and the
+drafts are dropped. Decoding requests that may draft also take `lookahead` pages ahead when free, for the draft
+chain's own KV positions.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyserve.cache import NullCache, PrefixCache
 from tinyserve.kv import PageAllocator
@@ -24,12 +30,19 @@ class ScheduledSeq:
     num_tokens: int       # tokens computed this step
     samples: bool         # this chunk reaches the end of the known tokens, so a token is sampled after it
     is_decode: bool       # one new token after the request's own previous one (decided here, once)
+    draft: list[int] = field(default_factory=list)          # NEXTN drafts verified after the last token
+    verify_slots: list[int] = field(default_factory=list)   # state slot after each of the 1 + len(draft) tokens
+
+    @property
+    def is_verify(self) -> bool:
+        return bool(self.draft)
 
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, max_running: int,
-                 chunked_prefill_size: int, cache: PrefixCache | NullCache) -> None:
+                 chunked_prefill_size: int, cache: PrefixCache | NullCache, lookahead: int = 0) -> None:
         self.allocator, self.state_pool, self.cache = allocator, state_pool, cache
+        self.lookahead = lookahead            # NEXTN: tokens of pages a decode takes ahead for its draft chain
         self.page_size, self.max_running = page_size, max_running
         self.chunk_budget = chunked_prefill_size
         self.waiting: deque[Request] = deque()
@@ -63,6 +76,7 @@ class Scheduler:
             self.state_pool.free(req.state_slot)
             req.state_slot = None
         req.num_computed = 0
+        req.draft, req.draft_q = [], None          # drafts continue the state just given up
 
     @staticmethod
     def _decoding(req: Request) -> bool:
@@ -71,16 +85,27 @@ class Scheduler:
     # ---- one step ----
     def schedule(self) -> list[ScheduledSeq]:
         batch: list[ScheduledSeq] = []
-        # 1. decodes, oldest first; a decode that cannot get a page preempts the newest running request
+        # 1. decodes, oldest first; a decode that cannot get a page preempts the newest running request. Verifies
+        #    go after the plain decodes (the model's packed layout).
         decoding = [r for r in self.running if self._decoding(r)]
         prefilling = [r for r in self.running if not self._decoding(r)]
+        verifies: list[ScheduledSeq] = []
         for req in sorted(decoding, key=lambda r: r.admit_order):
             if req.status != Status.RUNNING:
                 continue                                   # preempted by an older request in this loop
+            if req.draft:
+                verify = self._verify(req)
+                if verify is not None:
+                    verifies.append(verify)
+                    continue
+                req.draft, req.draft_q = [], None
             if not self._grow(req, 1):
                 continue
+            if self.lookahead and req.params.speculative:
+                self._grow_free(req, 1 + self.lookahead)  # best effort: room for the draft chain's positions
             batch.append(ScheduledSeq(req, req.num_computed, 1, True, is_decode=True))
-        budget = self.chunk_budget - len(batch)
+        batch += verifies
+        budget = self.chunk_budget - sum(s.num_tokens for s in batch)
         # 2. running requests still prefilling, oldest first; one that finds no free page preempts newer requests
         #    (not yet in this batch), so the pool can never fill up with half-prefilled requests and stall
         starved = False
@@ -150,6 +175,25 @@ class Scheduler:
         req.pages += pages
         return n
 
+    def _verify(self, req: Request) -> ScheduledSeq | None:
+        """req's drafts as a verify, when its pages and a state slot per draft are free without preempting."""
+        n = 1 + len(req.draft)
+        if len(req.draft) > self.state_pool.num_free or not self._grow_free(req, n + self.lookahead) \
+                and not self._grow_free(req, n):
+            return None
+        slots = [req.state_slot] + [self.state_pool.alloc() for _ in req.draft]
+        return ScheduledSeq(req, req.num_computed, n, True, is_decode=True, draft=list(req.draft),
+                            verify_slots=slots)
+
+    def _grow_free(self, req: Request, n: int) -> bool:
+        """Pages for n more tokens of req from the free pages only (no eviction, no preemption)."""
+        need = self._pages_for(req, n)
+        if need > self.allocator.num_free:
+            return False
+        if need:
+            req.pages += self.allocator.alloc(need)
+        return True
+
     def _grow(self, req: Request, n: int) -> bool:
         """Pages for n more tokens of a running request, preempting newer requests if the pool is full."""
         need = self._pages_for(req, n)
@@ -172,12 +216,29 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- after the forward ----
-    def advance(self, seqs: list[ScheduledSeq]) -> None:
-        """Record the step's computed tokens; the cache takes the snapshots that fall due at the new positions."""
-        for s in seqs:
-            if s.req.status == Status.RUNNING:
+    def advance(self, seqs: list[ScheduledSeq], committed: list[int] | None = None) -> None:
+        """Record the step's computed tokens; the cache takes the snapshots that fall due at the new positions.
+        committed[i]: tokens the engine kept of seq i's output (a verify keeps its first `committed` inputs: the
+        last accepted token and the accepted drafts, cut at a stop)."""
+        for i, s in enumerate(seqs):
+            if s.is_verify:
+                self._advance_verify(s, committed[i])
+            elif s.req.status == Status.RUNNING:
                 s.req.num_computed = s.start + s.num_tokens
                 self.cache.advance(s.req, s.req.num_computed, s.is_decode)
+
+    def _advance_verify(self, s: ScheduledSeq, kept: int) -> None:
+        """The state after the last kept input becomes the request's state (a slot swap: no copy), the others go
+        back to the pool; the cache's snapshots inside the run are taken from the state at exactly their position.
+        The KV written for rejected drafts lies past num_computed, in the request's own pages, and is overwritten."""
+        req = s.req
+        for j in range(kept):
+            self.cache.advance(req, s.start + j + 1, True, slot=s.verify_slots[j])
+        req.num_computed = s.start + kept
+        req.state_slot = s.verify_slots[kept - 1]
+        for j, slot in enumerate(s.verify_slots):
+            if j != kept - 1:
+                self.state_pool.free(slot)
 
     def finish(self, req: Request, reason: str) -> None:
         self.running.remove(req)

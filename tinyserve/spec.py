@@ -13,14 +13,20 @@ One round for a speculating request (the runner does the tensor work; this modul
 How deep to draft (DepthControl): each request keeps an estimate of the chance that a draft token is accepted
 given the ones before it were (alpha, an exponential average over its recent rounds), and drafts the depth d in
 0..num_steps that maximises the expected tokens per round, (1 - alpha^(d+1)) / (1 - alpha), over the round's cost,
-1 + cost_per_draft * d. At depth 0 the request decodes plainly and, every `PROBE_EVERY` steps, probes with one
-draft so the estimate can recover.
+1 + cost_per_draft * d. What a draft token costs depends on the machine and the model (a verify row and a pass of
+the NEXTN head, against a whole decode step), so StepCost measures it from the engine's own single-request steps.
+At depth 0 the request decodes plainly and probes with one draft after `PROBE_EVERY` plain steps, backing off
+(doubling the wait, up to `PROBE_EVERY_MAX`) while probes keep failing, so a head that never agrees costs almost
+nothing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROBE_EVERY = 16           # plain decode steps between probes of a request whose depth fell to 0
+PROBE_EVERY = 16           # plain decode steps between probes of a request whose depth fell to 0 ...
+PROBE_EVERY_MAX = 256      # ... doubled after each failed probe, up to this
+COST_PER_DRAFT = 0.25      # a draft token's cost in decode steps until StepCost has measured it
+COST_DECAY = 0.9           # weight of the previous measurement in StepCost's averages
 ALPHA_DECAY = 0.7          # weight of the previous estimate in the exponential average of the acceptance rate
 ALPHA_START = 0.8          # a new request starts by drafting deep (its estimate is refined from its first round)
 
@@ -51,22 +57,24 @@ class SpecStats:
 class DepthControl:
     """One request's draft depth (see the module docstring)."""
     max_depth: int
-    cost_per_draft: float
     alpha: float = ALPHA_START
     plain_steps: int = 0                     # plain decode steps since the depth fell to 0
+    probe_every: int = PROBE_EVERY
+    probing: bool = False
 
-    def next_depth(self) -> int:
+    def next_depth(self, cost_per_draft: float) -> int:
         """The depth of this request's next step (called once per decode step)."""
         best, best_rate = 0, 1.0
+        a = min(self.alpha, 0.999)
         for d in range(1, self.max_depth + 1):
-            a = min(self.alpha, 0.999)
-            rate = (1 - a ** (d + 1)) / (1 - a) / (1 + self.cost_per_draft * d)
+            rate = (1 - a ** (d + 1)) / (1 - a) / (1 + cost_per_draft * d)
             if rate > best_rate:
                 best, best_rate = d, rate
+        self.probing = False
         if best == 0:
             self.plain_steps += 1
-            if self.plain_steps >= PROBE_EVERY:
-                self.plain_steps = 0
+            if self.plain_steps >= self.probe_every:
+                self.plain_steps, self.probing = 0, True
                 return 1
         return best
 
@@ -75,5 +83,39 @@ class DepthControl:
         if drafted == 0:
             return
         tried = accepted + (1 if accepted < drafted else 0)     # drafts compared against the target
-        rate = accepted / tried
-        self.alpha = ALPHA_DECAY * self.alpha + (1 - ALPHA_DECAY) * rate
+        self.alpha = ALPHA_DECAY * self.alpha + (1 - ALPHA_DECAY) * accepted / tried
+        if self.probing:
+            self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, PROBE_EVERY_MAX)
+
+
+@dataclass
+class StepCost:
+    """A draft token's cost in plain decode steps, measured here: averages of single-request decode steps without
+    drafts and of (step - plain step) / drafts for single-request verifies (the head's drafting included)."""
+    plain_s: float = 0.0
+    per_draft_s: float = 0.0
+
+    def observe(self, drafts: int, seconds: float) -> None:
+        if drafts == 0:
+            self.plain_s = seconds if not self.plain_s else COST_DECAY * self.plain_s + (1 - COST_DECAY) * seconds
+        elif self.plain_s:
+            extra = max(0.0, seconds - self.plain_s) / drafts
+            self.per_draft_s = extra if not self.per_draft_s else \
+                COST_DECAY * self.per_draft_s + (1 - COST_DECAY) * extra
+
+    @property
+    def cost_per_draft(self) -> float:
+        if not (self.plain_s and self.per_draft_s):
+            return COST_PER_DRAFT
+        return min(2.0, max(0.02, self.per_draft_s / self.plain_s))
+
+
+@dataclass(frozen=True)
+class NextNSetup:
+    """What the runner needs to draft: from [speculative] and the model."""
+    num_steps: int                 # most drafts per round
+    max_running: int               # nobody drafts while more requests run (0: no limit)
+    kv_layer: int                  # the NEXTN layer's index in the KV pool (after the target's attention layers)
+
+    def allows(self, num_running: int) -> bool:
+        return self.max_running == 0 or num_running <= self.max_running

@@ -1,0 +1,216 @@
+"""NEXTN speculative decoding, measured as a user runs it: `tinyserve CONFIG` processes over HTTP, speculation off
+and on, each in its own clean process, one after the other, with the ratios printed from the one run.
+
+Random NEXTN heads accept almost nothing, so two of the three checkpoints (built once from the ~31M bench
+checkpoint, see tests/checkpoints.make_agreeing_head) agree with the model by construction:
+  exact   every layer's output projections are zero, so the next token depends on the last token only, and the
+          head passes the token embedding through: it drafts exactly the model's next token (all accepted);
+  half    the same model with the head's fc perturbed: about half of the drafts accepted;
+  random  the bench checkpoint itself with a random head: almost nothing accepted (the adaptive depth at work).
+The models compute exactly what a real one of their shape does (zero weights are still multiplied).
+
+Per checkpoint: single-stream decode tokens/s (one greedy request, from its first token to its last) and the
+aggregate tokens/s of 8 concurrent requests, speculation off vs on; the accept length from /metrics. At 8 the
+default speculative.max_running (4) turns speculation off; the row "8, forced" sets max_running = 0 to show why.
+Targets: single stream >= 2.2x (exact, 3 steps), >= 1.4x (half), >= 0.95x (random); >= 0.95x at 8 in every case.
+
+With --llama-server, llama.cpp's server runs beside it on the same checkpoints (converted with its own converter,
+which keeps mtp.*), with and without `--spec-type draft-mtp --spec-draft-n-max STEPS`: its speed-up is the anchor.
+
+    python bench/spec.py [--dir DIR] [--new-tokens 256] [--rounds 3] [--num-steps 3] [--llama-server PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from common import (DEFAULT_DIR, ServerProcess, bench_checkpoint, fmt_table, free_port, load_average,  # noqa: E402
+                    make_prompts, stream_many, stream_sse)
+
+HEADS = {"exact": (0.0, 0.0), "half": (0.0, 0.006), "random": None}     # (mix, head_noise); None: as is
+SPEED_TARGETS = {"exact": 2.2, "half": 1.4, "random": 0.95}
+LLAMA_CPP_SH = Path(__file__).resolve().parent.parent.parent / "shared" / "tools" / "llama-cpp.sh"
+
+
+def spec_checkpoint(base: Path, name: str, root: Path) -> Path:
+    """The bench checkpoint plus an mtp.* head (random, or made to agree with the model), built once."""
+    from checkpoints import _mtp_tensors, add_tensors, make_agreeing_head, update_config
+    folder = root / f"spec_{name}"
+    marker = folder / "spec_head.json"
+    want = json.dumps({"head": HEADS[name], "base": (base / "bench_spec.json").read_text()})
+    if marker.exists() and marker.read_text() == want:
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(base, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    add_tensors(folder, _mtp_tensors(cfg, moe=False, seed=1), "model-mtp.safetensors")
+    update_config(folder, mtp_num_hidden_layers=1)
+    if HEADS[name] is not None:
+        mix, noise = HEADS[name]
+        make_agreeing_head(folder, mix=mix, head_noise=noise)
+    marker.write_text(want)
+    return folder
+
+
+def tinyserve_config(folder: Path, port: int, spec: bool, num_steps: int, max_running: int) -> str:
+    return f"""
+[model]
+path = "{folder}"
+device = "cpu"
+dtype = "float32"
+[server]
+host = "127.0.0.1"
+port = {port}
+[engine]
+max_running_requests = 8
+[speculative]
+algorithm = "{'nextn' if spec else ''}"
+num_steps = {num_steps}
+num_draft_tokens = {num_steps + 1}
+max_running = {max_running}
+[log]
+level = "warning"
+"""
+
+
+def body(prompt: list[int], max_tokens: int) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "return_token_ids": True}
+
+
+def progress(event: dict):
+    return [t for c in event.get("choices", []) for t in (c.get("token_ids") or [])], None
+
+
+def llama_body(prompt: list[int], max_tokens: int) -> dict:
+    return {"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "return_tokens": True}
+
+
+def llama_progress(event: dict):
+    return list(event.get("tokens") or []), event.get("tokens_predicted")
+
+
+def metric(url: str, name: str) -> float | None:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    m = re.search(rf"^{re.escape(name)} ([0-9.eE+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+async def measure(url: str, path: str, mk_body, prog, prompts: list[list[int]], new_tokens: int,
+                  rounds: int) -> tuple[float, float]:
+    """(median single-stream decode tokens/s, median aggregate tokens/s of len(prompts) concurrent requests)."""
+    import aiohttp
+    single, many = [], []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        await stream_sse(session, url + path, mk_body(prompts[0], 8), prog)                 # warm-up
+        for r in range(rounds):
+            res = await stream_sse(session, url + path, mk_body(prompts[r % len(prompts)], new_tokens), prog)
+            single.append((res.count - 1) / (res.end - res.first))
+            wall, results = await stream_many(session, url + path, [mk_body(p, new_tokens // 2) for p in prompts],
+                                              prog)
+            many.append(sum(x.count for x in results) / wall)
+    return statistics.median(single), statistics.median(many)
+
+
+def run_tinyserve(folder: Path, spec: bool, args, max_running: int, work: Path, prompts, env) -> dict:
+    port = free_port()
+    cfg = work / f"{folder.name}-{'spec' if spec else 'plain'}-{max_running}.toml"
+    cfg.write_text(tinyserve_config(folder, port, spec, args.num_steps, max_running))
+    exe = Path(sys.executable).parent / "tinyserve"
+    argv = [str(exe), str(cfg)] if exe.exists() else [sys.executable, "-m", "tinyserve.cli", str(cfg)]
+    srv = ServerProcess("tinyserve", argv, f"http://127.0.0.1:{port}", cfg.with_suffix(".log"), env=env)
+    try:
+        srv.wait_ready()
+        one, eight = asyncio.run(measure(srv.url, "/v1/completions", body, progress, prompts, args.new_tokens,
+                                         args.rounds))
+        accept = metric(srv.url, "tinyserve:spec_decode_mean_accept_length")
+    finally:
+        srv.stop()
+    return {"one": one, "eight": eight, "accept": accept}
+
+
+def run_llama(folder: Path, spec: bool, args, work: Path, prompts, env) -> dict:
+    gguf = work / f"{folder.name}.gguf"
+    if not gguf.exists():
+        subprocess.run(["bash", str(LLAMA_CPP_SH), "convert", str(work / "llama"), str(folder), str(gguf), "f32"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = free_port()
+    argv = [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
+            "-c", str(8 * 1024), "-t", str(os.cpu_count())]
+    if spec:
+        argv += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(args.num_steps)]
+    srv = ServerProcess("llama-server", argv, f"http://127.0.0.1:{port}",
+                        work / f"llama-{folder.name}-{spec}.log", env=env)
+    try:
+        srv.wait_ready()
+        one, eight = asyncio.run(measure(srv.url, "/completion", llama_body, llama_progress, prompts,
+                                         args.new_tokens, args.rounds))
+    finally:
+        srv.stop()
+    return {"one": one, "eight": eight, "accept": None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-steps", type=int, default=3)
+    ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    ap.add_argument("--llama-server", default="", help="path of llama-server, to run it beside tinyserve")
+    args = ap.parse_args(argv)
+
+    base = bench_checkpoint(args.dir)
+    folders = {name: spec_checkpoint(base, name, args.dir) for name in args.heads}
+    prompts = make_prompts(8, 32, 64, seed=5)
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count()), "TQDM_DISABLE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    work = Path(tempfile.mkdtemp(prefix="tinyserve-bench-spec-"))
+    load = load_average()
+    rows, misses = [], []
+    for name, folder in folders.items():
+        plain = run_tinyserve(folder, False, args, 4, work, prompts, env)
+        spec = run_tinyserve(folder, True, args, 4, work, prompts, env)
+        forced = run_tinyserve(folder, True, args, 0, work, prompts, env)
+        one, eight, eight_forced = (spec["one"] / plain["one"], spec["eight"] / plain["eight"],
+                                    forced["eight"] / plain["eight"])
+        rows.append((name, f"{plain['one']:.1f}", f"{spec['one']:.1f}", f"{one:.2f}x", f"{plain['eight']:.1f}",
+                     f"{spec['eight']:.1f}", f"{eight:.2f}x", f"{forced['eight']:.1f} ({eight_forced:.2f}x)",
+                     f"{spec['accept']:.2f}" if spec["accept"] else "-"))
+        if one < SPEED_TARGETS[name]:
+            misses.append(f"{name}: single stream {one:.2f}x < {SPEED_TARGETS[name]}x")
+        if eight < 0.95:
+            misses.append(f"{name}: 8 concurrent {eight:.2f}x < 0.95x")
+        if args.llama_server:
+            lp, ls = (run_llama(folder, s, args, work, prompts, env) for s in (False, True))
+            rows.append((f"{name} (llama.cpp)", f"{lp['one']:.1f}", f"{ls['one']:.1f}",
+                         f"{ls['one'] / lp['one']:.2f}x", f"{lp['eight']:.1f}", f"{ls['eight']:.1f}",
+                         f"{ls['eight'] / lp['eight']:.2f}x", "-", "-"))
+    print(f"NEXTN speculative decoding, {args.num_steps} steps, {args.new_tokens} new tokens, median of "
+          f"{args.rounds}; CPU, fp32, OMP_NUM_THREADS={os.cpu_count()}; load before: {load}; logs in {work}\n")
+    print(fmt_table(rows, ("head", "1 plain tok/s", "1 spec tok/s", "1 ratio", "8 plain tok/s", "8 spec tok/s",
+                           "8 ratio", "8 spec forced (max_running=0)", "accept length")))
+    print("\ntargets: " + ("all met" if not misses else "MISSED: " + "; ".join(misses)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
