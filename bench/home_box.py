@@ -7,6 +7,9 @@
 2. A client that goes away: a real server, one streaming and one non-streaming request mid-generation, both clients
    close; the time until /metrics shows both requests gone and their pages free, beside the time the requests
    would have taken to finish.
+3. An idle server: the CPU time a real server process uses over --idle-s seconds without requests (after one
+   request, with engine.idle_release_s = 2 and a host tier, so the device pools are released meanwhile), as a
+   share of one core; target below 1%.
 
     python bench/home_box.py [--blobs 100000] [--rounds 3] [--dir FOLDER]
 
@@ -188,11 +191,33 @@ def disconnects(work: Path, rounds: int, rows: list) -> None:
                  f"until /metrics shows them gone and 0 KV pages used (worst {max(gone) * 1e3:.0f} ms)"))
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")      # utime + stime
+
+
+def idle_cpu(work: Path, seconds: float, rows: list) -> None:
+    server = start_server(work, "idle", {"engine": {"idle_release_s": 2.0},
+                                         "cache": {"host": {"size_gb": 0.1, "min_free_gb": 0}}})
+    try:
+        post(server.url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 16})
+        time.sleep(3.0)                                   # past the idle release
+        released = metrics(server.url).get("tinyserve:device_pools_released")
+        c0, t0 = cpu_seconds(server.proc.pid), time.monotonic()
+        time.sleep(seconds)
+        share = (cpu_seconds(server.proc.pid) - c0) / (time.monotonic() - t0)
+    finally:
+        server.stop()
+    rows.append((f"idle server over {seconds:.0f} s", f"{share * 100:.2f}% of a core", "< 1% (target)",
+                 f"{share / 0.01:.3f}", f"device pools released: {released == 1.0}"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blobs", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one, deleted after)")
+    ap.add_argument("--idle-s", type=float, default=20.0, help="seconds of the idle-CPU measurement")
     args = ap.parse_args(argv)
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tinyserve-homebox-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -200,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         warm_restart(work, args.blobs, args.rounds, rows)
         disconnects(work, args.rounds, rows)
+        idle_cpu(work, args.idle_s, rows)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)

@@ -50,8 +50,13 @@ def exact_model(tmp_path_factory):
 
 class PinnedCost:
     """The runner prices a draft by timing its steps (spec.StepCost); tests must not depend on timing, so the
-    price is pinned low here: the draft depth then follows acceptance alone."""
-    cost_per_draft = 0.1
+    price is pinned here (a draft costs `per_draft` of a decode step): the depth then follows acceptance alone."""
+
+    def __init__(self, per_draft: float = 0.1) -> None:
+        self.per_draft = per_draft
+
+    def relative(self, d: int) -> float:
+        return 1.0 + self.per_draft * d
 
     def observe(self, drafts: int, seconds: float) -> None:
         pass
@@ -286,31 +291,36 @@ def test_the_plan_counts_the_nextn_kv_and_verify_slots(model):
 # The draft depth
 
 def test_depth_follows_acceptance_and_probes_with_back_off():
+    cheap, dear = PinnedCost(0.1), PinnedCost(1.5)
     d = DepthControl(max_depth=3)
-    assert d.next_depth(0.1) == 3                      # a new request drafts deep
+    assert d.next_depth(cheap) == 3                    # a new request drafts deep
     for _ in range(20):
         d.observe(3, 3)
-    assert d.next_depth(0.1) == 3
-    assert DepthControl(3, alpha=d.alpha).next_depth(1.5) == 0   # too dear a draft is not worth it
+    assert d.next_depth(cheap) == 3
+    assert DepthControl(3, alpha=d.alpha).next_depth(dear) == 0   # too dear a draft is not worth it
     for _ in range(20):
         d.observe(3, 0)
     d = DepthControl(3, alpha=d.alpha)                 # a head that never agrees
-    depths = [d.next_depth(0.1) for _ in range(PROBE_EVERY)]
+    depths = [d.next_depth(cheap) for _ in range(PROBE_EVERY)]
     assert depths == [0] * (PROBE_EVERY - 1) + [1]     # plain decoding, then one probe
     d.observe(1, 0)                                    # a failed probe: the next one waits twice as long
-    depths = [d.next_depth(0.1) for _ in range(2 * PROBE_EVERY)]
+    depths = [d.next_depth(cheap) for _ in range(2 * PROBE_EVERY)]
     assert depths.index(1) == 2 * PROBE_EVERY - 1
     d.observe(1, 1)                                    # a good probe: back to the short wait, alpha recovers
     assert d.probe_every == PROBE_EVERY and d.alpha > 0
 
 
-def test_step_cost_prices_a_draft_from_measured_steps():
+def test_step_cost_prices_a_round_from_measured_steps():
     c = StepCost()
-    assert c.cost_per_draft == 0.25                    # nothing measured yet
+    assert c.relative(0) == 1.0 and c.relative(2) == 1.5          # nothing measured: 0.25 of a step a draft
     for _ in range(50):
         c.observe(0, 0.010)
         c.observe(3, 0.016)
-    assert abs(c.cost_per_draft - 0.2) < 1e-6
+    assert abs(c.relative(3) - 1.6) < 1e-6 and c.relative(0) == 1.0
+    assert abs(c.relative(1) - 1.25) < 1e-6           # not measured: from the nearest measured depth
+    only_drafts = StepCost()
+    only_drafts.observe(2, 0.015)
+    assert abs(only_drafts.relative(2) - 1.5) < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------

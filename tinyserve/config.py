@@ -97,6 +97,7 @@ class EngineSection(_Section):
     mem_fraction_static: float = _opt(0.90, gt=0, lt=1)
     kv_cache_tokens: int = _opt(0, ge=0)        # 0: derive from memory
     sleep_on_idle: bool = True
+    idle_release_s: float = _opt(0.0, ge=0)     # 0: off
 
 
 @dataclass

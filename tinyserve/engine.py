@@ -46,7 +46,7 @@ from tinyserve.request import TIERS, Request, Status
 from tinyserve.runner import ModelRunner
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import Scheduler
-from tinyserve.spec import NextNSetup, SpecStats
+from tinyserve.spec import FixedDepth, NextNSetup, SpecStats
 from tinyserve.state import StatePool
 from tinyserve.tiers import FileTier, HostTier, Tiers, model_fingerprint
 
@@ -109,6 +109,8 @@ class EngineStats:
     num_preemptions: int
     cache: CacheStats
     spec: SpecStats | None = None        # NEXTN counters; None when speculative decoding is off
+    pools_released: bool = False         # idle release: the device pools are freed now
+    idle_releases: int = 0
 
 
 class ComputeThread:
@@ -210,6 +212,8 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: asyncio.Future | None = None
         self._stopping = False
+        self._last_busy = time.monotonic()             # the last step that ran a request (idle release)
+        self.idle_releases = 0
         # llguidance's view of the tokenizer, built once here (~1 s for a 250k vocabulary: not on the event loop)
         self._grammar: GrammarCompiler | None = None
         self._grammar_error = "the engine has no tokenizer"
@@ -243,7 +247,38 @@ class Engine:
         from tinyserve.tokenizer import Tokenizer
         folder, _, plan = plan_for(cfg)
         model = load_model(folder, torch_dtype(plan.dtype), plan.device)
-        return cls(cfg, model, Tokenizer.from_folder(folder), plan)
+        engine = cls(cfg, model, Tokenizer.from_folder(folder), plan)
+        engine.price_drafts()
+        return engine
+
+    def price_drafts(self, steps: int = 3) -> None:
+        """NEXTN: time single-request decode steps at each draft depth on this machine and model (the runner's
+        StepCost, which chooses how deep requests draft), with a throw-away request, before serving."""
+        if self.nextn is None:
+            return
+        prompt = [(7 * i + 3) % self.vocab_size for i in range(64)]
+        k = self.nextn.num_steps
+        try:
+            req = self._make_request(prompt, SamplingParams(max_tokens=(k + 1) * (steps + 2) * (k + 2),
+                                                            temperature=0, ignore_eos=True), "price-drafts")
+        except RequestError as e:                      # a tiny context or pool: price drafts as they run
+            log.info("NEXTN: draft depths not timed at start (%s)", e)
+            return
+        self.scheduler.add(req)
+        while not req.output_ids:                      # the prompt
+            self._step()
+        for depth in range(k + 1):
+            req.depth = FixedDepth(depth)
+            for _ in range(steps + 1):                 # the first step at a new depth is not steady yet
+                if req.status != Status.RUNNING:
+                    break
+                self._step()
+        if req.status != Status.FINISHED:
+            self.scheduler.abort(req)
+        self.cache.flush()
+        self.spec_stats = SpecStats()
+        log.info("NEXTN: a decode step with 0..%d drafts takes %s ms here", k,
+                 ", ".join(f"{t * 1000:.1f}" for t in self.runner.step_cost.seconds))
 
     @classmethod
     def for_model(cls, cfg: Config, model, tokenizer=None) -> "Engine":
@@ -361,6 +396,8 @@ class Engine:
                     fut.set_result(fn(*args))
                 except Exception as e:                   # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
+        if self._new and self.kv_pool.released:         # the first request after an idle release
+            self._restore_device()
         while self._new:                                 # before the aborts: a request may be cancelled at once
             sched.add(self._new.popleft())
         while self._aborts:
@@ -371,6 +408,7 @@ class Engine:
         seqs = sched.schedule()
         if not seqs:
             return events
+        self._last_busy = time.monotonic()
         out = self.runner.step(seqs, len(sched.running))
         # commit each sequence's tokens one by one: nothing after a stop is kept (a verify may commit several)
         kept: dict[int, int] = {}
@@ -442,13 +480,45 @@ class Engine:
                 self._loop.call_soon_threadsafe(self._dispatch, events)
                 continue
             if not self._has_work():
-                if self.cfg.engine.sleep_on_idle:
-                    self._work.wait()
+                release_in = self._idle_release_in()
+                if self.cfg.engine.sleep_on_idle or release_in is not None:
+                    # /health answers on the event loop; /metrics and flushes are `call` jobs: none of them is a
+                    # request, so none restarts the idle clock or re-allocates released pools
+                    if not self._work.wait(release_in) and not self._has_work() and release_in is not None:
+                        self._release_device()
                 else:                                    # poll: a new request starts without a wake-up hop
                     time.sleep(0.0005)
             elif not self.scheduler.running:             # requests wait on file-tier reads: their landing wakes us
                 self._work.wait(IDLE_WAIT_S)
         self.cache.close()
+
+    # ---- idle release (engine.idle_release_s) ----
+    def _idle_release_in(self) -> float | None:
+        """Seconds until the device pools are due for release; None when off or already released."""
+        after = self.cfg.engine.idle_release_s
+        if not after or self.kv_pool.released:
+            return None
+        return max(0.0, self._last_busy + after - time.monotonic())
+
+    def _release_device(self) -> None:
+        """Demote the device's prefix cache to the host / file tiers (what they can take; the rest is dropped) and
+        free the device KV and state pools, so an idle server holds no device memory for its cache."""
+        if self.scheduler.has_work():
+            return
+        # every device page (none is locked while idle) is demoted or dropped, and with it its node's snapshot
+        self.cache.make_room(self.allocator.num_pages)
+        self.kv_pool.release()
+        self.state_pool.release()
+        if self.kv_pool.buffer.is_cuda:
+            torch.cuda.empty_cache()
+        self.idle_releases += 1
+        log.info("idle for %.0f s: device cache demoted to the tiers, device pools freed",
+                 self.cfg.engine.idle_release_s)
+
+    def _restore_device(self) -> None:
+        self.kv_pool.restore()
+        self.state_pool.restore()
+        log.info("a request after an idle release: device pools allocated again")
 
     def _fail_all(self) -> list[StepEvent]:
         events = []
@@ -522,7 +592,8 @@ class Engine:
                            kv_pages_used=self.allocator.num_used, kv_pages_total=self.allocator.num_pages,
                            state_slots_used=self.state_pool.num_slots - self.state_pool.num_free,
                            state_slots_total=self.state_pool.num_slots, num_preemptions=s.num_preemptions,
-                           cache=self.cache.stats(), spec=self.spec_stats if self.nextn else None)
+                           cache=self.cache.stats(), spec=self.spec_stats if self.nextn else None,
+                           pools_released=self.kv_pool.released, idle_releases=self.idle_releases)
 
     def flush_cache(self, include_file: bool = False) -> bool:
         """Empty the prefix cache (device and host tiers; the file tier too when asked); False when a running

@@ -20,6 +20,19 @@ class KVPool:
         return self.buffer[:, i]
 
     @property
+    def released(self) -> bool:
+        return self.buffer.dim() == 2
+
+    def release(self) -> None:
+        """Give the pool's memory back (idle release); every page's content is lost. The page count stays."""
+        self._shape = self.buffer.shape
+        self.buffer = torch.empty((self.num_pages, 0), dtype=self.dtype, device=self.buffer.device)
+
+    def restore(self) -> None:
+        """Allocate the pool again after release() (zeros)."""
+        self.buffer = torch.zeros(self._shape, dtype=self.dtype, device=self.buffer.device)
+
+    @property
     def bytes_per_page(self) -> int:
         return self.buffer[0].numel() * self.buffer.element_size()
 

@@ -69,6 +69,10 @@ class _EngineCollector(Collector):
         counter("prefix_cache_snapshots_evicted", "State snapshots evicted from the prefix cache.",
                 c.snapshots_evicted)
         counter("num_preemptions", "Requests preempted (pages freed, recomputed later).", st.num_preemptions)
+        gauge("device_pools_released", "1 while the device KV and state pools are freed after engine.idle_release_s "
+              "without requests.", float(st.pools_released))
+        counter("idle_releases", "Times the device pools were freed after engine.idle_release_s idle.",
+                st.idle_releases)
         if st.spec is not None:                   # NEXTN, with vLLM's counters and definitions
             sp = st.spec
             counter("spec_decode_num_drafts", "Verify rounds of speculating requests.", sp.num_drafts)

@@ -183,7 +183,7 @@ class ModelRunner:
             return 0                                   # it is about to finish
         if req.depth is None:
             req.depth = DepthControl(self.nextn.num_steps)
-        depth = req.depth.next_depth(self.step_cost.cost_per_draft)
+        depth = req.depth.next_depth(self.step_cost)
         room_pages = len(req.pages) * self.page_size - next_pos + 1     # draft step j writes KV at next_pos + j-2
         return max(0, min(depth, req.params.max_tokens - len(outputs) - 1,
                           self.context_length - next_pos - 1, room_pages))

@@ -12,12 +12,12 @@ One round for a speculating request (the runner does the tensor work; this modul
 
 How deep to draft (DepthControl): each request keeps an estimate of the chance that a draft token is accepted
 given the ones before it were (alpha, an exponential average over its recent rounds), and drafts the depth d in
-0..num_steps that maximises the expected tokens per round, (1 - alpha^(d+1)) / (1 - alpha), over the round's cost,
-1 + cost_per_draft * d. What a draft token costs depends on the machine and the model (a verify row and a pass of
-the NEXTN head, against a whole decode step), so StepCost measures it from the engine's own single-request steps.
-At depth 0 the request decodes plainly and probes with one draft after `PROBE_EVERY` plain steps, backing off
-(doubling the wait, up to `PROBE_EVERY_MAX`) while probes keep failing, so a head that never agrees costs almost
-nothing.
+0..num_steps that maximises the expected tokens per round, (1 - alpha^(d+1)) / (1 - alpha), over the round's time.
+What a round costs depends on the machine and the model (a verify of d + 1 tokens and d passes of the NEXTN head,
+against one decode step), so StepCost holds the measured seconds of a single-request step at each depth: timed at
+start (Engine.price_drafts) and kept current by the steps that run. At depth 0 the request decodes plainly and
+probes with one draft after `PROBE_EVERY` plain steps, backing off (doubling the wait, up to `PROBE_EVERY_MAX`)
+while probes keep failing, so a head that never agrees costs almost nothing.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 PROBE_EVERY = 16           # plain decode steps between probes of a request whose depth fell to 0 ...
 PROBE_EVERY_MAX = 256      # ... doubled after each failed probe, up to this
-COST_PER_DRAFT = 0.25      # a draft token's cost in decode steps until StepCost has measured it
+COST_PER_DRAFT = 0.25      # a draft token's cost in decode steps where StepCost has measured nothing
 COST_DECAY = 0.9           # weight of the previous measurement in StepCost's averages
 ALPHA_DECAY = 0.7          # weight of the previous estimate in the exponential average of the acceptance rate
 ALPHA_START = 0.8          # a new request starts by drafting deep (its estimate is refined from its first round)
@@ -62,12 +62,12 @@ class DepthControl:
     probe_every: int = PROBE_EVERY
     probing: bool = False
 
-    def next_depth(self, cost_per_draft: float) -> int:
+    def next_depth(self, cost: "StepCost") -> int:
         """The depth of this request's next step (called once per decode step)."""
-        best, best_rate = 0, 1.0
+        best, best_rate = 0, 1.0 / cost.relative(0)
         a = min(self.alpha, 0.999)
         for d in range(1, self.max_depth + 1):
-            rate = (1 - a ** (d + 1)) / (1 - a) / (1 + cost_per_draft * d)
+            rate = (1 - a ** (d + 1)) / (1 - a) / cost.relative(d)
             if rate > best_rate:
                 best, best_rate = d, rate
         self.probing = False
@@ -89,25 +89,40 @@ class DepthControl:
 
 
 @dataclass
+class FixedDepth:
+    """A DepthControl that always drafts `depth` (Engine.price_drafts times each depth with it)."""
+    depth: int
+
+    def next_depth(self, cost: "StepCost") -> int:
+        return self.depth
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+@dataclass
 class StepCost:
-    """A draft token's cost in plain decode steps, measured here: averages of single-request decode steps without
-    drafts and of (step - plain step) / drafts for single-request verifies (the head's drafting included)."""
-    plain_s: float = 0.0
-    per_draft_s: float = 0.0
+    """Seconds of a single-request decode step by the number of drafts it verified (its drafting of the next round
+    included): measured at start and averaged over the steps that run. `relative(d)` is a round at depth d in
+    plain decode steps; a depth not measured yet is priced by the nearest measured one, COST_PER_DRAFT a draft."""
+    seconds: list[float] = field(default_factory=list)     # [d]: 0.0 = not measured
 
     def observe(self, drafts: int, seconds: float) -> None:
-        if drafts == 0:
-            self.plain_s = seconds if not self.plain_s else COST_DECAY * self.plain_s + (1 - COST_DECAY) * seconds
-        elif self.plain_s:
-            extra = max(0.0, seconds - self.plain_s) / drafts
-            self.per_draft_s = extra if not self.per_draft_s else \
-                COST_DECAY * self.per_draft_s + (1 - COST_DECAY) * extra
+        if len(self.seconds) <= drafts:
+            self.seconds += [0.0] * (drafts + 1 - len(self.seconds))
+        old = self.seconds[drafts]
+        self.seconds[drafts] = seconds if not old else COST_DECAY * old + (1 - COST_DECAY) * seconds
 
-    @property
-    def cost_per_draft(self) -> float:
-        if not (self.plain_s and self.per_draft_s):
-            return COST_PER_DRAFT
-        return min(2.0, max(0.02, self.per_draft_s / self.plain_s))
+    def relative(self, d: int) -> float:
+        measured = [(k, t) for k, t in enumerate(self.seconds) if t]
+        if not measured:
+            return 1.0 + COST_PER_DRAFT * d
+        plain = self.seconds[0] if self.seconds[0] else None
+        k, t = min(measured, key=lambda kt: abs(kt[0] - d))
+        if plain is None:                                  # only rounds with drafts measured: price from those
+            plain = t / (1.0 + COST_PER_DRAFT * k)
+        t_d = t * (1.0 + COST_PER_DRAFT * d) / (1.0 + COST_PER_DRAFT * k) if k != d else t
+        return t_d / plain
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,21 @@ class StatePool:
         self._free_snapshots = list(range(total - 1, num_slots - 1, -1))
 
     @property
+    def released(self) -> bool:
+        return self.ssm.dim() == 2
+
+    def release(self) -> None:
+        """Give the pool's memory back (idle release); every slot's content is lost. The slot counts stay."""
+        self._shapes = (self.conv.shape, self.ssm.shape)
+        self.conv = torch.empty((self.conv.shape[0], 0), dtype=self.conv.dtype, device=self.conv.device)
+        self.ssm = torch.empty((self.ssm.shape[0], 0), dtype=self.ssm.dtype, device=self.ssm.device)
+
+    def restore(self) -> None:
+        """Allocate the pool again after release() (zeros)."""
+        self.conv = torch.zeros(self._shapes[0], dtype=self.conv.dtype, device=self.conv.device)
+        self.ssm = torch.zeros(self._shapes[1], dtype=self.ssm.dtype, device=self.ssm.device)
+
+    @property
     def bytes_per_slot(self) -> int:
         return (self.conv[0].numel() * self.conv.element_size() + self.ssm[0].numel() * self.ssm.element_size())
 

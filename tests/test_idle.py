@@ -1,0 +1,83 @@
+"""Idle release (engine.idle_release_s): after that long without requests the device cache is demoted to the host
+tier and the device pools are freed; the next request allocates them again and is served from the host tier with
+the cold run's tokens; /health and /metrics do not wake it."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from conftest import assert_no_leaks, engine_for, tokens
+from server_util import ServerProcess, free_port, http, server_config
+from tinyserve.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def test_idle_release_then_a_host_hit(hybrid_model):
+    session = tokens(200, 5)
+    cold = engine_for(hybrid_model, cache={"enabled": False}).generate([session], GREEDY)[0]
+    eng = engine_for(hybrid_model, engine={"page_size": 16, "idle_release_s": 0.2},
+                     cache={"host": {"size_gb": 0.01, "min_free_gb": 0}})
+
+    async def scenario():
+        await eng.start()
+        try:
+            async def run():
+                stream = eng.submit(session, GREEDY)
+                out = [e.token_id async for events in stream for e in events]
+                return out, stream.result
+            first, _ = await run()
+            for _ in range(400):                       # bounded wait for the engine thread's release
+                if (await eng.call(eng.stats)).pools_released:
+                    break
+                await asyncio.sleep(0.01)
+            stats = await eng.call(eng.stats)
+            assert stats.pools_released and stats.idle_releases == 1
+            assert eng.kv_pool.buffer.numel() == 0 and eng.state_pool.ssm.numel() == 0
+            assert stats.kv_pages_used == 0 and stats.cache.cached_pages == 0 and stats.cache.snapshots_held == 0
+            await asyncio.sleep(0.3)                   # stats calls (like /metrics) do not wake it
+            assert (await eng.call(eng.stats)).idle_releases == 1
+            again, result = await run()
+            return first, again, result
+        finally:
+            await eng.stop()
+
+    first, again, result = asyncio.run(scenario())
+    assert first == cold and again == cold
+    assert result.cached_tokens_by_tier["host"] > 0, result.cached_tokens_by_tier
+    assert not eng.kv_pool.released
+    assert_no_leaks(eng)
+
+
+def metric(base_url: str, name: str) -> float:
+    _, _, body = http("GET", base_url + "/metrics")
+    text = body.decode() if isinstance(body, bytes) else body
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def test_health_and_metrics_do_not_wake_a_released_server(xdg, tmp_path):
+    cfg = server_config(free_port(), {"engine": {"idle_release_s": 0.5},
+                                      "cache": {"host": {"size_gb": 0.05, "min_free_gb": 0}}})
+    with ServerProcess(tmp_path, cfg) as srv:
+        body = {"model": "tinyserve", "prompt": "hello there, a long enough prompt " * 8, "max_tokens": 4,
+                "temperature": 0}
+        status, _, first = http("POST", srv.base_url + "/v1/completions", body)
+        assert status == 200
+        deadline = time.monotonic() + 30
+        while metric(srv.base_url, "tinyserve:device_pools_released") != 1.0:
+            assert time.monotonic() < deadline, srv.log()
+            time.sleep(0.1)
+        for _ in range(5):
+            assert http("GET", srv.base_url + "/health")[0] == 200
+            assert metric(srv.base_url, "tinyserve:device_pools_released") == 1.0
+        assert metric(srv.base_url, "tinyserve:idle_releases_total") == 1.0
+        status, _, again = http("POST", srv.base_url + "/v1/completions", body)
+        assert status == 200 and again is not None
+        assert metric(srv.base_url, "tinyserve:device_pools_released") == 0.0
+        import json
+        a, b = json.loads(first), json.loads(again)
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]["host"] > 0, b["usage"]
