@@ -40,7 +40,7 @@ from tinyserve.config import Config
 from tinyserve.grammar import GrammarCompiler
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
-from tinyserve.plan import MemoryPlan, dtype_name, plan_for, torch_dtype
+from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
 from tinyserve.radix import RadixCache
 from tinyserve.request import TIERS, Request, Status
 from tinyserve.runner import ModelRunner
@@ -227,7 +227,8 @@ class Engine:
     def _build_cache(self, cfg: Config, plan: MemoryPlan) -> PrefixCache:
         host = file = None
         if plan.host_pages or plan.host_snapshots:
-            host = HostTier(self.kv_pool, self.state_pool, plan.host_pages, plan.host_snapshots)
+            host = HostTier(self.kv_pool, self.state_pool, plan.host_pages, plan.host_snapshots,
+                            min_free_bytes=int(cfg.cache.host.min_free_gb * GIB))
         if plan.file_dir:
             file = FileTier(Path(plan.file_dir), plan.file_bytes,
                             model_fingerprint(self.model, self.kv_pool.dtype, plan.page_size),
