@@ -365,3 +365,13 @@ def test_server_reports_speculation_and_keeps_the_text(xdg, tmp_path):
         length = re.search(r"^tinyserve:spec_decode_mean_accept_length (\S+)$", metrics, re.M)
         assert length and float(length.group(1)) > 1.5
         assert "NEXTN" in srv.log()                    # the plan at start shows the NEXTN KV
+
+
+def test_price_drafts_times_every_depth_and_keeps_nothing(model):
+    eng = engine_for(model, engine={"page_size": 16}, speculative=SPEC)
+    eng.price_drafts()
+    seconds = eng.runner.step_cost.seconds
+    assert len(seconds) == 4 and all(t > 0 for t in seconds), seconds
+    assert eng.spec_stats.num_drafts == 0 and eng.cache.stats().cached_pages == 0
+    assert not eng.scheduler.running and not eng.scheduler.waiting
+    assert_no_leaks(eng)

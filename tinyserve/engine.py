@@ -265,18 +265,21 @@ class Engine:
         except RequestError as e:                      # a tiny context or pool: price drafts as they run
             log.info("NEXTN: draft depths not timed at start (%s)", e)
             return
-        self.scheduler.add(req)
-        while not req.output_ids:                      # the prompt
-            self._step()
-        for depth in range(k + 1):
-            req.depth = FixedDepth(depth)
-            for _ in range(steps + 1):                 # the first step at a new depth is not steady yet
-                if req.status != Status.RUNNING:
-                    break
+        cache, self.scheduler.cache = self.scheduler.cache, NullCache(self.state_pool)   # nothing of it is kept
+        try:
+            self.scheduler.add(req)
+            while not req.output_ids:                  # the prompt
                 self._step()
-        if req.status != Status.FINISHED:
-            self.scheduler.abort(req)
-        self.cache.flush()
+            for depth in range(k + 1):
+                req.depth = FixedDepth(depth)
+                for _ in range(steps + 1):             # the first step at a new depth is not steady yet
+                    if req.status != Status.RUNNING:
+                        break
+                    self._step()
+            if req.status != Status.FINISHED:
+                self.scheduler.abort(req)
+        finally:
+            self.scheduler.cache = cache
         self.spec_stats = SpecStats()
         log.info("NEXTN: a decode step with 0..%d drafts takes %s ms here", k,
                  ", ".join(f"{t * 1000:.1f}" for t in self.runner.step_cost.seconds))
