@@ -32,6 +32,8 @@ class CacheRun:
     """One request's prefix-cache bookkeeping, from arrival to release."""
     node: Node | None = None                # the cached node this run resumed from (locked while running)
     snapshot_points: list[int] = field(default_factory=list)   # prefill positions where a snapshot is taken
+    resume_points: set[int] = field(default_factory=set)       # those that resume requests: the prompt's end,
+                                                               # a branch point (kept longer than interval ones)
     track_slot: int | None = None           # copy of the state at the last page boundary (decode)
     track_pos: int = -1
     read: Future | None = None              # file-tier blobs being read for this prompt
@@ -170,10 +172,10 @@ class PrefixCache:
         run.node = m.node
         ps, end = self.page_size, req.num_tokens
         points = set(range(self.track_interval, end, self.track_interval))
-        points.add((end - 1) // ps * ps)                   # page-aligned end of the prompt
+        run.resume_points = {(end - 1) // ps * ps}         # page-aligned end of the prompt
         if m.kv_length > m.length:
-            points.add(m.kv_length)                        # branch point: cached KV but no state there yet
-        run.snapshot_points = sorted(p for p in points if p > req.num_computed)
+            run.resume_points.add(m.kv_length)             # branch point: cached KV but no state there yet
+        run.snapshot_points = sorted(p for p in points | run.resume_points if p > req.num_computed)
 
     def next_snapshot(self, req: Request) -> int | None:
         """The next prefill position where a snapshot is due (a prefill chunk ends there)."""
@@ -188,7 +190,7 @@ class PrefixCache:
         run, ps = req.cache_run, self.page_size
         slot = req.state_slot if slot is None else slot
         if pos in run.snapshot_points or (is_decode and pos % self.track_interval == 0):
-            self._snapshot(req, pos, slot)
+            self._snapshot(req, pos, slot, resume=pos in run.resume_points)
         elif is_decode and self.hybrid and ps > 1 and pos % ps == 0:   # keep the state at the last page boundary
             if run.track_slot is None:
                 run.track_slot = self.tree.alloc_snapshot()
@@ -196,16 +198,17 @@ class PrefixCache:
                 self.state_pool.copy(slot, run.track_slot)
                 run.track_pos = pos
 
-    def _snapshot(self, req: Request, pos: int, slot: int | None = None) -> None:
-        """Cache tokens [0, pos) of req with a copy of `slot` (default: its state slot), its state at pos."""
+    def _snapshot(self, req: Request, pos: int, slot: int | None = None, resume: bool = True) -> None:
+        """Cache tokens [0, pos) of req with a copy of `slot` (default: its state slot), its state at pos.
+        resume: pos resumes requests (a prompt end, a branch point, the request's end), not just an interval."""
         if not self.hybrid:                                # no recurrent state: the KV pages are enough
             self.tree.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], None)
             return
-        snap = self.tree.alloc_snapshot()
+        snap = self.tree.alloc_snapshot(resume=resume)     # an interval snapshot never pushes out a resume point
         if snap is None:
             return
         self.state_pool.copy(req.state_slot if slot is None else slot, snap)
-        self.tree.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], snap)
+        self.tree.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], snap, resume=resume)
 
     # ---- end ----
     def finish(self, req: Request) -> None:
@@ -218,7 +221,7 @@ class PrefixCache:
             self._snapshot(req, end)
         elif run.track_pos == end:
             slot, run.track_slot, run.track_pos = run.track_slot, None, -1
-            self.tree.insert(req.all_ids[:end], req.pages[:end // ps], slot)
+            self.tree.insert(req.all_ids[:end], req.pages[:end // ps], slot, resume=True)
         elif not self.hybrid:
             self.tree.insert(req.all_ids[:end], req.pages[:end // ps], None)
 

@@ -17,8 +17,16 @@ Invariants (tests check them):
 - Nodes on the device form a subtree at the root: device eviction takes unlocked nodes with no child on the device,
   LRU first. A node backed up on the host is demoted to host-only; one that is not is removed with its subtree.
 - Host eviction takes host copies without host-backed children, LRU first; a host-only node goes with its copy.
-- Snapshots are evicted by LRU on their own (their slots are the scarce resource); a leaf left with no snapshot
-  anywhere goes with it, since nothing can resume there.
+- Snapshots are evicted on their own (their slots are the scarce resource), by worth (`_worth`): a copy the other
+  tier also holds first, then interior interval snapshots (a deeper state exists below them), other interior ones,
+  leaf snapshots, and resume points (prompt ends, branch points, request ends; `insert(..., resume=True)`) last,
+  LRU within each. A device snapshot that goes is demoted to the host tier when it has room or holds a copy worth
+  less; an interval snapshot (`alloc_snapshot(resume=False)`) never displaces a leaf or a resume point. A leaf left
+  with no snapshot anywhere goes with it, since nothing can resume there. Held snapshots never exceed the plan's
+  slots (device) and snapshots (host), checked in bytes.
+- File tier: each cached page is stored once. A node records the stored run that holds its pages (`file_run`; both
+  halves of a split keep it) and the blob that holds the state at its end (`file_state`; a state blob when that end
+  lies inside a stored run), and is written only when the file tier lacks them.
 """
 from __future__ import annotations
 
@@ -45,6 +53,11 @@ class Node:
     hits: int = 0
     last_use: int = 0
     depth: int = 0                       # tokens from the root to this node's end
+    resume: bool = False                 # the state at this node's end resumes requests: a prompt end, a branch
+                                         # point or a request end (not just an interval snapshot)
+    file_run: tuple[bytes, bytes] | None = None    # file tier: the stored run (start, end hash) holding this
+                                                   # node's pages (after a split, a run longer than the node)
+    file_state: tuple[bytes, bytes] | None = None  # file tier: the blob holding the state at this node's end
 
     def touch(self) -> None:
         self.last_use = next(_clock)
@@ -69,6 +82,8 @@ class RadixCache:
         self.page_size, self.hybrid = page_size, hybrid
         self.tiers = tiers
         self.host, self.file = tiers.host, tiers.file
+        if self.file is not None:
+            self.file.needs_state = hybrid       # a prefix of a stored run is usable only up to a state
         self.root = Node([], [])
         self.root.lock = 1                   # never evicted
         self.num_pages = 0                   # device pages referenced by the tree
@@ -105,12 +120,13 @@ class RadixCache:
         return path, pos
 
     def _split(self, node: Node, m: int) -> Node:
-        """Cut node after m tokens; the new upper node has no snapshot (the state exists only at the old end)."""
+        """Cut node after m tokens; the new upper node has no snapshot (the state exists only at the old end). Both
+        halves keep the stored run that holds their pages, so neither is written to the file tier again."""
         k = m // self.page_size
         cut = lambda xs: (None, None) if xs is None else (xs[:k], xs[k:])  # noqa: E731
         (up_pages, node.pages), (up_host, node.host_pages) = cut(node.pages), cut(node.host_pages)
         upper = Node(node.tokens[:m], up_pages, node.parent, host_pages=up_host, lock=node.lock,
-                     last_use=node.last_use, hits=node.hits, depth=node.start + m)
+                     last_use=node.last_use, hits=node.hits, depth=node.start + m, file_run=node.file_run)
         node.parent.children[self._key(node.tokens, 0)] = upper
         node.tokens, node.parent = node.tokens[m:], upper
         upper.children[self._key(node.tokens, 0)] = node
@@ -153,10 +169,18 @@ class RadixCache:
             node = node.parent
 
     # ---- insertion ----
-    def insert(self, tokens: list[int], pages: list[int], snapshot: int | None) -> None:
+    def insert(self, tokens: list[int], pages: list[int], snapshot: int | None, resume: bool = False) -> Node:
         """Cache a page-aligned prefix (its KV pages, and the state at its end if given). Parts already on the
         device keep their pages (host-only parts take these); the tree takes a reference on the pages it keeps.
-        A snapshot the node already has is given back."""
+        A snapshot the node already has is given back. resume: the state at this end resumes requests (a prompt
+        end, a branch point, a request end), so it is kept longer than interval snapshots. Returns the node
+        ending at tokens' end (the root for no tokens)."""
+        node = self._insert(tokens, pages, snapshot, resume)
+        if node is not self.root and self.tiers.backup_due("insert", node.hits):
+            self._backup(node)
+        return node
+
+    def _insert(self, tokens: list[int], pages: list[int], snapshot: int | None, resume: bool) -> Node:
         ps = self.page_size
         assert len(tokens) % ps == 0 and len(pages) == len(tokens) // ps
         path, pos = self._walk(tokens, split=True)
@@ -179,8 +203,9 @@ class RadixCache:
             else:
                 node.snapshot = snapshot
                 self.num_snapshots += 1
-        if node is not self.root and self.tiers.backup_due("insert", node.hits):
-            self._backup(node)
+        if resume and node is not self.root:
+            node.resume = True
+        return node
 
     # ---- tiers: backup, promotion ----
     def _path_tokens(self, node: Node) -> list[int]:
@@ -201,7 +226,7 @@ class RadixCache:
                     self.host.save_pages(node.pages, hp)
                     node.host_pages = hp
             if node.snapshot is not None and node.host_snapshot is None:
-                hs = self._host_alloc_snapshot(protect=node)
+                hs = self._host_alloc_snapshot(protect=node, copy_of=node, copied=True)
                 if hs is not None:
                     self.host.save_snapshot(node.snapshot, hs)
                     node.host_snapshot = hs
@@ -209,12 +234,33 @@ class RadixCache:
             self._write_file(node)
 
     def _write_file(self, node: Node) -> None:
+        """Queue a device node for the file tier: its pages as one blob, unless a stored blob holds them already
+        (a node split from a stored run keeps that run; a run stored for its parent may go on into it): no page is
+        stored twice. Then the state at its end as a state blob when the file tier has none there (a branch point
+        inside a stored run)."""
+        if not self.file.writable:
+            return
         ps = self.page_size
         hashes = chain_hashes(self.file.fingerprint, self._path_tokens(node), ps)
-        start, end = hashes[node.start // ps], hashes[node.depth // ps]
-        if self.file.writable and not self.file.has(start, end):
-            self.tiers.write_file(start, end, node.tokens, node.pages, node.host_pages, node.snapshot,
-                                  node.host_snapshot)
+        end = hashes[node.depth // ps]
+        state = node.snapshot is not None or node.host_snapshot is not None
+        if node.file_run is None or not self.file.has(*node.file_run):
+            # the parent's stored run may go on into this node (a leaf dropped for want of a state, cached again
+            # now): write only what follows it
+            k, run = 0, node.parent.file_run
+            if run is not None and run[1] in hashes[node.start // ps + 1:node.depth // ps + 1] and \
+                    self.file.has(*run):
+                k = hashes.index(run[1], node.start // ps + 1) - node.start // ps
+            if k < len(node.pages):
+                run, start = (hashes[node.start // ps + k], end), hashes[node.start // ps + k]
+                if not self.file.has(*run):
+                    self.tiers.write_file(start, end, node.tokens[k * ps:], node.pages[k:],
+                                          node.host_pages[k:] if node.host_pages is not None else None,
+                                          node.snapshot, node.host_snapshot)
+            node.file_run, node.file_state = run, run if state else None    # a run holds the state at its end
+        if state and (node.file_state is None or not self.file.has(*node.file_state)):
+            self.tiers.write_state(end, node.snapshot, node.host_snapshot)
+            node.file_state = (end, end)
 
     def promote(self, tokens: list[int], blobs: list[Blob], first_page: int) -> dict[str, tuple[int, int]]:
         """Bring the prompt's cached path onto the device: host-only nodes, then file-tier blobs that continue it.
@@ -279,20 +325,40 @@ class RadixCache:
         ps = self.page_size
         prefix_pages = [p for n in path for p in n.pages]
         pos = len(prefix_pages) * ps
-        for blob in blobs:
-            n = blob.kv.shape[0]
-            self.evict_pages(n)
-            pages = self.allocator.alloc(n)
-            if pages is None:
-                break
-            slot = self.alloc_snapshot() if blob.conv is not None and self.hybrid else None
-            self.tiers.load_blob(blob, pages, slot)
-            end = pos + n * ps
-            self.insert(tokens[:end], prefix_pages + pages, slot)
-            self.allocator.release(pages)              # the tree holds its own reference now
-            prefix_pages += pages
-            pos = end
-            self.file.stats.hit_tokens += n * ps
+        held: Node | None = None             # the runs loaded so far stay locked while room is made for the next
+        try:                                 # (evicted, their pages would come back as the next run's pages)
+            for blob in blobs:
+                n = blob.kv.shape[0]
+                self.evict_pages(n)
+                pages = self.allocator.alloc(n)
+                if pages is None:
+                    break
+                slot = self.alloc_snapshot() if blob.conv is not None and self.hybrid else None
+                if slot is None and blob.conv is not None and self.hybrid and held is not None and \
+                        held.snapshot is not None:     # the deeper state resumes more: it takes the slot of the
+                    slot, held.snapshot = held.snapshot, None   # one loaded just above it
+                    self.num_snapshots -= 1
+                self.tiers.load_blob(blob, pages, slot)
+                end = pos + n * ps
+                node = self._insert(tokens[:end], prefix_pages + pages, slot, resume=False)
+                self.lock(node, +1)
+                if held is not None:
+                    self.lock(held, -1)
+                held = node
+                node.file_state = blob.stored_state    # the file tier holds these: never written again
+                run = node
+                while run is not self.root and run.start >= pos:
+                    run.file_run = blob.stored_run or (blob.start_hash, blob.end_hash)
+                    run = run.parent
+                if self.tiers.backup_due("insert", node.hits):
+                    self._backup(node)
+                self.allocator.release(pages)          # the tree holds its own reference now
+                prefix_pages += pages
+                pos = end
+                self.file.stats.hit_tokens += n * ps
+        finally:
+            if held is not None:
+                self.lock(held, -1)
         return pos
 
     # ---- device eviction ----
@@ -342,7 +408,7 @@ class RadixCache:
                 self._backup(victim)
             if victim.host_pages is not None:
                 if victim.snapshot is not None and victim.host_snapshot is None:
-                    hs = self._host_alloc_snapshot(protect=victim)
+                    hs = self._host_alloc_snapshot(protect=victim, copy_of=victim)
                     if hs is not None:
                         self.host.save_snapshot(victim.snapshot, hs)
                         victim.host_snapshot = hs
@@ -350,19 +416,42 @@ class RadixCache:
             else:
                 self._remove_subtree(victim)
 
-    def alloc_snapshot(self) -> int | None:
-        """A free device snapshot slot, evicting the least recently used unlocked snapshot if none is free
-        (kept on the host when a host tier exists)."""
+    # ---- snapshot placement ----
+    def _interior(self) -> set[Node]:
+        """Nodes with a state snapshot (device or host) somewhere below them: their own snapshot serves only the
+        prompts that leave the path between them and the deeper one."""
+        out: set[Node] = set()
+        for n in reversed(self._nodes()):                  # children before their parents
+            if n is not self.root and (n in out or n.snapshot is not None or n.host_snapshot is not None):
+                out.add(n.parent)
+        return out
+
+    def _worth(self, node: Node, interior: set[Node], copied: bool) -> tuple[bool, bool, bool, int]:
+        """How much a tier's copy of node's snapshot is worth keeping; the least is dropped first:
+        a copy that the other tier also holds (`copied`: nothing is lost), then interior interval snapshots,
+        other interior ones, then leaf snapshots (the deepest state on their path), resume points (prompt ends,
+        branch points, request ends) last; least recently used first within each."""
+        resume = node.resume or len(node.children) > 1
+        return (not copied, node not in interior, resume, node.last_use)
+
+    def alloc_snapshot(self, resume: bool = True) -> int | None:
+        """A free device snapshot slot. When none is free, the least worth keeping unlocked snapshot (see _worth)
+        gives its slot up: demoted to the host tier when that has room (or can make it from less worth keeping
+        copies), dropped otherwise. resume=False (an interval snapshot) takes only the slot of an interior interval
+        snapshot or of one with a host copy: it never pushes out a resume point, a leaf or a branch point."""
         slot = self.state_pool.alloc_snapshot()
         if slot is not None:
             return slot
         held = [n for n in self._nodes() if n.snapshot is not None and n.lock == 0]
         if not held:
             return None
-        victim = min(held, key=lambda n: n.last_use)
-        if self.host is not None and victim.host_snapshot is None and \
-                (self.tiers.backup_due("evict", victim.hits) or victim.host_pages is not None):
-            hs = self._host_alloc_snapshot(protect=victim)
+        interior = self._interior()
+        victim = min(held, key=lambda n: self._worth(n, interior, n.host_snapshot is not None))
+        unique, leaf, kept, _ = self._worth(victim, interior, victim.host_snapshot is not None)
+        if not resume and unique and (leaf or kept):
+            return None
+        if self.host is not None and victim.host_snapshot is None:
+            hs = self._host_alloc_snapshot(protect=victim, copy_of=victim)
             if hs is not None:
                 self.host.save_snapshot(victim.snapshot, hs)
                 victim.host_snapshot = hs
@@ -396,7 +485,11 @@ class RadixCache:
                 self._drop_host(victim)
         return self.host.alloc_pages(n)
 
-    def _host_alloc_snapshot(self, protect: Node) -> int | None:
+    def _host_alloc_snapshot(self, protect: Node | None, copy_of: Node | None = None, copied: bool = False) \
+            -> int | None:
+        """A host snapshot slot, taking the one least worth keeping (see _worth) when the tier is full. With
+        copy_of (the node whose snapshot goes there; copied: it stays on the device too), only a copy worth less
+        than that one is displaced: a copy never pushes out a better one."""
         slot = self.host.alloc_snapshot()
         if slot is not None:
             return slot
@@ -405,7 +498,11 @@ class RadixCache:
                 and (x.snapshot is not None or x.lock == 0)]
         if not held:
             return None
-        victim = min(held, key=lambda x: x.last_use)
+        interior = self._interior()
+        victim = min(held, key=lambda x: self._worth(x, interior, x.snapshot is not None))
+        if copy_of is not None and self._worth(victim, interior, victim.snapshot is not None) >= \
+                self._worth(copy_of, interior, copied):
+            return None
         slot, victim.host_snapshot = victim.host_snapshot, None
         if victim.pages is None:
             self._drop_stateless_leaves(victim)
@@ -426,7 +523,7 @@ class RadixCache:
             assert n.tokens and len(n.tokens) % ps == 0, "a node holds whole pages"
             assert n.parent.children.get(self._key(n.tokens, 0)) is n, "a node is filed under its first page"
             assert n.depth == n.parent.depth + len(n.tokens), "depth = parent's depth + own tokens"
-            assert n.parent.lock >= n.lock, "a lock covers the whole path up to the root"
+            assert n.parent is self.root or n.parent.lock >= n.lock, "a lock covers the whole path up to the root"
             if n.pages is not None:
                 assert len(n.pages) == len(n.tokens) // ps
                 assert n.parent is self.root or n.parent.pages is not None, "device nodes form a subtree"
@@ -447,10 +544,19 @@ class RadixCache:
         assert len(set(snaps)) == len(snaps) == self.num_snapshots, "each snapshot slot once, counted"
         assert all(s >= self.state_pool.num_slots for s in snaps), "snapshots live in snapshot slots"
         assert not set(snaps) & set(self.state_pool._free_snapshots), "a held snapshot slot is not free"
+        # snapshot bytes: never more than the plan's counts (the pools are sized from it)
+        pool = self.state_pool
+        assert pool.conv.shape[0] == pool.ssm.shape[0] == pool.num_slots + pool.num_snapshot_slots, \
+            "device snapshot memory is what the plan says"
+        assert self.num_snapshots + pool.num_free_snapshots <= pool.num_snapshot_slots, \
+            "device snapshots held + free within the plan's slots (the rest track running requests)"
         if self.host is not None:
             assert len(set(host_pages)) == len(host_pages) == self.host.num_pages - self.host.num_free_pages
             assert len(set(host_snaps)) == len(host_snaps) == \
                 self.host.num_snapshots - self.host.num_free_snapshots
+            assert self.host.num_snapshots <= self.host.max_snapshots, "host snapshot capacity within the plan"
+            assert len(host_snaps) * self.host.snap_bytes <= self.host._snaps.allocated_bytes \
+                <= self.host.max_snapshots * self.host.snap_bytes, "host snapshot bytes within the plan"
         else:
             assert not host_pages and not host_snaps
 

@@ -14,6 +14,11 @@ the KV dtype, the page size and the format version, so another model or setting 
 KV pages and, when the node had one, the state snapshot at its end. Blobs are written to a temporary name and
 renamed, by one background writer thread; the folder is indexed from its listing at start (temporary files of a
 killed writer are deleted); a truncated, corrupt or foreign blob is a miss: counted, logged once, deleted.
+
+A page is stored once: when a cached run is split (a prompt branched off inside it), both halves keep the blob that
+holds them, and a later read uses the matching prefix of a blob that leaves the prompt's path (`read_chain`). A
+blob holds a state snapshot at its end only, so the state at such a cut (a branch point) is a state blob of its
+own: the same format with no tokens and no pages, named `<at>.tss` by its chain hash.
 """
 from __future__ import annotations
 
@@ -49,6 +54,8 @@ MAGIC = b"TSKVBLOB"
 # magic, version, fingerprint, start hash, end hash, n_tokens, n_pages, kv bytes, conv bytes, ssm bytes, crc32
 HEADER = struct.Struct("<8sI32s32s32sIIQQQI")
 SUFFIX = ".tsb"
+STATE_SUFFIX = ".tss"      # a state blob: the state snapshot at one chain hash, no pages (start hash = end hash)
+PROBE_LIMIT = 256          # file tier: blobs whose first page one read_chain call looks up (for a prefix)
 STAT_BATCH = 2000          # file tier: blobs updated per hold of the index lock by the start-up stat job
 # The host tier takes and gives back memory in segments of about this size, one kind of row each (KV pages or state
 # snapshots; large snapshots get a larger power-of-two segment, see _rows_per_segment). A power of two: CUDA's
@@ -536,6 +543,11 @@ def chain_hashes(seed: bytes, tokens: list[int], page_size: int) -> list[bytes]:
     return out
 
 
+def blob_name(start: bytes, end: bytes) -> str:
+    """A blob's file name: `<start>-<end>.tsb` for a run of pages, `<at>.tss` for a state blob (start = end)."""
+    return f"{start.hex()}{STATE_SUFFIX}" if start == end else f"{start.hex()}-{end.hex()}{SUFFIX}"
+
+
 @dataclass
 class Blob:
     """One run of pages read back from the file tier (CPU tensors), or to be written."""
@@ -545,6 +557,9 @@ class Blob:
     kv: torch.Tensor                      # [n_pages, *page shape]
     conv: torch.Tensor | None = None      # [*slot shape] state snapshot at the run's end
     ssm: torch.Tensor | None = None
+    stored_run: tuple[bytes, bytes] | None = None     # read back: the stored blob (start, end) holding these pages
+                                                      # (longer than the run when its prefix was used)
+    stored_state: tuple[bytes, bytes] | None = None   # read back: the stored blob holding the state (None: no state)
 
 
 @dataclass(slots=True)
@@ -552,6 +567,7 @@ class _Entry:
     name: str                   # file name in the folder (a Path per blob would cost more than the listing)
     size: int = -1              # bytes; -1 until read (blobs found at start are stat'ed in the background)
     last_use: float = 0.0       # time.time() of the last write or read; a found blob's mtime
+    next_hash: bytes | None = None   # chain hash after the blob's first page (None: not looked up yet)
 
 
 @dataclass
@@ -566,6 +582,7 @@ class FileTier:
     ssm_shape: tuple[int, ...]
     writable: bool = True
     stats: TierStats = field(default_factory=TierStats)
+    needs_state: bool = False    # a hybrid model's runs: usable only up to a state snapshot (the radix tree sets it)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -577,6 +594,7 @@ class FileTier:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-file-write")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-file-read")
         self._pending: list[Future] = []
+        self._queued: set[tuple[bytes, bytes]] = set()          # blobs queued for writing, not yet in the index
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             probe = self.folder / f".tmp-probe-{uuid.uuid4().hex}"
@@ -596,17 +614,21 @@ class FileTier:
         except OSError:
             return
         name_len, fromhex, index = 2 * 64 + 1 + len(SUFFIX), bytes.fromhex, self._index
+        state_len = 64 + len(STATE_SUFFIX)
         found: list[tuple[bytes, bytes]] = []
         collecting = gc.isenabled()
         gc.disable()            # 100,000 new objects would run the collector over them again and again (~40% here)
         try:
             for name in names:
-                if len(name) != name_len or name[64] != "-" or not name.endswith(SUFFIX):
-                    if name.startswith(".tmp-"):     # left by a writer that was killed mid-write
-                        _unlink(self.folder / name)
-                    continue
                 try:
-                    start, end = fromhex(name[:64]), fromhex(name[65:129])
+                    if len(name) == name_len and name[64] == "-" and name.endswith(SUFFIX):
+                        start, end = fromhex(name[:64]), fromhex(name[65:129])
+                    elif len(name) == state_len and name.endswith(STATE_SUFFIX):
+                        start = end = fromhex(name[:64])
+                    else:
+                        if name.startswith(".tmp-"):     # left by a writer that was killed mid-write
+                            _unlink(self.folder / name)
+                        continue
                 except ValueError:
                     continue
                 ends = index.get(start)
@@ -634,7 +656,7 @@ class FileTier:
         try:
             for start, end in found:
                 try:
-                    st = os.stat(f"{start.hex()}-{end.hex()}{SUFFIX}", dir_fd=fd)
+                    st = os.stat(blob_name(start, end), dir_fd=fd)
                     stats.append((st.st_mtime, st.st_size, start, end))
                 except OSError:
                     gone.append((start, end))
@@ -703,8 +725,9 @@ class FileTier:
         return self._total
 
     def has(self, start: bytes, end: bytes) -> bool:
+        """Is this blob stored, or queued for writing?"""
         with self._lock:
-            return end in self._index.get(start, {})
+            return end in self._index.get(start, {}) or (start, end) in self._queued
 
     # ---- writing (background thread) ----
     def _disable_writes(self, why: str) -> None:
@@ -714,9 +737,11 @@ class FileTier:
 
     def write(self, blob: Blob) -> None:
         """Queue a blob for writing (tensors must be CPU copies the caller no longer changes)."""
-        if not self.writable or self.has(blob.start_hash, blob.end_hash):
-            return
+        key = (blob.start_hash, blob.end_hash)
         with self._lock:
+            if not self.writable or blob.end_hash in self._index.get(blob.start_hash, {}) or key in self._queued:
+                return
+            self._queued.add(key)
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(self._writer.submit(self._write_now, blob))
 
@@ -734,13 +759,20 @@ class FileTier:
         return [memoryview(header), tokens, kv, conv, ssm]
 
     def _write_now(self, blob: Blob) -> None:
+        try:
+            self._write_blob(blob)
+        finally:
+            with self._lock:
+                self._queued.discard((blob.start_hash, blob.end_hash))
+
+    def _write_blob(self, blob: Blob) -> None:
         t0 = time.perf_counter()
         parts = self._encode(blob)
         size = sum(p.nbytes for p in parts)
         if size > self.size_bytes:
             self._warn_once("size", f"a cached run of {size} bytes exceeds cache.file.size_gb; not written")
             return
-        name = f"{blob.start_hash.hex()}-{blob.end_hash.hex()}{SUFFIX}"
+        name = blob_name(blob.start_hash, blob.end_hash)
         tmp = self.folder / f".tmp-{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb") as f:
@@ -751,8 +783,12 @@ class FileTier:
             self._disable_writes(f"writing {self.folder / name} failed ({e})")
             _unlink(tmp)          # raises nothing, also when the folder itself is gone or is not a folder
             return
+        n_pages = blob.kv.shape[0]
+        first = struct.pack(f"<{len(blob.tokens) // n_pages}i", *blob.tokens[:len(blob.tokens) // n_pages]) \
+            if n_pages else None
         with self._lock:
-            self._add(blob.start_hash, blob.end_hash, _Entry(name, size, time.time()))
+            self._add(blob.start_hash, blob.end_hash, _Entry(name, size, time.time(), first and hashlib.sha256(
+                blob.start_hash + first).digest()))
             self._evict_to_limit()
             self.stats.bytes_in += size
             self.stats.seconds += time.perf_counter() - t0
@@ -817,32 +853,121 @@ class FileTier:
 
     def read_chain(self, hashes: list[bytes], tokens: list[int], first_page: int, page_size: int) -> list[Blob]:
         """Blobs continuing the chain from page `first_page` of tokens, in order, each verified; stops at the
-        first gap or bad blob. hashes = chain_hashes(...) of tokens."""
+        first gap or bad blob. hashes = chain_hashes(...) of tokens.
+
+        Each page is stored once, so where no blob runs along the chain from a page, the matching prefix of one
+        that leaves it (a run another prompt branched off inside, or that this prompt ends inside) is used, cut
+        where another blob or a state blob starts on the chain (a point the tree split at before) or, for a model
+        without state, as far as it matches (`_read_prefix`). A blob's state is the one at its end, so a run that
+        ends without one (a cut, or a run stored before its state existed) takes the state blob there, if any."""
         where = {h: i for i, h in enumerate(hashes)}
         out: list[Blob] = []
         page = first_page
         while page < len(hashes) - 1:
             with self._lock:
-                candidates = [(where[e], e, en) for e, en in self._index.get(hashes[page], {}).items()
-                              if e in where and where[e] > page]
-            if not candidates:
-                break
-            end_page, end, entry = max(candidates, key=lambda c: c[0])
-            try:
-                blob = self._read(hashes[page], end, entry, tokens[page * page_size:end_page * page_size])
-            except Exception as e:            # noqa: BLE001 - whatever is wrong with a file, it is only a miss
-                self._bad(hashes[page], end, f"unreadable ({type(e).__name__})")
-                blob = None
-            if blob is not None and blob.kv.shape[0] != end_page - page:
-                self._bad(hashes[page], end, "mismatched")
-                blob = None
-            if blob is None:
-                continue                      # the bad blob is gone from the index: try another candidate
+                ends = dict(self._index.get(hashes[page], {}))
+            candidates = [(where[e], e, en) for e, en in ends.items() if e in where and where[e] > page]
+            if candidates:
+                end_page, end, entry = max(candidates, key=lambda c: c[0])
+                try:
+                    blob = self._read(hashes[page], end, entry, tokens[page * page_size:end_page * page_size])
+                except Exception as e:            # noqa: BLE001 - whatever is wrong with a file, it is only a miss
+                    self._bad(hashes[page], end, f"unreadable ({type(e).__name__})")
+                    blob = None
+                if blob is not None and blob.kv.shape[0] != end_page - page:
+                    self._bad(hashes[page], end, "mismatched")
+                    blob = None
+                if blob is None:
+                    continue                      # the bad blob is gone from the index: try another candidate
+            else:
+                parts = self._read_prefix(hashes, tokens, page, page_size, ends, where)
+                if not parts:
+                    break
+                for blob in parts:
+                    self._attach_state(blob)
+                out += parts
+                page += sum(blob.kv.shape[0] for blob in parts)
+                continue
+            if blob.conv is None:
+                self._attach_state(blob)
             out.append(blob)
             page = end_page
         return out
 
-    def _read(self, start: bytes, end: bytes, entry: _Entry, expect_tokens: list[int]) -> Blob | None:
+    def _read_prefix(self, hashes: list[bytes], tokens: list[int], page: int, page_size: int,
+                     ends: dict[bytes, _Entry], where: dict[bytes, int]) -> list[Blob]:
+        """The matching prefix of a blob starting at hashes[page] that leaves the chain; only blobs whose first page
+        is the chain's are read (looked up from the header, once per blob, the PROBE_LIMIT most recently used).
+        Without needs_state, the whole match. needs_state (a hybrid model resumes only where a state exists):
+        looked for only when the chain passes a point where another blob or a state blob starts (a branch point
+        cached before: its state or its continuation starts there), nothing unless one lies within the match, and
+        the match comes as two runs: up to the deepest such point, and the rest (KV without a state: the radix
+        tree takes the branch point's state there, and knows those pages are stored)."""
+        last = len(hashes) - 1
+        with self._lock:
+            cuts = [q for q in range(page + 1, last + 1) if hashes[q] in self._index]
+        if self.needs_state and not cuts:
+            return []
+        start = hashes[page]
+        off_chain = heapq.nlargest(PROBE_LIMIT, ((en.last_use, e, en) for e, en in ends.items() if e not in where),
+                                   key=lambda c: c[0])
+        for _, end, entry in off_chain:
+            if self._next_hash(start, end, entry) != hashes[page + 1]:
+                continue
+            try:
+                blob = self._read(start, end, entry, None)
+            except Exception as e:                # noqa: BLE001 - whatever is wrong with a file, it is only a miss
+                self._bad(start, end, f"unreadable ({type(e).__name__})")
+                blob = None
+            if blob is None:
+                continue
+            ps, k = page_size, 0
+            most = min(blob.kv.shape[0], last - page)
+            while k < most and blob.tokens[k * ps:(k + 1) * ps] == tokens[(page + k) * ps:(page + k + 1) * ps]:
+                k += 1
+            cut = max((q for q in cuts if q <= page + k), default=page) if self.needs_state else page + k
+            if cut == page:
+                continue
+            bounds = [page, cut] + ([page + k] if page + k > cut else [])
+            return [Blob(hashes[a], hashes[b], blob.tokens[(a - page) * ps:(b - page) * ps],
+                         blob.kv[a - page:b - page], stored_run=(start, end)) for a, b in zip(bounds, bounds[1:])]
+        return []
+
+    def _next_hash(self, start: bytes, end: bytes, entry: _Entry) -> bytes | None:
+        """The chain hash after a blob's first page, from its header and first page (read once, then kept)."""
+        if entry.next_hash is None:
+            try:
+                with open(self.folder / entry.name, "rb") as f:
+                    head = f.read(HEADER.size)
+                    magic, version, fp, s, e, n_tok, n_pages, *_ = HEADER.unpack(head)
+                    if magic != MAGIC or version != FORMAT_VERSION or fp != self.fingerprint or (s, e) != (start, end) \
+                            or not n_pages or n_tok % n_pages:
+                        return None                 # a full read would find it bad; this one only looks
+                    first = f.read(4 * (n_tok // n_pages))
+            except (OSError, struct.error):
+                return None
+            if len(first) != 4 * (n_tok // n_pages):
+                return None
+            entry.next_hash = hashlib.sha256(start + first).digest()
+        return entry.next_hash
+
+    def _attach_state(self, blob: Blob) -> None:
+        """Give a run that ends without a state the state blob stored at its end, if there is one."""
+        at = blob.end_hash
+        with self._lock:
+            entry = self._index.get(at, {}).get(at)
+        if entry is None:
+            return
+        try:
+            state = self._read(at, at, entry, [])
+        except Exception as e:                    # noqa: BLE001 - whatever is wrong with a file, it is only a miss
+            self._bad(at, at, f"unreadable ({type(e).__name__})")
+            return
+        if state is not None and state.conv is not None:
+            blob.conv, blob.ssm, blob.stored_state = state.conv, state.ssm, (at, at)
+
+    def _read(self, start: bytes, end: bytes, entry: _Entry, expect_tokens: list[int] | None) -> Blob | None:
+        """Read and verify one blob (expect_tokens: its tokens, None: any)."""
         t0 = time.perf_counter()
         try:
             data = (self.folder / entry.name).read_bytes()
@@ -868,13 +993,15 @@ class FileTier:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         conv_bytes = _numel(self.conv_shape) * torch.empty((), dtype=self.conv_dtype).element_size()
         ssm_bytes = _numel(self.ssm_shape) * 4
-        if tokens != expect_tokens or kv_len != n_pages * page_numel * elem or \
+        if (expect_tokens is not None and tokens != expect_tokens) or kv_len != n_pages * page_numel * elem or \
                 (conv_len, ssm_len) not in ((0, 0), (conv_bytes, ssm_bytes)):
             self._bad(start, end, "mismatched")
             return None
         off = 4 * n_tok
 
         def tensor(nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            if not nbytes:                  # a state blob's pages
+                return torch.empty(shape, dtype=dtype)
             raw = torch.frombuffer(bytearray(payload[off:off + nbytes]), dtype=torch.uint8)
             return raw.view(dtype).reshape(shape)
         kv = tensor(kv_len, self.kv_dtype, (n_pages,) + self.page_shape)
@@ -895,7 +1022,8 @@ class FileTier:
             pass
         self.stats.bytes_out += len(data)
         self.stats.seconds += time.perf_counter() - t0
-        return Blob(start, end, tokens, kv, conv, ssm)
+        return Blob(start, end, tokens, kv, conv, ssm, stored_run=(start, end),
+                    stored_state=(start, end) if conv is not None else None)
 
 
 # The one table of write policies (cache.host.write_policy, in config.py's order): at which event a device node is
@@ -934,6 +1062,17 @@ class Tiers:
             conv = self.state_pool.conv[snapshot].to("cpu", copy=True)
             ssm = self.state_pool.ssm[snapshot].to("cpu", copy=True)
         self.file.write(Blob(start, end, list(tokens), kv, conv, ssm))
+
+    def write_state(self, at: bytes, snapshot: int | None, host_snapshot: int | None) -> None:
+        """Queue a state blob (no pages) for the file tier: the state at chain hash `at` (a node whose pages a
+        longer stored run holds), copied from the host tier where it has a copy, else the device."""
+        if host_snapshot is not None:
+            conv, ssm = self.host.read_snapshot(host_snapshot)
+        else:
+            conv = self.state_pool.conv[snapshot].to("cpu", copy=True)
+            ssm = self.state_pool.ssm[snapshot].to("cpu", copy=True)
+        buf = self.kv_pool.buffer
+        self.file.write(Blob(at, at, [], torch.empty((0,) + tuple(buf.shape[1:]), dtype=buf.dtype), conv, ssm))
 
     def load_blob(self, blob: Blob, pages: list[int], snapshot: int | None) -> None:
         """Copy a blob read from the file tier into device pages (and its state into a snapshot slot)."""
