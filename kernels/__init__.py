@@ -1,0 +1,53 @@
+"""The compute kernels: one module per op. Each op has a torch reference (the CPU path and the test oracle) and,
+in a `*_triton.py` module beside it, a Triton kernel with the same signature (the CUDA path).
+
+Which one runs is decided per call by `use_triton(tensor)` from the backend set at start:
+  "auto"   Triton for CUDA tensors when triton imports, the torch reference otherwise (the default);
+  "torch"  always the torch reference (debugging: rule the kernels out);
+  "triton" always Triton (debugging; on CPU tensors only under TRITON_INTERPRET=1, as the tests run it).
+The engine calls `set_backend(cfg.engine.kernels)` once before the first forward. Triton modules are imported only
+when a Triton kernel first runs, so the CPU path never imports triton.
+"""
+from __future__ import annotations
+
+import os
+
+BACKENDS = ("auto", "torch", "triton")
+_backend = "auto"
+_triton: bool | None = None        # whether triton imports (checked once, on first need)
+
+
+def triton_available() -> bool:
+    global _triton
+    if _triton is None:
+        try:
+            import triton  # noqa: F401
+            _triton = True
+        except Exception:          # not installed, or no usable build for this machine
+            _triton = False
+    return _triton
+
+
+def set_backend(name: str) -> None:
+    """Choose the kernels for every later call: "auto" | "torch" | "triton" (engine.kernels)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {', '.join(BACKENDS)}, found {name!r}")
+    if name == "triton" and not triton_available():
+        raise RuntimeError("engine.kernels = \"triton\" needs the triton package (pip install triton)")
+    _backend = name
+
+
+def backend() -> str:
+    return _backend
+
+
+def use_triton(x) -> bool:
+    """Whether the op called with tensor x (its first tensor argument) runs the Triton kernel."""
+    if _backend == "auto":
+        return x.is_cuda and triton_available()
+    if _backend == "torch":
+        return False
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("engine.kernels = \"triton\" runs CPU tensors only under TRITON_INTERPRET=1")
+    return True

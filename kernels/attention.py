@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels import use_triton
+
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, KV, hd] at flat slots slot_mapping [T] (int64) of one layer's cache."""
@@ -52,6 +54,9 @@ def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_table:
 def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                            seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
     """One new token per sequence, all sequences at once. q [N, H, hd]; seq_lens [N]; returns [N, H, hd]."""
+    if use_triton(q):
+        from tinyserve.kernels import attention_triton
+        return attention_triton.paged_attention_decode(q, kv_cache, page_table, seq_lens, max_len, scale)
     N, H, hd = q.shape
     page_size = kv_cache.shape[2]
     n_pages = (max_len + page_size - 1) // page_size

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels import use_triton
 from tinyserve.kernels.gdn import VerifyLayout, pad_to_layout, slot_run
 
 
@@ -32,6 +33,9 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                          slot_ids: torch.Tensor) -> torch.Tensor:
     """One new token per sequence: x [N, C]; conv_state [slots, C, K-1] updated in place. Returns [N, C]."""
+    if use_triton(x):
+        from tinyserve.kernels import conv_triton
+        return conv_triton.causal_conv1d_decode(x, weight, conv_state, slot_ids)
     # a run of slots is a view; otherwise index_select / index_copy_ (a fraction of advanced indexing's cost)
     first = slot_run(slot_ids, conv_state)
     rows = conv_state.narrow(0, first, slot_ids.numel()) if first is not None else \
@@ -48,6 +52,9 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
                          lay: VerifyLayout) -> torch.Tensor:
     """Speculative verify: the decode conv (the same per-token sum) over each sequence's 1 + k tokens at once,
     keeping the history after every token in its own slot (lay: kernels.gdn.VerifyLayout). x [T, C]."""
+    if use_triton(x):
+        from tinyserve.kernels import conv_triton
+        return conv_triton.causal_conv1d_verify(x, weight, conv_state, lay)
     C, K = weight.shape
     hist = conv_state.index_select(0, lay.in_slots).to(x.dtype)                          # [N, C, K-1]
     window = torch.cat([hist, pad_to_layout(x, lay).transpose(1, 2)], dim=-1)           # [N, C, K-1+L]

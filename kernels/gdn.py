@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyserve.kernels import use_triton
+
 
 def _expand_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     r = num_v_heads // x.shape[-2]
@@ -128,6 +130,9 @@ def slot_run(slot_ids: torch.Tensor, pool: torch.Tensor) -> int | None:
 def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                       beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
     """One token per sequence. q, k [N, H, dk]; v [N, HV, dv]; g, beta [N, HV]; state [slots, HV, dk, dv]."""
+    if use_triton(v):
+        from tinyserve.kernels import gdn_triton
+        return gdn_triton.recurrent_gated_delta_rule_decode(q, k, v, g, beta, state, slot_ids)
     HV = v.shape[1]
     q = _expand_heads(q, HV).float().unsqueeze(-2)                       # [N, HV, 1, dk]
     k = _expand_heads(k, HV).float()
@@ -190,6 +195,9 @@ def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch
     """Speculative verify: the decode recurrence (the same ops, so the same numbers as decoding the tokens one step
     at a time) over each sequence's 1 + k tokens, batched over sequences, keeping the state after every token in
     its own slot, so the state after the last accepted token can become the sequence's state as it is."""
+    if use_triton(v):
+        from tinyserve.kernels import gdn_triton
+        return gdn_triton.recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, lay)
     HV, dv = v.shape[1], v.shape[2]
     qp = pad_to_layout(_expand_heads(q, HV).float(), lay)                 # [N, L, HV, dk]
     kp = pad_to_layout(_expand_heads(k, HV).float(), lay)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels import use_triton
+
 # fp32 inputs up to this many elements go through torch's fused rms_norm (one op instead of ~8: decode steps are
 # dominated by per-op overhead); larger ones keep the composite form, which is faster there on CPU.
 _FUSED_MAX_NUMEL = 1 << 16
@@ -11,6 +13,9 @@ _FUSED_MAX_NUMEL = 1 << 16
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = True) -> torch.Tensor:
     """y = x / rms(x) * (1 + w) (zero-centred, every norm but the GDN output norm) or * w (plain)."""
+    if use_triton(x):
+        from tinyserve.kernels import norm_triton
+        return norm_triton.rms_norm(x, weight, eps, zero_centred)
     w = weight.float()
     w = 1.0 + w if zero_centred else w
     if x.dtype == torch.float32 and x.numel() <= _FUSED_MAX_NUMEL:
@@ -22,6 +27,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The GDN output norm: rmsnorm(x) * w * silu(gate), normalised over the last dim (one value head)."""
+    if use_triton(x):
+        from tinyserve.kernels import norm_triton
+        return norm_triton.gated_rms_norm(x, gate, weight, eps)
     y = rms_norm(x.float(), weight, eps, zero_centred=False)
     y = y.mul_(F.silu(gate.float()))
     return y.to(x.dtype)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyserve.kernels.activation import silu_and_mul
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill, causal_conv1d_verify
 from tinyserve.kernels.gdn import (VerifyLayout, chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
@@ -253,8 +254,7 @@ class DenseMLP(nn.Module):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down)
+        return linear(silu_and_mul(linear(x, self.gate_up)), self.down)
 
 
 class SparseMoE(nn.Module):
@@ -305,8 +305,7 @@ class SparseMoE(nn.Module):
             idx = order[start:start + n]
             tok = token_of[start:start + n]
             start += n
-            gate, up = linear(x[tok], self.experts_gate_up[e]).chunk(2, dim=-1)
-            y = linear(F.silu(gate) * up, self.experts_down[e])
+            y = linear(silu_and_mul(linear(x[tok], self.experts_gate_up[e])), self.experts_down[e])
             out.index_add_(0, tok, y.float() * weights.reshape(-1)[idx].unsqueeze(-1))
         shared = self.shared_expert(x) * torch.sigmoid(linear(x, self.shared_expert_gate))
         return (out + shared.float()).to(x.dtype)

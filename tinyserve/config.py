@@ -54,6 +54,7 @@ SPEC_ALGORITHMS = ("", "nextn")
 REASONING_PARSERS = ("", "qwen3")
 TOOL_CALL_PARSERS = ("", "qwen3_coder")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+KERNELS = ("auto", "torch", "triton")
 
 
 class _Section:
@@ -98,6 +99,7 @@ class EngineSection(_Section):
     kv_cache_tokens: int = _opt(0, ge=0)        # 0: derive from memory
     sleep_on_idle: bool = True
     idle_release_s: float = _opt(0.0, ge=0)     # 0: off
+    kernels: str = _opt("auto", choices=KERNELS)  # auto: Triton on CUDA, the torch reference on CPU
 
 
 @dataclass

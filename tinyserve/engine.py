@@ -36,8 +36,9 @@ from typing import Any, Callable
 import torch
 
 from tinyserve.cache import CacheStats, NullCache, PrefixCache
-from tinyserve.config import Config
+from tinyserve.config import Config, ConfigError
 from tinyserve.grammar import GrammarCompiler
+from tinyserve.kernels import set_backend as set_kernel_backend
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
@@ -201,6 +202,10 @@ class Engine:
                                    lookahead=self.nextn.num_steps if self.nextn else 0)
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, self.eos_token_ids, self.nextn,
                                   self.context_length)
+        try:                             # engine.kernels: the Triton kernels or the torch references
+            set_kernel_backend(cfg.engine.kernels)
+        except RuntimeError as e:
+            raise ConfigError(str(e), "engine.kernels") from None
         if plan.device == "cpu":         # pick this CPU's faster GEMM route on the model's own shapes
             shapes = {tuple(p.shape): p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
             log.info("CPU GEMM route: %s", calibrate_linear(list(shapes.values())))

@@ -1,0 +1,474 @@
+"""The one script a session with a lent GPU runs (a few minutes; needs CUDA, torch and triton, nothing else of
+tinyserve's dependencies, and no install of tinyserve):
+
+    python3 bench/gpu_check.py            # from the repository root; PYTHONUNBUFFERED=1 to watch it live
+
+1. The Triton kernel tests, compiled on the device (tests/test_triton_kernels.py: the tiny ragged tier on CUDA,
+   then the `gpu` tier with bf16 and Qwen3.5-27B shapes), in a subprocess, so a device fault there cannot spoil
+   the timings. The test that runs a whole model (it needs the full test environment) is left out.
+2. One CUDA graph: a GDN decode layer's kernels and a paged attention decode, captured and replayed (no host sync
+   inside), against the same calls run eagerly.
+3. Per-kernel timings, Triton against the torch reference on the same CUDA tensors, on Qwen3.5-27B shapes (hidden
+   5120, MLP 17408, GDN 16 key / 48 value heads of 128, conv_dim 10240, attention 24 q / 4 KV heads of 256), with
+   each kernel's max error against the reference computed in fp32 and its effective bandwidth. One table.
+
+Everything printed also goes to $OUT/gpu_check.txt when OUT is set (the device tool brings $OUT back).
+
+Without a GPU:
+    .venv/bin/python bench/gpu_check.py --compile   # every kernel variant of section 3 compiled for sm_90/89/120
+                                                    # with the ptxas in the triton wheel: shared memory, registers
+    .venv/bin/python bench/gpu_check.py --dry-run   # section 3 on tiny shapes under the interpreter (the script)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LOG.append(line)
+
+
+def import_kernels_from_the_tree() -> None:
+    """Make `tinyserve.kernels` importable from this checkout without installing the package (the device machine
+    has torch and triton but not tinyserve's other dependencies): pyproject maps it to the top-level kernels/."""
+    try:
+        import tinyserve.kernels  # noqa: F401
+        return
+    except ImportError:
+        pass
+    sys.path.insert(0, str(ROOT))
+    import tinyserve
+    for name, folder in (("tinyserve.kernels", ROOT / "kernels"), ("tinyserve.models", ROOT / "models")):
+        spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        setattr(tinyserve, name.split(".")[1], mod)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. tests
+# ---------------------------------------------------------------------------------------------------------------
+def run_tests() -> int:
+    say("== 1. tests/test_triton_kernels.py on the device")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, __file__, "--pytest"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    for line in out[-60:] if proc.returncode else out[-3:]:
+        say("   " + line)
+    say(f"   exit {proc.returncode} in {time.time() - t0:.0f} s")
+    return proc.returncode
+
+
+def pytest_main() -> int:
+    import pytest
+    import_kernels_from_the_tree()
+    return pytest.main(["-q", "-rfEs", "--noconftest", "-p", "no:cacheprovider", "-x", "--timeout", "240",
+                        "-k", "not greedy_tokens", str(ROOT / "tests" / "test_triton_kernels.py")])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shapes and cases
+# ---------------------------------------------------------------------------------------------------------------
+HIDDEN, MLP = 5120, 17408
+NK, NV, DK, DV, CONV, KW = 16, 48, 128, 128, 10240, 4
+NH, NKV, HD = 24, 4, 256
+TOKENS = (1, 32, 2048)                    # rows of the norm / activation cases (decode, a batch, a prefill chunk)
+DECODE_N = (1, 8, 32)                     # sequences of the GDN / conv decode cases
+VERIFY = ((1, 4), (8, 4))                 # (sequences, tokens each) of the verify cases: NEXTN with 3 drafts
+PAGED = None                              # (kv dtype, page size, sequences, context) per case; None: paged_cases
+ACT = None                                # activation dtype; None: bf16
+
+
+def paged_cases(bf, fp8):
+    return [(bf, 16, 1, 1024), (bf, 16, 1, 32768), (bf, 16, 8, 8192), (bf, 16, 16, 16384),
+            (bf, 1, 8, 8192), (bf, 64, 8, 8192), (fp8, 16, 8, 8192), (fp8, 16, 16, 16384)]
+
+
+def shrink_for_compile() -> None:
+    """--compile: the real head dims and dtypes (they set the kernels' constexprs), short contexts and few rows."""
+    global TOKENS, DECODE_N, PAGED
+    import torch
+    bf, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    TOKENS, DECODE_N = (1, 64), (1,)
+    PAGED = [(bf, 16, 1, 64), (bf, 1, 1, 64), (bf, 64, 1, 128), (fp8, 16, 1, 64), (torch.float32, 16, 1, 64)]
+
+
+def shrink_for_dry_run() -> None:
+    """--dry-run: the same script on tiny shapes on the CPU under Triton's interpreter (checks the script)."""
+    global HIDDEN, MLP, NK, NV, DK, DV, CONV, NH, NKV, HD, TOKENS, DECODE_N, VERIFY, PAGED, ACT
+    HIDDEN, MLP, NK, NV, DK, DV, NH, NKV, HD = 64, 48, 2, 4, 16, 16, 4, 2, 32
+    CONV = 2 * NK * DK + NV * DV
+    TOKENS, DECODE_N, VERIFY = (1, 3), (1, 2), ((2, 3),)
+    import torch
+    ACT = torch.float32                   # the interpreter computes bf16 on raw bits
+    PAGED = [(torch.float32, 16, 2, 40), (torch.float32, 1, 1, 20), (torch.float8_e4m3fn, 16, 2, 40)]
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    import tinyserve.kernels as kernels
+    old = kernels.backend()
+    kernels.set_backend(name)
+    try:
+        yield
+    finally:
+        kernels.set_backend(old)
+
+
+class Case:
+    """One benchmark row: `make()` gives the arguments, of which those at `mutable` (state pools, updated in place)
+    are cloned for each use; `nbytes` is the memory traffic a perfect kernel moves; `ref32` computes the output in
+    fp32 with the torch reference."""
+
+    def __init__(self, op: str, shape: str, make, fn, nbytes: int, ref32, mutable: tuple[int, ...] = ()) -> None:
+        self.op, self.shape, self.make, self.fn, self.nbytes, self.ref32 = op, shape, make, fn, nbytes, ref32
+        self.mutable = mutable
+
+    def args(self, args):
+        return tuple(a.clone() if i in self.mutable else a for i, a in enumerate(args))
+
+
+def cases(dev):
+    import torch
+    from tinyserve.kernels.activation import silu_and_mul
+    from tinyserve.kernels.attention import paged_attention_decode
+    from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_verify
+    from tinyserve.kernels.gdn import (recurrent_gated_delta_rule_decode, recurrent_gated_delta_rule_verify,
+                                       verify_layout)
+    from tinyserve.kernels.norm import gated_rms_norm, rms_norm
+    bf = ACT or torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, dtype=bf, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(dtype)
+
+    out = []
+    for T in TOKENS:
+        x, w = rnd(T, HIDDEN), rnd(HIDDEN, dtype=torch.float32, scale=0.1)
+        out.append(Case("rms_norm", f"[{T}, {HIDDEN}]", lambda x=x, w=w: (x, w, 1e-6), rms_norm, 4 * x.numel(),
+                        lambda x, w, e: rms_norm(x.float(), w, e)))
+        qg = rnd(T, NH, 2 * HD)
+        q = qg.split([HD, HD], dim=-1)[0]
+        out.append(Case("rms_norm q-heads", f"[{T}, {NH}, {HD}] strided", lambda q=q, w=w: (q, w[:HD], 1e-6),
+                        rms_norm, 4 * q.numel(), lambda x, w, e: rms_norm(x.float(), w, e)))
+        o = rnd(T, NV, DV)
+        z = rnd(T, 2 * NV * DV)[:, NV * DV:].reshape(T, NV, DV)
+        out.append(Case("gated_rms_norm", f"[{T}, {NV}, {DV}]", lambda o=o, z=z, w=w: (o, z, w[:DV], 1e-6),
+                        gated_rms_norm, 6 * o.numel(), lambda x, z, w, e: gated_rms_norm(x.float(), z.float(), w, e)))
+        h = rnd(T, 2 * MLP, scale=3.0)
+        out.append(Case("silu_and_mul", f"[{T}, 2x{MLP}]", lambda h=h: (h,), silu_and_mul, 3 * h.numel(),
+                        lambda x: silu_and_mul(x.float())))
+
+    state_bytes = NV * DK * DV * 4
+    for N in DECODE_N:
+        slots = torch.randperm(2 * N, device=dev)[:N]
+        pool = rnd(2 * N, NV, DK, DV, dtype=torch.float32, scale=0.1)
+        q = torch.nn.functional.normalize(rnd(N, NK, DK, dtype=torch.float32), dim=-1) * DK ** -0.5
+        k = torch.nn.functional.normalize(rnd(N, NK, DK, dtype=torch.float32), dim=-1)
+        v, gate = rnd(N, NV, DV), -torch.rand(N, NV, generator=g, device=dev) * 0.5
+        beta = torch.rand(N, NV, generator=g, device=dev)
+        out.append(Case("gdn decode", f"N={N}", lambda a=(q, k, v, gate, beta, pool, slots): a,
+                        recurrent_gated_delta_rule_decode, 2 * N * state_bytes,
+                        lambda q, k, v, g_, b, s, i: recurrent_gated_delta_rule_decode(q, k, v.float(), g_, b, s, i),
+                        mutable=(5,)))
+        cpool = rnd(2 * N, CONV, KW - 1)
+        x, cw = rnd(N, CONV), rnd(CONV, KW)
+        out.append(Case("conv decode", f"N={N} C={CONV}", lambda a=(x, cw, cpool, slots): a, causal_conv1d_decode,
+                        N * CONV * 2 * (2 * (KW - 1) + 2),
+                        lambda x, w, s, i: causal_conv1d_decode(x.float(), w.float(), s.float(), i), mutable=(2,)))
+    for N, L in VERIFY:
+        cu = [i * L for i in range(N + 1)]
+        ins = list(range(N))
+        outs = [[i] + list(range(N + i * (L - 1), N + (i + 1) * (L - 1))) for i in range(N)]
+        lay = verify_layout(cu, ins, outs, dev)
+        nslots = N * L
+        pool = rnd(nslots, NV, DK, DV, dtype=torch.float32, scale=0.1)
+        T = N * L
+        q = torch.nn.functional.normalize(rnd(T, NK, DK, dtype=torch.float32), dim=-1) * DK ** -0.5
+        k = torch.nn.functional.normalize(rnd(T, NK, DK, dtype=torch.float32), dim=-1)
+        v, gate = rnd(T, NV, DV), -torch.rand(T, NV, generator=g, device=dev) * 0.5
+        beta = torch.rand(T, NV, generator=g, device=dev)
+        out.append(Case("gdn verify", f"N={N} x {L} tokens", lambda a=(q, k, v, gate, beta, pool, lay): a,
+                        recurrent_gated_delta_rule_verify, (N + T) * state_bytes,
+                        lambda q, k, v, g_, b, s, l: recurrent_gated_delta_rule_verify(q, k, v.float(), g_, b, s, l),
+                        mutable=(5,)))
+        cpool, x, cw = rnd(nslots, CONV, KW - 1), rnd(T, CONV), rnd(CONV, KW)
+        out.append(Case("conv verify", f"N={N} x {L} tokens", lambda a=(x, cw, cpool, lay): a, causal_conv1d_verify,
+                        (N + T) * CONV * (KW - 1) * 2 + 2 * T * CONV * 2,
+                        lambda x, w, s, l: causal_conv1d_verify(x.float(), w.float(), s.float(), l), mutable=(2,)))
+
+    for kv_dtype, page, N, ctx in PAGED or paged_cases(bf, torch.float8_e4m3fn):
+        npg = -(-ctx // page)
+        cache = rnd(N * npg + 1, 2, page, NKV, HD, dtype=torch.float32).to(kv_dtype)
+        table = torch.randperm(N * npg + 1, device=dev)[:N * npg].view(N, npg).to(torch.int32)
+        lens = torch.full((N,), ctx, dtype=torch.int32, device=dev)
+        lens[0] = max(1, ctx // 3)                              # one shorter sequence: empty splits
+        q = rnd(N, NH, HD)
+        name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", torch.float32: "fp32"}[kv_dtype]
+        out.append(Case(f"paged decode {name} p{page}", f"N={N} ctx={ctx}",
+                        lambda a=(q, cache, table, lens, ctx, HD ** -0.5): a, paged_attention_decode,
+                        int(lens.sum().item()) * 2 * NKV * HD * cache.element_size(),
+                        lambda q, c, t, l, m, s: paged_attention_decode(q.float(), c.float(), t, l, m, s)))
+    return out
+
+
+def time_ms(fn, args) -> float:
+    if args[0].device.type != "cuda":                     # --dry-run: one call, wall clock
+        t = time.perf_counter()
+        fn(*args)
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+    return do_bench(lambda: fn(*args), warmup=10, rep=50)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --compile: no GPU needed. Every kernel variant the wrappers launch for the bench cases, compiled to a cubin for
+# each target with the ptxas that ships in the triton wheel; shared memory and registers/spills per variant.
+# ---------------------------------------------------------------------------------------------------------------
+TARGETS = {90: ("H100/H200", 232448), 89: ("RTX 4090", 101376), 120: ("RTX 5090", 101376), 80: ("A100", 166912)}
+TL_TYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
+            "torch.float8_e4m3fn": "fp8e4nv",
+            "torch.int32": "i32", "torch.int64": "i64", "torch.bool": "i1"}
+
+
+def record_launches(run_cases) -> list[tuple]:
+    """The (kernel, args, kwargs) of every launch run_cases() makes, recorded instead of launched."""
+    from triton.runtime.jit import JITFunction
+    seen, calls = set(), []
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        key = (self.fn.__name__, tuple(_sig(a) for a in args), tuple(sorted(kwargs.items())))
+        if key not in seen:
+            seen.add(key)
+            calls.append((self, args, kwargs))
+    JITFunction.run = record
+    try:
+        run_cases()
+    finally:
+        JITFunction.run = original
+    return calls
+
+
+def _sig(a) -> str:
+    import torch
+    if isinstance(a, torch.Tensor):
+        return "*" + TL_TYPES[str(a.dtype)]
+    if isinstance(a, bool):
+        return "i1"
+    if isinstance(a, int):
+        return "i32" if -2 ** 31 <= a < 2 ** 31 else "i64"
+    return "fp32"
+
+
+def compile_all(targets: list[int]) -> bool:
+    import tempfile
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    dev = torch.device("cpu")
+
+    def run_cases():
+        for case in cases(dev):
+            args = case.make()
+            with backend("triton"):
+                try:
+                    case.fn(*case.args(args))
+                except Exception:          # outputs are never launched: whatever follows the launch may fail
+                    pass
+    for name in ("norm", "activation", "gdn", "conv", "attention"):      # defined compiled, before the switch
+        importlib.import_module(f"tinyserve.kernels.{name}_triton")
+    os.environ["TRITON_INTERPRET"] = "1"          # lets the forced backend take CPU tensors; nothing is launched
+    try:
+        calls = record_launches(run_cases)
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+    say(f"== compile: {len(calls)} kernel variants x targets {targets} (ptxas from the triton wheel, no GPU)")
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    ok = True
+    say(f"{'kernel':<26} {'dtypes constexprs':<56} {'sm':>4} {'warps':>5} {'smem B':>8} {'regs':>5} {'spill':>6} "
+        f"{'s':>5}")
+    for fn, args, kwargs in calls:
+        names = fn.arg_names
+        constexprs = {k: v for k, v in kwargs.items() if k in names}
+        opts = {k: v for k, v in kwargs.items() if k not in names}
+        sig = {n: _sig(a) for n, a in zip(names, args)}
+        sig.update({k: "constexpr" for k in constexprs})
+        ptrs = sorted({t[1:] for t in sig.values() if t.startswith("*") and not t.startswith("*i")})
+        short = "/".join(ptrs) + " " + ",".join(f"{k}={v}" for k, v in constexprs.items())
+        for sm in targets:
+            t = time.time()
+            try:
+                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                                   target=GPUTarget("cuda", sm, 32), options=opts)
+                regs = spill = "?"
+                if cuobjdump.exists():
+                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                        f.write(k.asm["cubin"])
+                        f.flush()
+                        res = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True)
+                    for tok in res.stdout.replace(",", " ").split():
+                        if tok.startswith("REG:"):
+                            regs = tok[4:]
+                        if tok.startswith("STACK:"):
+                            spill = tok[6:]
+                limit = TARGETS[sm][1]
+                flag = "" if k.metadata.shared <= limit else f"  > {limit}: TOO MUCH SHARED MEMORY"
+                ok &= not flag
+                say(f"{fn.fn.__name__:<26} {short[:56]:<56} {sm:>4} {opts.get('num_warps', 4):>5} "
+                    f"{k.metadata.shared:>8} {regs:>5} {spill:>6} {time.time() - t:>5.1f}{flag}")
+            except Exception as e:
+                ok = False
+                say(f"{fn.fn.__name__:<26} {short[:56]:<56} {sm:>4} FAILED: {type(e).__name__}: {str(e)[:300]}")
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. a CUDA graph
+# ---------------------------------------------------------------------------------------------------------------
+def graph_check(dev) -> bool:
+    import torch
+    from tinyserve.kernels.attention import paged_attention_decode
+    from tinyserve.kernels.conv import causal_conv1d_decode
+    from tinyserve.kernels.gdn import recurrent_gated_delta_rule_decode
+    from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm
+    say("== 2. one decode layer's kernels in a CUDA graph")
+    g = torch.Generator(device=dev).manual_seed(1)
+    N = 8
+    x = torch.randn(N, CONV, generator=g, device=dev).bfloat16()
+    cw = torch.randn(CONV, KW, generator=g, device=dev).bfloat16()
+    slots = torch.arange(N, device=dev)
+    conv0 = torch.randn(N, CONV, KW - 1, generator=g, device=dev).bfloat16()
+    ssm0 = torch.randn(N, NV, DK, DV, generator=g, device=dev) * 0.1
+    gate = -torch.rand(N, NV, generator=g, device=dev)
+    beta = torch.rand(N, NV, generator=g, device=dev)
+    z = torch.randn(N, NV, DV, generator=g, device=dev).bfloat16()
+    nw = torch.randn(DV, generator=g, device=dev)
+    q_att = torch.randn(N, NH, HD, generator=g, device=dev).bfloat16()
+    cache = torch.randn(N * 64 + 1, 2, 16, NKV, HD, generator=g, device=dev).bfloat16()
+    table = torch.arange(N * 64, device=dev, dtype=torch.int32).view(N, 64)
+    lens = torch.full((N,), 1000, dtype=torch.int32, device=dev)
+
+    def step(conv, ssm):
+        u = causal_conv1d_decode(x, cw, conv, slots)
+        q, k, v = u.split([NK * DK, NK * DK, NV * DV], dim=-1)
+        q = l2_norm(q.reshape(N, NK, DK), DK ** -0.5)
+        k = l2_norm(k.reshape(N, NK, DK))
+        o = recurrent_gated_delta_rule_decode(q, k, v.reshape(N, NV, DV), gate, beta, ssm, slots)
+        y = gated_rms_norm(o, z, nw, 1e-6)
+        a = paged_attention_decode(rms_norm(q_att, nw.repeat(2), 1e-6), cache, table, lens, 1000, HD ** -0.5)
+        return y, a
+
+    with backend("triton"):
+        conv_e, ssm_e = conv0.clone(), ssm0.clone()
+        y_e, a_e = step(conv_e, ssm_e)
+        conv_g, ssm_g = conv0.clone(), ssm0.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):                  # warm up (compiles) outside the capture
+            step(conv0.clone(), ssm0.clone())
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_g, a_g = step(conv_g, ssm_g)
+        conv_g.copy_(conv0)
+        ssm_g.copy_(ssm0)
+        graph.replay()
+        torch.cuda.synchronize()
+    ok = all(torch.equal(p, q) for p, q in [(y_e, y_g), (a_e, a_g), (conv_e, conv_g), (ssm_e, ssm_g)])
+    say(f"   captured and replayed; replay == eager: {ok}")
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. timings
+# ---------------------------------------------------------------------------------------------------------------
+def bench(dev) -> None:
+    import torch
+    say("== 3. Triton vs the torch reference, Qwen3.5-27B shapes (bf16 activations, fp32 GDN state)")
+    head = f"{'op':<24} {'shape':<22} {'torch ms':>9} {'triton ms':>10} {'speedup':>8} {'triton GB/s':>12} " \
+           f"{'max err':>9} {'ref scale':>9}"
+    say(head)
+    say("-" * len(head))
+    for case in cases(dev):
+        try:
+            args = case.make()
+            with backend("triton"):
+                tri = case.fn(*case.args(args))
+                t_tri = time_ms(case.fn, case.args(args))
+            with backend("torch"):
+                ref32 = case.ref32(*case.args(args))
+                t_ref = time_ms(case.fn, case.args(args))
+            err = (tri.float() - ref32.float()).abs().max().item()
+            scale = ref32.float().abs().max().item()
+            gbs = case.nbytes / (t_tri * 1e-3) / 1e9
+            say(f"{case.op:<24} {case.shape:<22} {t_ref:>9.4f} {t_tri:>10.4f} {t_ref / t_tri:>7.2f}x {gbs:>12.0f} "
+                f"{err:>9.2e} {scale:>9.2e}")
+        except Exception as e:                        # one failing row must not hide the others
+            say(f"{case.op:<24} {case.shape:<22} FAILED: {type(e).__name__}: {str(e)[:200]}")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pytest", action="store_true", help="(internal) run the test file in this process")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: run sections 3 on tiny shapes on the CPU under Triton's interpreter")
+    parser.add_argument("--compile", action="store_true",
+                        help="no GPU: compile every kernel variant of the bench cases for sm_90/89/120/80 (ptxas)")
+    parser.add_argument("--sm", type=int, nargs="*", default=[90, 89, 120])
+    args = parser.parse_args()
+    if args.pytest:
+        sys.exit(pytest_main())
+    if args.compile:
+        os.environ.pop("TRITON_INTERPRET", None)
+        import_kernels_from_the_tree()
+        shrink_for_compile()
+        sys.exit(0 if compile_all(args.sm) else 1)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+        shrink_for_dry_run()
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    import triton
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("gpu_check.py needs a CUDA device (or --dry-run)")
+    import_kernels_from_the_tree()
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    name = "CPU (interpreter, dry run)" if args.dry_run else torch.cuda.get_device_name()
+    say(f"device {name}, torch {torch.__version__}, triton {triton.__version__}")
+    t0 = time.time()
+    rc = 0 if args.skip_tests or args.dry_run else run_tests()
+    graph_ok = True
+    if not args.dry_run:
+        try:
+            graph_ok = graph_check(dev)
+        except Exception as e:
+            graph_ok = False
+            say(f"   FAILED: {type(e).__name__}: {str(e)[:300]}")
+    bench(dev)
+    say(f"tests exit {rc}, graph {'ok' if graph_ok else 'FAILED'}, total {time.time() - t0:.0f} s")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.txt").write_text("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Triton kernel for kernels/attention.py: paged attention decode with split-K ("flash decoding") and GQA grouping.
+
+Stage 1: one program per (sequence, KV head, split) covers the q heads of that KV head (padded to 16 rows for
+tl.dot) over its split of the context, reading keys and values token by token through the page table (so every
+page size, 1 / 16 / 64, takes the same path), with an online softmax in fp32; it writes the normalised partial
+output and its log-sum-exp (base 2). Stage 2: one program per (sequence, q head) merges the splits. The split
+count comes from the longest context and the device's SM count; each sequence divides its own length by it, so
+short sequences leave their last splits empty (lse = -inf, weight 0). KV in any float dtype (bf16, fp16, fp32,
+fp8 e4m3): keys and values are converted to q's dtype before the dots (fp32 dots are ieee, not TF32).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+SPLIT_MIN_TOKENS = 256      # no split is made shorter than this (tests lower it to reach many splits)
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 4         # aim: this many stage-1 programs per SM, splitting long contexts to get there
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132                                            # the interpreter: as an H100/H200 would split
+
+
+def num_splits(max_len: int, num_seqs: int, kv_heads: int, device: torch.device) -> int:
+    by_len = triton.cdiv(max(max_len, 1), SPLIT_MIN_TOKENS)
+    by_grid = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), max(num_seqs * kv_heads, 1))
+    return max(1, min(by_len, by_grid, MAX_SPLITS))
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, kv_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2, G, HD, NUM_SPLITS,
+                         sqn, sqh, skp, skv, sks, skh, spt, son, soh, sos, sln, slh,
+                         PAGE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                         IEEE: tl.constexpr):
+    i_n = tl.program_id(0)
+    i_kv = tl.program_id(1)
+    i_s = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + i_n)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BN) * BN
+    start = i_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    h = tl.arange(0, BH)
+    head = i_kv * G + h
+    mh = h < G
+    d = tl.arange(0, BD)
+    md = d < HD
+    q = tl.load(q_ptr + i_n.to(tl.int64) * sqn + head[:, None] * sqh + d[None, :],
+                mask=mh[:, None] & md[None, :], other=0.0)                       # [BH, BD], q's dtype
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BD], tl.float32)
+    for s in range(start, end, BN):
+        pos = s + tl.arange(0, BN)
+        mp = pos < end
+        page = tl.load(pt_ptr + i_n.to(tl.int64) * spt + pos // PAGE, mask=mp, other=0).to(tl.int64)
+        base = page * skp + (pos % PAGE) * sks + i_kv * skh                       # [BN]
+        mkv = mp[:, None] & md[None, :]
+        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=mkv, other=0.0).to(tl.float32).to(q.dtype)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(mp[None, :], qk * scale_log2, float("-inf"))             # [BH, BN], log2 units
+        m_new = tl.maximum(m, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        v = tl.load(kv_ptr + skv + base[:, None] + d[None, :], mask=mkv, other=0.0).to(tl.float32).to(q.dtype)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    has = l > 0
+    o = acc / tl.where(has, l, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+    tl.store(o_ptr + i_n.to(tl.int64) * son + head[:, None] * soh + i_s * sos + d[None, :], o,
+             mask=mh[:, None] & md[None, :])
+    tl.store(lse_ptr + i_n.to(tl.int64) * sln + head * slh + i_s, lse, mask=mh)
+
+
+@triton.jit
+def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr, HD, NUM_SPLITS, son, soh, sos, sln, slh, sout_n, sout_h,
+                         BS: tl.constexpr, BD: tl.constexpr):
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    s = tl.arange(0, BS)
+    d = tl.arange(0, BD)
+    ms = s < NUM_SPLITS
+    lse = tl.load(lse_ptr + i_n.to(tl.int64) * sln + i_h * slh + s, mask=ms, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)                                                         # 0 for empty splits
+    o = tl.load(o_part_ptr + i_n.to(tl.int64) * son + i_h * soh + s[:, None] * sos + d[None, :],
+                mask=ms[:, None] & (d < HD)[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    y = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + i_n.to(tl.int64) * sout_n + i_h * sout_h + d, y.to(out_ptr.dtype.element_ty), mask=d < HD)
+
+
+def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                           seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    N, H, HD = q.shape
+    _, two, page_size, KV, hd_kv = kv_cache.shape
+    assert two == 2 and hd_kv == HD and H % KV == 0 and q.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    G = H // KV
+    out = torch.empty_like(q)
+    if N == 0:
+        return out
+    S = num_splits(max_len, N, KV, q.device)
+    o_part = torch.empty((N, H, S, HD), dtype=torch.float32, device=q.device)
+    lse = torch.empty((N, H, S), dtype=torch.float32, device=q.device)
+    BD = triton.next_power_of_2(HD)
+    BH = max(16, triton.next_power_of_2(G))
+    BN = 32 if BD >= 256 else 64
+    _decode_split_kernel[(N, KV, S)](
+        q, kv_cache, page_table, seq_lens, o_part, lse, scale * 1.4426950408889634, G, HD, S,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        page_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        PAGE=page_size, BH=BH, BN=BN, BD=BD, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    _decode_merge_kernel[(N, H)](
+        o_part, lse, out, HD, S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), BS=triton.next_power_of_2(S), BD=BD, num_warps=4)
+    return out

@@ -1,0 +1,94 @@
+"""Triton kernels for kernels/conv.py: the causal depthwise conv1d (+ SiLU) for decode and for speculative verify,
+with the per-slot conv state (the last K-1 pre-conv inputs, [slots, C, K-1]).
+
+One kernel serves both. A program owns one sequence and a block of channels. It first loads the sequence's whole
+input window into registers, [BC, K-1 + L] (its slot's history, then its L new tokens), and only then stores: the
+state after token t goes to that token's slot, which may be the slot the history came from (verify: the first
+token's slot is the sequence's own; decode: always). Output and state columns are picked from the window by
+position, so no register shifting is needed. A slot id < 0 means padding: zero history, nothing stored.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyserve.kernels.gdn import VerifyLayout
+
+
+@triton.jit
+def _columns(tile, start, BK: tl.constexpr, BW: tl.constexpr):
+    """tile[:, start + j] for j in [0, BK) (zero past the tile) -> [BC, BK]."""
+    j = tl.arange(0, BK)
+    w = tl.arange(0, BW)
+    sel = w[None, None, :] == (start + j)[None, :, None]
+    return tl.sum(tl.where(sel, tile[:, None, :], 0.0), axis=2)
+
+
+@triton.jit
+def _conv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, in_slot_ptr, out_slot_ptr, rows_ptr, L, T, C,
+                 sxt, sw0, sw1, ss0, ss1, ss2, sot,
+                 K: tl.constexpr, VERIFY: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr):
+    i_n = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = c < C
+    w = tl.arange(0, BW)                              # window column: < K-1 history, then token w - (K-1)
+    slot_in = tl.load(in_slot_ptr + i_n).to(tl.int64)
+    is_hist = w < K - 1
+    hist = tl.load(s_ptr + slot_in * ss0 + c[:, None].to(tl.int64) * ss1 + w[None, :] * ss2,
+                   mask=mc[:, None] & is_hist[None, :] & (slot_in >= 0), other=0.0).to(tl.float32)
+    p = w - (K - 1)
+    if VERIFY:
+        rows = tl.load(rows_ptr + i_n.to(tl.int64) * L + p, mask=(p >= 0) & (p < L), other=T).to(tl.int64)
+    else:
+        rows = tl.where(p == 0, i_n, T).to(tl.int64)
+    x = tl.load(x_ptr + rows[None, :] * sxt + c[:, None], mask=mc[:, None] & ((p >= 0) & (rows < T))[None, :],
+                other=0.0).to(tl.float32)
+    tile = hist + x                                   # [BC, BW], disjoint masks
+
+    j = tl.arange(0, BK)
+    weight = tl.load(w_ptr + c[:, None] * sw0 + j[None, :] * sw1, mask=mc[:, None] & (j < K)[None, :],
+                     other=0.0).to(tl.float32)
+    for t in range(L):
+        if VERIFY:
+            row = tl.load(rows_ptr + i_n.to(tl.int64) * L + t).to(tl.int64)
+        else:
+            row = i_n.to(tl.int64)
+        real = row < T
+        acc = tl.sum(_columns(tile, t, BK, BW) * weight, axis=1)        # inputs t-(K-1) .. t
+        y = acc / (1.0 + tl.exp(-acc))
+        tl.store(o_ptr + row * sot + c, y.to(o_ptr.dtype.element_ty), mask=mc & real)
+        after = _columns(tile, t + 1, BK, BW)                           # inputs t-(K-2) .. t: the new history
+        slot_out = tl.load(out_slot_ptr + row, mask=real, other=-1).to(tl.int64)
+        tl.store(s_ptr + slot_out * ss0 + c[:, None].to(tl.int64) * ss1 + j[None, :] * ss2,
+                 after.to(s_ptr.dtype.element_ty),
+                 mask=mc[:, None] & (j < K - 1)[None, :] & real & (slot_out >= 0))
+
+
+def _launch(x, weight, conv_state, in_slots, out_slots, rows, L: int, N: int, verify: bool) -> torch.Tensor:
+    T, C = x.shape
+    K = weight.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    BC = min(triton.next_power_of_2(C), 128)
+    _conv_kernel[(N, triton.cdiv(C, BC))](
+        x, weight, conv_state, out, in_slots, out_slots, rows, L, T, C,
+        x.stride(0), weight.stride(0), weight.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
+        K=K, VERIFY=verify, BC=BC, BK=triton.next_power_of_2(K), BW=triton.next_power_of_2(K - 1 + L),
+        num_warps=4)
+    return out
+
+
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         slot_ids: torch.Tensor) -> torch.Tensor:
+    return _launch(x, weight, conv_state, slot_ids, slot_ids, slot_ids, 1, x.shape[0], verify=False)
+
+
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         lay: VerifyLayout) -> torch.Tensor:
+    N, L = lay.rows.shape
+    return _launch(x, weight, conv_state, lay.in_slots, lay.out_slots, lay.rows.contiguous(), L, N, verify=True)
