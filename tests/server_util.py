@@ -96,8 +96,7 @@ class ServerProcess:
 
     def start(self, wait: bool = True, timeout: float = 180) -> "ServerProcess":
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tinyserve.cli", str(self.config_path)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         if wait:
             try:
                 wait_healthy(self.base_url, timeout, self.proc)
@@ -105,6 +104,9 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"server did not start:\n{self.log()}")
         return self
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "tinyserve.cli", str(self.config_path)]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -281,6 +281,16 @@ def test_chat_json_schema_alone(client, stream):
         valid(text)
 
 
+def in_batches_of_8(run, jobs: list[tuple]) -> None:
+    """run(*job) for every job, 8 threads at a time: the engine runs each 8 as one batch."""
+    for i in range(0, len(jobs), 8):
+        threads = [threading.Thread(target=run, args=job) for job in jobs[i:i + 8]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
 def test_chat_json_schema_batched_with_free_requests(client):
     results: dict[tuple[int, bool, bool], tuple[str, str]] = {}
 
@@ -288,12 +298,7 @@ def test_chat_json_schema_batched_with_free_requests(client):
         results[seed, stream, constrained] = chat_json(client, seed, stream, SCHEMA_FORMAT if constrained else None)
 
     jobs = [(s, s % 3 == 0, c) for s in SEEDS for c in (True, False)]
-    for i in range(0, len(jobs), 8):                 # 8 at a time: the engine runs them as one batch
-        threads = [threading.Thread(target=run, args=job) for job in jobs[i:i + 8]]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    in_batches_of_8(run, jobs)
     assert len(results) == len(jobs)
     for (seed, stream, constrained), (text, finish) in results.items():
         if constrained:
@@ -504,12 +509,7 @@ def test_chat_forced_tool_calls_batched_with_free_requests(client):
         results[seed, stream, choice] = chat_tools(client, seed, stream, tc)
 
     jobs = [(s, s % 2 == 0, c) for s in range(12) for c in choices]
-    for i in range(0, len(jobs), 8):                  # 8 at a time: the engine runs them as one batch
-        threads = [threading.Thread(target=run, args=job) for job in jobs[i:i + 8]]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    in_batches_of_8(run, jobs)
     assert len(results) == len(jobs)
     for (seed, stream, choice), (calls, content, finish) in results.items():
         if choice == "auto":                          # unconstrained: the random model writes no call

@@ -307,11 +307,9 @@ def test_no_floor_never_probes(model, cold, monkeypatch):
 
 def test_the_serving_watcher_relieves_on_the_engine_thread(model, cold, monkeypatch):
     floor = 1 << 30
-    eng, mem = engine_with_host(model, floor=0, total=8 << 30, monkeypatch=monkeypatch)
+    eng, mem = engine_with_host(model, floor=floor, total=8 << 30, monkeypatch=monkeypatch)
     host = host_of(eng)
-    cfg = from_dict({"cache": {"host": {"min_free_gb": 1.0}}})
-    cli.configure_host_tier(eng, cfg)
-    assert host.min_free_bytes == floor
+    assert host.min_free_bytes == floor                  # the engine gives the host tier cache.host.min_free_gb
     threads = []
     relieve = host.relieve
 

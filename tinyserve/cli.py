@@ -91,15 +91,6 @@ def _host_tier(engine: Any) -> tuple[Any, Any]:
     return (tree, host) if host is not None else (None, None)
 
 
-def configure_host_tier(engine: Any, cfg: Any) -> None:
-    """Give the host tier its floor (cache.host.min_free_gb); before the engine starts."""
-    from .plan import GIB
-
-    _, host = _host_tier(engine)
-    if host is not None:
-        host.min_free_bytes = int(cfg.cache.host.min_free_gb * GIB)
-
-
 async def watch_host_memory(engine: Any, interval: float = HOST_MEMORY_CHECK_S) -> None:
     """While serving: every `interval`, probe the host's available memory (a read of /proc/meminfo) and, when it is
     below cache.host.min_free_gb (or an episode can end), have the engine thread give host memory back between two
@@ -173,7 +164,6 @@ async def serve(cfg: Any) -> int:
     except BaseException:
         await runner.cleanup()
         raise
-    configure_host_tier(engine, cfg)
     await engine.start()
     set_engine(app, engine)
     log.info("plan: %s", engine.plan)
