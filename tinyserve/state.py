@@ -6,6 +6,8 @@ The model takes per-layer views `conv[:, l]`, `ssm[:, l]` and indexes them by sl
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 
@@ -48,7 +50,10 @@ class StatePool:
 
     def free(self, slot: int) -> None:
         assert slot not in self._free, f"double free of state slot {slot}"
-        self._free.append(slot)
+        # kept in descending order, so alloc() hands out the lowest free slot: requests admitted together get
+        # consecutive slots, which the decode kernels update through a view (slot swaps of NEXTN verifies and
+        # out-of-order finishes would otherwise scatter them for good)
+        bisect.insort(self._free, slot, key=lambda s: -s)
 
     @property
     def num_free_snapshots(self) -> int:
