@@ -107,12 +107,14 @@ def test_resume_points_outlive_interval_snapshots_on_the_device(model, cold, roo
 @pytest.mark.parametrize("host_snapshots", [4, pytest.param(2, marks=needs_marks)])
 def test_leaf_snapshots_are_demoted_to_the_host_not_dropped(model, cold, roomy, host_snapshots):
     """Two device snapshot slots and a small host tier (write_back): leaf snapshots are demoted to the host, not
-    dropped, and later requests resume from them (KV on the device, the state loaded back from the host)."""
+    dropped, and later requests resume from them (KV on the device, the state loaded back from the host, counted
+    as the host's hit)."""
     probe = engine(model, state_slots=2)
     eng = engine(model, state_slots=2, host=dict(host_table(probe, host_snapshots), write_policy="write_back"))
     reqs = play(eng, cold, SCRIPT)
     assert [reqs[i].cached_tokens for i in LATER] == [roomy[i] for i in LATER]
-    assert reqs[4].cached_by_tier["device"] == reqs[4].cached_tokens
+    # KV on the device, the state from the host: the host made those tokens usable, so they count as its hits
+    assert reqs[4].cached_by_tier == {"device": 0, "host": reqs[4].cached_tokens, "file": 0}
     assert eng.cache.tree.host.stats.bytes_out > 0                     # states came back from the host
     assert eng.cache.tree.host.report().used_snapshots <= host_snapshots
     assert_no_leaks(eng)
@@ -151,4 +153,25 @@ def test_interior_interval_snapshots_go_first_and_intervals_never_push_out_resum
     assert other is not None and sorted(snapshot_ends(eng).items()) == [(96, y[64])]
     for s in (slot, other):
         eng.state_pool.free_snapshot(s)
+    assert_no_leaks(eng)
+
+
+def test_a_running_requests_lock_pins_its_pages_not_its_snapshots(model, cold):
+    """Sessions running on one shared prefix lock its path; if a lock pinned the snapshots on it too, every slot
+    would be held by running requests and nobody else could leave a state behind (the coding trace of
+    bench/simulate.py lost a third of its hits that way). Here X's path holds both slots and is locked as a running
+    request locks it: Y still caches its prompt end and resumes there next time, and X's pages stay."""
+    eng = engine(model, state_slots=2)
+    x, y = tokens(100, 62), tokens(100, 63)
+    play(eng, cold, [x])
+    tree = eng.cache.tree
+    assert len(snapshot_ends(eng)) == 2
+    m = tree.match(x + tokens(20, 64))                   # a request resuming from X's deepest state, still running
+    tree.lock(m.node, +1)
+    x_pages = [n.pages for n in tree._nodes() if n is not tree.root]
+    first, again = play(eng, cold, [y, y])
+    assert first.cached_tokens == 0 and again.cached_tokens == (len(y) - 1) // PS * PS
+    assert all(n.pages is not None for n in tree._nodes() if n.lock)       # the locked path kept its KV
+    assert x_pages[0] == tree.match(x).pages[:len(x_pages[0])]
+    tree.lock(m.node, -1)
     assert_no_leaks(eng)

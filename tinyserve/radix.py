@@ -13,7 +13,10 @@ Invariants (tests check them):
   device snapshot and its host blocks. Running requests hold their own page references, so evicting a node never
   pulls KV from under a request.
 - Pages in the tree are full pages below every writer's position: nobody writes to a cached page again.
-- A locked node (a running request started from it) and its ancestors are never evicted from the device.
+- A locked node (a running request started from it) and its ancestors keep their KV pages on the device. A lock
+  does not pin the node's snapshot: the request copied that state at admission and never reads it again, so the
+  snapshot is ranked like any other (many sessions on one shared prefix would otherwise pin every slot). Only the
+  snapshots of an admission in progress (`promote`, `pinned`) are never taken.
 - Nodes on the device form a subtree at the root: device eviction takes unlocked nodes with no child on the device,
   LRU first. A node backed up on the host is demoted to host-only; one that is not is removed with its subtree.
 - Host eviction takes host copies without host-backed children, LRU first; a host-only node goes with its copy.
@@ -86,6 +89,7 @@ class RadixCache:
             self.file.needs_state = hybrid       # a prefix of a stored run is usable only up to a state
         self.root = Node([], [])
         self.root.lock = 1                   # never evicted
+        self.pinned: set[Node] = set()       # nodes whose snapshots an admission is loading (promote): never taken
         self.num_pages = 0                   # device pages referenced by the tree
         self.num_snapshots = 0               # device snapshots held
         self.snapshots_evicted = 0
@@ -269,6 +273,7 @@ class RadixCache:
         path, _ = self._walk(tokens[:self._limit(tokens)], split=True)
         if path:                                        # keep the path while making room for it (locks walk up
             self.lock(path[-1], +1)                     # the parents, so nodes split meanwhile are covered)
+        self.pinned = set(path)                         # and the states on it, one of which this prompt resumes
         try:
             reach, host_start = 0, None
             for node in path:
@@ -280,7 +285,12 @@ class RadixCache:
             if host_start is not None:
                 loaded["host"] = (host_start, reach)
             if self.host is not None and self.hybrid:
-                self._host_load_snapshot([n for n in path if n.depth <= reach])
+                on_path = [n for n in path if n.depth <= reach]
+                state_from = max((n.depth for n in on_path if n.snapshot is not None), default=0)
+                at = self._host_load_snapshot(on_path)
+                if at is not None:      # the device KV past the last device state is usable thanks to the host
+                    start, end = loaded.get("host", (at, at))
+                    loaded["host"] = (min(start, state_from), max(end, at))
             if blobs and reach == first_page * ps:
                 on_path = [n for n in path if n.depth <= reach]
                 end = self._load_blobs(tokens, blobs, on_path)
@@ -289,6 +299,7 @@ class RadixCache:
         finally:
             if path:
                 self.lock(path[-1], -1)
+            self.pinned = set()
         return loaded
 
     def _host_load(self, node: Node) -> bool:
@@ -305,11 +316,12 @@ class RadixCache:
         node.touch()
         return True
 
-    def _host_load_snapshot(self, path: list[Node]) -> None:
-        """Bring back the deepest host snapshot on a device path (the only one a resume needs)."""
+    def _host_load_snapshot(self, path: list[Node]) -> int | None:
+        """Bring back the deepest host snapshot on a device path (the only one a resume needs) when it lies deeper
+        than every device snapshot there; returns the depth it was loaded at."""
         for node in reversed(path):
             if node.snapshot is not None:
-                return
+                return None
             if node.host_snapshot is not None:
                 slot = self.alloc_snapshot()
                 if slot is not None and node.host_snapshot is None:   # defensive: never copy from no slot
@@ -318,7 +330,9 @@ class RadixCache:
                     self.host.load_snapshot(node.host_snapshot, slot)
                     node.snapshot = slot
                     self.num_snapshots += 1
-                return
+                    return node.depth
+                return None
+        return None
 
     def _load_blobs(self, tokens: list[int], blobs: list[Blob], path: list[Node]) -> int:
         """Insert file-tier runs (continuing the device path) into the tree; returns the position reached."""
@@ -342,6 +356,7 @@ class RadixCache:
                 end = pos + n * ps
                 node = self._insert(tokens[:end], prefix_pages + pages, slot, resume=False)
                 self.lock(node, +1)
+                self.pinned.add(node)
                 if held is not None:
                     self.lock(held, -1)
                 held = node
@@ -435,14 +450,14 @@ class RadixCache:
         return (not copied, node not in interior, resume, node.last_use)
 
     def alloc_snapshot(self, resume: bool = True) -> int | None:
-        """A free device snapshot slot. When none is free, the least worth keeping unlocked snapshot (see _worth)
-        gives its slot up: demoted to the host tier when that has room (or can make it from less worth keeping
+        """A free device snapshot slot. When none is free, the least worth keeping snapshot (see _worth; a running
+        request's lock does not pin it, an admission in progress does) gives its slot up: demoted to the host tier when that has room (or can make it from less worth keeping
         copies), dropped otherwise. resume=False (an interval snapshot) takes only the slot of an interior interval
         snapshot or of one with a host copy: it never pushes out a resume point, a leaf or a branch point."""
         slot = self.state_pool.alloc_snapshot()
         if slot is not None:
             return slot
-        held = [n for n in self._nodes() if n.snapshot is not None and n.lock == 0]
+        held = [n for n in self._nodes() if n.snapshot is not None and n not in self.pinned]
         if not held:
             return None
         interior = self._interior()
@@ -493,9 +508,9 @@ class RadixCache:
         slot = self.host.alloc_snapshot()
         if slot is not None:
             return slot
-        # a locked node without a device snapshot may be about to load this one (promote): pinned
+        # a node of an admission in progress without a device snapshot may be about to load this one: pinned
         held = [x for x in self._nodes() if x.host_snapshot is not None and x is not protect
-                and (x.snapshot is not None or x.lock == 0)]
+                and (x.snapshot is not None or x not in self.pinned)]
         if not held:
             return None
         interior = self._interior()
