@@ -2,8 +2,8 @@
 tiers with the byte sizes of a Qwen3.5-27B-shaped model, and a stand-in for the forward pass.
 
     python bench/simulate.py                                  # both traces under systemd/production.toml
-    python bench/simulate.py --trace seed --set cache.state_track_interval=2048 --set cache.host.state_share=0.25
-    python bench/simulate.py --variants knobs --policies engine,locked    # the tables of docs/cache-sizing.md
+    python bench/simulate.py --trace seed --set cache.state_track_interval=512 --set cache.host.state_share=0
+    python bench/simulate.py --variants knobs --policies engine,pinned    # the tables of docs/cache-sizing.md
 
 What is real and what stands in
 -------------------------------
@@ -40,8 +40,8 @@ Stand-ins:
 The engine builds every object as it would; `_adopt` then switches a few to subclasses here that only add counters
 and the virtual-time gate. Nothing decides differently from the engine: eviction, snapshot placement and the write
 policy are the engine's code as it stands in the working tree, unless `--policy` says otherwise: `lru` puts back the
-plain LRU snapshot eviction of commit cc0853a to compare against, `locked` adds an experiment (a snapshot of a
-locked node may be taken when nothing else can go; see SimRadix and docs/cache-sizing.md).
+plain LRU snapshot eviction of commit cc0853a to compare against, `pinned` the engine before the home-box fix (a
+running request's lock pinned the snapshots on its path; see SimRadix and docs/cache-sizing.md).
 
 Cost model (CostModel; every figure is a flag)
 ----------------------------------------------
@@ -222,7 +222,6 @@ class Counters:
     device_snapshot_copies: int = 0      # StatePool.copy: snapshot taken, resumed from, or tracked at a page edge
     device_pages_evicted: int = 0        # pages leaving the device tree (demoted to host or dropped)
     device_snapshots_dropped: int = 0    # snapshots leaving with their node (alloc_snapshot's own are the tree's)
-    locked_snapshots_taken: int = 0      # policy "locked": snapshots taken from locked nodes
     host_pages_saved: int = 0            # device -> host copies (write-through backups, demotions)
     host_pages_loaded: int = 0           # host -> device (host hits)
     host_snapshots_saved: int = 0
@@ -302,13 +301,14 @@ class SimTiers(Tiers):
         super().load_blob(blob, pages, snapshot, *args, **kwargs)
 
 
-POLICIES = ("engine", "lru", "locked")
+POLICIES = ("engine", "lru", "pinned")
 
 
 class SimRadix(RadixCache):
     """The radix tree with device eviction counters. Snapshot eviction: "engine" is the engine's own; "lru" puts
     back plain LRU (the policy of commit cc0853a, before snapshots were ranked by worth) to compare against;
-    "locked" is the engine's own plus an experiment (_take_locked_snapshot)."""
+    "pinned" is the engine's ranking with a running request's lock pinning the snapshots on its path too (the
+    engine before the home-box issue's fix: many sessions on one prefix then hold every slot)."""
     hooks = ("_drop_device", "alloc_snapshot", "_host_alloc_snapshot")
     counters: Counters
     policy: str
@@ -320,12 +320,20 @@ class SimRadix(RadixCache):
             self.counters.device_snapshots_dropped += 1
         super()._drop_device(node)
 
+    def _locks_pin(self, alloc: Any, *args: Any, **kwargs: Any) -> int | None:
+        """Policy "pinned": run an allocation with every locked node pinned as if an admission were loading it."""
+        saved = self.pinned
+        self.pinned = saved | {n for n in self._nodes() if n.lock}
+        try:
+            return alloc(*args, **kwargs)
+        finally:
+            self.pinned = saved
+
     def alloc_snapshot(self, *args: Any, **kwargs: Any) -> int | None:
         if self.policy == "engine":
             return super().alloc_snapshot(*args, **kwargs)
-        if self.policy == "locked":
-            slot = super().alloc_snapshot(*args, **kwargs)
-            return slot if slot is not None else self._take_locked_snapshot()
+        if self.policy == "pinned":
+            return self._locks_pin(super().alloc_snapshot, *args, **kwargs)
         slot = self.state_pool.alloc_snapshot()         # cc0853a's RadixCache.alloc_snapshot
         if slot is not None:
             return slot
@@ -345,47 +353,11 @@ class SimRadix(RadixCache):
         self._drop_stateless_leaves(victim)
         return slot
 
-    def _take_locked_snapshot(self) -> int | None:
-        """Policy "locked" (an experiment): when every device snapshot sits on a locked path (the running
-        requests' resume nodes and their ancestors), take the least recently used of those. A lock pins a node's
-        KV pages; the request that locked it copied the state at admission and never reads the node's snapshot
-        again. Demoted to the host tier when it takes it."""
-        held = [n for n in self._nodes() if n.snapshot is not None and n is not self.root]
-        if not held:
-            return None
-        victim = min(held, key=lambda n: n.last_use)
-        if self.host is not None and victim.host_snapshot is None:
-            hs = self._host_alloc_snapshot(protect=victim, copy_of=victim)
-            if hs is not None:
-                self.host.save_snapshot(victim.snapshot, hs)
-                victim.host_snapshot = hs
-        slot, victim.snapshot = victim.snapshot, None
-        self.num_snapshots -= 1
-        self.snapshots_evicted += 1
-        self.counters.locked_snapshots_taken += 1
-        return slot
-
-    def _take_locked_host_snapshot(self, protect: Node | None) -> int | None:
-        """Policy "locked", host side: a state being demoted from the device may take the host copy of a locked
-        node's state (least recently used first) that nobody is loading: a node with children, whose running
-        requests resumed below it."""
-        held = [x for x in self._nodes() if x.host_snapshot is not None and x is not protect and x.lock > 0
-                and x.snapshot is None and x.children]
-        if not held:
-            return None
-        victim = min(held, key=lambda x: x.last_use)
-        slot, victim.host_snapshot = victim.host_snapshot, None
-        self.counters.locked_snapshots_taken += 1
-        return slot
-
     def _host_alloc_snapshot(self, protect: Node | None, *args: Any, **kwargs: Any) -> int | None:
         if self.policy == "engine":
             return super()._host_alloc_snapshot(protect, *args, **kwargs)
-        if self.policy == "locked":
-            slot = super()._host_alloc_snapshot(protect, *args, **kwargs)
-            if slot is None and not kwargs.get("copied", False):   # a unique state (a demotion), not a backup
-                slot = self._take_locked_host_snapshot(protect)
-            return slot
+        if self.policy == "pinned":
+            return self._locks_pin(super()._host_alloc_snapshot, protect, *args, **kwargs)
         slot = self.host.alloc_snapshot()               # cc0853a's RadixCache._host_alloc_snapshot
         if slot is not None:
             return slot
@@ -1090,20 +1062,18 @@ VARIANTS_HEADER = ["variant", "device KV tok / snap slots / host snaps", "hit ra
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "knobs": [                                         # one key at a time, on production.toml
         ("production.toml", {}),
-        ("state_track_interval = 2048", {"cache.state_track_interval": 2048}),
+        ("state_track_interval = 512", {"cache.state_track_interval": 512}),
         ("state_track_interval = 8192", {"cache.state_track_interval": 8192}),
-        ("host.state_share = 0.25", {"cache.host.state_share": 0.25}),
+        ("host.state_share = 0 (the device's ratio)", {"cache.host.state_share": 0.0}),
         ("host.state_share = 0.5", {"cache.host.state_share": 0.5}),
         ("write_policy = write_back", {"cache.host.write_policy": "write_back"}),
     ],
-    "recommended": [                                   # the defaults docs/cache-sizing.md proposes, step by step
-        ("production.toml", {}),
-        ("interval 2048, host.state_share 0.25",
-         {"cache.state_track_interval": 2048, "cache.host.state_share": 0.25}),
-        ("interval 2048, host.state_share 0.25, write_back",
-         {"cache.state_track_interval": 2048, "cache.host.state_share": 0.25, "cache.host.write_policy": "write_back"}),
-        ("interval 2048, host.state_share 0.25, state_slots 16",
-         {"cache.state_track_interval": 2048, "cache.host.state_share": 0.25, "cache.state_slots": 16}),
+    "recommended": [                                   # the old defaults, today's, and two alternatives
+        ("old defaults: interval 512, host.state_share 0",
+         {"cache.state_track_interval": 512, "cache.host.state_share": 0.0}),
+        ("production.toml (interval 2048, host.state_share 0.25)", {}),
+        ("production.toml, write_back", {"cache.host.write_policy": "write_back"}),
+        ("production.toml, state_slots 16", {"cache.state_slots": 16}),
     ],
     "slots": [                                         # device snapshot slots (with --card: room for them)
         ("production.toml", {}),
@@ -1139,7 +1109,7 @@ def main() -> None:
                     "weights (card_kv_tokens) instead of the seed's 270K")
     ap.add_argument("--policy", choices=POLICIES, default="engine",
                     help="snapshot eviction: the engine's own; plain LRU (commit cc0853a) for comparison; the "
-                    "engine's own that may also take snapshots of locked nodes (an experiment, see SimRadix)")
+                    "engine's own with running requests' locks pinning snapshots too (before the fix, see SimRadix)")
     ap.add_argument("--requests", action="store_true", help="also print every request")
     ap.add_argument("--seed", type=int, default=0, help="trace seed")
     args = ap.parse_args()

@@ -62,8 +62,8 @@ def test_defaults_match_the_design() -> None:
     assert (e.max_running_requests, e.chunked_prefill_size, e.page_size) == (8, 2048, 16)
     assert e.mem_fraction_static == 0.90 and e.kv_cache_tokens == 0 and e.sleep_on_idle is True
     c = cfg.cache
-    assert c.enabled is True and c.state_track_interval == 512 and c.state_slots == 0
-    assert c.host.size_gb == 0 and c.host.write_policy == "write_through" and c.host.state_share == 0
+    assert c.enabled is True and c.state_track_interval == 2048 and c.state_slots == 0
+    assert c.host.size_gb == 0 and c.host.write_policy == "write_through" and c.host.state_share == 0.25
     assert c.file.dir == "" and c.file.size_gb == 50 and c.file.prefetch_policy == "best_effort"
     s = cfg.speculative
     assert (s.algorithm, s.num_steps, s.num_draft_tokens) == ("", 3, 4)

@@ -108,8 +108,9 @@ class HostCacheSection(_Section):
     size_gb: float = _opt(0.0, ge=0)            # 0: off
     write_policy: str = _opt("write_through", choices=WRITE_POLICIES)
     # Share of the host tier kept for recurrent-state snapshots; 0: the same ratio as on the device. A separate
-    # budget because too few host state slots strand host KV (a page without a state above it is no hit).
-    state_share: float = _opt(0.0, ge=0, lt=1)
+    # budget because too few host state slots strand host KV (a page without a state above it is no hit); 0.25
+    # is what bench/simulate.py chose for agent traces (docs/cache-sizing.md).
+    state_share: float = _opt(0.25, ge=0, lt=1)
     # The host tier gives memory back (evicts, frees segments) while the machine has less than this available,
     # and does not grow past it. 0: no floor.
     min_free_gb: float = _opt(4.0, ge=0)
@@ -127,7 +128,10 @@ class FileCacheSection(_Section):
 class CacheSection(_Section):
     TABLE: ClassVar[str] = "cache"
     enabled: bool = True
-    state_track_interval: int = _opt(512, ge=1)  # multiple of engine.page_size (checked by Config)
+    # A state snapshot every N tokens (multiple of engine.page_size, checked by Config). 2048: a snapshot of a
+    # 27B costs the KV of ~4,700 tokens; resume points (prompt ends, branches) are taken anyway
+    # (docs/cache-sizing.md).
+    state_track_interval: int = _opt(2048, ge=1)
     state_slots: int = _opt(0, ge=0)              # 0: derive from memory
     host: HostCacheSection = field(default_factory=HostCacheSection)
     file: FileCacheSection = field(default_factory=FileCacheSection)
