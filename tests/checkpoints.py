@@ -294,3 +294,143 @@ def make_agreeing_head(folder: str | Path, *, mix: float = 0.0, head_noise: floa
         if name.startswith("mtp.layers.") and name.endswith(outputs):
             t[name] = torch.zeros_like(t[name])
     write_tensors(folder, t)
+
+
+# ---- a tiny multimodal (image input) Qwen3.5 checkpoint ----
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# depth 2, head_dim 16 (divisible by 4 for the 2-D rotary), a 4x4 position table (every image interpolates it),
+# patch 4 (one LM token per 8x8 pixels, so test images are tens to hundreds of tokens)
+TINY_VL_VISION: dict = {**TINY_VISION, "depth": 2, "hidden_act": "gelu_pytorch_tanh"}
+# preprocessor_config.json of the tiny VL checkpoint: the release's fields, with sizes scaled to patch 4
+TINY_VL_PREPROCESSOR: dict = {
+    "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+    "size": {"shortest_edge": 1024, "longest_edge": 65536}, "patch_size": 4, "temporal_patch_size": 2,
+    "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 3,
+    "rescale_factor": 1 / 255, "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": True,
+}
+
+
+def _vl_chat_template() -> str:
+    """demo.CHAT_TEMPLATE with the released Qwen3.5 template's image/video parts (qwen-vision.md §4): an item with an
+    `image` / `image_url` key or type 'image' renders as <|vision_start|><|image_pad|><|vision_end|> in place (one
+    pad; the server expands it), videos likewise, and a system message may contain neither."""
+    from tinyserve.demo import CHAT_TEMPLATE
+
+    old_macro = CHAT_TEMPLATE[:CHAT_TEMPLATE.index("{%- endmacro -%}")]
+    new_macro = r"""{%- macro render_content(content, is_system=false) -%}
+{%- if content is none -%}{{- '' -}}{%- elif content is string -%}{{- content -}}
+{%- else -%}{%- for part in content -%}
+{%- if part is mapping and ('image' in part or 'image_url' in part or part.type == 'image') -%}
+{%- if is_system -%}{{- raise_exception('System message cannot contain images.') -}}{%- endif -%}
+{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+{%- elif part is mapping and ('video' in part or part.type == 'video') -%}
+{%- if is_system -%}{{- raise_exception('System message cannot contain videos.') -}}{%- endif -%}
+{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+{%- elif part is mapping and part.text is defined -%}{{- part.text -}}
+{%- else -%}{{- raise_exception('Unexpected item type in content.') -}}
+{%- endif -%}{%- endfor -%}
+{%- endif -%}
+"""
+    out = CHAT_TEMPLATE.replace(old_macro, new_macro)
+    for old, new in [("render_content(messages[0].content)", "render_content(messages[0].content, true)"),
+                     ("render_content(message.content)", "render_content(message.content, message.role == 'system')")]:
+        assert out.count(old) == 1, f"demo.CHAT_TEMPLATE changed: {old!r} not found once"
+        out = out.replace(old, new)
+    assert out != CHAT_TEMPLATE
+    return out
+
+
+VL_CHAT_TEMPLATE = _vl_chat_template()
+
+
+def _write_vl_tokenizer_files(folder: Path) -> dict[str, int]:
+    """tokenizer.json (the demo byte-level BPE + the vision specials), tokenizer_config.json, chat_template.jinja,
+    generation_config.json and preprocessor_config.json, as demo.write_demo_tokenizer_files writes them. Returns the
+    ids of the special tokens the config needs."""
+    from tokenizers import AddedToken
+
+    from tinyserve.demo import EOS_TOKEN, build_demo_tokenizer
+
+    tok = build_demo_tokenizer()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    tok.save(str(folder / "tokenizer.json"), pretty=False)
+    ids = {t: tok.token_to_id(t) for t in VISION_TOKENS + [EOS_TOKEN, "<|endoftext|>"]}
+    assert all(v is not None for v in ids.values()), ids
+    eos_ids = [ids[EOS_TOKEN], ids["<|endoftext|>"]]
+
+    def write(name: str, data: dict) -> None:
+        (folder / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    write("tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, "bos_token": None,
+        "eos_token": EOS_TOKEN, "pad_token": "<|endoftext|>", "unk_token": None, "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False, "chat_template": VL_CHAT_TEMPLATE,
+    })
+    (folder / "chat_template.jinja").write_text(VL_CHAT_TEMPLATE, encoding="utf-8")
+    write("generation_config.json", {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": eos_ids,
+                                     "pad_token_id": ids["<|endoftext|>"], "do_sample": False})
+    write("preprocessor_config.json", TINY_VL_PREPROCESSOR)
+    return {"vocab": tok.get_vocab_size(with_added_tokens=True), "eos": ids[EOS_TOKEN],
+            "bos": ids["<|endoftext|>"], "vision_start": ids["<|vision_start|>"],
+            "vision_end": ids["<|vision_end|>"], "image": ids["<|image_pad|>"], "video": ids["<|video_pad|>"]}
+
+
+def _sharpen_vision_(visual: torch.nn.Module, seed: int) -> None:
+    """Unit-scale vision matrices (std 1/sqrt(fan_in)) and a unit-scale position table. At transformers' init (std
+    0.02) attention scores are ~0, so the softmax is uniform and neither the 2-D rotary nor the patch order inside an
+    image changes the features measurably; here q.k / sqrt(d) has a std of about 4 and they all matter."""
+    g = torch.Generator().manual_seed(2000 + seed)
+    with torch.no_grad():
+        for name, p in visual.named_parameters():
+            if name == "pos_embed.weight":
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:
+                fan_in = p[0].numel()
+                scale = 2.0 if name.endswith("attn.qkv.weight") else 1.0
+                p.copy_(torch.randn(p.shape, generator=g) * scale / fan_in ** 0.5)
+
+
+def make_qwen3_5_vl(path: str | Path, *, seed: int = 0, with_mtp: bool = False, vision: dict | None = None,
+                    **overrides) -> tuple[Path, Qwen3_5ForConditionalGeneration]:
+    """A servable tiny multimodal Qwen3.5 folder: weights (`model.language_model.*`, `model.visual.*`,
+    `lm_head.weight`, optionally `mtp.*`), config.json with the vision token ids, the demo tokenizer plus the vision
+    specials, a chat template that renders images, and a preprocessor_config.json for patch 4.
+
+    The oracle is the full Qwen3_5ForConditionalGeneration (eval, fp32) with every 1-D parameter perturbed, vision
+    included, and the vision matrices at unit scale (_sharpen_vision_). `overrides` change the text config, `vision`
+    the vision config. MTP tensors, when asked for, are in `oracle.mtp_state_dict` (transformers has no module for
+    them)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = _write_vl_tokenizer_files(folder)
+    vocab = -(-ids["vocab"] // 16) * 16          # padded past the tokenizer, as released vocabularies are
+    base = {**TINY_COMMON, "vocab_size": vocab, "bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
+            "max_position_embeddings": 4096, "rope_parameters": dict(ROPE_35)}
+    kw = _config_kwargs(base, overrides)
+    assert kw["vocab_size"] >= ids["vocab"], "vocab_size must cover the tokenizer"
+    torch.manual_seed(seed)
+    cfg = Qwen3_5Config(text_config=dict(kw), vision_config={**TINY_VL_VISION, **(vision or {})},
+                        image_token_id=ids["image"], video_token_id=ids["video"],
+                        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+                        tie_word_embeddings=kw["tie_word_embeddings"])
+    full = Qwen3_5ForConditionalGeneration(cfg).eval()
+    perturb_(full, seed)
+    _sharpen_vision_(full.model.visual, seed)
+    _save(full, folder, None)
+
+    def fix(d: dict) -> None:
+        d["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+        d["model_type"] = "qwen3_5"
+        d["text_config"]["mtp_num_hidden_layers"] = 1     # as released; without mtp.* tensors the loader turns MTP off
+        d["text_config"]["mtp_use_dedicated_embeddings"] = False
+        d["eos_token_id"] = kw["eos_token_id"]
+
+    _update_config(folder, fix)
+    # save_pretrained rewrote generation_config.json from the model config: keep the chat-aware one
+    _write_vl_tokenizer_files(folder)
+    if with_mtp:
+        mtp = _mtp_tensors(kw, moe=False, seed=seed)
+        add_tensors(folder, mtp, "model-mtp.safetensors")
+        full.mtp_state_dict = mtp
+    return folder, full
