@@ -40,6 +40,17 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str = "float32"         # dtype the checkpoint was saved in
+    # M-RoPE (Qwen3.5): which of the (t, h, w) position rows drives each rotary frequency; text-only positions are
+    # equal rows, i.e. plain 1-D RoPE. Empty: 1-D RoPE only (Qwen3-Next).
+    mrope_section: list[int] = field(default_factory=list)
+    mrope_interleaved: bool = False
+    # Image input: the checkpoint's vision_config (None: no vision tower loaded) and the special token ids
+    vision_config: dict | None = None
+    image_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    folder: str = ""                     # where the checkpoint was read from (its processor config lives there)
+    vision_parameters: int = 0           # weight values of the vision tower (in the plan's weights)
 
     # ---- derived sizes ----
     @property

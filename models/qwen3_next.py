@@ -47,6 +47,11 @@ class ForwardBatch:
     num_decode: int                  # leading sequences with one token each
     num_verify: int = 0              # speculative verifies after them
     verify: VerifyLayout | None = None
+    # Images (Qwen3.5): rotary positions as (t, h, w) rows [3, T] when a sequence in the batch has images (None:
+    # `positions` for all three), and the packed rows that take vision features instead of the pad's embedding.
+    mrope_positions: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None       # [n] int64
+    image_embeds: torch.Tensor | None = None     # [n, H]
 
     @property
     def num_seqs(self) -> int:
@@ -378,6 +383,10 @@ class Qwen3NextForCausalLM(nn.Module):
         self.norm = _empty((H,), dtype, device)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _empty((V, H), dtype, device)
         self.mtp = NextNHead(cfg, dtype, device) if cfg.num_mtp_layers > 0 else None
+        self.visual = None
+        if cfg.vision_config is not None:
+            from tinyserve.models.qwen_vision import VisionConfig, VisionTower   # imports this module's loaders
+            self.visual = VisionTower(VisionConfig.from_dict(cfg.vision_config), dtype, device)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, device)
         # index of each layer inside its pool: attention layers -> KV pool layer, GDN layers -> state pool layer
         self.pool_index = {i: cfg.attn_layer_ids.index(i) if t == "full_attention" else cfg.gdn_layer_ids.index(i)
@@ -395,6 +404,8 @@ class Qwen3NextForCausalLM(nn.Module):
             w.add("lm_head.weight", (V, H), self.lm_head)
         if self.mtp is not None:
             w.merge("mtp.", self.mtp.weight_loaders())
+        if self.visual is not None:
+            w.merge("visual.", self.visual.weight_loaders())
         # accepted alternative names (stacked experts); not part of expected_tensors()
         self._fused = WeightLoaders()
         mtp_layers = list(self.mtp.layers) if self.mtp is not None else []
@@ -421,7 +432,9 @@ class Qwen3NextForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_pool, state_pool) -> torch.Tensor:
         """Returns the final hidden states [T, H] (after model.norm)."""
         x = F.embedding(batch.input_ids, self.embed_tokens)
-        cos_sin = self.rotary.cos_sin(batch.positions)
+        if batch.image_rows is not None:    # image pads take the vision tower's features (HF: masked_scatter)
+            x[batch.image_rows] = batch.image_embeds.to(x.dtype)
+        cos_sin = self.cos_sin(batch)
         for i, layer in enumerate(self.layers):
             j = self.pool_index[i]
             if layer.kind == "linear_attention":
@@ -431,6 +444,20 @@ class Qwen3NextForCausalLM(nn.Module):
                 kv = kv_pool.layer(j)
                 x = layer(x, lambda h: layer.mixer(h, batch, kv, self.rotary, cos_sin))
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def cos_sin(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables for the batch: M-RoPE over (t, h, w) rows when it has image positions; otherwise the
+        rows are equal and M-RoPE is exactly 1-D RoPE."""
+        if batch.mrope_positions is None:
+            return self.rotary.cos_sin(batch.positions)
+        from tinyserve.models.qwen_vision import mrope_cos_sin
+        return mrope_cos_sin(batch.mrope_positions, self.rotary.inv_freq, self.cfg.mrope_section,
+                             self.cfg.mrope_interleaved)
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Vision features [sum of tokens, H] of images in the order given (each attends only to itself)."""
+        assert self.visual is not None, "this checkpoint has no vision tower"
+        return self.visual(pixel_values.to(self.device, self.visual.dtype), grids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head)
@@ -449,7 +476,7 @@ class Qwen3NextForCausalLM(nn.Module):
         eps, m = self.cfg.rms_norm_eps, self.mtp
         e = rms_norm(F.embedding(next_ids, self.embed_tokens), m.pre_fc_norm_embedding, eps)
         u = linear(torch.cat([e, rms_norm(hidden, m.pre_fc_norm_hidden, eps)], dim=-1), m.fc)
-        cos_sin = self.rotary.cos_sin(batch.positions)
+        cos_sin = self.cos_sin(batch)
         kv = kv_pool.layer(kv_layer)
         for layer in m.layers:
             u = layer(u, lambda h: layer.mixer(h, batch, kv, self.rotary, cos_sin))

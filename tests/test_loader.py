@@ -277,13 +277,17 @@ def test_sharded_equals_single_file(tmp_path):
     assert_same_params(a, b)
 
 
-def test_conditional_skips_vision_with_one_log_line(ckpts, caplog):
+def test_conditional_loads_the_vision_tower_unless_told_not_to(ckpts, caplog):
     folder, hf = ckpts["cond"]
     names = read_tensors(folder)
     assert any(n.startswith("model.visual.") for n in names)
     assert any(n.startswith("model.language_model.layers.") for n in names)
+    with_tower = load_model(folder, torch.float32)
+    assert with_tower.visual is not None
+    assert torch.equal(with_tower.visual.pos_table, names["model.visual.pos_embed.weight"])
     with caplog.at_level(logging.INFO, logger="tinyserve.loader"):
-        model = load_model(folder, torch.float32)
+        model = load_model(folder, torch.float32, vision=False)           # model.vision = false
+    assert model.visual is None
     vision_lines = [r for r in caplog.records if "vision" in r.getMessage()]
     assert len(vision_lines) == 1
     assert model.mtp is not None and model.cfg.num_mtp_layers == 1
@@ -294,7 +298,7 @@ def test_conditional_skips_vision_with_one_log_line(ckpts, caplog):
 def test_text_and_conditional_load_the_same_text_model(tmp_path):
     text, _ = make_qwen3_5_text(tmp_path / "t", seed=3)
     cond, _ = make_qwen3_5_conditional(tmp_path / "c", with_mtp=False, seed=3)
-    assert_same_params(load_model(text, torch.float32), load_model(cond, torch.float32))
+    assert_same_params(load_model(text, torch.float32), load_model(cond, torch.float32, vision=False))
 
 
 def test_fused_expert_tensors_equal_per_expert(ckpts, tmp_path):

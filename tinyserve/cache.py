@@ -123,11 +123,11 @@ class PrefixCache:
         """Start reading the file-tier blobs that continue what the tree already holds of this prompt."""
         run = req.cache_run = CacheRun()
         file = self.tree.tiers.file
-        if file is None or len(req.all_ids) <= self.page_size:
+        if file is None or len(req.cache_ids) <= self.page_size:
             return
-        first = self.tree.coverage(req.all_ids) // self.page_size
-        run.read, run.read_first_page = file.prefetch(req.all_ids, first, self.page_size), first
-        run.read_deadline = read_deadline(len(req.all_ids))
+        first = self.tree.coverage(req.cache_ids) // self.page_size
+        run.read, run.read_first_page = file.prefetch(req.cache_ids, first, self.page_size), first
+        run.read_deadline = read_deadline(len(req.cache_ids))
         run.read.add_done_callback(lambda _: self.wake())
 
     def ready(self, req: Request) -> bool:
@@ -155,8 +155,8 @@ class PrefixCache:
         if run.read is not None and run.read.done() and run.read.exception() is None:
             blobs = run.read.result()
         run.read = None
-        loaded = self.tree.promote(req.all_ids, blobs, run.read_first_page)
-        m = self.tree.match(req.all_ids)
+        loaded = self.tree.promote(req.cache_ids, blobs, run.read_first_page)
+        m = self.tree.match(req.cache_ids)
         if m.node.snapshot is not None:
             self.state_pool.copy(m.node.snapshot, req.state_slot)
         else:
@@ -175,6 +175,10 @@ class PrefixCache:
         run.resume_points = {(end - 1) // ps * ps}         # page-aligned end of the prompt
         if m.kv_length > m.length:
             run.resume_points.add(m.kv_length)             # branch point: cached KV but no state there yet
+        if req.images is not None:                         # image edges: a request with another image (or other
+            for first, last in req.images.boundaries():    # text after the same one) resumes there
+                run.resume_points |= {first // ps * ps, last // ps * ps}
+            run.resume_points = {p for p in run.resume_points if 0 < p < end}
         run.snapshot_points = sorted(p for p in points | run.resume_points if p > req.num_computed)
 
     def next_snapshot(self, req: Request) -> int | None:
@@ -202,13 +206,13 @@ class PrefixCache:
         """Cache tokens [0, pos) of req with a copy of `slot` (default: its state slot), its state at pos.
         resume: pos resumes requests (a prompt end, a branch point, the request's end), not just an interval."""
         if not self.hybrid:                                # no recurrent state: the KV pages are enough
-            self.tree.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], None)
+            self.tree.insert(req.cache_ids[:pos], req.pages[:pos // self.page_size], None)
             return
         snap = self.tree.alloc_snapshot(resume=resume)     # an interval snapshot never pushes out a resume point
         if snap is None:
             return
         self.state_pool.copy(req.state_slot if slot is None else slot, snap)
-        self.tree.insert(req.all_ids[:pos], req.pages[:pos // self.page_size], snap, resume=resume)
+        self.tree.insert(req.cache_ids[:pos], req.pages[:pos // self.page_size], snap, resume=resume)
 
     # ---- end ----
     def finish(self, req: Request) -> None:
@@ -221,9 +225,9 @@ class PrefixCache:
             self._snapshot(req, end)
         elif run.track_pos == end:
             slot, run.track_slot, run.track_pos = run.track_slot, None, -1
-            self.tree.insert(req.all_ids[:end], req.pages[:end // ps], slot, resume=True)
+            self.tree.insert(req.cache_ids[:end], req.pages[:end // ps], slot, resume=True)
         elif not self.hybrid:
-            self.tree.insert(req.all_ids[:end], req.pages[:end // ps], None)
+            self.tree.insert(req.cache_ids[:end], req.pages[:end // ps], None)
 
     def release(self, req: Request) -> None:
         """Unlock the resume node and give back the tracking slot (finish, abort, preemption)."""

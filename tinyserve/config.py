@@ -75,6 +75,12 @@ class ModelSection(_Section):
     kv_cache_dtype: str = _opt("auto", choices=KV_CACHE_DTYPES)
     device: str = _opt("auto", choices=DEVICES)
     context_length: int = _opt(0, ge=0)       # 0: from the checkpoint
+    # Image input (Qwen3.5-family checkpoints with model.visual.*): false skips the vision tower (~0.9 GB on a
+    # 27B) and answers 400 to image parts. Per request: at most max_images images, each at most
+    # max_image_pixels (width x height as sent; the processor then resizes within the checkpoint's limits).
+    vision: bool = True
+    max_images: int = _opt(8, ge=0)
+    max_image_pixels: int = _opt(16_777_216, ge=1)
 
 
 @dataclass
@@ -87,6 +93,7 @@ class ServerSection(_Section):
     max_request_body_mb: float = _opt(32.0, gt=0)
     drain_timeout_s: float = _opt(30.0, ge=0)   # SIGTERM: time running requests get to finish
     keep_billing_header: bool = False           # keep Claude Code's per-request system block (breaks the cache)
+    fetch_image_urls: bool = False              # fetch http(s) image URLs; off: the server never fetches addresses
 
 
 @dataclass

@@ -38,9 +38,11 @@ import torch
 from tinyserve.cache import CacheStats, NullCache, PrefixCache
 from tinyserve.config import Config, ConfigError
 from tinyserve.grammar import GrammarCompiler
+from tinyserve.images import ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, preprocess
 from tinyserve.kernels import set_backend as set_kernel_backend
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
+from tinyserve.multimodal import expand_image_pads, request_images
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
 from tinyserve.radix import RadixCache
 from tinyserve.request import TIERS, Request, Status
@@ -112,6 +114,8 @@ class EngineStats:
     spec: SpecStats | None = None        # NEXTN counters; None when speculative decoding is off
     pools_released: bool = False         # idle release: the device pools are freed now
     idle_releases: int = 0
+    images_encoded: int = 0              # images through the vision tower (a feature-cache hit skips it)
+    image_encode_seconds: float = 0.0
 
 
 class ComputeThread:
@@ -202,6 +206,7 @@ class Engine:
                                    lookahead=self.nextn.num_steps if self.nextn else 0)
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, self.eos_token_ids, self.nextn,
                                   self.context_length)
+        self.image_processor = self._image_processor(model) if model.visual is not None else None
         try:                             # engine.kernels: the Triton kernels or the torch references
             set_kernel_backend(cfg.engine.kernels)
         except RuntimeError as e:
@@ -229,6 +234,26 @@ class Engine:
                 self._grammar_error = f"llguidance cannot use this tokenizer ({e})"
                 log.warning("constrained decoding (response_format) is off: %s", self._grammar_error)
 
+    @staticmethod
+    def _image_processor(model) -> ImageProcessorConfig:
+        """The checkpoint's image processor settings, which must cut patches the way its vision tower takes them."""
+        folder, vc = Path(model.cfg.folder), model.visual.cfg
+        want = (vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+        if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+            log.info("%s has no preprocessor_config.json: the image processor takes Qwen3.5's released settings "
+                     "with the vision tower's patch sizes", folder)
+            return ImageProcessorConfig(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
+                                        temporal_patch_size=vc.temporal_patch_size)
+        try:
+            proc = ImageProcessorConfig.from_folder(folder)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{folder}: cannot read the image processor config: {e}", "model.path") from None
+        if (proc.patch_size, proc.merge_size, proc.temporal_patch_size) != want:
+            raise ConfigError(f"{folder}: the image processor cuts patch_size / merge_size / temporal_patch_size "
+                              f"{(proc.patch_size, proc.merge_size, proc.temporal_patch_size)}, the vision tower "
+                              f"(config.json vision_config) takes {want}", "model.path")
+        return proc
+
     def _build_cache(self, cfg: Config, plan: MemoryPlan) -> PrefixCache:
         host = file = None
         if plan.host_pages or plan.host_snapshots:
@@ -252,7 +277,7 @@ class Engine:
         from tinyserve.loader import load_model
         from tinyserve.tokenizer import Tokenizer
         folder, _, plan = plan_for(cfg)
-        model = load_model(folder, torch_dtype(plan.dtype), plan.device)
+        model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision)
         engine = cls(cfg, model, Tokenizer.from_folder(folder), plan)
         engine.price_drafts()
         return engine
@@ -334,7 +359,40 @@ class Engine:
             raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                "stop_token_ids")
 
-    def _make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
+    # ---- images ----
+    @property
+    def vision(self) -> bool:
+        """Whether requests may carry images (a vision tower is loaded)."""
+        return self.image_processor is not None
+
+    def prepare_images(self, prompt_ids: list[int], sources: list[ImageSource]) -> tuple[list[int], list[ProcessedImage]]:
+        """Decode and preprocess a request's images (in prompt order) and widen the template's one pad per image
+        to its token count. Runs on a worker thread (PIL and numpy, no torch compute). RequestError names the
+        image's request field, or "prompt" when the pads do not match the images."""
+        mc = self.model.cfg
+        if not self.vision:
+            raise RequestError("this model takes no image input (its checkpoint has no vision tower, or "
+                               "model.vision = false)", sources[0].param if sources else "prompt")
+        limit = self.cfg.model.max_images
+        if len(sources) > limit:
+            raise RequestError(f"{len(sources)} images in one request; at most {limit} (model.max_images)",
+                               sources[limit].param)
+        images = []
+        for src in sources:
+            try:
+                image = decode_image(src.data, src.media_type, self.cfg.model.max_image_pixels)
+                images.append(preprocess(image, self.image_processor))
+            except ImageError as e:
+                hint = " (model.max_image_pixels)" if "too large" in str(e) else ""
+                raise RequestError(f"{src.param}: {e}{hint}", src.param) from None
+        try:
+            ids = expand_image_pads(prompt_ids, images, mc.image_token_id, self.image_processor.merge_size)
+        except ValueError as e:
+            raise RequestError(str(e), "prompt") from None
+        return ids, images
+
+    def _make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
+                      images: list[ProcessedImage] = ()) -> Request:
         self.validate(params)
         if not prompt_ids:
             raise RequestError("the prompt is empty", "prompt")
@@ -343,9 +401,21 @@ class Engine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                "prompt")
         self.fit_max_tokens(len(prompt_ids), params.max_tokens)
+        located = None
+        if self.vision and not images and self.model.cfg.image_token_id in prompt_ids:
+            raise RequestError("the prompt has image placeholder tokens but no images", "prompt")
+        if images:
+            if not self.vision:
+                raise RequestError("this model takes no image input", "prompt")
+            try:
+                located = request_images(prompt_ids, list(images), self.model.cfg.image_token_id,
+                                         self.image_processor.merge_size, self.vocab_size)
+            except ValueError as e:
+                raise RequestError(str(e), "prompt") from None
         grammar = self._grammar_state(params) if params.constraint is not None else None
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, grammar=grammar)
+        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, grammar=grammar,
+                       images=located)
 
     def _grammar_state(self, params: SamplingParams):
         """The request's matcher (grammar.py); RequestError(field="response_format", or "tool_choice" / "tools" for a
@@ -365,8 +435,10 @@ class Engine:
         except ValueError as e:
             raise RequestError(f"{field}: {e}", field) from None
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        req = self._make_request(prompt_ids, params, request_id)
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               images: list[ProcessedImage] = ()) -> RequestStream:
+        """images: what prepare_images returned for these (expanded) prompt ids."""
+        req = self._make_request(prompt_ids, params, request_id, images)
         stream = RequestStream(self, req, RequestResult(req.request_id, len(prompt_ids)))
         self._streams[req.request_id] = stream
         self._new.append(req)
@@ -580,12 +652,14 @@ class Engine:
         """Synchronous batch generation (tests, benchmarks)."""
         return [r.output_ids for r in self.run_requests(prompts, params)]
 
-    def run_requests(self, prompts: list[list[int]],
-                     params: SamplingParams | list[SamplingParams]) -> list[Request]:
-        """Like generate(), returning the finished Requests (outputs, cached_tokens, finish_reason)."""
+    def run_requests(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                     images: list[list[ProcessedImage]] | None = None) -> list[Request]:
+        """Like generate(), returning the finished Requests (outputs, cached_tokens, finish_reason). images: per
+        prompt, what prepare_images returned for it."""
         assert self._serving is None, "run_requests() is offline only; use submit() while serving"
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self._make_request(p, sp, None) for p, sp in zip(prompts, plist)]
+        ilist = images if images is not None else [[]] * len(prompts)
+        reqs = [self._make_request(p, sp, None, im) for p, sp, im in zip(prompts, plist, ilist)]
         for r in reqs:
             self.scheduler.add(r)
         while any(r.status != Status.FINISHED for r in reqs):
@@ -602,7 +676,9 @@ class Engine:
                            state_slots_used=self.state_pool.num_slots - self.state_pool.num_free,
                            state_slots_total=self.state_pool.num_slots, num_preemptions=s.num_preemptions,
                            cache=self.cache.stats(), spec=self.spec_stats if self.nextn else None,
-                           pools_released=self.kv_pool.released, idle_releases=self.idle_releases)
+                           pools_released=self.kv_pool.released, idle_releases=self.idle_releases,
+                           images_encoded=self.runner.images_encoded,
+                           image_encode_seconds=self.runner.image_encode_seconds)
 
     def flush_cache(self, include_file: bool = False) -> bool:
         """Empty the prefix cache (device and host tiers; the file tier too when asked); False when a running

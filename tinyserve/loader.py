@@ -191,7 +191,35 @@ def _count_mtp_layers(names: list[str]) -> int:
     return max(ids) + 1 if ids else 0
 
 
-def _build_config(folder: Path, raw: dict[str, Any], tensor_names: list[str]) -> ModelConfig:
+def _mrope(keys: _Keys) -> tuple[list[int], bool]:
+    """(mrope_section, mrope_interleaved) from rope_parameters / rope_scaling; ([], False) when absent."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = keys.get(key)
+        if isinstance(params, dict) and params.get("mrope_section") is not None:
+            section = params["mrope_section"]
+            if not isinstance(section, list) or len(section) != 3 or \
+                    not all(isinstance(v, int) and v >= 0 for v in section):
+                raise LoaderError(f"config.json: {key}.mrope_section must be three ints (t, h, w), found {section!r}")
+            return list(section), bool(params.get("mrope_interleaved", False))
+    return [], False
+
+
+def _vision(raw: dict[str, Any], tensor_names: list[str]) -> tuple[dict | None, dict[str, int | None]]:
+    """The vision_config and the image token ids, when the checkpoint has a vision tower to load."""
+    ids = {k: raw.get(k) for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")}
+    vision = raw.get("vision_config")
+    if vision is None or not any(_is_vision(n) for n in tensor_names):
+        return None, ids
+    if not isinstance(vision, dict):
+        raise LoaderError(f"config.json: vision_config must be an object, found {type(vision).__name__}")
+    for k, v in ids.items():
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise LoaderError(f"config.json: {k} must be an int for image input, found {v!r}")
+    return vision, ids
+
+
+def _build_config(folder: Path, raw: dict[str, Any], tensor_names: list[str], vision: bool = True) -> ModelConfig:
+    """vision=False leaves the vision tower out (model.vision = false) even when the checkpoint has one."""
     text = _text_section(raw)
     keys = _Keys(text, raw)
     model_type = _TEXT_MODEL_TYPE[raw["model_type"]]
@@ -200,6 +228,10 @@ def _build_config(folder: Path, raw: dict[str, Any], tensor_names: list[str]) ->
     heads = keys.require_int("num_attention_heads")
     head_dim = keys.int("head_dim", hidden // heads)
     theta, factor = _rope(keys)
+    mrope_section, mrope_interleaved = _mrope(keys)
+    if model_type.startswith("qwen3_5"):   # transformers' Qwen3.5 rotary always interleaves, [11, 11, 10] if unset
+        mrope_section, mrope_interleaved = mrope_section or [11, 11, 10], True
+    vision_config, vision_ids = _vision(raw, tensor_names) if vision else (None, {})
 
     act = keys.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -263,6 +295,13 @@ def _build_config(folder: Path, raw: dict[str, Any], tensor_names: list[str]) ->
         eos_token_ids=eos,
         bos_token_id=bos if isinstance(bos, int) else None,
         torch_dtype=str(dtype),
+        folder=str(folder),
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+        vision_config=vision_config,
+        image_token_id=vision_ids.get("image_token_id") if vision_config else None,
+        vision_start_token_id=vision_ids.get("vision_start_token_id") if vision_config else None,
+        vision_end_token_id=vision_ids.get("vision_end_token_id") if vision_config else None,
     )
 
 
@@ -339,10 +378,19 @@ def read_model_config(folder: str | Path) -> ModelConfig:
 # names
 
 
+_VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
+
+
+def _is_vision(name: str) -> bool:
+    return name.startswith(_VISION_PREFIXES)
+
+
 def _canonical(name: str) -> str | None:
-    """Checkpoint name -> the model's canonical name; None for tensors a text-only engine skips (vision)."""
-    if name.startswith(("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")):
-        return None
+    """Checkpoint name -> the model's canonical name (`visual.*` for the vision tower); None for something the
+    name alone says is skipped (none today: vision tensors are skipped by _loadable when the tower is off)."""
+    for prefix in _VISION_PREFIXES:
+        if name.startswith(prefix):
+            return "visual." + name[len(prefix):]
     for prefix in ("model.language_model.", "language_model.model.", "language_model."):
         if name.startswith(prefix):
             return name[len(prefix):]
@@ -504,8 +552,8 @@ def _loadable(cfg: ModelConfig, infos: dict[str, _TensorInfo]) -> list[_Item]:
         if name.endswith(_SCALE_SUFFIXES) or name.endswith(".input_scale"):
             continue  # scales travel with their weight; activation scales are unused (dequantized GEMMs)
         canon = _canonical(name)
-        if canon is None:
-            continue  # vision
+        if canon is None or (canon.startswith("visual.") and cfg.vision_config is None):
+            continue  # vision tensors without a tower to load them into (model.vision = false, or no config)
         if canon == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head is the embedding
         if canon.startswith("mtp.") and _mtp_layer_dropped(canon, cfg.num_mtp_layers):
@@ -516,26 +564,29 @@ def _loadable(cfg: ModelConfig, infos: dict[str, _TensorInfo]) -> list[_Item]:
     return items
 
 
-def read_checkpoint(folder: str | Path) -> tuple[ModelConfig, int]:
-    """The ModelConfig and the number of weight values the model will hold, from config.json and the safetensors
-    headers alone (no tensor data is read): what the memory plan needs before any weight is loaded."""
+def read_checkpoint(folder: str | Path, vision: bool = True) -> tuple[ModelConfig, int]:
+    """The ModelConfig and the number of weight values the model will hold (the vision tower's too, unless
+    vision=False), from config.json and the safetensors headers alone (no tensor data is read): what the memory
+    plan needs before any weight is loaded."""
     path = _check_folder(folder)
     raw = _raw_config(path)
     infos = _scan_tensors(_weight_files(path))
-    cfg = _build_config(path, raw, list(infos))
-    return cfg, sum(math.prod(it.info.shape) for it in _loadable(cfg, infos))
+    cfg = _build_config(path, raw, list(infos), vision)
+    items = _loadable(cfg, infos)
+    cfg.vision_parameters = sum(math.prod(it.info.shape) for it in items if it.canonical.startswith("visual."))
+    return cfg, sum(math.prod(it.info.shape) for it in items)
 
 
 def _plan(folder: Path, cfg: ModelConfig, infos: dict[str, _TensorInfo], scheme: _QuantScheme,
           expected: dict[str, tuple[int, ...]]) -> list[_Item]:
     """Match the checkpoint's tensors to the model's expected tensors; raise on anything inconsistent."""
     scales = {n: i for n, i in infos.items() if n.endswith(_SCALE_SUFFIXES)}
-    skipped_vision = sum(1 for n in infos if _canonical(n) is None)
+    skipped_vision = sum(1 for n in infos if _is_vision(n)) if cfg.vision_config is None else 0
     items = _loadable(cfg, infos)
     unexpected: list[str] = []
     if skipped_vision:
-        log.info("skipping %d vision tensors (model.visual.*): tinyserve serves the text model only",
-                 skipped_vision)
+        log.info("skipping %d vision tensors (model.visual.*): no image input (model.vision = false or the "
+                 "config has no vision_config)", skipped_vision)
 
     # FP8 pairing: every FP8 weight needs its scale, every scale its FP8 weight.
     by_name = {it.info.name: it for it in items}
@@ -543,7 +594,7 @@ def _plan(folder: Path, cfg: ModelConfig, infos: dict[str, _TensorInfo], scheme:
         wname = sname[: sname.rindex(".weight_scale")] + ".weight"
         item = by_name.get(wname)
         if item is None:
-            if _canonical(sname) is None or wname in infos:
+            if _is_vision(sname) or wname in infos:
                 continue  # scale of a skipped tensor (vision, tied head, dropped mtp)
             raise LoaderError(f"scale tensor {sname!r} has no weight {wname!r} in the checkpoint")
         if item.info.dtype not in _FP8_DTYPES:
@@ -598,8 +649,9 @@ def _progress(total: int, size_bytes: int):
     return tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show, leave=False)
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"):
-    """Build the model described by `folder`/config.json and stream the checkpoint's weights into it."""
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", vision: bool = True):
+    """Build the model described by `folder`/config.json and stream the checkpoint's weights into it (with its
+    vision tower when it has one, unless vision=False)."""
     # torch and the model are imported on use: reading configs and headers (the plan, --check) needs neither
     import torch
     from safetensors import safe_open
@@ -610,11 +662,13 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     raw = _raw_config(path)
     files = _weight_files(path)
     infos = _scan_tensors(files)
-    cfg = _build_config(path, raw, list(infos))
+    cfg = _build_config(path, raw, list(infos), vision)
     scheme = _QuantScheme.from_config(raw)
     device = torch.device(device)
 
     model = Qwen3NextForCausalLM(cfg, dtype, device)
+    if model.visual is not None:
+        cfg.vision_parameters = sum(p.numel() for p in model.visual.parameters())
     items = _plan(path, cfg, infos, scheme, model.expected_tensors())
 
     # Read file by file (sequential access into each mmap); scales may sit in another shard.

@@ -87,6 +87,7 @@ class MemoryPlan:
     host_snapshots: int = 0      # ... and state snapshots
     file_dir: str = ""           # file tier (L3): "" = off
     file_bytes: int = 0
+    vision_bytes: int = 0        # the vision tower's share of weights_bytes (image input)
 
     @property
     def kv_tokens(self) -> int:
@@ -154,7 +155,8 @@ class MemoryPlan:
                 host_snapshots = int(host_bytes * share // per_slot)
             host_pages = int((host_bytes - host_snapshots * per_slot) // page_bytes)
         file_on = c.enabled and bool(c.file.dir)
-        return cls(device=device, dtype=dtype, kv_dtype=kv_dtype, weights_bytes=weights, context_length=context,
+        return cls(device=device, dtype=dtype, kv_dtype=kv_dtype, weights_bytes=weights,
+                   vision_bytes=mc.vision_parameters * element_size(dtype), context_length=context,
                    page_size=e.page_size, kv_pages=kv_pages, kv_bytes_per_token=per_token,
                    state_slots=e.max_running_requests, state_bytes_per_slot=per_slot if hybrid else 0,
                    snapshot_slots=snapshots, verify_slots=verify_slots, nextn_layers=nextn_layers,
@@ -163,7 +165,8 @@ class MemoryPlan:
                    file_dir=c.file.dir if file_on else "", file_bytes=int(c.file.size_gb * GIB) if file_on else 0)
 
     def __str__(self) -> str:
-        return (f"device {self.device} ({self.dtype}); weights {self.weights_bytes / GIB:.2f} GiB; "
+        return (f"device {self.device} ({self.dtype}); weights {self.weights_bytes / GIB:.2f} GiB"
+                + (f" (vision tower {self.vision_bytes / GIB:.2f} GiB)" if self.vision_bytes else "") + "; "
                 f"KV pool {self.kv_tokens} tokens ({self.kv_pages} pages of {self.page_size}, "
                 f"{self.kv_dtype}, {self.kv_tokens * self.kv_bytes_per_token / GIB:.2f} GiB); "
                 f"GDN state {self.state_slots} slots ({self.state_slots * self.state_bytes_per_slot / GIB:.2f} GiB); "
@@ -204,5 +207,5 @@ def plan_for(cfg: Config) -> tuple[Path, ModelConfig, MemoryPlan]:
     """The checkpoint folder, its ModelConfig and the plan, from config.json and the safetensors headers only."""
     from tinyserve.loader import read_checkpoint
     folder = checkpoint_folder(cfg)
-    mc, values = read_checkpoint(folder)
+    mc, values = read_checkpoint(folder, vision=cfg.model.vision)     # the vision tower's weights count too
     return folder, mc, MemoryPlan.resolve(cfg, mc, resolve_device(cfg), values)

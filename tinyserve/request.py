@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
     from tinyserve.cache import CacheRun
     from tinyserve.grammar import GrammarState
+    from tinyserve.multimodal import RequestImages
     from tinyserve.spec import DepthControl
 
 
@@ -48,10 +49,18 @@ class Request:
     draft: list[int] = field(default_factory=list)
     draft_q: torch.Tensor | None = None
     depth: DepthControl | None = None
+    images: RequestImages | None = None                # image spans, cache keys, positions (multimodal.py)
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """What the prefix cache keys this request on: all_ids with image pads replaced by their images' keys."""
+        if self.images is None:
+            return self.all_ids
+        return self.images.cache_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:

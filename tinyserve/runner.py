@@ -16,6 +16,7 @@ from tinyserve.grammar import MaskBuffer
 from tinyserve.kv import KVPool
 from tinyserve.kernels.gdn import verify_layout
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
+from tinyserve.multimodal import FeatureCache, PromptImage
 from tinyserve.request import Request
 from tinyserve.sampling import SamplingBatch, sample
 from tinyserve import sampling
@@ -61,6 +62,9 @@ class ModelRunner:
         self.nextn, self.context_length = nextn, context_length
         self.step_cost = StepCost()                # what a draft costs here, for the draft depth
         self._masks: MaskBuffer | None = None      # grammar bitmasks of the constrained rows (made on first use)
+        self.features = FeatureCache()             # vision features by image digest
+        self.images_encoded = 0
+        self.image_encode_seconds = 0.0
 
     # ---- the packed batch ----
     def build_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
@@ -75,8 +79,22 @@ class ModelRunner:
         num_verify = sum(s.is_verify for s in seqs)
         assert all(s.is_decode and not s.is_verify for s in seqs[:num_decode]) and \
             all(s.is_verify for s in seqs[num_decode:num_decode + num_verify]), "decodes, verifies, then prefills"
+        with_images = any(s.req.images is not None for s in seqs)
+        rope: list[torch.Tensor] = []                  # (t, h, w) rows per sequence when images are in the batch
+        image_rows: list[int] = []
+        image_embeds: list[torch.Tensor] = []
         for s in seqs:
             req, end = s.req, s.start + s.num_tokens
+            if with_images:
+                rope.append(req.images.positions(s.start, end) if req.images is not None
+                            else torch.arange(s.start, end).expand(3, -1))
+            if req.images is not None:                 # a chunk takes its slice of each image it covers
+                for item in req.images.overlapping(s.start, end):
+                    lo, hi = max(item.span.start, s.start), min(item.span.end, end)
+                    image_rows += range(len(ids) + lo - s.start, len(ids) + hi - s.start)
+                    image_embeds.append(self._features(item)[lo - item.span.start:hi - item.span.start])
+                    if hi == item.span.end:
+                        item.features = None           # its last rows: the request lets go of them
             ids += req.all_ids[s.start:s.start + 1] + s.draft if s.is_verify else req.all_ids[s.start:end]
             positions += range(s.start, end)
             slots += [req.pages[p // ps] * ps + p % ps for p in range(s.start, end)]
@@ -100,7 +118,23 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             state_slots=state_slots,
             state_slots_t=torch.tensor(state_slots, dtype=torch.long, device=dev),
-            num_decode=num_decode, num_verify=num_verify, verify=layout)
+            num_decode=num_decode, num_verify=num_verify, verify=layout,
+            mrope_positions=torch.cat(rope, dim=1).to(dev) if with_images else None,
+            image_rows=torch.tensor(image_rows, dtype=torch.long, device=dev) if image_rows else None,
+            image_embeds=torch.cat(image_embeds).to(dev) if image_embeds else None)
+
+    def _features(self, item: PromptImage) -> torch.Tensor:
+        """The vision features of a whole image: held by the request, else from the feature cache, else encoded
+        (the tower attends over the whole image, so a chunk never encodes only its part)."""
+        if item.features is None:
+            item.features = self.features.get(item.image.digest)
+        if item.features is None:
+            start = time.perf_counter()
+            item.features = self.model.encode_images(item.image.pixel_values, [item.image.grid_thw])
+            self.image_encode_seconds += time.perf_counter() - start
+            self.images_encoded += 1
+            self.features.put(item.image.digest, item.features.cpu())
+        return item.features
 
     def grammar_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """(sampling rows, bitmask) of the requests whose grammar is active this step, filled by llguidance; None
@@ -264,6 +298,9 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         cu = [0]
+        rope = [req.images.positions(pos, pos + n) if req.images is not None
+                else torch.arange(pos, pos + n).expand(3, -1) for req, pos, n in spans] \
+            if any(req.images is not None for req, _, _ in spans) else None   # the same M-RoPE as the target's
         for req, pos, n in spans:
             positions += range(pos, pos + n)
             slots += [req.pages[p // ps] * ps + p % ps for p in range(pos, pos + n)]
@@ -280,7 +317,8 @@ class ModelRunner:
             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             page_table=torch.tensor(table, dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            state_slots=[0] * len(spans), state_slots_t=none, num_decode=num_decode)
+            state_slots=[0] * len(spans), state_slots_t=none, num_decode=num_decode,
+            mrope_positions=torch.cat(rope, dim=1).to(dev) if rope is not None else None)
 
 
 def _cumsum(xs):
