@@ -252,7 +252,11 @@ BAD = [
                           "max_tokens": 4}, "messages[0].content[0].type"),
     ("bad-role", {"messages": [{"role": "system", "content": "hi"}], "max_tokens": 4}, "messages[0].role"),
     ("image", {"messages": [{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}], "max_tokens": 4}, "not supported"),
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}], "max_tokens": 4},
+     "messages[0].content[0]: this model takes no image input"),        # the demo model has no vision tower
+    ("image-in-system", {"system": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                "data": "AAAA"}}],
+                         "messages": USER, "max_tokens": 4}, "system[0]: System message cannot contain images."),
     ("tool-use-in-user-turn", {"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}], "max_tokens": 4}, "messages[0]"),
     ("bad-temperature", {"messages": USER, "max_tokens": 4, "temperature": "hot"}, "temperature"),

@@ -26,9 +26,11 @@ CHAT_ERRORS = [
     ("role-unknown", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ("content-missing", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
     ("content-number", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    ("content-image", {"messages": USER + [{"role": "user", "content": [
+    ("content-image-no-scheme", {"messages": USER + [{"role": "user", "content": [   # test_image_api.py has the rest
         {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages[1].content[1]"),
+    ("content-audio", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, 400,
+     "messages[0].content[0]"),
     ("tool-call-bad-json", {"messages": USER + [{"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{x"}}]}]}, 400,
      "messages[1].tool_calls[0].function.arguments"),
@@ -115,6 +117,7 @@ def test_engine_error_fields_map_to_what_the_client_sent():
     assert chat.error_param(older, "max_tokens") == "max_tokens"
     assert chat.error_param(older, "prompt") == "messages"
     assert chat.error_param(older, "temperature") == "temperature"
+    assert chat.error_param(older, "messages[0].content[1]") == "messages[0].content[1]"   # an image: its part
     comp = parse_completion_request({"prompt": [1, 2]}, "tinyserve")
     assert completions.error_param(comp, "prompt") == "prompt"
 

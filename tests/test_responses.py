@@ -210,8 +210,12 @@ BAD = [
     ("bad-role", {"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ("bad-part", {"input": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
      "input[0].content[0].type"),
-    ("image", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
-     "input[0].content[0].type"),
+    ("image-not-a-data-url-of-an-image", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:,"}]}]}, "input[0].content[0]"),
+    ("image-on-a-text-model", {"input": [{"role": "user", "content": [   # the demo model has no vision tower
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}, "input[0].content[0]"),
+    ("image-file-id", {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+     "input[0].content[0]"),
     ("non-function-tool", {"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ("bad-call-arguments", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]},
      "input[0].arguments"),

@@ -287,6 +287,8 @@ def test_metrics_and_flush_cache(server, client):
 # Bad input: always a 4xx in the error shape, and the server keeps working
 
 TOKENS_OVER_CONTEXT = [5] * (CONTEXT + 10)
+PNG_1X1 = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJ"
+           "RU5ErkJggg==")
 
 BAD_INPUTS = [
     # id, method, path, body, status, param
@@ -299,8 +301,12 @@ BAD_INPUTS = [
      "messages[0].role"),
     ("content-number", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
      "messages[0].content"),
+    # the demo model has no vision tower: an image is refused naming its part (test_image_api.py serves images)
     ("image-part", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]"),
+        {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": PNG_1X1}}]}]}, 400,
+     "messages[0].content[1]"),
+    ("image-url-not-fetched", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "messages[0].content[0]"),
     ("negative-max-tokens", "POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, "max_tokens"),
     ("string-max-tokens", "POST", "/v1/chat/completions",
@@ -367,6 +373,10 @@ def test_bad_input(server, case):
     assert error["param"] == param
     if case[0] == "prompt-over-context":
         assert str(len(TOKENS_OVER_CONTEXT)) in error["message"] and str(CONTEXT) in error["message"]
+    if case[0] == "image-part":
+        assert "this model takes no image input" in error["message"]
+    if case[0] == "image-url-not-fetched":
+        assert "server.fetch_image_urls = false" in error["message"]
     assert http("GET", server.base_url + "/health")[0] == 200
     tiny_request_works(server.base_url)
 

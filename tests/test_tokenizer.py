@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tinyserve.demo import write_demo_tokenizer_files
-from tinyserve.tokenizer import (IncrementalDetokenizer, MessageError, Tokenizer, content_text, normalise_messages,
-                                 tool_call_arguments)
+from tinyserve.tokenizer import (IMAGE_MARKER, IncrementalDetokenizer, MessageError, Tokenizer, content_text,
+                                 normalise_messages, tool_call_arguments)
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city, ünïcode kept",
@@ -130,8 +130,15 @@ def test_template_accepts_openai_shapes(tok):
     openai[1]["content"] = [{"type": "text", "text": "Weather in Paris"}, {"type": "text", "text": "and Oslo?"}]
     assert tok.apply_chat_template(openai, tools=TOOLS) == tok.apply_chat_template(plain, tools=TOOLS)
     assert isinstance(openai[2]["tool_calls"][0]["function"]["arguments"], str)   # caller's dicts untouched
-    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\].*image_url"):
-        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\].*input_audio"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}])
+    # an image part renders as Qwen's template renders one, in place with nothing around it (the caller gives the
+    # engine the image itself); a system message may not hold one
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    text = tok.apply_chat_template([{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}])
+    assert f"<|im_start|>user\n{IMAGE_MARKER}What is this?<|im_end|>\n" in text
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: System message cannot contain images"):
+        tok.apply_chat_template([{"role": "system", "content": [image]}, {"role": "user", "content": "hi"}])
 
 
 def test_message_normaliser():
@@ -139,9 +146,14 @@ def test_message_normaliser():
     errors naming where they are."""
     assert content_text([{"type": "text", "text": "a"}, "b", {"type": "text", "text": ""}], "c") == "a\nb\n"
     assert content_text("as is", "c") == "as is" and content_text(None, "c") is None
-    with pytest.raises(MessageError, match="image_url") as e:
-        content_text(["ok", {"type": "image_url"}], "messages[2].content")
+    # images: the marker in place, no newline on either side (text parts keep theirs)
+    assert content_text(["a", {"type": "image_url"}, "b", "c"], "c") == f"a{IMAGE_MARKER}b\nc"
+    with pytest.raises(MessageError, match="input_audio") as e:
+        content_text(["ok", {"type": "input_audio"}], "messages[2].content")
     assert e.value.param == "messages[2].content[1]"
+    with pytest.raises(MessageError, match="System message cannot contain images") as e:
+        content_text(["ok", {"type": "image_url"}], "messages[0].content", images=False)
+    assert e.value.param == "messages[0].content[1]"
     with pytest.raises(MessageError) as e:
         content_text(5, "messages[0].content")
     assert e.value.param == "messages[0].content"

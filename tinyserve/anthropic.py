@@ -9,11 +9,14 @@ Mapping (request):
                                       "x-anthropic-billing-header:" (Claude Code's per-request hash) is dropped
                                       unless server.keep_billing_header: it would change every prompt's prefix
   text blocks                      -> content (joined with "\\n", as the chat route joins text parts)
+  image blocks (user, and inside   -> the image marker in place (tokenizer.ContentJoiner), the image in
+  tool_result content)                request.images: source base64 (media_type png | jpeg | webp | gif) or url
+                                      (data: URLs; http(s) only with server.fetch_image_urls); in system: 400
   tool_use (assistant)             -> tool_calls; tool_result (user) -> a "tool" message ("Error: " first when
                                       is_error)
   thinking (assistant)             -> reasoning_content (the template shows it only for turns after the last user
                                       query, as Qwen3 does); redacted_thinking is opaque and dropped
-  image blocks                     -> 400 (not supported yet)
+  document blocks                  -> 400 (not supported)
   tools[].input_schema             -> OpenAI function tools; tool_choice auto | any | tool | none -> "auto" |
                                       "required" | named | no tools in the prompt. any / tool force one tool_use
                                       (with the qwen3_coder parser on, decoding is constrained to one call whose
@@ -35,9 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .protocol import (MAX_STOP_STRINGS, APIError, Chat, ChatRequest, ChatStreamChoice, ChoiceResult, Delta,
-                       Endpoint, EndpointStream, GenerationOptions, Meta, Usage, _boolean, _integer, _number, bad_request,
-                       dumps)
+                       Endpoint, EndpointStream, GenerationOptions, ImageInput, Meta, Usage, _boolean, _integer,
+                       _number, bad_request, dumps, image_bytes, image_from_url)
 from .sampling import SamplingParams
+from .tokenizer import SYSTEM_IMAGE_ERROR, ContentJoiner
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 
@@ -72,6 +76,10 @@ class MessagesRequest:
     def options(self) -> GenerationOptions:
         return self.chat.options
 
+    @property
+    def images(self) -> list[ImageInput]:
+        return self.chat.images
+
 
 def _text_blocks(value: Any, param: str, allowed: tuple[str, ...] = ("text",)) -> list[dict[str, Any]]:
     """A string or a list of blocks -> the list of blocks (a string is one text block); types are checked."""
@@ -82,8 +90,10 @@ def _text_blocks(value: Any, param: str, allowed: tuple[str, ...] = ("text",)) -
     for j, block in enumerate(value):
         p = f"{param}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind in ("image", "document"):
-            raise bad_request(f"{p}: {kind} blocks are not supported by this server yet (text only)", f"{p}.type")
+        if kind == "document":
+            raise bad_request(f"{p}: document blocks are not supported by this server", f"{p}.type")
+        if kind == "image" and param == "system":
+            raise bad_request(f"{p}: {SYSTEM_IMAGE_ERROR}", p)
         if kind not in allowed:
             raise bad_request(f"{p}.type must be one of {', '.join(allowed)}; got {kind!r}", f"{p}.type")
         if kind == "text" and not isinstance(block.get("text"), str):
@@ -105,12 +115,35 @@ def _system(value: Any, keep_billing_header: bool) -> str | None:
     return text if blocks else None
 
 
-def _tool_result(block: dict[str, Any], p: str) -> dict[str, Any]:
+def _image(block: dict[str, Any], p: str, fetch: bool) -> ImageInput:
+    """{"type": "image", "source": {"type": "base64", "media_type", "data"} | {"type": "url", "url"}}."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        return image_bytes(source.get("media_type"), source.get("data"), p)
+    if kind == "url":
+        return image_from_url(source.get("url"), p, fetch)
+    if kind == "file":
+        raise bad_request(f"{p}: file sources (the Files API) are not supported; send the image as a base64 source",
+                          p)
+    raise bad_request(f'{p}.source must be {{"type": "base64", "media_type", "data"}} or {{"type": "url", "url"}}',
+                      p)
+
+
+def _tool_result(block: dict[str, Any], p: str, images: list[ImageInput], fetch: bool) -> dict[str, Any]:
     tool_use_id = block.get("tool_use_id")
     if not isinstance(tool_use_id, str):
         raise bad_request(f"{p}.tool_use_id must be a string", f"{p}.tool_use_id")
     content = block.get("content")
-    text = "" if content is None else _join(_text_blocks(content, f"{p}.content"))
+    out = ContentJoiner()
+    if content is not None:
+        for k, b in enumerate(_text_blocks(content, f"{p}.content", ("text", "image"))):
+            if b["type"] == "image":
+                images.append(_image(b, f"{p}.content[{k}]", fetch))
+                out.image()
+            else:
+                out.text(b["text"])
+    text = out.result()
     if block.get("is_error") is True:
         text = "Error: " + text
     return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
@@ -127,12 +160,13 @@ def _tool_use(block: dict[str, Any], p: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
-USER_BLOCKS = ("text", "tool_result")
+USER_BLOCKS = ("text", "image", "tool_result")
 ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
-    """Anthropic turns -> chat messages (OpenAI shape, tool results as "tool" messages, in the client's order)."""
+def _messages(value: Any, images: list[ImageInput], fetch: bool = False) -> list[dict[str, Any]]:
+    """Anthropic turns -> chat messages (OpenAI shape, tool results as "tool" messages, in the client's order); the
+    image blocks are appended to `images` in the same order."""
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list", "messages")
     out: list[dict[str, Any]] = []
@@ -148,17 +182,21 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         allowed = USER_BLOCKS if role == "user" else ASSISTANT_BLOCKS
         blocks = _text_blocks(m["content"], f"{p}.content", allowed)
         if role == "user":
-            texts: list[str] = []
+            turn = ContentJoiner()
             for j, b in enumerate(blocks):
                 if b["type"] == "text":
-                    texts.append(b["text"])
+                    turn.text(b["text"])
                     continue
-                if texts:                             # text before a result: its own turn, in order
-                    out.append({"role": "user", "content": "\n".join(texts)})
-                    texts = []
-                out.append(_tool_result(b, f"{p}.content[{j}]"))
-            if texts or not blocks:
-                out.append({"role": "user", "content": "\n".join(texts)})
+                if b["type"] == "image":
+                    images.append(_image(b, f"{p}.content[{j}]", fetch))
+                    turn.image()
+                    continue
+                if not turn.empty:                    # text or images before a result: their own turn, in order
+                    out.append({"role": "user", "content": turn.result()})
+                    turn = ContentJoiner()
+                out.append(_tool_result(b, f"{p}.content[{j}]", images, fetch))
+            if not turn.empty or not blocks:
+                out.append({"role": "user", "content": turn.result()})
             continue
         msg: dict[str, Any] = {"role": "assistant"}
         texts, reasoning, calls = [], [], []
@@ -249,10 +287,12 @@ def _stop_sequences(body: dict) -> list[str]:
     return [s for s in value if s]
 
 
-def parse_messages_request(body: dict, keep_billing_header: bool = False, count_only: bool = False
-                           ) -> MessagesRequest:
-    """count_only (count_tokens): no max_tokens, no sampling fields."""
-    messages = _messages(body.get("messages"))
+def parse_messages_request(body: dict, keep_billing_header: bool = False, count_only: bool = False,
+                           fetch_image_urls: bool = False) -> MessagesRequest:
+    """count_only (count_tokens): no max_tokens, no sampling fields. fetch_image_urls (server.fetch_image_urls):
+    http(s) image sources become RemoteImages instead of a 400."""
+    images: list[ImageInput] = []
+    messages = _messages(body.get("messages"), images, fetch_image_urls)
     system = _system(body.get("system"), keep_billing_header)
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
@@ -269,7 +309,7 @@ def parse_messages_request(body: dict, keep_billing_header: bool = False, count_
                                 stop=_stop_sequences(body), n=1, stream=bool(stream), include_usage=True,
                                 return_token_ids=False)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=_thinking(body),
-                       logprobs=False, top_logprobs=0, options=options)
+                       logprobs=False, top_logprobs=0, options=options, images=images)
     return MessagesRequest(chat)
 
 
@@ -312,16 +352,18 @@ class Messages(Endpoint):
     # context instead (stop_reason max_tokens), as on Anthropic's own API, rather than a 400 on a small context.
     clamp_max_tokens = True
 
-    def __init__(self, reasoning_parser: str = "", tool_parser: str = "", keep_billing_header: bool = False
-                 ) -> None:
-        self.chat = Chat(reasoning_parser, tool_parser)
+    def __init__(self, reasoning_parser: str = "", tool_parser: str = "", keep_billing_header: bool = False,
+                 fetch_image_urls: bool = False) -> None:
+        self.chat = Chat(reasoning_parser, tool_parser, fetch_image_urls)
         self.keep_billing_header = keep_billing_header
+        self.fetch_image_urls = fetch_image_urls
 
     def parse(self, body: dict, served_name: str) -> MessagesRequest:
-        return parse_messages_request(body, self.keep_billing_header)
+        return parse_messages_request(body, self.keep_billing_header, fetch_image_urls=self.fetch_image_urls)
 
     def parse_count(self, body: dict) -> MessagesRequest:
-        return parse_messages_request(body, self.keep_billing_header, count_only=True)
+        return parse_messages_request(body, self.keep_billing_header, count_only=True,
+                                      fetch_image_urls=self.fetch_image_urls)
 
     def prompt_ids(self, req: MessagesRequest, tokenizer: Any) -> list[int]:
         return self.chat.prompt_ids(req.chat, tokenizer)

@@ -12,6 +12,11 @@ a worker thread: templates and long prompts would stall every stream) -> the eng
 the sampling parameters -> Generation -> stream or collect -> body (protocol). The engine stays the only owner of
 pages and state; this module only submits, iterates and cancels.
 
+Images: a request's image parts are parsed (protocol) into their bytes, or, with server.fetch_image_urls, into http(s)
+URLs this module fetches (aiohttp, FETCH_TIMEOUT_S, at most server.max_request_body_mb each). After the prompt ids,
+the engine decodes them and widens each image's one pad to its token count (engine.prepare_images, in a worker
+thread); the widened ids are the prompt from then on (max_tokens fitting, usage, return_token_ids).
+
 Why the bounded queue: SGLang and vLLM queue without limit, so a burst piles up minutes of waiting requests that
 clients have long given up on. We answer 503 + Retry-After instead once more than max_running_requests +
 server.max_queued_requests requests are in the engine.
@@ -26,16 +31,18 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
+import aiohttp
 from aiohttp import web
 
 from . import anthropic, responses
 from .engine import RequestError
+from .images import SUPPORTED_MEDIA_TYPES, ImageSource
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
-from .protocol import (APIError, Chat, ChoiceResult, Completions, Delta, Endpoint, EndpointStream, Meta, Usage,
-                       bad_request, dumps, error_body, sampling_params)
+from .protocol import (APIError, Chat, ChoiceResult, Completions, Delta, Endpoint, EndpointStream, ImageInput, Meta,
+                       RemoteImage, Usage, bad_request, dumps, error_body, sampling_params)
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer
 
@@ -48,6 +55,8 @@ RETRY_AFTER_S = 1
 # data is in flight, as under a stream). Then its handler is cancelled and so is its request.
 TCP_KEEPALIVE = {"TCP_KEEPIDLE": 60, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 90_000}
 LISTEN_BACKLOG = 128
+FETCH_TIMEOUT_S = 10.0           # per fetched image URL (server.fetch_image_urls), connect to last byte
+NO_VISION = "this model takes no image input (the checkpoint has no vision tower, or model.vision = false)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -104,11 +113,12 @@ def create_app(engine: Any, cfg: Any) -> web.Application:
 
 def _endpoints(cfg: Any) -> dict[str, Endpoint]:
     """The generation routes: one protocol Endpoint each, all served by `generate`."""
-    return {"/v1/chat/completions": Chat(cfg.parsers.reasoning, cfg.parsers.tool_call),
+    fetch = cfg.server.fetch_image_urls
+    return {"/v1/chat/completions": Chat(cfg.parsers.reasoning, cfg.parsers.tool_call, fetch),
             "/v1/completions": Completions(),
             "/v1/messages": anthropic.Messages(cfg.parsers.reasoning, cfg.parsers.tool_call,
-                                               cfg.server.keep_billing_header),
-            "/v1/responses": responses.Responses(cfg.parsers.reasoning, cfg.parsers.tool_call)}
+                                               cfg.server.keep_billing_header, fetch),
+            "/v1/responses": responses.Responses(cfg.parsers.reasoning, cfg.parsers.tool_call, fetch)}
 
 
 def set_keepalive(sock: socket.socket) -> None:
@@ -198,10 +208,11 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
 class Generation:
     """Submits n requests for one prompt, turns their token events into text deltas (stop strings applied),
     records metrics, and cancels whatever is unfinished on close(): client gone, stop string, or shutdown.
-    Raises the engine's RequestError before submitting anything when the parameters are out of range."""
+    Raises the engine's RequestError before submitting anything when the parameters are out of range. `images`:
+    what engine.prepare_images returned for these prompt ids; every choice sees the same ones."""
 
     def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, n: int, stop: list[str],
-                 request_id: str, arrival: float) -> None:
+                 request_id: str, arrival: float, images: Sequence[Any] = ()) -> None:
         self.engine = state.engine
         self.metrics = state.metrics
         self.cache_report = state.cfg.metrics.cache_report
@@ -214,7 +225,8 @@ class Generation:
         try:                                          # the first submit validates params: a bad one submits nothing
             for i in range(n):
                 seed = params.seed if params.seed is None or n == 1 else (params.seed + i) % 2 ** 64
-                self.streams.append(self.engine.submit(prompt_ids, replace(params, seed=seed), f"{request_id}-{i}"))
+                self.streams.append(self.engine.submit(prompt_ids, replace(params, seed=seed), f"{request_id}-{i}",
+                                                       images=images))
                 self._open.add(i)
         except BaseException:
             self.close()
@@ -363,6 +375,70 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Images
+
+async def _fetch_image(session: aiohttp.ClientSession, image: RemoteImage, max_bytes: int) -> ImageSource:
+    """One http(s) image URL -> its bytes; any failure is a 400 naming the part. The media type is the response's
+    Content-Type when it is one we decode, else the bytes decide."""
+    def fail(why: str) -> APIError:
+        return bad_request(f"{image.param}: cannot fetch the image URL: {why}", image.param)
+
+    data = bytearray()
+    try:
+        async with session.get(image.url) as r:
+            if r.status != 200:
+                raise fail(f"HTTP {r.status}")
+            if r.content_length is not None and r.content_length > max_bytes:
+                raise fail(f"the image is larger than server.max_request_body_mb ({max_bytes} bytes)")
+            async for chunk in r.content.iter_chunked(1 << 16):    # a missing or lying length is caught here
+                data += chunk
+                if len(data) > max_bytes:
+                    raise fail(f"the image is larger than server.max_request_body_mb ({max_bytes} bytes)")
+            media_type = r.content_type.lower()
+    except asyncio.TimeoutError:
+        raise fail(f"no complete answer within {FETCH_TIMEOUT_S:g} s") from None
+    except (aiohttp.ClientError, ValueError) as e:                 # refused, bad address, redirect to another scheme
+        raise fail(f"{type(e).__name__}: {e}") from None
+    return ImageSource(image.param, bytes(data), media_type if media_type in SUPPORTED_MEDIA_TYPES else None)
+
+
+async def fetch_images(images: list[ImageInput], max_bytes: int) -> list[ImageSource]:
+    """The request's images with every RemoteImage fetched (all at once), in the same order."""
+    remote = [im for im in images if isinstance(im, RemoteImage)]
+    if not remote:
+        return list(images)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)) as session:
+        results = await asyncio.gather(*(_fetch_image(session, im, max_bytes) for im in remote),
+                                       return_exceptions=True)
+    fetched: dict[str, ImageSource] = {}
+    for im, result in zip(remote, results):
+        if isinstance(result, BaseException):      # the first failing part, in prompt order
+            raise result
+        fetched[im.param] = result
+    return [fetched[im.param] if isinstance(im, RemoteImage) else im for im in images]
+
+
+async def prepare_images(state: ServerState, endpoint: Endpoint, req: Any, prompt_ids: list[int]
+                         ) -> tuple[list[int], list[Any]]:
+    """A request with images: (the prompt ids with each image's pad widened to its tokens, the processed images
+    for engine.submit). 400 naming the part when the model takes no images or an image cannot be used."""
+    engine, cfg = state.engine, state.cfg
+    first = req.images[0].param
+    if not engine.vision:
+        raise bad_request(f"{first}: {NO_VISION}", first)
+    limit = cfg.model.max_images
+    if len(req.images) > limit and any(isinstance(im, RemoteImage) for im in req.images):
+        # the engine would refuse it (the same message); do not fetch what cannot be used
+        raise bad_request(f"{len(req.images)} images in one request; at most {limit} (model.max_images)",
+                          req.images[limit].param)
+    sources = await fetch_images(req.images, int(cfg.server.max_request_body_mb * 1024 * 1024))
+    try:
+        return await _in_thread(engine.prepare_images, prompt_ids, sources)
+    except RequestError as e:
+        raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
+
+
 def _generation_handler(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handle(request: web.Request) -> web.StreamResponse:
         return await generate(request, endpoint)
@@ -379,12 +455,15 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     options = req.options
     _check_capacity(state, options.n)
     prompt_ids = await _in_thread(endpoint.prompt_ids, req, engine.tokenizer)
+    images: list[Any] = []
+    if req.images:                                    # the ids grow by each image's tokens
+        prompt_ids, images = await prepare_images(state, endpoint, req, prompt_ids)
     meta = Meta(endpoint.id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompt_ids,
                 state.token_text)
     try:                                              # the engine decides what fits and what is in range
         fitted = engine.fit_max_tokens(len(prompt_ids), options.max_tokens, endpoint.clamp_max_tokens)
         params = sampling_params(options, fitted)
-        gen = Generation(state, prompt_ids, params, options.n, options.stop, meta.request_id, arrival)
+        gen = Generation(state, prompt_ids, params, options.n, options.stop, meta.request_id, arrival, images)
     except RequestError as e:
         raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
     meta.usage = gen.usage
@@ -426,13 +505,16 @@ async def _stream(request: web.Request, gen: Generation, out: EndpointStream) ->
 # Other routes
 
 async def count_tokens(request: web.Request) -> web.Response:
-    """POST /v1/messages/count_tokens: the length of the prompt a Messages request renders to."""
+    """POST /v1/messages/count_tokens: the length of the prompt a Messages request renders to, images included (each
+    counts its tokens, as in the generation's usage)."""
     state = request.app[STATE]
     _check_serving(state)
     endpoint = state.endpoints["/v1/messages"]
     assert isinstance(endpoint, anthropic.Messages)
     req = endpoint.parse_count(await _read_json(request))
     ids = await _in_thread(endpoint.prompt_ids, req, state.engine.tokenizer)
+    if req.images:
+        ids, _ = await prepare_images(state, endpoint, req, ids)
     return web.json_response({"input_tokens": len(ids)}, dumps=dumps)
 
 

@@ -7,7 +7,9 @@ plug in as further Endpoints.
 
 Parsing checks types and the protocol's own limits (n, top_logprobs, completion logprobs, stop strings), each a
 400 naming its field. Ranges (sampling parameters, token ids inside the vocabulary) and whether the prompt fits are
-the engine's to decide: api.py maps its RequestError to a 400 naming the field the client sent.
+the engine's to decide: api.py maps its RequestError to a 400 naming the field the client sent. Image parts are
+checked as far as their bytes (scheme, media type, base64) and kept in prompt order on the request (`.images`); the
+template text gets tokenizer.IMAGE_MARKER where each one was, and the engine decodes them.
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from .grammar import Constraint
+from .images import SUPPORTED_MEDIA_TYPES, ImageError, ImageSource, decode_base64, parse_data_url
 from .parsers import (THINK_END, Qwen3CoderToolParser, Qwen3ReasoningParser, make_tool_parser,
                       prompt_opens_reasoning)
 from .sampling import MAX_LOGPROBS, SamplingParams
-from .tokenizer import MessageError, content_text, tool_call_arguments
+from .tokenizer import SYSTEM_ROLES, MessageError, content_text, tool_call_arguments
 
 MAX_N = 8
 MAX_COMPLETION_LOGPROBS = 5
@@ -200,6 +203,72 @@ def sampling_params(options: GenerationOptions, max_tokens: int) -> SamplingPara
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Images: every protocol's image parts become ImageSources (bytes as sent) or RemoteImages (fetched by api.py), in
+# prompt order; the engine decodes them (engine.prepare_images). Errors name the part.
+
+FETCH_OFF = ("remote image URLs are not fetched (server.fetch_image_urls = false); send the image as a data: URL "
+             "(data:image/png;base64,...)")
+MEDIA_TYPES = ", ".join(t for t in SUPPORTED_MEDIA_TYPES if t != "image/jpg")   # image/jpg: an alias clients send
+
+
+@dataclass(frozen=True)
+class RemoteImage:
+    """An http(s) image URL, allowed by server.fetch_image_urls: api.py fetches it into an ImageSource."""
+
+    param: str                        # the part it came from, e.g. "messages[1].content[0]"
+    url: str
+
+
+ImageInput = ImageSource | RemoteImage              # one image part, as parsed
+
+
+def image_bytes(media_type: Any, data: Any, param: str) -> ImageSource:
+    """A declared media type and base64 text (an Anthropic base64 source) -> ImageSource."""
+    if not isinstance(media_type, str) or media_type.lower() not in SUPPORTED_MEDIA_TYPES:
+        raise bad_request(f"{param}: unsupported image media type {media_type!r}; supported: {MEDIA_TYPES}", param)
+    if not isinstance(data, str):
+        raise bad_request(f"{param}: the image data must be a base64 string", param)
+    try:
+        return ImageSource(param, decode_base64(data, "the image data"), media_type.lower())
+    except ImageError as e:
+        raise bad_request(f"{param}: {e}", param) from None
+
+
+def image_from_url(url: Any, param: str, fetch: bool) -> ImageInput:
+    """An image URL as a client sent it: a data: URL (decoded here), or http(s) when server.fetch_image_urls lets
+    the server fetch it; anything else is a 400 naming the part."""
+    if not isinstance(url, str) or not url.strip():
+        raise bad_request(f"{param}: the image URL must be a non-empty string", param)
+    scheme = url.strip().split(":", 1)[0].lower() if ":" in url else ""
+    if scheme in ("http", "https"):
+        if not fetch:
+            raise bad_request(f"{param}: {FETCH_OFF}", param)
+        return RemoteImage(param, url.strip())
+    if scheme != "data":
+        accepted = "a data: URL or an http(s) URL" if fetch else "a data: URL (data:image/png;base64,...)"
+        shown = f"scheme {scheme!r}" if scheme and len(scheme) <= 16 else "no scheme"   # never echo a long URL
+        raise bad_request(f"{param}: unsupported image URL ({shown}); send {accepted}", param)
+    try:
+        media_type, data = parse_data_url(url)
+    except ImageError as e:
+        raise bad_request(f"{param}: {e}", param) from None
+    if media_type not in SUPPORTED_MEDIA_TYPES:
+        raise bad_request(f"{param}: unsupported image media type {media_type!r}; supported: {MEDIA_TYPES}", param)
+    return ImageSource(param, data, media_type)
+
+
+def _chat_image(part: dict, param: str, fetch: bool) -> ImageInput:
+    """{"type": "image_url", "image_url": {"url", "detail"}} (or the URL as a bare string); detail means nothing to
+    Qwen's processor and is ignored."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise bad_request(f"{param}.image_url must be {{\"url\": \"data:image/...;base64,...\"}} or the URL as a "
+                          "string", param)
+    return image_from_url(url, param, fetch)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Chat requests
 
 @dataclass
@@ -212,6 +281,7 @@ class ChatRequest:
     top_logprobs: int
     options: GenerationOptions
     starts_in_reasoning: bool = False  # set once the prompt is rendered: the template opened <think> itself
+    images: list[ImageInput] = field(default_factory=list)   # the image parts, in prompt order
 
     @property
     def enable_thinking(self) -> bool:
@@ -233,7 +303,8 @@ def _assistant_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _parse_messages(value: Any) -> list[dict[str, Any]]:
+def _parse_messages(value: Any, images: list[ImageInput], fetch_image_urls: bool = False) -> list[dict[str, Any]]:
+    """The messages as the template takes them; their image parts are appended to `images` in order."""
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
@@ -249,11 +320,14 @@ def _parse_messages(value: Any) -> list[dict[str, Any]]:
         if content is None and role != "assistant":   # an assistant turn may be tool calls only
             raise bad_request(f"{p}.content is required", f"{p}.content")
         try:                                          # the tokenizer's normaliser: one rule for both paths
-            msg["content"] = content_text(content, f"{p}.content") or ""
+            msg["content"] = content_text(content, f"{p}.content", images=role not in SYSTEM_ROLES) or ""
             if role == "assistant" and m.get("tool_calls"):
                 msg["tool_calls"] = _assistant_tool_calls(m["tool_calls"], f"{p}.tool_calls")
         except MessageError as e:
             raise bad_request(str(e), e.param) from None
+        if isinstance(content, list):                 # content_text put a marker where each of these goes
+            images += [_chat_image(part, f"{p}.content[{j}]", fetch_image_urls) for j, part in enumerate(content)
+                       if isinstance(part, dict) and part.get("type") == "image_url"]
         if role == "assistant" and isinstance(m.get("reasoning_content"), str):
             msg["reasoning_content"] = m["reasoning_content"]
         for key in ("name", "tool_call_id"):
@@ -362,10 +436,12 @@ def constraint_after_reasoning(params: SamplingParams, starts_in_reasoning: bool
     return replace(params, constraint=replace(params.constraint, start_after=think_end))
 
 
-def parse_chat_request(body: dict, served_name: str) -> ChatRequest:
+def parse_chat_request(body: dict, served_name: str, fetch_image_urls: bool = False) -> ChatRequest:
+    """fetch_image_urls (server.fetch_image_urls): http(s) image URLs become RemoteImages instead of a 400."""
     _check_model(body, served_name)
     constraint = parse_response_format(body.get("response_format"))
-    messages = _parse_messages(body.get("messages"))
+    images: list[ImageInput] = []
+    messages = _parse_messages(body.get("messages"), images, fetch_image_urls)
     tools, tool_choice = _parse_tools(body)
     logprobs = _boolean(body, "logprobs", False)
     top_logprobs = _integer(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
@@ -375,7 +451,7 @@ def parse_chat_request(body: dict, served_name: str) -> ChatRequest:
     options.params = replace(options.params, constraint=constraint)
     return ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice,
                        template_kwargs=_parse_template_kwargs(body), logprobs=logprobs,
-                       top_logprobs=top_logprobs, options=options)
+                       top_logprobs=top_logprobs, options=options, images=images)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -386,6 +462,10 @@ class CompletionRequest:
     prompt: str | list[int]
     logprobs: int | None
     options: GenerationOptions
+
+    @property
+    def images(self) -> list[ImageInput]:
+        return []                     # a completion prompt is text or token ids
 
 
 def parse_completion_request(body: dict, served_name: str) -> CompletionRequest:
@@ -519,13 +599,15 @@ class EndpointStream(ABC):
 
 
 class Endpoint(ABC):
+    """Requests it parses have `.options` (GenerationOptions) and `.images` (the image parts, in prompt order)."""
+
     id_prefix: str
     prompt_field: str                                 # where the engine's "prompt" errors point
     clamp_max_tokens = False                          # cut a max_tokens past the context instead of a 400
 
     @abstractmethod
     def parse(self, body: dict, served_name: str) -> Any:
-        """The typed request; it has `.options` (GenerationOptions)."""
+        """The typed request; it has `.options` (GenerationOptions) and `.images`."""
 
     @abstractmethod
     def prompt_ids(self, req: Any, tokenizer: Any) -> list[int]:
@@ -538,8 +620,8 @@ class Endpoint(ABC):
     def stream(self, req: Any, meta: Meta) -> EndpointStream: ...
 
     def error_param(self, req: Any, engine_field: str) -> str:
-        """The request field an engine RequestError's field ("prompt", "max_tokens", a SamplingParams name)
-        stands for."""
+        """The request field an engine RequestError's field ("prompt", "max_tokens", a SamplingParams name, or an
+        image's part, which is the client's own field already) stands for."""
         if engine_field == "prompt":
             return self.prompt_field
         if engine_field == "max_tokens":
@@ -548,17 +630,19 @@ class Endpoint(ABC):
 
 
 class Chat(Endpoint):
-    """POST /v1/chat/completions. The parser names come from the config's [parsers] table ("" = off)."""
+    """POST /v1/chat/completions. The parser names come from the config's [parsers] table ("" = off);
+    fetch_image_urls is server.fetch_image_urls."""
 
     id_prefix = "chatcmpl-"
     prompt_field = "messages"
 
-    def __init__(self, reasoning_parser: str = "", tool_parser: str = "") -> None:
+    def __init__(self, reasoning_parser: str = "", tool_parser: str = "", fetch_image_urls: bool = False) -> None:
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser
+        self.fetch_image_urls = fetch_image_urls
 
     def parse(self, body: dict, served_name: str) -> ChatRequest:
-        return parse_chat_request(body, served_name)
+        return parse_chat_request(body, served_name, self.fetch_image_urls)
 
     def prompt_ids(self, req: ChatRequest, tokenizer: Any) -> list[int]:
         try:

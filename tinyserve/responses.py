@@ -13,8 +13,11 @@ Mapping (request):
   input: a string                    -> one user message
   input: message items               -> role user | assistant | system | developer (developer -> system), content a
                                         string or input_text / output_text parts (joined with "\\n", as the chat route
-                                        joins text parts); input_image / input_file / input_audio -> 400 (not
-                                        supported yet)
+                                        joins text parts); input_file / input_audio -> 400 (not supported)
+  input_image parts (user messages,  -> the image marker in place (tokenizer.ContentJoiner), the image in
+  function_call_output output)          request.images: image_url a data: URL (http(s) only with
+                                        server.fetch_image_urls); detail is ignored; file_id -> 400; in a system /
+                                        developer message -> 400
   function_call items                -> the assistant turn's tool_calls (arguments: a JSON string)
   function_call_output items         -> "tool" messages
   reasoning items                    -> the assistant turn's reasoning_content (content reasoning_text, else the
@@ -48,14 +51,14 @@ from typing import Any, Callable
 
 from .parsers import THINK_END
 from .protocol import (APIError, Chat, ChatRequest, ChatStreamChoice, ChoiceResult, Delta, Endpoint,
-                       EndpointStream, GenerationOptions, Meta, Usage, _boolean, _integer, _number, bad_request,
-                       dumps, parse_response_format)
+                       EndpointStream, GenerationOptions, ImageInput, Meta, Usage, _boolean, _integer, _number,
+                       bad_request, dumps, image_from_url, parse_response_format)
 from .sampling import SamplingParams
-from .tokenizer import MessageError, tool_call_arguments
+from .tokenizer import SYSTEM_IMAGE_ERROR, SYSTEM_ROLES, ContentJoiner, MessageError, tool_call_arguments
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
-UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
+UNSUPPORTED_PARTS = ("input_file", "input_audio")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 TEXT_FORMATS = ("text", "json_object", "json_schema")
 STATELESS = ("this server is stateless: it stores no responses, so send the whole conversation in `input` "
@@ -74,6 +77,10 @@ class ResponsesRequest:
     def options(self) -> GenerationOptions:
         return self.chat.options
 
+    @property
+    def images(self) -> list[ImageInput]:
+        return self.chat.images
+
 
 def _string(item: dict, name: str, p: str, non_empty: bool = False) -> str:
     value = item.get(name)
@@ -82,24 +89,47 @@ def _string(item: dict, name: str, p: str, non_empty: bool = False) -> str:
     return value
 
 
-def _parts_text(value: Any, param: str, allowed: tuple[str, ...], key: str = "text") -> str:
-    """A string, or a list of parts of the allowed types -> their text joined with "\\n"."""
+def _input_image(part: dict, p: str, fetch: bool) -> ImageInput:
+    """{"type": "input_image", "image_url": "data:...", "detail"}: detail means nothing to Qwen's processor."""
+    if part.get("file_id") is not None:
+        raise bad_request(f"{p}: file_id is not supported (this server stores no files); send the image as a data: "
+                          "URL in image_url", p)
+    if "image_url" not in part:
+        raise bad_request(f"{p}.image_url is required (a data: URL)", p)
+    return image_from_url(part["image_url"], p, fetch)
+
+
+def _parts_text(value: Any, param: str, allowed: tuple[str, ...], key: str = "text",
+                images: list[ImageInput] | None = None, fetch: bool = False) -> str:
+    """A string, or a list of parts of the allowed types -> their text joined with "\\n". With `images` (a list),
+    input_image parts are accepted too: the image marker goes in place and the image is appended to it."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise bad_request(f"{param} must be a string or a list of content parts", param)
-    texts = []
+    out = ContentJoiner()
     for j, part in enumerate(value):
         p = f"{param}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images is not None:
+            images.append(_input_image(part, p, fetch))
+            out.image()
+            continue
         if kind in UNSUPPORTED_PARTS:
-            raise bad_request(f"{p}: {kind} parts are not supported by this server yet (text only)", f"{p}.type")
+            raise bad_request(f"{p}: {kind} parts are not supported by this server", f"{p}.type")
         if kind not in allowed:
             raise bad_request(f"{p}.type must be one of {', '.join(allowed)}; got {kind!r}", f"{p}.type")
         if not isinstance(part.get(key), str):
             raise bad_request(f"{p}.{key} must be a string", f"{p}.{key}")
-        texts.append(part[key])
-    return "\n".join(texts)
+        out.text(part[key])
+    return out.result()
+
+
+def _reject_images(content: Any, param: str) -> None:
+    """A system / developer message may not hold images (the template's own rule)."""
+    for j, part in enumerate(content if isinstance(content, list) else []):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            raise bad_request(f"{param}[{j}]: {SYSTEM_IMAGE_ERROR}", f"{param}[{j}]")
 
 
 def _reasoning_text(item: dict, p: str) -> str:
@@ -119,8 +149,9 @@ def _function_call(item: dict, p: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
-def _input(value: Any) -> list[dict[str, Any]]:
-    """Responses input items -> chat messages (OpenAI shape, in the client's order)."""
+def _input(value: Any, images: list[ImageInput], fetch: bool = False) -> list[dict[str, Any]]:
+    """Responses input items -> chat messages (OpenAI shape, in the client's order); the input_image parts are
+    appended to `images` in the same order."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -144,7 +175,10 @@ def _input(value: Any) -> list[dict[str, Any]]:
                 raise bad_request(f"{p}.role must be one of {', '.join(ROLES)}; got {role!r}", f"{p}.role")
             if "content" not in item:
                 raise bad_request(f"{p}.content is required", f"{p}.content")
-            text = _parts_text(item["content"], f"{p}.content", TEXT_PARTS)
+            if role in SYSTEM_ROLES:
+                _reject_images(item["content"], f"{p}.content")
+            user_images = images if role == "user" else None          # assistant turns: text parts only
+            text = _parts_text(item["content"], f"{p}.content", TEXT_PARTS, images=user_images, fetch=fetch)
             if role == "assistant":
                 turn = assistant()
                 turn["content"] = "\n".join(t for t in (turn["content"], text) if t)
@@ -156,7 +190,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
             call_id = _string(item, "call_id", p, True)
             if "output" not in item:
                 raise bad_request(f"{p}.output is required", f"{p}.output")
-            text = _parts_text(item["output"], f"{p}.output", ("input_text", "output_text"))
+            text = _parts_text(item["output"], f"{p}.output", TEXT_PARTS, images=images, fetch=fetch)
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
             text = _reasoning_text(item, p)
@@ -264,14 +298,16 @@ def _check_stateless(body: dict) -> None:
         raise bad_request(f"{STATELESS} conversation", "conversation")
 
 
-def parse_responses_request(body: dict) -> ResponsesRequest:
+def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> ResponsesRequest:
+    """fetch_image_urls (server.fetch_image_urls): http(s) image URLs become RemoteImages instead of a 400."""
     _check_stateless(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"model must be a string, got {model!r}", "model")
     if "input" not in body or body["input"] is None:
         raise bad_request("input is required (a string or a list of items)", "input")
-    messages = _input(body["input"])
+    images: list[ImageInput] = []
+    messages = _input(body["input"], images, fetch_image_urls)
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -298,7 +334,7 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
                                 n=1, stream=_boolean(body, "stream", False), include_usage=True,
                                 return_token_ids=False)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
-                       logprobs=False, top_logprobs=0, options=options)
+                       logprobs=False, top_logprobs=0, options=options, images=images)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata or {},
             "parallel_tool_calls": _boolean(body, "parallel_tool_calls", True), "previous_response_id": None,
             "reasoning": reasoning, "store": False, "temperature": params.temperature, "text": text,
@@ -369,11 +405,12 @@ class Responses(Endpoint):
     id_prefix = "resp_"
     prompt_field = "input"
 
-    def __init__(self, reasoning_parser: str = "", tool_parser: str = "") -> None:
-        self.chat = Chat(reasoning_parser, tool_parser)
+    def __init__(self, reasoning_parser: str = "", tool_parser: str = "", fetch_image_urls: bool = False) -> None:
+        self.chat = Chat(reasoning_parser, tool_parser, fetch_image_urls)
+        self.fetch_image_urls = fetch_image_urls
 
     def parse(self, body: dict, served_name: str) -> ResponsesRequest:
-        return parse_responses_request(body)
+        return parse_responses_request(body, self.fetch_image_urls)
 
     def error_param(self, req: ResponsesRequest, engine_field: str) -> str:
         if engine_field == "response_format":

@@ -101,27 +101,69 @@ class MessageError(ValueError):
         self.param = param
 
 
-def content_text(content: Any, param: str) -> str | None:
+# One image in a prompt, as Qwen3.5's template renders an image part (shared/reference/qwen-vision.md §4): one pad,
+# which the engine widens to the image's token count (engine.prepare_images).
+IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+SYSTEM_IMAGE_ERROR = "System message cannot contain images."      # the template's own words
+SYSTEM_ROLES = ("system", "developer")
+
+
+class ContentJoiner:
+    """One message's content as a string, built part by part in order: "\\n" between consecutive text parts (as vLLM
+    joins them), IMAGE_MARKER for each image with nothing around it (as Qwen's template renders one). Every protocol
+    builds content through here, so the same parts give the same prompt whichever API sent them."""
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self._after_text = False
+
+    def text(self, text: str) -> None:
+        if self._after_text:
+            self._pieces.append("\n")
+        self._pieces.append(text)
+        self._after_text = True
+
+    def image(self) -> None:
+        self._pieces.append(IMAGE_MARKER)
+        self._after_text = False
+
+    @property
+    def empty(self) -> bool:
+        """No part at all (an empty text part counts as a part)."""
+        return not self._pieces
+
+    def result(self) -> str:
+        return "".join(self._pieces)
+
+
+def content_text(content: Any, param: str, images: bool = True) -> str | None:
     """A message's content as one string (None stays None: templates render it as nothing).
 
     Text parts are joined with "\\n", as vLLM does (Qwen's templates would concatenate them with nothing between);
-    the API and apply_chat_template both come through here, so a prompt is the same whichever path built it.
+    an image_url part becomes IMAGE_MARKER in place (ContentJoiner). The API and apply_chat_template both come
+    through here, so a prompt is the same whichever path built it. The images themselves are the caller's: this
+    renders where they go. images=False (a system message): an image part is a MessageError.
     """
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise MessageError(f"{param} must be a string or a list of text parts", param)
-    texts = []
+        raise MessageError(f"{param} must be a string or a list of content parts", param)
+    out = ContentJoiner()
     for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
         if isinstance(part, str):                    # a bare string part (vLLM accepts it too)
-            texts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            out.text(part)
+        elif kind == "text" and isinstance(part.get("text"), str):
+            out.text(part["text"])
+        elif kind == "image_url":
+            if not images:
+                raise MessageError(f"{param}[{j}]: {SYSTEM_IMAGE_ERROR}", f"{param}[{j}]")
+            out.image()
         else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = kind if isinstance(part, dict) else type(part).__name__
             raise MessageError(f"{param}[{j}]: unsupported content part type {kind!r} "
-                               "(only text parts are supported)", f"{param}[{j}]")
-    return "\n".join(texts)
+                               "(text and image_url parts are supported)", f"{param}[{j}]")
+    return out.result()
 
 
 def tool_call_arguments(arguments: Any, param: str) -> dict:
@@ -140,14 +182,16 @@ def tool_call_arguments(arguments: Any, param: str) -> dict:
 
 def normalise_messages(messages: list[dict]) -> list[dict]:
     """OpenAI-shaped messages -> what Qwen-style templates expect, without touching the caller's dicts: content
-    parts joined (content_text), tool-call arguments parsed (tool_call_arguments). Raises MessageError."""
+    parts joined, images as IMAGE_MARKER (content_text), tool-call arguments parsed (tool_call_arguments). Raises
+    MessageError."""
     out = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise MessageError(f"messages[{i}] must be an object", f"messages[{i}]")
         msg = dict(msg)
         if "content" in msg:
-            msg["content"] = content_text(msg["content"], f"messages[{i}].content")
+            msg["content"] = content_text(msg["content"], f"messages[{i}].content",
+                                          images=msg.get("role") not in SYSTEM_ROLES)
         calls = msg.get("tool_calls")
         if isinstance(calls, list):
             new_calls = []
