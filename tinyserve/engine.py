@@ -114,6 +114,7 @@ class EngineStats:
     spec: SpecStats | None = None        # NEXTN counters; None when speculative decoding is off
     pools_released: bool = False         # idle release: the device pools are freed now
     idle_releases: int = 0
+    images_received: int = 0             # images in submitted requests
     images_encoded: int = 0              # images through the vision tower (a feature-cache hit skips it)
     image_encode_seconds: float = 0.0
 
@@ -224,6 +225,7 @@ class Engine:
         self._stopping = False
         self._last_busy = time.monotonic()             # the last step that ran a request (idle release)
         self.idle_releases = 0
+        self.images_received = 0
         # llguidance's view of the tokenizer, built once here (~1 s for a 250k vocabulary: not on the event loop)
         self._grammar: GrammarCompiler | None = None
         self._grammar_error = "the engine has no tokenizer"
@@ -412,6 +414,7 @@ class Engine:
                                          self.image_processor.merge_size, self.vocab_size)
             except ValueError as e:
                 raise RequestError(str(e), "prompt") from None
+            self.images_received += len(images)
         grammar = self._grammar_state(params) if params.constraint is not None else None
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, grammar=grammar,
@@ -677,7 +680,7 @@ class Engine:
                            state_slots_total=self.state_pool.num_slots, num_preemptions=s.num_preemptions,
                            cache=self.cache.stats(), spec=self.spec_stats if self.nextn else None,
                            pools_released=self.kv_pool.released, idle_releases=self.idle_releases,
-                           images_encoded=self.runner.images_encoded,
+                           images_received=self.images_received, images_encoded=self.runner.images_encoded,
                            image_encode_seconds=self.runner.image_encode_seconds)
 
     def flush_cache(self, include_file: bool = False) -> bool:

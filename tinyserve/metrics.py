@@ -73,6 +73,10 @@ class _EngineCollector(Collector):
               "without requests.", float(st.pools_released))
         counter("idle_releases", "Times the device pools were freed after engine.idle_release_s idle.",
                 st.idle_releases)
+        counter("images", "Images in requests.", st.images_received)
+        counter("images_encoded", "Images run through the vision tower (the others came from its feature cache).",
+                st.images_encoded)
+        counter("vision_encoder_seconds", "Time spent in the vision tower.", st.image_encode_seconds)
         if st.spec is not None:                   # NEXTN, with vLLM's counters and definitions
             sp = st.spec
             counter("spec_decode_num_drafts", "Verify rounds of speculating requests.", sp.num_drafts)
