@@ -412,10 +412,11 @@ class SimPrefixCache(PrefixCache):
 
 # -------------------------------------------------------------------------------------------- model stand-ins
 class StandInModel:
-    """What Engine.__init__ reads of a model: its config, device and dtype (and no parameters)."""
+    """What Engine.__init__ reads of a model: its config, device and dtype (no parameters, no vision tower)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg, self.device, self.dtype = cfg, torch.device("cpu"), torch.float32
+        self.visual = None
 
     def named_parameters(self):
         return iter(())

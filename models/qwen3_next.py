@@ -48,7 +48,8 @@ class ForwardBatch:
     num_verify: int = 0              # speculative verifies after them
     verify: VerifyLayout | None = None
     # Images (Qwen3.5): rotary positions as (t, h, w) rows [3, T] when a sequence in the batch has images (None:
-    # `positions` for all three), and the packed rows that take vision features instead of the pad's embedding.
+    # `positions` for all three), and the packed rows that take vision features instead of the pad's embedding
+    # (for the NEXTN head: the rows whose next token, the one it embeds, is an image token).
     mrope_positions: torch.Tensor | None = None
     image_rows: torch.Tensor | None = None       # [n] int64
     image_embeds: torch.Tensor | None = None     # [n, H]
@@ -474,7 +475,10 @@ class Qwen3NextForCausalLM(nn.Module):
         next draft step takes in place of the target's (a chain of drafts)."""
         assert self.mtp is not None, "this checkpoint has no mtp.* weights"
         eps, m = self.cfg.rms_norm_eps, self.mtp
-        e = rms_norm(F.embedding(next_ids, self.embed_tokens), m.pre_fc_norm_embedding, eps)
+        e = F.embedding(next_ids, self.embed_tokens)
+        if batch.image_rows is not None:    # an image token's embedding is its vision feature row, as the target's
+            e[batch.image_rows] = batch.image_embeds.to(e.dtype)
+        e = rms_norm(e, m.pre_fc_norm_embedding, eps)
         u = linear(torch.cat([e, rms_norm(hidden, m.pre_fc_norm_hidden, eps)], dim=-1), m.fc)
         cos_sin = self.cos_sin(batch)
         kv = kv_pool.layer(kv_layer)

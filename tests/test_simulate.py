@@ -91,10 +91,10 @@ def test_simulator_reproduces_the_engine(hybrid_model, tmp_path, name):
 
 
 def test_27b_plan_with_tiny_pools(tmp_path):
-    """production.toml's plan counts for Qwen3.5-27B (4,224 pages of 64, 4 device snapshots, 10 host ones) in pools
+    """production.toml's plan counts for Qwen3.5-27B (4,224 pages of 64, 4 device snapshots, 41 host ones) in pools
     of a few MB, bytes reported at real scale; the shared 170K prefix is hit by every session after the first."""
     cfg, mc, values, plan = simulate.plan_27b(simulate.ROOT / "systemd" / "production.toml", tmp_path)
-    assert (plan.page_size, plan.kv_pages, plan.snapshot_slots, plan.host_snapshots) == (64, 4224, 4, 10)
+    assert (plan.page_size, plan.kv_pages, plan.snapshot_slots, plan.host_snapshots) == (64, 4224, 4, 41)
     assert plan.state_bytes_per_slot == 153944064                  # 48 x (48 x 128 x 128 x 4 + conv state)
     cost, clock = simulate.CostModel.for_model(mc, values, plan), simulate.Clock()
     assert abs(cost.prefill_seconds(0, 50_000) - 7.73) < 0.01      # the calibration anchor

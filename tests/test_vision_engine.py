@@ -224,3 +224,33 @@ def test_nextn_with_images_gives_the_cold_unspeculated_tokens(vl):
         assert r.output_ids == cold.run_requests([ids], params, [images])[0].output_ids
     assert r.cached_tokens > 0
     assert_no_leaks(spec)
+
+
+def nextn_kv(vl, chunk: int, ids, images) -> torch.Tensor:
+    """The NEXTN layer's KV at the prompt's positions after its prefill (chunked at `chunk`)."""
+    folder, oracle, model, tok = vl
+    eng = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048, "chunked_prefill_size": chunk},
+                     speculative={"algorithm": "nextn", "num_steps": 2, "num_draft_tokens": 3})
+    (r,) = eng.run_requests([ids], SamplingParams(max_tokens=1, temperature=0), [images])
+    m = eng.cache.tree.match(r.cache_ids[:len(ids)])     # the prompt's pages, kept by the prefix cache
+    layer = eng.kv_pool.layer(eng.nextn.kv_layer)        # [pages, 2 (k, v), page_size, heads, head_dim]
+    return torch.stack([layer[m.pages[p // PS], :, p % PS] for p in range(m.length)])
+
+
+def test_the_nextn_head_embeds_image_tokens_as_their_features(vl):
+    """The head's input at position p is the embedding of the token at p + 1: at an image token, that image's
+    feature row (as the target's input). Its KV over the prompt is the same whether the prefill chunks end inside
+    the images or not (the next token of a chunk's last row is the next chunk's first). Another picture of the same
+    size changes it from the position before its first pad on (the target's hidden there is the same: only the
+    head's embedding of the next token can tell the pictures apart)."""
+    folder, oracle, model, tok = vl
+    eng = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048})
+    text = user_turn("Two: " + MARK + MARK + "go")
+    ids, images = prepare(eng, tok, text, [png(40, 24, 51), png(32, 48, 52)])
+    whole, split = nextn_kv(vl, 2048, ids, images), nextn_kv(vl, 7, ids, images)
+    assert (whole - split).abs().max().item() < 1e-5
+    _, others = prepare(eng, tok, text, [png(40, 24, 53), png(32, 48, 52)])
+    other = nextn_kv(vl, 2048, ids, others)
+    first = ids.index(model.cfg.image_token_id)
+    assert (whole[:first - 1] - other[:first - 1]).abs().max().item() < 1e-6       # the text before: the same
+    assert (whole[first - 1] - other[first - 1]).abs().max().item() > 1e-3         # next token an image: its feature

@@ -89,12 +89,7 @@ class ModelRunner:
                 rope.append(req.images.positions(s.start, end) if req.images is not None
                             else torch.arange(s.start, end).expand(3, -1))
             if req.images is not None:                 # a chunk takes its slice of each image it covers
-                for item in req.images.overlapping(s.start, end):
-                    lo, hi = max(item.span.start, s.start), min(item.span.end, end)
-                    image_rows += range(len(ids) + lo - s.start, len(ids) + hi - s.start)
-                    image_embeds.append(self._features(item)[lo - item.span.start:hi - item.span.start])
-                    if hi == item.span.end:
-                        item.features = None           # its last rows: the request lets go of them
+                self._image_slices(req, s.start, end, len(ids), image_rows, image_embeds)
             ids += req.all_ids[s.start:s.start + 1] + s.draft if s.is_verify else req.all_ids[s.start:end]
             positions += range(s.start, end)
             slots += [req.pages[p // ps] * ps + p % ps for p in range(s.start, end)]
@@ -122,6 +117,17 @@ class ModelRunner:
             mrope_positions=torch.cat(rope, dim=1).to(dev) if with_images else None,
             image_rows=torch.tensor(image_rows, dtype=torch.long, device=dev) if image_rows else None,
             image_embeds=torch.cat(image_embeds).to(dev) if image_embeds else None)
+
+    def _image_slices(self, req: Request, start: int, end: int, offset: int, rows: list[int],
+                      embeds: list[torch.Tensor]) -> None:
+        """The image tokens among sequence indices [start, end) of req, packed from row `offset`: their rows and
+        feature slices. An image's features are let go after its last rows (the feature cache still has them)."""
+        for item in req.images.overlapping(start, end):
+            lo, hi = max(item.span.start, start), min(item.span.end, end)
+            rows += range(offset + lo - start, offset + hi - start)
+            embeds.append(self._features(item)[lo - item.span.start:hi - item.span.start])
+            if hi == item.span.end:
+                item.features = None
 
     def _features(self, item: PromptImage) -> torch.Tensor:
         """The vision features of a whole image: held by the request, else from the feature cache, else encoded
@@ -254,11 +260,22 @@ class ModelRunner:
         if not segments:
             return
         segments.sort(key=lambda g: len(g.rows) != 1)   # one-row segments first: they use the decode attention
+        mtp_batch = self._mtp_batch([(seg.req, seg.pos, len(seg.rows)) for seg in segments])
+        image_rows: list[int] = []                     # the head takes the embedding of the token at p + 1:
+        image_embeds: list[torch.Tensor] = []          # at an image token, that image's feature row (as vLLM)
+        offset = 0
+        for seg in segments:
+            if seg.req.images is not None:
+                self._image_slices(seg.req, seg.pos + 1, seg.pos + 1 + len(seg.next_ids), offset, image_rows,
+                                   image_embeds)
+            offset += len(seg.next_ids)
+        if image_rows:
+            mtp_batch.image_rows = torch.tensor(image_rows, dtype=torch.long, device=self.device)
+            mtp_batch.image_embeds = torch.cat(image_embeds).to(self.device)
         g = self.model.mtp_hidden(
             torch.tensor([t for seg in segments for t in seg.next_ids], device=self.device),
             hidden[torch.tensor([r for seg in segments for r in seg.rows], device=self.device)],
-            self._mtp_batch([(seg.req, seg.pos, len(seg.rows)) for seg in segments]),
-            self.kv_pool, self.nextn.kv_layer)
+            mtp_batch, self.kv_pool, self.nextn.kv_layer)
         ends = torch.tensor(list(_cumsum(len(seg.rows) for seg in segments)), device=self.device) - 1
         drafting = [k for k, seg in enumerate(segments) if seg.depth > 0]
         if not drafting:
