@@ -11,6 +11,7 @@ tinyserve's dependencies, and no install of tinyserve):
 3. Per-kernel timings, Triton against the torch reference on the same CUDA tensors, on Qwen3.5-27B shapes (hidden
    5120, MLP 17408, GDN 16 key / 48 value heads of 128, conv_dim 10240, attention 24 q / 4 KV heads of 256), with
    each kernel's max error against the reference computed in fp32 and its effective bandwidth. One table.
+4. The Qwen3.5-27B vision tower on one 1024x1024 image in bf16 (random weights): time and peak memory.
 
 Everything printed also goes to $OUT/gpu_check.txt when OUT is set (the device tool brings $OUT back).
 
@@ -425,6 +426,45 @@ def bench(dev) -> None:
             torch.cuda.empty_cache()
 
 
+# The released Qwen3.5 / 3.6 27B-class vision_config (shared/reference/qwen-vision.md §1.1); tiny under --dry-run.
+VISION_27B = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16,
+                  temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=5120, num_position_embeddings=2304)
+VISION_TINY = dict(VISION_27B, depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+                   num_position_embeddings=16)
+
+
+def vision_check(dev, dry_run: bool) -> None:
+    """The vision tower (models/qwen_vision.py, torch only) on one 1024x1024 image in bf16, random weights: time
+    and peak memory (issue: image input; the CPU cannot run the full tower in reasonable time)."""
+    import torch
+    from tinyserve.models.qwen_vision import VisionConfig, VisionTower
+    cfg = VisionConfig.from_dict(VISION_TINY if dry_run else VISION_27B)
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    say(f"== 4. vision tower, one 1024x1024 image ({cfg.depth} blocks, hidden {cfg.hidden_size}, {dtype})")
+    tower = VisionTower(cfg, dtype, dev)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype))
+    grid = (1, 64, 64)                                         # 1024 / 16 patches a side
+    pixels = torch.randn(64 * 64, cfg.patch_dim, generator=g).to(dev, dtype)
+    with torch.inference_mode():
+        tower(pixels, [grid])                                  # warm-up
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(1 if dry_run else 5):
+            t0 = time.perf_counter()
+            out = tower(pixels, [grid])
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else float("nan")
+    say(f"   features {list(out.shape)}, best {min(times) * 1e3:.1f} ms, peak memory {peak:.0f} MiB "
+        f"(weights {tower.param_bytes() / 2**20:.0f} MiB)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pytest", action="store_true", help="(internal) run the test file in this process")
@@ -465,6 +505,10 @@ def main() -> None:
             graph_ok = False
             say(f"   FAILED: {type(e).__name__}: {str(e)[:300]}")
     bench(dev)
+    try:
+        vision_check(dev, args.dry_run)
+    except Exception as e:
+        say(f"   FAILED: {type(e).__name__}: {str(e)[:300]}")
     say(f"tests exit {rc}, graph {'ok' if graph_ok else 'FAILED'}, total {time.time() - t0:.0f} s")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.txt").write_text("\n".join(LOG) + "\n")
