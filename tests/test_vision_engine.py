@@ -129,8 +129,9 @@ def test_bad_image_inputs_are_request_errors_naming_the_part(vl):
     with pytest.raises(RequestError, match="placeholder") as e:       # a literal pad typed in the text
         eng.prepare_images(tok.encode(user_turn(MARK + " <|image_pad|>")), [ImageSource("x", png(40, 24, 1))])
     assert e.value.field == "prompt"
-    with pytest.raises(RequestError, match="placeholder"):            # pads without images
-        eng.submit(tok.encode(user_turn(MARK)), GREEDY)
+    text = tok.encode(user_turn("a pad typed as text: " + MARK))      # no images: served as the text it is
+    (r,) = eng.run_requests([text], GREEDY)
+    assert len(r.output_ids) == GREEDY.max_tokens
 
 
 def conversation(eng, tok, turns: list[tuple[str, list[bytes]]]):
@@ -254,3 +255,42 @@ def test_the_nextn_head_embeds_image_tokens_as_their_features(vl):
     first = ids.index(model.cfg.image_token_id)
     assert (whole[:first - 1] - other[:first - 1]).abs().max().item() < 1e-6       # the text before: the same
     assert (whole[first - 1] - other[first - 1]).abs().max().item() > 1e-3         # next token an image: its feature
+
+
+@pytest.mark.parametrize("chunk", [2048, 16])
+def test_each_image_is_encoded_once_per_prefill_and_let_go_after_it(vl, chunk):
+    """With NEXTN the head embeds the token after each row, so it reads an image's features one row past the
+    target; neither may drop them before both are done (a feature cache too small to help must not make the tower
+    run twice). Once the prompt is computed, or the request is preempted or aborted, the request holds none."""
+    folder, oracle, model, tok = vl
+    eng = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048, "chunked_prefill_size": chunk},
+                     speculative={"algorithm": "nextn", "num_steps": 2, "num_draft_tokens": 3})
+    eng.runner.features.max_bytes = 0                      # nothing is kept across requests
+    ids, images = prepare(eng, tok, user_turn("Two: " + MARK + MARK + "go"), [png(40, 24, 61), png(32, 48, 62)])
+    req = eng._make_request(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), None, images)
+    eng.scheduler.add(req)
+    while req.num_computed < len(ids):
+        eng._step()
+    assert eng.stats().images_encoded == 2
+    assert all(item.features is None for item in req.images.items)
+    other = eng._make_request(ids, SamplingParams(max_tokens=4), None, images)
+    eng.scheduler.add(other)
+    eng._step()                                            # part of the prompt (and an image's features) held
+    eng.scheduler.abort(other)
+    assert all(item.features is None for item in other.images.items)
+    while req.status.value != "finished":
+        eng._step()
+    assert_no_leaks(eng)
+
+
+def test_the_file_tiers_fingerprint_ignores_the_folder_and_the_vision_tower(vl, tmp_path):
+    """Moving a checkpoint or turning model.vision off changes no text page, so the file tier keeps serving; image
+    tokens are keyed on the tower's weights instead (Engine.vision_fingerprint)."""
+    import shutil
+
+    from tinyserve.tiers import model_fingerprint
+    folder, oracle, model, tok = vl
+    moved = shutil.copytree(folder, tmp_path / "moved")
+    prints = {model_fingerprint(m, torch.float32, PS) for m in (model, load_model(moved, torch.float32),
+                                                               load_model(folder, torch.float32, vision=False))}
+    assert len(prints) == 1

@@ -175,9 +175,9 @@ class PrefixCache:
         run.resume_points = {(end - 1) // ps * ps}         # page-aligned end of the prompt
         if m.kv_length > m.length:
             run.resume_points.add(m.kv_length)             # branch point: cached KV but no state there yet
-        if req.images is not None:                         # image edges: a request with another image (or other
-            for first, last in req.images.boundaries():    # text after the same one) resumes there
-                run.resume_points |= {first // ps * ps, last // ps * ps}
+        if req.images is not None:                         # before the first image (the same text with another
+            edges = req.images.boundaries()                # picture resumes there) and after the last one (other
+            run.resume_points |= {edges[0][0] // ps * ps, edges[-1][1] // ps * ps}   # text after the same ones)
             run.resume_points = {p for p in run.resume_points if 0 < p < end}
         run.snapshot_points = sorted(p for p in points | run.resume_points if p > req.num_computed)
 

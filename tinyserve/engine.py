@@ -42,7 +42,7 @@ from tinyserve.images import ImageError, ImageProcessorConfig, ImageSource, Proc
 from tinyserve.kernels import set_backend as set_kernel_backend
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
-from tinyserve.multimodal import expand_image_pads, request_images
+from tinyserve.multimodal import expand_image_pads, image_keys, request_images
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
 from tinyserve.radix import RadixCache
 from tinyserve.request import TIERS, Request, Status
@@ -51,7 +51,7 @@ from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import Scheduler
 from tinyserve.spec import FixedDepth, NextNSetup, SpecStats
 from tinyserve.state import StatePool
-from tinyserve.tiers import FileTier, HostTier, Tiers, model_fingerprint
+from tinyserve.tiers import FileTier, HostTier, Tiers, model_fingerprint, weights_digest
 
 log = logging.getLogger("tinyserve.engine")
 
@@ -208,6 +208,9 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, self.eos_token_ids, self.nextn,
                                   self.context_length)
         self.image_processor = self._image_processor(model) if model.visual is not None else None
+        # image tokens' cache keys depend on the tower that makes their features (the file tier's fingerprint
+        # leaves the tower out, so text pages are shared whether model.vision is on or off)
+        self.vision_fingerprint = weights_digest(model.visual) if model.visual is not None else b""
         try:                             # engine.kernels: the Triton kernels or the torch references
             set_kernel_backend(cfg.engine.kernels)
         except RuntimeError as e:
@@ -391,6 +394,8 @@ class Engine:
             ids = expand_image_pads(prompt_ids, images, mc.image_token_id, self.image_processor.merge_size)
         except ValueError as e:
             raise RequestError(str(e), "prompt") from None
+        for image in images:                     # hashed here, on this worker thread, not on the event loop
+            image_keys(image.digest + self.vision_fingerprint, image.num_tokens, self.vocab_size)
         return ids, images
 
     def _make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
@@ -404,14 +409,12 @@ class Engine:
                                "prompt")
         self.fit_max_tokens(len(prompt_ids), params.max_tokens)
         located = None
-        if self.vision and not images and self.model.cfg.image_token_id in prompt_ids:
-            raise RequestError("the prompt has image placeholder tokens but no images", "prompt")
         if images:
             if not self.vision:
                 raise RequestError("this model takes no image input", "prompt")
             try:
                 located = request_images(prompt_ids, list(images), self.model.cfg.image_token_id,
-                                         self.image_processor.merge_size, self.vocab_size)
+                                         self.image_processor.merge_size, self.vocab_size, self.vision_fingerprint)
             except ValueError as e:
                 raise RequestError(str(e), "prompt") from None
             self.images_received += len(images)

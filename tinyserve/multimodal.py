@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -27,9 +28,11 @@ KEY_LIMIT = 1 << 31                  # cache key values stay below this (int32 i
 FEATURE_CACHE_BYTES = 256 << 20      # vision features kept by digest (a 1024x1024 image on a 27B: 10 MiB)
 
 
-def image_keys(digest: bytes, n: int, vocab_size: int) -> list[int]:
+@functools.lru_cache(maxsize=64)
+def image_keys(digest: bytes, n: int, vocab_size: int) -> tuple[int, ...]:
     """The cache key values of an image's n tokens: sha256(digest || block) in counter mode, eight 32-bit words
-    per block, each folded into [vocab_size, 2^31)."""
+    per block, each folded into [vocab_size, 2^31). Kept for the last images (prepare_images computes them on a
+    worker thread; each choice's request then finds them)."""
     span = KEY_LIMIT - vocab_size
     out: list[int] = []
     block = 0
@@ -37,7 +40,7 @@ def image_keys(digest: bytes, n: int, vocab_size: int) -> list[int]:
         words = hashlib.sha256(digest + block.to_bytes(8, "little")).digest()
         out += [vocab_size + int.from_bytes(words[i:i + 4], "little") % span for i in range(0, 32, 4)]
         block += 1
-    return out[:n]
+    return tuple(out[:n])
 
 
 @dataclass(eq=False)
@@ -88,8 +91,9 @@ def expand_image_pads(prompt_ids: list[int], images: list[ProcessedImage], image
 
 
 def request_images(prompt_ids: list[int], images: list[ProcessedImage], image_token_id: int, merge_size: int,
-                   vocab_size: int) -> RequestImages:
-    """Locate already expanded images in prompt_ids (runs of pads, in order) and make their cache keys."""
+                   vocab_size: int, tower: bytes = b"") -> RequestImages:
+    """Locate already expanded images in prompt_ids (runs of pads, in order) and make their cache keys (from the
+    image's digest and `tower`, a digest of the vision tower's weights)."""
     items: list[PromptImage] = []
     cache_ids = list(prompt_ids)
     i = 0
@@ -103,7 +107,7 @@ def request_images(prompt_ids: list[int], images: list[ProcessedImage], image_to
             raise ValueError(f"the prompt's image placeholder tokens do not match the images' sizes "
                              f"(an image of {gh}x{gw} tokens at index {i})")
         items.append(PromptImage(image, ImageSpan(i, gh, gw)))
-        cache_ids[i:i + n] = image_keys(image.digest, n, vocab_size)
+        cache_ids[i:i + n] = image_keys(image.digest + tower, n, vocab_size)
         i += n
     if image_token_id in prompt_ids[i:]:
         raise ValueError("the prompt has more image placeholder tokens than images")

@@ -121,19 +121,30 @@ class ModelRunner:
     def _image_slices(self, req: Request, start: int, end: int, offset: int, rows: list[int],
                       embeds: list[torch.Tensor]) -> None:
         """The image tokens among sequence indices [start, end) of req, packed from row `offset`: their rows and
-        feature slices. An image's features are let go after its last rows (the feature cache still has them)."""
+        feature slices (the request holds an image's features until the step that computes its last token)."""
         for item in req.images.overlapping(start, end):
             lo, hi = max(item.span.start, start), min(item.span.end, end)
             rows += range(offset + lo - start, offset + hi - start)
             embeds.append(self._features(item)[lo - item.span.start:hi - item.span.start])
-            if hi == item.span.end:
-                item.features = None
+
+    @staticmethod
+    def _let_go_of_features(seqs: list[ScheduledSeq]) -> None:
+        """After a step (the target's rows and the NEXTN head's, which embeds the token after each row): the
+        features of images whose last token is computed are not needed again (a recompute after preemption takes
+        them from the feature cache or encodes again)."""
+        for s in seqs:
+            if s.req.images is not None:
+                for item in s.req.images.items:
+                    if item.span.end <= s.start + s.num_tokens:
+                        item.features = None
 
     def _features(self, item: PromptImage) -> torch.Tensor:
-        """The vision features of a whole image: held by the request, else from the feature cache, else encoded
-        (the tower attends over the whole image, so a chunk never encodes only its part)."""
+        """The vision features of a whole image on the model's device: held by the request, else from the feature
+        cache (kept on the host), else encoded (the tower attends over the whole image, so a chunk never encodes
+        only its part)."""
         if item.features is None:
-            item.features = self.features.get(item.image.digest)
+            cached = self.features.get(item.image.digest)
+            item.features = cached.to(self.device) if cached is not None else None
         if item.features is None:
             start = time.perf_counter()
             item.features = self.model.encode_images(item.image.pixel_values, [item.image.grid_thw])
@@ -166,6 +177,8 @@ class ModelRunner:
             self._draft(seqs, batch, hidden, {id(o.seq): o for o in outputs}, num_running)
             if len(seqs) == 1 and seqs[0].is_decode:    # one request decoding: its time prices a draft
                 self.step_cost.observe(len(seqs[0].draft), time.perf_counter() - start)
+        if batch.mrope_positions is not None:          # a request with images ran
+            self._let_go_of_features(seqs)
         return StepResult(outputs)
 
     def _sample(self, seqs: list[ScheduledSeq], sampled: list[int], batch: ForwardBatch,

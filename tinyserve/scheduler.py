@@ -77,6 +77,9 @@ class Scheduler:
             req.state_slot = None
         req.num_computed = 0
         req.draft, req.draft_q = [], None          # drafts continue the state just given up
+        if req.images is not None:                 # vision features held for a prefill that stops here
+            for item in req.images.items:
+                item.features = None
 
     @staticmethod
     def _decoding(req: Request) -> bool:

@@ -501,13 +501,19 @@ class HostTier:
 WEIGHT_SAMPLES = 4096      # values read from each tensor for the weight digest
 
 
+def _parameters_but_vision(module) -> list[tuple[str, torch.Tensor]]:
+    """A module's parameters by name, a model's vision tower left out: it decides no text page's KV (image tokens
+    are keyed on a digest of it instead)."""
+    return sorted(((n, p) for n, p in module.named_parameters() if not n.startswith("visual.")), key=lambda t: t[0])
+
+
 @torch.no_grad()
 def weights_digest(model) -> bytes:
-    """Digest of a strided sample of every parameter's values. Two checkpoints of the same architecture (a fine-tune,
-    another seed) differ almost everywhere, so a sample tells them apart, while hashing all weights of a 27B model
-    would cost tens of seconds at every start."""
+    """Digest of a strided sample of every parameter's values (the vision tower's left out). Two checkpoints of the
+    same architecture (a fine-tune, another seed) differ almost everywhere, so a sample tells them apart, while
+    hashing all weights of a 27B model would cost tens of seconds at every start."""
     h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda t: t[0]):
+    for name, p in _parameters_but_vision(model):
         flat = p.detach().reshape(-1)
         n = flat.numel()
         if n > WEIGHT_SAMPLES:
@@ -518,14 +524,20 @@ def weights_digest(model) -> bytes:
     return h.digest()
 
 
+_NOT_IN_FINGERPRINT = ("folder", "vision_config", "vision_parameters", "image_token_id", "vision_start_token_id",
+                       "vision_end_token_id")
+
+
 def model_fingerprint(model, kv_dtype: torch.dtype, page_size: int) -> bytes:
     """Identity of everything that decides the bytes of a cached page: a blob from any other set-up never hits.
     Config, tensor names/shapes/dtypes and a sample of the weight values (another checkpoint of the same
     architecture must not hit), KV dtype, page size and the format version."""
+    # where the checkpoint lies and whether its vision tower is loaded change no text page
+    config = {k: v for k, v in asdict(model.cfg).items() if k not in _NOT_IN_FINGERPRINT}
     desc = {
         "format": FORMAT_VERSION,
-        "config": asdict(model.cfg),
-        "tensors": sorted((n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()),
+        "config": config,
+        "tensors": [(n, list(p.shape), str(p.dtype)) for n, p in _parameters_but_vision(model)],
         "weights": weights_digest(model).hex(),
         "kv_dtype": str(kv_dtype),
         "state_dtype": str(model.dtype),
