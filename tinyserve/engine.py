@@ -11,6 +11,7 @@ Threads of a serving process, and what each may do:
   4. tokenizer workers:  asyncio's default executor: chat templates, encode, decode (tokenizers; no torch).
   5. tinyserve-file-write: encodes and writes file-tier blobs from CPU copies the engine thread made (bytes only).
   6. tinyserve-file-read:  reads and checks file-tier blobs; tensors are views of the bytes read (no compute).
+  6b. tinyserve-images (2): decode and preprocess request images (PIL, numpy; `prepare_images`; no torch compute).
   7. aiohttp and asyncio internals (DNS resolver threads etc.), unused by us.
 The event loop and the engine thread share only thread-safe queues: new requests, aborts and `call` jobs go in
 (`_new`, `_aborts`, `_calls`, drained at the top of each step, so an abort frees its pages at the next step
