@@ -294,3 +294,19 @@ def test_the_file_tiers_fingerprint_ignores_the_folder_and_the_vision_tower(vl, 
     prints = {model_fingerprint(m, torch.float32, PS) for m in (model, load_model(moved, torch.float32),
                                                                load_model(folder, torch.float32, vision=False))}
     assert len(prints) == 1
+
+
+def test_an_image_the_tower_cannot_encode_fails_only_its_own_request(vl):
+    """A malformed image (pixel rows that do not fit its grid, as nothing but the offline API can hand over) is
+    refused by the tower: that request ends with finish_reason "error"; the request batched with it is served."""
+    import dataclasses
+    folder, oracle, model, tok = vl
+    eng = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048})
+    cold = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048}, cache={"enabled": False})
+    ids, (image,) = prepare(eng, tok, user_turn(MARK + "What?"), [png(40, 24, 71)])
+    broken = dataclasses.replace(image, pixel_values=image.pixel_values[:-4], digest=b"\x01" * 32)
+    good, good_images = prepare(eng, tok, user_turn("And this? " + MARK), [png(24, 40, 72)])
+    bad, fine = eng.run_requests([ids, good], GREEDY, [[broken], good_images])
+    assert bad.finish_reason == "error" and not bad.output_ids
+    assert fine.output_ids == cold.run_requests([good], GREEDY, [good_images])[0].output_ids
+    assert_no_leaks(eng)

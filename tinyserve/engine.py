@@ -494,6 +494,13 @@ class Engine:
                 sched.abort(req)
                 events.append(self._event(req, []))
         seqs = sched.schedule()
+        if any(s.req.images is not None for s in seqs):
+            for req, error in self.runner.encode_images(seqs).items():    # only that request fails
+                log.error("request %s: the vision tower failed on its image: %s", req.request_id, error)
+                sched.abort(req)
+                req.finish_reason = "error"
+                events.append(self._event(req, []))
+            seqs = [s for s in seqs if s.req.status == Status.RUNNING]
         if not seqs:
             return events
         self._last_busy = time.monotonic()

@@ -127,6 +127,26 @@ class ModelRunner:
             rows += range(offset + lo - start, offset + hi - start)
             embeds.append(self._features(item)[lo - item.span.start:hi - item.span.start])
 
+    def encode_images(self, seqs: list[ScheduledSeq]) -> dict[Request, Exception]:
+        """Before a step: the features of every image its prefill chunks (and the NEXTN head, one token further)
+        will read, so that an image the tower cannot encode (out of memory, a malformed input) fails its own
+        request and not the step. Returns the failed requests with their errors."""
+        failed: dict[Request, Exception] = {}
+        for s in seqs:
+            req = s.req
+            if req.images is None or s.is_decode:
+                continue
+            for item in req.images.overlapping(s.start, s.start + s.num_tokens + 1):
+                try:
+                    self._features(item)
+                except (RuntimeError, ValueError) as e:   # torch.OutOfMemoryError is a RuntimeError
+                    failed[req] = e
+                    item.features = None
+                    break
+        if failed and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return failed
+
     @staticmethod
     def _let_go_of_features(seqs: list[ScheduledSeq]) -> None:
         """After a step (the target's rows and the NEXTN head's, which embeds the token after each row): the
