@@ -261,7 +261,9 @@ def test_the_nextn_head_embeds_image_tokens_as_their_features(vl):
 def test_each_image_is_encoded_once_per_prefill_and_let_go_after_it(vl, chunk):
     """With NEXTN the head embeds the token after each row, so it reads an image's features one row past the
     target; neither may drop them before both are done (a feature cache too small to help must not make the tower
-    run twice). Once the prompt is computed, or the request is preempted or aborted, the request holds none."""
+    run twice). Once the prompt is computed, or the request is preempted or aborted, the request holds none on the
+    device; it keeps them on the host in place of its pixels, so a recompute after preemption skips the tower,
+    and its output is the cold run's."""
     folder, oracle, model, tok = vl
     eng = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048, "chunked_prefill_size": chunk},
                      speculative={"algorithm": "nextn", "num_steps": 2, "num_draft_tokens": 3})
@@ -273,6 +275,12 @@ def test_each_image_is_encoded_once_per_prefill_and_let_go_after_it(vl, chunk):
         eng._step()
     assert eng.stats().images_encoded == 2
     assert all(item.features is None for item in req.images.items)
+    # the request keeps the features on the host, not the pixels; a recompute after preemption needs no tower
+    assert all(item.image.pixel_values is None and item.encoded is not None for item in req.images.items)
+    eng.scheduler.preempt(req)
+    while req.num_computed < len(ids):
+        eng._step()
+    assert eng.stats().images_encoded == 2
     other = eng._make_request(ids, SamplingParams(max_tokens=4), None, images)
     eng.scheduler.add(other)
     eng._step()                                            # part of the prompt (and an image's features) held
@@ -280,6 +288,8 @@ def test_each_image_is_encoded_once_per_prefill_and_let_go_after_it(vl, chunk):
     assert all(item.features is None for item in other.images.items)
     while req.status.value != "finished":
         eng._step()
+    cold = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048}, cache={"enabled": False})
+    assert req.output_ids == cold.run_requests([ids], req.params, [images])[0].output_ids
     assert_no_leaks(eng)
 
 

@@ -472,6 +472,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         gen = Generation(state, prompt_ids, params, options.n, options.stop, meta.request_id, arrival, images)
     except RequestError as e:
         raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
+    images = []                                       # the requests hold them now (and drop their pixels once encoded)
     meta.usage = gen.usage
     try:                                              # close() cancels on any exit: done, error, client gone
         if options.stream:

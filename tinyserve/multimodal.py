@@ -45,9 +45,12 @@ def image_keys(digest: bytes, n: int, vocab_size: int) -> tuple[int, ...]:
 
 @dataclass(eq=False)
 class PromptImage:
+    """One image of a request. Once the tower has encoded it, the request keeps its features on the host instead
+    of its pixels (fewer bytes, and what a recompute after preemption needs): image.pixel_values is None then."""
     image: ProcessedImage
     span: ImageSpan                              # its tokens: [span.start, span.end) of the prompt
-    features: torch.Tensor | None = None         # held while its span is being prefilled
+    features: torch.Tensor | None = None         # on the device, held while its span is being prefilled
+    encoded: torch.Tensor | None = None          # on the host, from the first encoding (or feature-cache hit) on
 
 
 @dataclass(eq=False)

@@ -7,6 +7,7 @@ prefill chunks fill it too and a later cache hit can draft at once), and chains 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -162,15 +163,21 @@ class ModelRunner:
         """The vision features of a whole image on the model's device: held by the request, else from the feature
         cache (kept on the host), else encoded (the tower attends over the whole image, so a chunk never encodes
         only its part)."""
-        if item.features is None:
-            cached = self.features.get(item.image.digest)
-            item.features = cached.to(self.device) if cached is not None else None
-        if item.features is None:
+        if item.features is not None:
+            return item.features
+        host = item.encoded if item.encoded is not None else self.features.get(item.image.digest)
+        if host is None:
             start = time.perf_counter()
             item.features = self.model.encode_images(item.image.pixel_values, [item.image.grid_thw])
             self.image_encode_seconds += time.perf_counter() - start
             self.images_encoded += 1
-            self.features.put(item.image.digest, item.features.cpu())
+            host = item.features.cpu()
+            self.features.put(item.image.digest, host)
+        else:
+            item.features = host.to(self.device)
+        if item.encoded is None:                       # the request needs its pixels no more
+            item.encoded = host
+            item.image = dataclasses.replace(item.image, pixel_values=None)
         return item.features
 
     def grammar_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
