@@ -23,7 +23,6 @@ Without a GPU:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import os
 import subprocess
@@ -119,15 +118,9 @@ def shrink_for_dry_run() -> None:
     PAGED = [(torch.float32, 16, 2, 40), (torch.float32, 1, 1, 20), (torch.float8_e4m3fn, 16, 2, 40)]
 
 
-@contextlib.contextmanager
 def backend(name: str):
-    import tinyserve.kernels as kernels
-    old = kernels.backend()
-    kernels.set_backend(name)
-    try:
-        yield
-    finally:
-        kernels.set_backend(old)
+    import tinyserve.kernels as kernels            # importable only once import_kernels_from_the_tree ran
+    return kernels.backend_set_to(name)
 
 
 class Case:

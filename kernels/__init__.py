@@ -10,7 +10,9 @@ when a Triton kernel first runs, so the CPU path never imports triton.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 BACKENDS = ("auto", "torch", "triton")
 _backend = "auto"
@@ -40,6 +42,17 @@ def set_backend(name: str) -> None:
 
 def backend() -> str:
     return _backend
+
+
+@contextlib.contextmanager
+def backend_set_to(name: str) -> Iterator[None]:
+    """set_backend(name) for a with-block, then the backend before it (tests and benchmarks compare the two)."""
+    old = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(old)
 
 
 def use_triton(x) -> bool:

@@ -8,7 +8,6 @@ GPU. With CUDA the same tests run compiled on the device, and the `gpu` tier add
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import sys
@@ -59,14 +58,7 @@ gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 
 
-@contextlib.contextmanager
-def backend(name: str):
-    old = kernels.backend()
-    kernels.set_backend(name)
-    try:
-        yield
-    finally:
-        kernels.set_backend(old)
+backend = kernels.backend_set_to
 
 
 def both(fn, *args, clone=()):

@@ -320,3 +320,21 @@ def test_an_image_the_tower_cannot_encode_fails_only_its_own_request(vl):
     assert bad.finish_reason == "error" and not bad.output_ids
     assert fine.output_ids == cold.run_requests([good], GREEDY, [good_images])[0].output_ids
     assert_no_leaks(eng)
+
+
+def test_an_image_processor_that_cuts_other_patches_than_the_tower_is_a_config_error(vl, tmp_path):
+    """A preprocessor_config.json whose patch size the vision tower does not take is refused at start, naming the
+    file's folder and model.path; a folder without one takes the tower's own patch sizes."""
+    import json
+    import shutil
+
+    from tinyserve.config import ConfigError
+    folder, oracle, model, tok = vl
+    bad = shutil.copytree(folder, tmp_path / "bad")
+    settings = json.loads((bad / "preprocessor_config.json").read_text())
+    (bad / "preprocessor_config.json").write_text(json.dumps({**settings, "patch_size": 16}))
+    with pytest.raises(ConfigError, match=r"patch_size.*\(16, 2, 2\).*\(4, 2, 2\)") as e:
+        engine_for(load_model(bad, torch.float32), tok)
+    assert e.value.key == "model.path"
+    (bad / "preprocessor_config.json").unlink()
+    assert engine_for(load_model(bad, torch.float32), tok).image_processor.patch_size == 4

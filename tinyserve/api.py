@@ -57,7 +57,6 @@ RETRY_AFTER_S = 1
 TCP_KEEPALIVE = {"TCP_KEEPIDLE": 60, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 90_000}
 LISTEN_BACKLOG = 128
 FETCH_TIMEOUT_S = 10.0           # per fetched image URL (server.fetch_image_urls), connect to last byte
-NO_VISION = "this model takes no image input (the checkpoint has no vision tower, or model.vision = false)"
 # Decoding and preprocessing images on their own two threads: a 16-megapixel image takes ~1.4 GB while it is
 # processed, so a burst of image requests queues here instead of all at once, and text requests' templates and
 # tokenization (the default executor) never wait behind them.
@@ -429,16 +428,9 @@ async def prepare_images(state: ServerState, endpoint: Endpoint, req: Any, promp
     """A request with images: (the prompt ids with each image's pad widened to its tokens, the processed images
     for engine.submit). 400 naming the part when the model takes no images or an image cannot be used."""
     engine, cfg = state.engine, state.cfg
-    first = req.images[0].param
-    if not engine.vision:
-        raise bad_request(f"{first}: {NO_VISION}", first)
-    limit = cfg.model.max_images
-    if len(req.images) > limit and any(isinstance(im, RemoteImage) for im in req.images):
-        # the engine would refuse it (the same message); do not fetch what cannot be used
-        raise bad_request(f"{len(req.images)} images in one request; at most {limit} (model.max_images)",
-                          req.images[limit].param)
-    sources = await fetch_images(req.images, int(cfg.server.max_request_body_mb * 1024 * 1024))
     try:
+        engine.check_images([im.param for im in req.images])        # before fetching what cannot be used
+        sources = await fetch_images(req.images, int(cfg.server.max_request_body_mb * 1024 * 1024))
         return await asyncio.get_running_loop().run_in_executor(IMAGE_WORKERS, engine.prepare_images, prompt_ids,
                                                                 sources)
     except RequestError as e:

@@ -371,18 +371,23 @@ class Engine:
         """Whether requests may carry images (a vision tower is loaded)."""
         return self.image_processor is not None
 
+    def check_images(self, params: list[str]) -> None:
+        """May a request carry images from these request fields? RequestError naming the first one that may not
+        (the API asks before it fetches any)."""
+        if params and not self.vision:
+            raise RequestError(f"{params[0]}: this model takes no image input (the checkpoint has no vision tower, "
+                               "or model.vision = false)", params[0])
+        limit = self.cfg.model.max_images
+        if len(params) > limit:
+            raise RequestError(f"{len(params)} images in one request; at most {limit} (model.max_images)",
+                               params[limit])
+
     def prepare_images(self, prompt_ids: list[int], sources: list[ImageSource]) -> tuple[list[int], list[ProcessedImage]]:
         """Decode and preprocess a request's images (in prompt order) and widen the template's one pad per image
         to its token count. Runs on a worker thread (PIL and numpy, no torch compute). RequestError names the
         image's request field, or "prompt" when the pads do not match the images."""
         mc = self.model.cfg
-        if not self.vision:
-            raise RequestError("this model takes no image input (its checkpoint has no vision tower, or "
-                               "model.vision = false)", sources[0].param if sources else "prompt")
-        limit = self.cfg.model.max_images
-        if len(sources) > limit:
-            raise RequestError(f"{len(sources)} images in one request; at most {limit} (model.max_images)",
-                               sources[limit].param)
+        self.check_images([src.param for src in sources])
         images = []
         for src in sources:
             try:
@@ -411,8 +416,7 @@ class Engine:
         self.fit_max_tokens(len(prompt_ids), params.max_tokens)
         located = None
         if images:
-            if not self.vision:
-                raise RequestError("this model takes no image input", "prompt")
+            self.check_images(["prompt"] * len(images))
             try:
                 located = request_images(prompt_ids, list(images), self.model.cfg.image_token_id,
                                          self.image_processor.merge_size, self.vocab_size, self.vision_fingerprint)

@@ -385,9 +385,9 @@ def _is_vision(name: str) -> bool:
     return name.startswith(_VISION_PREFIXES)
 
 
-def _canonical(name: str) -> str | None:
-    """Checkpoint name -> the model's canonical name (`visual.*` for the vision tower); None for something the
-    name alone says is skipped (none today: vision tensors are skipped by _loadable when the tower is off)."""
+def _canonical(name: str) -> str:
+    """Checkpoint name -> the model's canonical name (`visual.*` for the vision tower; _loadable skips those when
+    the tower is off)."""
     for prefix in _VISION_PREFIXES:
         if name.startswith(prefix):
             return "visual." + name[len(prefix):]
@@ -500,11 +500,8 @@ class _QuantScheme:
 
     def is_ignored(self, module: str) -> bool:
         """Module listed as not quantized; matched against its checkpoint and canonical names."""
-        canon = _canonical(module + ".weight")
-        variants = {module}
-        if canon is not None:
-            canon = canon[: -len(".weight")]
-            variants |= {canon, "model." + canon, "model.language_model." + canon}
+        canon = _canonical(module + ".weight")[: -len(".weight")]
+        variants = {module, canon, "model." + canon, "model.language_model." + canon}
         if variants & self.ignore_exact:
             return True
         return any(rx.match(v) for rx in self.ignore_regex for v in variants)
@@ -552,7 +549,7 @@ def _loadable(cfg: ModelConfig, infos: dict[str, _TensorInfo]) -> list[_Item]:
         if name.endswith(_SCALE_SUFFIXES) or name.endswith(".input_scale"):
             continue  # scales travel with their weight; activation scales are unused (dequantized GEMMs)
         canon = _canonical(name)
-        if canon is None or (canon.startswith("visual.") and cfg.vision_config is None):
+        if canon.startswith("visual.") and cfg.vision_config is None:
             continue  # vision tensors without a tower to load them into (model.vision = false, or no config)
         if canon == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head is the embedding

@@ -73,7 +73,8 @@ class _EngineCollector(Collector):
               "without requests.", float(st.pools_released))
         counter("idle_releases", "Times the device pools were freed after engine.idle_release_s idle.",
                 st.idle_releases)
-        counter("images", "Images in requests.", st.images_received)
+        counter("images", "Images in submitted requests (a request with n choices counts its images n times).",
+                st.images_received)
         counter("images_encoded", "Images run through the vision tower (the others came from its feature cache).",
                 st.images_encoded)
         counter("vision_encoder_seconds", "Time spent in the vision tower.", st.image_encode_seconds)

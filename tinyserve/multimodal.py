@@ -77,6 +77,12 @@ class RequestImages:
         return [(it.span.start, it.span.end) for it in self.items]
 
 
+def rope_rows(images: RequestImages | None, start: int, end: int) -> torch.Tensor:
+    """The (t, h, w) rotary rows [3, end - start] of a request's sequence indices [start, end), for a batch that
+    has images: a text-only request's three rows are its plain positions."""
+    return images.positions(start, end) if images is not None else torch.arange(start, end).expand(3, -1)
+
+
 def expand_image_pads(prompt_ids: list[int], images: list[ProcessedImage], image_token_id: int,
                       merge_size: int) -> list[int]:
     """Widen the template's single pad per image to the image's token count. Raises ValueError when the number

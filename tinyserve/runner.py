@@ -17,7 +17,7 @@ from tinyserve.grammar import MaskBuffer
 from tinyserve.kv import KVPool
 from tinyserve.kernels.gdn import verify_layout
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
-from tinyserve.multimodal import FeatureCache, PromptImage
+from tinyserve.multimodal import FeatureCache, PromptImage, rope_rows
 from tinyserve.request import Request
 from tinyserve.sampling import SamplingBatch, sample
 from tinyserve import sampling
@@ -87,8 +87,7 @@ class ModelRunner:
         for s in seqs:
             req, end = s.req, s.start + s.num_tokens
             if with_images:
-                rope.append(req.images.positions(s.start, end) if req.images is not None
-                            else torch.arange(s.start, end).expand(3, -1))
+                rope.append(rope_rows(req.images, s.start, end))
             if req.images is not None:                 # a chunk takes its slice of each image it covers
                 self._image_slices(req, s.start, end, len(ids), image_rows, image_embeds)
             ids += req.all_ids[s.start:s.start + 1] + s.draft if s.is_verify else req.all_ids[s.start:end]
@@ -355,8 +354,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         cu = [0]
-        rope = [req.images.positions(pos, pos + n) if req.images is not None
-                else torch.arange(pos, pos + n).expand(3, -1) for req, pos, n in spans] \
+        rope = [rope_rows(req.images, pos, pos + n) for req, pos, n in spans] \
             if any(req.images is not None for req, _, _ in spans) else None   # the same M-RoPE as the target's
         for req, pos, n in spans:
             positions += range(pos, pos + n)
