@@ -1,0 +1,75 @@
+"""Shared set-up of the Triton kernel tests: import this module before any kernel module.
+
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1); with CUDA they run compiled. Exposes
+ON_GPU, DEV and the comparison helpers every Triton test file uses.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+# Interpreted or compiled is decided when a @triton.jit function is defined, so TRITON_INTERPRET is set before any
+# kernel module is imported. triton itself is usually imported already (transformers imports torch._dynamo, which
+# imports triton when it is installed), and its own @jit helpers (tl.sum, tl.max, tl.cdiv, ...) were then built for
+# compiling, which the interpreter cannot call: they are rebuilt as interpreted functions (triton internals; triton
+# is pinned in the test extra). Kernel modules defined earlier in the other mode are defined again.
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+
+def _interpret_triton_language() -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    made: dict[int, InterpretedFunction] = {}
+    for name, mod in list(sys.modules.items()):
+        if name == "triton.language" or name.startswith("triton.language."):
+            for attr, obj in list(vars(mod).items()):
+                if isinstance(obj, JITFunction):
+                    setattr(mod, attr, made.setdefault(id(obj), InterpretedFunction(obj.fn)))
+
+
+if not ON_GPU:
+    _interpret_triton_language()
+for _name in [n for n in sys.modules if n.startswith("tinyserve.kernels.") and n.endswith("_triton")]:
+    importlib.reload(sys.modules[_name])   # kernel modules defined earlier in the other mode are defined again
+
+
+import tinyserve.kernels as kernels  # noqa: E402
+
+DEV = "cuda" if ON_GPU else "cpu"
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+
+
+backend = kernels.backend_set_to
+
+
+def both(fn, *args, clone=()):
+    """fn's result under the Triton kernel and under the torch reference, each on its own copies of the args at
+    the positions in `clone` (state pools updated in place). Returns (triton_out, torch_out, tri_args, ref_args)."""
+    tri_args = [a.clone() if i in clone else a for i, a in enumerate(args)]
+    ref_args = [a.clone() if i in clone else a for i, a in enumerate(args)]
+    with backend("triton"):
+        tri = fn(*tri_args)
+    with backend("torch"):
+        ref = fn(*ref_args)
+    return tri, ref, tri_args, ref_args
+
+
+def rnd(*shape, dtype=torch.float32, gen=None, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEV)
+
+
+def gen_(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def tol(dtype):
+    return {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+            torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}[dtype]
