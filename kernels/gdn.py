@@ -28,6 +28,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     Every chunk of every sequence is computed at once (intra-chunk work batched); only the chunk-to-chunk state
     hand-over loops, over chunk index, batched across sequences. Returns o [T, HV, dv] in v's dtype.
     """
+    if use_triton(q):
+        from tinyserve.kernels import gdn_triton
+        return gdn_triton.chunk_gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, slot_ids, chunk_size)
     T, HV, dv = v.shape
     dk = q.shape[-1]
     C = chunk_size
