@@ -30,9 +30,8 @@ Stand-ins:
 - The host tier never meets memory pressure (`min_free_gb` is set aside: a 64 GB box that runs nothing else).
 - The device budget: `engine.kv_cache_tokens = 0` derives the KV pool from free GPU memory, which a CPU cannot. The
   config's own state slots plus the seed's 270K tokens of KV is taken as the budget (production.toml's comment),
-  and variants with more state slots take their memory from the KV pool (plan_27b). `--card` sizes it as a 48 GB
-  card would if the FP8 weights stayed FP8 (card_kv_tokens: ~453K tokens). tinyserve's plan today dequantizes FP8
-  to bf16, 50.9 GiB of weights, which does not fit a 48 GB card at all.
+  and variants with more state slots take their memory from the KV pool (plan_27b). `--card` sizes it as the plan
+  does for a 48 GB card with the FP8 weights kept FP8 (card_kv_tokens: ~410K tokens).
 - Time: a virtual clock. Each step costs the cost model's compute time for its batch plus the tier copies the step
   made on the engine thread (host<->device and file uploads over PCIe, the copy a file write gathers, device
   snapshot copies). A file-tier read starts when its request arrives and runs on one reader at NVMe speed; the
@@ -421,7 +420,13 @@ class StandInModel:
     def named_parameters(self):
         return iter(())
 
+    def named_buffers(self):
+        return iter(())
+
     def parameters(self):
+        return iter(())
+
+    def modules(self):
         return iter(())
 
 
@@ -527,13 +532,17 @@ class SimEngine(Engine):
 _HEADER_FOLDER: Path | None = None
 
 
+CARD_FREE_GIB = 47.4       # a 48 GB card's free memory at start (what `tinyserve --check --gpu-memory-gb 48` assumes)
+
+
 def header_only_27b() -> Path:
-    """A Qwen3.5-27B-shaped checkpoint folder of safetensors headers (made once per process)."""
+    """A Qwen3.5-27B block-FP8 checkpoint folder of safetensors headers (made once per process)."""
     global _HEADER_FOLDER
     if _HEADER_FOLDER is None:
         sys.path.insert(0, str(ROOT / "tests"))
         from checkpoints import QWEN3_5_27B, make_header_only
-        _HEADER_FOLDER = make_header_only(Path(tempfile.mkdtemp(prefix="tinyserve-sim-")) / "q35-27b", QWEN3_5_27B)
+        _HEADER_FOLDER = make_header_only(Path(tempfile.mkdtemp(prefix="tinyserve-sim-")) / "q35-27b", QWEN3_5_27B,
+                                          fp8_block=(128, 128))
     return _HEADER_FOLDER
 
 
@@ -544,20 +553,16 @@ def set_key(data: dict, dotted: str, value: Any) -> None:
     data[key] = value
 
 
-def card_kv_tokens(config: Path, free_gib: float = 47.3) -> int:
-    """The KV pool MemoryPlan.resolve would derive for `config` on a 48 GB card with `free_gib` free, if the FP8
-    weights stayed FP8 on the GPU (1 byte per value; tinyserve dequantizes them to bf16 today, 50.9 GiB, which does
-    not fit), with the default snapshot slots."""
+def card_kv_tokens(config: Path, free_gib: float = CARD_FREE_GIB) -> int:
+    """The KV pool MemoryPlan.resolve derives for `config` on a 48 GB card with `free_gib` free (FP8 weights kept
+    FP8, the config's own state slots)."""
     from tinyserve.loader import read_checkpoint
-    mc, values = read_checkpoint(header_only_27b())
-    cfg = load(config)
-    e, nextn = cfg.engine, cfg.speculative.algorithm == "nextn"
-    per_token = planmod.kv_bytes_per_token(mc, cfg.model.kv_cache_dtype, mc.num_mtp_layers if nextn else 0)
-    slots = e.max_running_requests * (1 + (cfg.speculative.num_steps if nextn else 0) +
-                                      planmod.SNAPSHOTS_PER_RUNNING_REQUEST)
-    budget = free_gib * GIB * e.mem_fraction_static - values - slots * planmod.state_bytes_per_slot(
-        mc, cfg.model.dtype) - planmod.CUDA_ACTIVATION_RESERVE
-    return int(budget // per_token) // e.page_size * e.page_size
+    mc, weights = read_checkpoint(header_only_27b(), keep_fp8=True)
+    data = to_dict(load(config))
+    data["model"]["path"] = str(header_only_27b())
+    plan = MemoryPlan.resolve(from_dict(data), mc, "cuda", weights, gpu_free_bytes=int(free_gib * GIB),
+                              check_host=False)
+    return plan.kv_tokens
 
 
 def state_slots_total(cfg: Config) -> int:
@@ -578,7 +583,8 @@ def plan_27b(config: Path, file_dir: Path, overrides: dict[str, Any] | None = No
     steps) takes their memory from the KV pool, as a derived plan would. Host memory: a 64 GB box."""
     from tinyserve.loader import read_checkpoint
     folder = header_only_27b()
-    mc, values = read_checkpoint(folder)
+    mc, weights = read_checkpoint(folder, keep_fp8=True)
+    values = weights.values
     data = to_dict(load(config))
     data["model"]["path"] = str(folder)
     base = from_dict(data)
@@ -594,9 +600,13 @@ def plan_27b(config: Path, file_dir: Path, overrides: dict[str, Any] | None = No
             planmod.state_bytes_per_slot(mc, cfg.model.dtype)
         ps = cfg.engine.page_size
         data["engine"]["kv_cache_tokens"] = (kv_tokens - math.ceil(extra / per_token)) // ps * ps
+        # a pool that gave KV to state slots may hold less than the context: the context is cut to it, as a
+        # CUDA plan requires (the traces' requests are far shorter)
+        context = data["model"]["context_length"] or mc.max_position_embeddings
+        data["model"]["context_length"] = min(context, data["engine"]["kv_cache_tokens"])
     cfg = from_dict(data, source=str(config))
     with mock.patch.object(planmod, "host_available_bytes", lambda: HOME_BOX_AVAILABLE):
-        plan = MemoryPlan.resolve(cfg, mc, "cuda", values)
+        plan = MemoryPlan.resolve(cfg, mc, "cuda", weights, gpu_free_bytes=int(CARD_FREE_GIB * GIB))
     return cfg, mc, values, plan
 
 

@@ -15,6 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels.fp8 import Fp8Weight, fp8_linear
+
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
     else None
 BUCKETS = {"one": 1, "few": 8, "many": 256}   # row-count buckets and the row count each is timed at
@@ -28,8 +30,10 @@ def _onednn_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == weight.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T -> [..., N], no bias."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N], no bias. An Fp8Weight goes to the block-FP8 GEMM."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight)
     if _onednn_ok(x, weight):
         rows = x.numel() // x.shape[-1]
         if _use_onednn["one" if rows == 1 else "few" if rows <= FEW_MAX else "many"]:

@@ -17,6 +17,7 @@ from torch import nn
 from tinyserve.kernels.activation import silu_and_mul
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill, causal_conv1d_verify
+from tinyserve.kernels.fp8 import Fp8Weight
 from tinyserve.kernels.gdn import (VerifyLayout, chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
                                    recurrent_gated_delta_rule_verify)
 from tinyserve.kernels.linear import linear
@@ -84,30 +85,68 @@ def _empty(shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _linear_weight(shape, dtype, device) -> nn.Parameter:
+    """A weight that only kernels.linear reads: it may be kept as FP8 instead (Fp8Weights)."""
+    p = _empty(shape, dtype, device)
+    p.is_linear_weight = True
+    return p
+
+
+@dataclass(frozen=True)
+class Fp8Weights:
+    """Which linear weights the model holds as FP8 (parameter name -> scale block) and how they multiply."""
+
+    blocks: dict[str, tuple[int, int]]
+    act_quant: bool                  # w8a8 (activations quantized per 128-group) or w8a16 (see kernels/fp8.py)
+
+
 class WeightLoaders:
-    """Maps canonical checkpoint tensor names to (expected shape, copy function) for one module tree."""
+    """Maps canonical checkpoint tensor names to (expected shape, copy function) for one module tree.
+
+    `parts` records the tensors copied as they are into rows of a parameter (name -> (parameter, first row)): the
+    loader keeps a checkpoint's FP8 tensors FP8 only where whole parameters are filled that way. A loader of an
+    Fp8Weight's rows takes the FP8 values and their scales, already in the weight's block layout."""
 
     def __init__(self) -> None:
         self.shapes: dict[str, tuple[int, ...]] = {}
-        self.loaders: dict[str, Callable[[torch.Tensor], None]] = {}
+        self.loaders: dict[str, Callable[..., None]] = {}
+        self.parts: dict[str, tuple[nn.Parameter | Fp8Weight, int]] = {}
 
-    def add(self, name: str, shape: tuple[int, ...], target: torch.Tensor,
-            transform: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+    def add(self, name: str, shape: tuple[int, ...], target: torch.Tensor | Fp8Weight,
+            transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        if isinstance(target, Fp8Weight):
+            assert transform is None, name        # rows reordered at load never stay FP8 (the loader's rule)
+            return self.add_rows(name, shape, target, 0)
         self.shapes[name] = tuple(shape)
+        if transform is None and isinstance(target, nn.Parameter):
+            self.parts[name] = (target, 0)
 
         def load(t: torch.Tensor) -> None:
             with torch.no_grad():
-                target.copy_(transform(t).reshape(target.shape))
+                target.copy_((transform(t) if transform else t).reshape(target.shape))
         self.loaders[name] = load
 
-    def add_rows(self, name: str, shape: tuple[int, ...], param: torch.Tensor, start: int) -> None:
+    def add_rows(self, name: str, shape: tuple[int, ...], param: nn.Parameter | Fp8Weight, start: int) -> None:
         """A checkpoint tensor that fills rows start:start+shape[0] of a fused parameter."""
-        self.add(name, shape, param[start:start + shape[0]])
+        rows = shape[0]
+        if isinstance(param, Fp8Weight):
+            self.shapes[name] = tuple(shape)
+
+            def load(t: torch.Tensor, scale: torch.Tensor) -> None:
+                b0 = param.block[0]
+                param.weight[start:start + rows].copy_(t)
+                param.scale[start // b0:start // b0 + scale.shape[0]].copy_(scale)
+            self.loaders[name] = load
+        else:
+            self.add(name, shape, param[start:start + rows])
+        self.parts[name] = (param, start)
 
     def merge(self, prefix: str, other: "WeightLoaders") -> None:
         for n, s in other.shapes.items():
             self.shapes[prefix + n] = s
             self.loaders[prefix + n] = other.loaders[n]
+            if n in other.parts:
+                self.parts[prefix + n] = other.parts[n]
 
 
 class GatedDeltaNet(nn.Module):
@@ -120,13 +159,13 @@ class GatedDeltaNet(nn.Module):
         self.nk, self.nv, self.dk, self.dv = nk, nv, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kd, self.vd = cfg.key_dim, cfg.value_dim
         K = cfg.linear_conv_kernel_dim
-        self.in_proj_qkvz = _empty((2 * self.kd + 2 * self.vd, H), dtype, device)
-        self.in_proj_ba = _empty((2 * nv, H), dtype, device)
+        self.in_proj_qkvz = _linear_weight((2 * self.kd + 2 * self.vd, H), dtype, device)
+        self.in_proj_ba = _linear_weight((2 * nv, H), dtype, device)
         self.conv_weight = _empty((cfg.conv_dim, K), dtype, device)
         self.A_log = _empty((nv,), torch.float32, device)
         self.dt_bias = _empty((nv,), torch.float32, device)
         self.norm_weight = _empty((self.dv,), dtype, device)
-        self.out_proj = _empty((H, self.vd), dtype, device)
+        self.out_proj = _linear_weight((H, self.vd), dtype, device)
 
     def weight_loaders(self) -> WeightLoaders:
         cfg, w = self.cfg, WeightLoaders()
@@ -208,8 +247,8 @@ class GatedAttention(nn.Module):
         self.cfg = cfg
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_rows, self.kv_rows = self.nh * 2 * self.hd, self.nkv * self.hd
-        self.qkv_proj = _empty((self.q_rows + 2 * self.kv_rows, cfg.hidden_size), dtype, device)
-        self.o_proj = _empty((cfg.hidden_size, self.nh * self.hd), dtype, device)
+        self.qkv_proj = _linear_weight((self.q_rows + 2 * self.kv_rows, cfg.hidden_size), dtype, device)
+        self.o_proj = _linear_weight((cfg.hidden_size, self.nh * self.hd), dtype, device)
         self.q_norm = _empty((self.hd,), dtype, device)
         self.k_norm = _empty((self.hd,), dtype, device)
 
@@ -249,8 +288,8 @@ class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, dtype, device) -> None:
         super().__init__()
         self.inter = inter
-        self.gate_up = _empty((2 * inter, hidden), dtype, device)
-        self.down = _empty((hidden, inter), dtype, device)
+        self.gate_up = _linear_weight((2 * inter, hidden), dtype, device)
+        self.down = _linear_weight((hidden, inter), dtype, device)
 
     def weight_loaders(self) -> WeightLoaders:
         w, H, I = WeightLoaders(), self.down.shape[0], self.inter
@@ -270,11 +309,11 @@ class SparseMoE(nn.Module):
         super().__init__()
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg, self.E, self.I = cfg, E, I
-        self.router = _empty((E, H), dtype, device)
+        self.router = _linear_weight((E, H), dtype, device)
         self.experts_gate_up = _empty((E, 2 * I, H), dtype, device)
         self.experts_down = _empty((E, H, I), dtype, device)
         self.shared_expert = DenseMLP(H, cfg.shared_expert_intermediate_size, dtype, device)
-        self.shared_expert_gate = _empty((1, H), dtype, device)
+        self.shared_expert_gate = _linear_weight((1, H), dtype, device)
 
     def weight_loaders(self) -> WeightLoaders:
         w, E, H, I = WeightLoaders(), self.E, self.cfg.hidden_size, self.I
@@ -353,7 +392,7 @@ class NextNHead(nn.Module):
         super().__init__()
         H = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
-        self.fc = _empty((H, 2 * H), dtype, device)
+        self.fc = _linear_weight((H, 2 * H), dtype, device)
         self.pre_fc_norm_embedding = _empty((H,), dtype, device)
         self.pre_fc_norm_hidden = _empty((H,), dtype, device)
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0, "full_attention", cfg.num_experts > 0, dtype, device)
@@ -374,16 +413,22 @@ class NextNHead(nn.Module):
 class Qwen3NextForCausalLM(nn.Module):
     """The whole text model (Qwen3-Next and Qwen3.5, dense or MoE) over a paged KV pool and a GDN state pool."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
+                 fp8: Fp8Weights | None = None) -> None:
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         H, V = cfg.hidden_size, cfg.vocab_size
-        self.embed_tokens = _empty((V, H), dtype, device)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, t, cfg.is_moe_layer(i), dtype, device)
+        # With FP8 weights the text model's parameters are laid out on "meta" first and allocated once it is known
+        # which of them are FP8 (a bf16 copy of a 27B model would not fit the card it is meant for).
+        where = "meta" if fp8 else device
+        self.embed_tokens = _empty((V, H), dtype, where)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, t, cfg.is_moe_layer(i), dtype, where)
                                      for i, t in enumerate(cfg.layer_types)])
-        self.norm = _empty((H,), dtype, device)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _empty((V, H), dtype, device)
-        self.mtp = NextNHead(cfg, dtype, device) if cfg.num_mtp_layers > 0 else None
+        self.norm = _empty((H,), dtype, where)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _linear_weight((V, H), dtype, where)
+        self.mtp = NextNHead(cfg, dtype, where) if cfg.num_mtp_layers > 0 else None
+        if fp8:
+            self._allocate(fp8)
         self.visual = None
         if cfg.vision_config is not None:
             from tinyserve.models.qwen_vision import VisionConfig, VisionTower   # imports this module's loaders
@@ -395,6 +440,36 @@ class Qwen3NextForCausalLM(nn.Module):
         self._weights = self._build_loaders()
 
     # ---- weights ----
+    def _allocate(self, fp8: Fp8Weights) -> None:
+        """Give every parameter laid out on "meta" its memory: an Fp8Weight where fp8.blocks names it, else a
+        tensor of its dtype."""
+        unknown = set(fp8.blocks) - {n for n, p in self.named_parameters() if getattr(p, "is_linear_weight", False)}
+        assert not unknown, f"not linear weights of this model: {sorted(unknown)}"
+        for name, p in list(self.named_parameters()):
+            if not p.is_meta:
+                continue
+            owner, attr = self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            del owner._parameters[attr]
+            if name in fp8.blocks:
+                setattr(owner, attr, Fp8Weight(p.shape[0], p.shape[1], fp8.blocks[name], self.device, fp8.act_quant))
+            else:
+                setattr(owner, attr, _empty(p.shape, p.dtype, self.device))
+        if self.cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+
+    def linear_parts(self) -> dict[str, list[tuple[str, int, int]]]:
+        """Each linear weight filled by checkpoint tensors copied as they are: parameter name -> [(canonical name,
+        first row, rows)]. Weights loaded through a reordering (Qwen3-Next's interleaved GDN projections) or
+        stacked (experts) are not listed. What the loader decides FP8 placement on."""
+        names = {id(p): n for n, p in self.named_parameters() if getattr(p, "is_linear_weight", False)}
+        out: dict[str, list[tuple[str, int, int]]] = {}
+        for canonical, (param, start) in self._weights.parts.items():
+            if id(param) in names:
+                out.setdefault(names[id(param)], []).append((canonical, start, self._weights.shapes[canonical][0]))
+        # a weight is listed only if its parts cover it (a reordered part leaves it out)
+        return {n: parts for n, parts in out.items()
+                if sum(rows for _, _, rows in parts) == self.get_parameter(n).shape[0]}
+
     def _build_loaders(self) -> WeightLoaders:
         w, H, V = WeightLoaders(), self.cfg.hidden_size, self.cfg.vocab_size
         w.add("embed_tokens.weight", (V, H), self.embed_tokens)
@@ -423,11 +498,15 @@ class Qwen3NextForCausalLM(nn.Module):
         """Stacked-expert names a checkpoint may ship instead of the per-expert ones."""
         return dict(self._fused.shapes)
 
-    def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
+    def load_tensor(self, name: str, tensor: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Copy one checkpoint tensor in; `scale` (block scales in the target's layout) when it stays FP8."""
         loader = self._weights.loaders.get(name) or self._fused.loaders.get(name)
         if loader is None:
             raise KeyError(f"unexpected tensor {name!r}")
-        loader(tensor.to(self.device))
+        if scale is None:
+            loader(tensor.to(self.device))
+        else:
+            loader(tensor.to(self.device), scale.to(self.device, torch.float32))
 
     # ---- forward ----
     def forward(self, batch: ForwardBatch, kv_pool, state_pool) -> torch.Tensor:

@@ -10,6 +10,9 @@ When a checkpoint is written with MTP tensors, they are also available as ``hf_m
 from __future__ import annotations
 
 import json
+import math
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -240,26 +243,43 @@ QWEN3_5_27B = {   # text_config of Qwen3.5-27B (shared/reference/qwen-hybrid.md)
     "eos_token_id": 248044, "dtype": "bfloat16"}
 
 
-def make_header_only(path: str | Path, config: dict, dtype_tag: str = "BF16") -> Path:
+def make_header_only(path: str | Path, config: dict, dtype_tag: str = "BF16",
+                     fp8_block: tuple[int, int] | None = None) -> Path:
     """A checkpoint folder whose safetensors file holds the header alone (names, dtypes, shapes, offsets) and no
-    tensor data: the shape of a real release for planning (`tinyserve --check`) at no disk cost."""
+    tensor data: the shape of a real release for planning (`tinyserve --check`) at no disk cost. fp8_block: a
+    block-FP8 release (`quant_method: fp8`) quantized as Qwen's are: every linear weight but lm_head, the GDN
+    in_proj_a / in_proj_b and mtp.fc is F8_E4M3 with float32 `weight_scale_inv` blocks."""
     import struct
     from tinyserve.loader import _build_config
     from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
+    if fp8_block:
+        config = {**config, "quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(fp8_block),
+            "modules_to_not_convert": ["lm_head", "re:.*linear_attn\\.in_proj_[ab]$", "mtp.fc"]}}
     (folder / "config.json").write_text(json.dumps(config))
     mtp = ["mtp.layers.0.x"] if config.get("mtp_num_hidden_layers") else []
     cfg = _build_config(folder, config, mtp)
     expected = Qwen3NextForCausalLM(cfg, torch.bfloat16, torch.device("meta")).expected_tensors()
-    size = {"BF16": 2, "F32": 4}[dtype_tag]
+    size = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
     header, offset = {}, 0
-    for name, shape in expected.items():
-        n = size * int(torch.Size(shape).numel())
-        stored = name if name.startswith(("mtp.", "lm_head.")) else "model." + name
-        header[stored] = {"dtype": dtype_tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
+
+    def put(name: str, tag: str, shape) -> None:
+        nonlocal offset
+        n = size[tag] * int(torch.Size(shape).numel())
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
+    for name, shape in expected.items():
+        stored = name if name.startswith(("mtp.", "lm_head.")) else "model." + name
+        if fp8_block and len(shape) == 2 and _is_quantizable(name, torch.empty(0, 0)) and \
+                not re.match(r"(lm_head|mtp\.fc|.*in_proj_[ab])\.weight$", name):
+            put(stored, "F8_E4M3", shape)
+            put(stored + "_scale_inv", "F32", (math.ceil(shape[0] / fp8_block[0]), math.ceil(shape[1] / fp8_block[1])))
+        else:
+            put(stored, dtype_tag, shape)
     raw = json.dumps(header).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
     return folder
@@ -434,3 +454,83 @@ def make_qwen3_5_vl(path: str | Path, *, seed: int = 0, with_mtp: bool = False, 
         add_tensors(folder, mtp, "model-mtp.safetensors")
         full.mtp_state_dict = mtp
     return folder, full
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FP8 checkpoints
+
+FP8_MAX = 448.0
+
+
+def _is_quantizable(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name and "visual" not in name
+
+
+def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    out, inp = shape
+    return scale.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
+
+
+def quantize(w: torch.Tensor, strategy: str, block: tuple[int, int] = (128, 128)):
+    """FP8 e4m3 weight and its dequant multiplier (scale), plus the exactly dequantized reference weight."""
+    w = w.float()
+    out, inp = w.shape
+    if strategy == "tensor":
+        scale = (w.abs().max() / FP8_MAX).clamp(min=1e-12).reshape(())
+        full = scale
+    elif strategy == "channel":
+        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        full = scale
+    else:
+        nb0, nb1 = math.ceil(out / block[0]), math.ceil(inp / block[1])
+        pad = torch.zeros(nb0 * block[0], nb1 * block[1])
+        pad[:out, :inp] = w.abs()
+        amax = pad.reshape(nb0, block[0], nb1, block[1]).amax(dim=(1, 3))
+        scale = (amax / FP8_MAX).clamp(min=1e-12)
+        full = _expand(scale, (out, inp), block)
+    q = (w / full).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * full
+
+
+def fp8_checkpoint(src: Path, dst: Path, *, method: str, strategy: str, block=(128, 128),
+                   ignore: list[str], ignored) -> Path:
+    """Quantize src's Linear weights into dst (FP8 + scales + quantization_config) and write the dequantized
+    reference checkpoint to dst.parent / (dst.name + "_ref")."""
+    shutil.copytree(src, dst)
+    ref = dst.parent / (dst.name + "_ref")
+    shutil.copytree(src, ref)
+    tensors = read_tensors(src)
+    quant: dict[str, torch.Tensor] = {}
+    deq: dict[str, torch.Tensor] = {}
+    n_quantized = 0
+    for name, t in tensors.items():
+        module = name[: -len(".weight")]
+        if _is_quantizable(name, t) and not ignored(module):
+            q, scale, d = quantize(t, strategy, block)
+            quant[name] = q
+            quant[module + (".weight_scale_inv" if method == "fp8" else ".weight_scale")] = scale
+            if method == "compressed-tensors":
+                quant[module + ".input_scale"] = torch.tensor(0.5)  # static activation scale: unused
+            deq[name] = d
+            n_quantized += 1
+        else:
+            quant[name] = t
+            deq[name] = t
+    assert n_quantized > 10
+    write_tensors(dst, quant)
+    write_tensors(ref, deq)
+    if method == "fp8":
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": list(block) if strategy == "block" else None, "modules_to_not_convert": ignore}
+    else:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy}
+        if strategy == "block":
+            weights["block_structure"] = list(block)
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "quantization_status": "compressed",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                            "input_activations": {"num_bits": 8, "type": "float",
+                                                                  "strategy": "tensor", "dynamic": False}}},
+              "ignore": ignore}
+    update_config(dst, quantization_config=qc)
+    return ref

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from checkpoints import (
+    fp8_checkpoint,
     make_qwen3_5_conditional,
     make_qwen3_5_text,
     make_qwen3_next,
@@ -20,8 +21,6 @@ from checkpoints import (
     write_tensors,
 )
 from tinyserve.loader import LoaderError, load_model, read_model_config
-
-FP8_MAX = 448.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -409,80 +408,6 @@ def test_error_config_mismatch_with_weights(ckpts, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------------
 # FP8
-
-
-def _is_quantizable(name: str, t: torch.Tensor) -> bool:
-    return t.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name and "visual" not in name
-
-
-def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    out, inp = shape
-    return scale.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
-
-
-def quantize(w: torch.Tensor, strategy: str, block: tuple[int, int] = (128, 128)):
-    """FP8 e4m3 weight and its dequant multiplier (scale), plus the exactly dequantized reference weight."""
-    w = w.float()
-    out, inp = w.shape
-    if strategy == "tensor":
-        scale = (w.abs().max() / FP8_MAX).clamp(min=1e-12).reshape(())
-        full = scale
-    elif strategy == "channel":
-        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-        full = scale
-    else:
-        nb0, nb1 = math.ceil(out / block[0]), math.ceil(inp / block[1])
-        pad = torch.zeros(nb0 * block[0], nb1 * block[1])
-        pad[:out, :inp] = w.abs()
-        amax = pad.reshape(nb0, block[0], nb1, block[1]).amax(dim=(1, 3))
-        scale = (amax / FP8_MAX).clamp(min=1e-12)
-        full = _expand(scale, (out, inp), block)
-    q = (w / full).to(torch.float8_e4m3fn)
-    return q, scale, q.float() * full
-
-
-def fp8_checkpoint(src: Path, dst: Path, *, method: str, strategy: str, block=(128, 128),
-                   ignore: list[str], ignored) -> Path:
-    """Quantize src's Linear weights into dst (FP8 + scales + quantization_config) and write the dequantized
-    reference checkpoint to dst.parent / (dst.name + "_ref")."""
-    shutil.copytree(src, dst)
-    ref = dst.parent / (dst.name + "_ref")
-    shutil.copytree(src, ref)
-    tensors = read_tensors(src)
-    quant: dict[str, torch.Tensor] = {}
-    deq: dict[str, torch.Tensor] = {}
-    n_quantized = 0
-    for name, t in tensors.items():
-        module = name[: -len(".weight")]
-        if _is_quantizable(name, t) and not ignored(module):
-            q, scale, d = quantize(t, strategy, block)
-            quant[name] = q
-            quant[module + (".weight_scale_inv" if method == "fp8" else ".weight_scale")] = scale
-            if method == "compressed-tensors":
-                quant[module + ".input_scale"] = torch.tensor(0.5)  # static activation scale: unused
-            deq[name] = d
-            n_quantized += 1
-        else:
-            quant[name] = t
-            deq[name] = t
-    assert n_quantized > 10
-    write_tensors(dst, quant)
-    write_tensors(ref, deq)
-    if method == "fp8":
-        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-              "weight_block_size": list(block) if strategy == "block" else None, "modules_to_not_convert": ignore}
-    else:
-        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy}
-        if strategy == "block":
-            weights["block_structure"] = list(block)
-        qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
-              "quantization_status": "compressed",
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                            "input_activations": {"num_bits": 8, "type": "float",
-                                                                  "strategy": "tensor", "dynamic": False}}},
-              "ignore": ignore}
-    update_config(dst, quantization_config=qc)
-    return ref
 
 
 def _next_fp8_ignore(n_layers: int) -> tuple[list[str], object]:

@@ -49,17 +49,37 @@ def sd_notify(message: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # --check
 
-def check(cfg: Any) -> int:
-    """Print the effective config and the memory plan, from config.json and the safetensors headers alone."""
+def check(cfg: Any, gpu_memory_gb: float | None = None) -> int:
+    """Print the effective config and the memory plan, from config.json and the safetensors headers alone; with
+    gpu_memory_gb, the CUDA plan for a card of that size. A plan that does not fit raises ConfigError (exit 1,
+    naming the key to change)."""
     from .plan import plan_for
 
     print(config_mod.dumps(cfg).rstrip())
     print()
-    plan = plan_for(cfg)[2]
+    plan = plan_for(cfg, gpu_memory_gb)[2]
     print(plan)
     if host_tier_line(cfg, plan):
-        print(host_tier_line(cfg, plan))
+        print(host_tier_line(cfg, plan) if not gpu_memory_gb else
+              host_tier_line(cfg, plan).rpartition(";")[0] + " (not checked against this machine's memory)")
+    if plan.device == "cuda":
+        print(gpu_budget_line(cfg, plan, gpu_memory_gb))
     return 0
+
+
+def gpu_budget_line(cfg: Any, plan: Any, gpu_memory_gb: float | None = None) -> str:
+    """How a CUDA plan fills the card: the static share (weights, GDN state, KV pool) and the rest (activations)."""
+    from .plan import GIB
+
+    static = (plan.weights_bytes + plan.kv_tokens * plan.kv_bytes_per_token
+              + (plan.state_slots + plan.verify_slots + plan.snapshot_slots) * plan.state_bytes_per_slot)
+    budget = plan.gpu_bytes * cfg.engine.mem_fraction_static
+    card = f"a {gpu_memory_gb:g} GiB card" if gpu_memory_gb else "this GPU"
+    return (f"fits {card} ({plan.gpu_bytes / GIB:.1f} GiB free): weights, GDN state and KV pool "
+            f"{static / GIB:.1f} GiB of {budget / GIB:.1f} GiB (engine.mem_fraction_static = "
+            f"{cfg.engine.mem_fraction_static}); one step's activations ~{plan.activation_bytes / GIB:.2f} GiB of "
+            f"the {(plan.gpu_bytes - budget) / GIB:.1f} GiB left; a request of {plan.context_length} tokens fits "
+            f"the KV pool of {plan.kv_tokens}")
 
 
 def host_tier_line(cfg: Any, plan: Any) -> str:
@@ -198,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="the TOML config file (see config.example.toml)")
     parser.add_argument("--check", action="store_true",
                         help="validate the config, print the effective config and the memory plan, and exit")
+    parser.add_argument("--gpu-memory-gb", type=float, metavar="N",
+                        help="with --check: plan for a CUDA card with N GiB of memory (not this machine's device); "
+                             "exit 1, naming the key to change, when the model does not fit")
     args = parser.parse_args(argv)
+    if args.gpu_memory_gb is not None and (not args.check or args.gpu_memory_gb <= 0):
+        parser.error("--gpu-memory-gb N needs --check and N > 0")
     try:
         cfg = config_mod.load(args.config)
     except ConfigError as e:                          # before importing torch: a typo fails in a blink
@@ -208,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.check:
-            return check(cfg)
+            return check(cfg, args.gpu_memory_gb)
         return asyncio.run(serve(cfg))
     except (ConfigError, LoaderError) as e:
         return _fail(e)

@@ -41,8 +41,10 @@ from tinyserve.config import Config, ConfigError
 from tinyserve.grammar import GrammarCompiler
 from tinyserve.images import ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, preprocess
 from tinyserve.kernels import set_backend as set_kernel_backend
+from tinyserve.kernels.fp8 import Fp8Weight
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
+from tinyserve.loader import WeightCount
 from tinyserve.multimodal import expand_image_pads, image_keys, request_images
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
 from tinyserve.radix import RadixCache
@@ -283,7 +285,8 @@ class Engine:
         from tinyserve.loader import load_model
         from tinyserve.tokenizer import Tokenizer
         folder, _, plan = plan_for(cfg)
-        model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision)
+        model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision,
+                           fp8_weights=plan.fp8_weights)
         engine = cls(cfg, model, Tokenizer.from_folder(folder), plan)
         engine.price_drafts()
         return engine
@@ -325,8 +328,11 @@ class Engine:
         """An engine around a model already loaded (tests, notebooks): the plan from cfg and the model's sizes,
         in the model's own dtype."""
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype_name(model.dtype)))
-        values = sum(p.numel() for p in model.parameters())
-        return cls(cfg, model, tokenizer, MemoryPlan.resolve(cfg, model.cfg, model.device.type, values))
+        fp8 = [m for m in model.modules() if isinstance(m, Fp8Weight)]
+        fp8_values = sum(m.weight.numel() for m in fp8)
+        weights = WeightCount(sum(p.numel() for p in model.parameters()) + fp8_values, fp8_values,
+                              sum(m.scale.numel() for m in fp8))
+        return cls(cfg, model, tokenizer, MemoryPlan.resolve(cfg, model.cfg, model.device.type, weights))
 
     # ---- requests (called from the event loop or offline code) ----
     def fit_max_tokens(self, prompt_len: int, max_tokens: int | None, clamp: bool = False) -> int:

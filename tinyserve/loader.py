@@ -529,6 +529,59 @@ def _dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], sc
                       f"its weight of shape {list(w.shape)}")
 
 
+def _scale_block(item: "_Item", block: tuple[int, int]) -> tuple[int, int] | None:
+    """The scale block of an FP8 tensor in Fp8Weight's terms (per-tensor and per-channel scales are blocks of one
+    row by all columns), or None when the GEMM cannot read it (then the tensor is dequantized)."""
+    from tinyserve.kernels.fp8 import scale_block_ok
+    if item.scale is None or item.info.dtype != "F8_E4M3" or len(item.info.shape) != 2:
+        return None
+    out, inp = item.info.shape
+    shape = tuple(item.scale.shape)
+    if math.prod(shape) == 1 or shape in ((out, 1), (out,)):
+        found = (1, inp)
+    elif shape == (math.ceil(out / block[0]), math.ceil(inp / block[1])):
+        found = block
+    else:
+        return None
+    return found if scale_block_ok(found, inp) else None
+
+
+def _scale_in_blocks(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
+    """A checkpoint scale as Fp8Weight.scale rows for a weight of `shape`: [ceil(out/b0), ceil(in/b1)]."""
+    out = shape[0]
+    if block[0] == 1:                                   # per-tensor or per-channel: one scale per row
+        return scale.reshape(-1, 1).expand(out, 1) if scale.numel() == 1 else scale.reshape(out, 1)
+    return scale
+
+
+def _fp8_placement(cfg: ModelConfig, items: list["_Item"], scheme: _QuantScheme
+                   ) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """Which linear weights stay FP8: (parameter name -> scale block, canonical tensor name -> its parameter).
+
+    A parameter stays FP8 when every checkpoint tensor that fills it is float8_e4m3fn with the same readable scale
+    block and starts on a block row (fused q|k|v, gate|up, qkv|z parts of 128 rows each do; Qwen3.5's 48-row
+    in_proj_b | in_proj_a do not, and are small). Reordered or stacked weights (Qwen3-Next's interleaved GDN
+    projections, MoE experts) are dequantized. The model is laid out on "meta" to learn its parameters' parts."""
+    import dataclasses
+
+    import torch
+
+    from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
+    by_name = {it.canonical: it for it in items}
+    probe = Qwen3NextForCausalLM(dataclasses.replace(cfg, vision_config=None), torch.bfloat16, "meta")
+    blocks: dict[str, tuple[int, int]] = {}
+    kept: dict[str, str] = {}
+    for param, parts in probe.linear_parts().items():
+        found = {_scale_block(by_name[c], scheme.block) if c in by_name else None for c, _, _ in parts}
+        if len(found) != 1 or None in found:
+            continue
+        block = found.pop()
+        if all(start % block[0] == 0 for _, start, _ in parts):
+            blocks[param] = block
+            kept.update((c, param) for c, _, _ in parts)
+    return blocks, kept
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # load
 
@@ -540,6 +593,12 @@ class _Item:
     canonical: str
     info: _TensorInfo
     scale: _TensorInfo | None = None
+
+
+def _scale_info(item: _Item, infos: dict[str, _TensorInfo]) -> _TensorInfo | None:
+    """The scale tensor stored beside an FP8 weight (name + "_scale_inv" or "_scale"), if any."""
+    return next((infos[item.info.name + suffix[len(".weight"):]] for suffix in _SCALE_SUFFIXES
+                 if item.info.name.endswith(".weight") and item.info.name + suffix[len(".weight"):] in infos), None)
 
 
 def _loadable(cfg: ModelConfig, infos: dict[str, _TensorInfo]) -> list[_Item]:
@@ -561,17 +620,42 @@ def _loadable(cfg: ModelConfig, infos: dict[str, _TensorInfo]) -> list[_Item]:
     return items
 
 
-def read_checkpoint(folder: str | Path, vision: bool = True) -> tuple[ModelConfig, int]:
-    """The ModelConfig and the number of weight values the model will hold (the vision tower's too, unless
-    vision=False), from config.json and the safetensors headers alone (no tensor data is read): what the memory
-    plan needs before any weight is loaded."""
+@dataclass(frozen=True)
+class WeightCount:
+    """The weight values a model will hold and how they are stored, from the safetensors headers alone."""
+
+    values: int              # every weight value (the vision tower's too, unless model.vision = false)
+    fp8_values: int = 0      # of those, the values kept as FP8 (1 byte each) ...
+    fp8_scales: int = 0      # ... and their block scales (fp32, not in `values`)
+
+    def bytes(self, element_size: int) -> int:
+        """Bytes on the device when the other weights are held in a dtype of `element_size` bytes."""
+        return (self.values - self.fp8_values) * element_size + self.fp8_values + 4 * self.fp8_scales
+
+
+def read_checkpoint(folder: str | Path, vision: bool = True, keep_fp8: bool = False) -> tuple[ModelConfig,
+                                                                                                WeightCount]:
+    """The ModelConfig and the weights the model will hold (the vision tower's too, unless vision=False), from
+    config.json and the safetensors headers alone (no tensor data is read): what the memory plan needs before any
+    weight is loaded. keep_fp8: count FP8 weights as load_model(fp8_weights=...) keeps them (this imports torch to
+    lay the model out on "meta"; a plan that dequantizes needs no torch)."""
     path = _check_folder(folder)
     raw = _raw_config(path)
     infos = _scan_tensors(_weight_files(path))
     cfg = _build_config(path, raw, list(infos), vision)
     items = _loadable(cfg, infos)
     cfg.vision_parameters = sum(math.prod(it.info.shape) for it in items if it.canonical.startswith("visual."))
-    return cfg, sum(math.prod(it.info.shape) for it in items)
+    values = sum(math.prod(it.info.shape) for it in items)
+    if not keep_fp8:
+        return cfg, WeightCount(values)
+    scheme = _QuantScheme.from_config(raw)
+    for item in items:
+        item.scale = _scale_info(item, infos)
+    blocks, kept = _fp8_placement(cfg, items, scheme)
+    fp8_values = sum(math.prod(it.info.shape) for it in items if it.canonical in kept)
+    scales = sum(math.ceil(it.info.shape[0] / blocks[kept[it.canonical]][0])
+                 * math.ceil(it.info.shape[1] / blocks[kept[it.canonical]][1]) for it in items if it.canonical in kept)
+    return cfg, WeightCount(values, fp8_values, scales)
 
 
 def _plan(folder: Path, cfg: ModelConfig, infos: dict[str, _TensorInfo], scheme: _QuantScheme,
@@ -646,14 +730,19 @@ def _progress(total: int, size_bytes: int):
     return tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show, leave=False)
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", vision: bool = True):
+FP8_WEIGHTS = ("dequantize", "w8a8", "w8a16")     # load_model(fp8_weights=...): see kernels/fp8.py
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", vision: bool = True,
+               fp8_weights: str = "dequantize"):
     """Build the model described by `folder`/config.json and stream the checkpoint's weights into it (with its
-    vision tower when it has one, unless vision=False)."""
+    vision tower when it has one, unless vision=False). An FP8 checkpoint's linear weights are dequantized to
+    `dtype`, or with fp8_weights "w8a8" / "w8a16" kept FP8 where _fp8_placement allows (kernels/fp8.py)."""
     # torch and the model are imported on use: reading configs and headers (the plan, --check) needs neither
     import torch
     from safetensors import safe_open
 
-    from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
+    from tinyserve.models.qwen3_next import Fp8Weights, Qwen3NextForCausalLM
 
     path = _check_folder(folder)
     raw = _raw_config(path)
@@ -663,7 +752,15 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     scheme = _QuantScheme.from_config(raw)
     device = torch.device(device)
 
-    model = Qwen3NextForCausalLM(cfg, dtype, device)
+    assert fp8_weights in FP8_WEIGHTS, fp8_weights
+    blocks: dict[str, tuple[int, int]] = {}
+    kept: dict[str, str] = {}                      # canonical tensor -> the FP8 parameter it fills
+    if fp8_weights != "dequantize" and scheme.method:
+        check = Qwen3NextForCausalLM(cfg, dtype, "meta")       # names and shapes checked before any allocation
+        planned = _plan(path, cfg, infos, scheme, check.expected_tensors())
+        blocks, kept = _fp8_placement(cfg, planned, scheme)
+    fp8 = Fp8Weights(blocks, act_quant=fp8_weights == "w8a8") if blocks else None
+    model = Qwen3NextForCausalLM(cfg, dtype, device, fp8)
     if model.visual is not None:
         cfg.vision_parameters = sum(p.numel() for p in model.visual.parameters())
     items = _plan(path, cfg, infos, scheme, model.expected_tensors())
@@ -683,13 +780,17 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
         with _progress(len(items), size) as bar:
             for item in items:
                 tensor = handle(item.info.file).get_tensor(item.info.name)
+                scale = None
                 if item.scale is not None:
                     scale = handle(item.scale.file).get_tensor(item.scale.name)
-                    tensor = _dequantize(tensor.to(work_device), scale, scheme.block, item.scale.name)
-                    del scale
-                model.load_tensor(item.canonical, tensor)
+                    if item.canonical in kept:         # stays FP8: the scales in the weight's block layout
+                        scale = _scale_in_blocks(scale, item.info.shape, blocks[kept[item.canonical]])
+                    else:
+                        tensor = _dequantize(tensor.to(work_device), scale, scheme.block, item.scale.name)
+                        scale = None
+                model.load_tensor(item.canonical, tensor, scale)
                 del tensor  # one checkpoint tensor alive at a time
                 bar.update(1)
-    log.info("loaded %s: %d tensors, %s, dtype %s, device %s", path, len(items), cfg.model_type,
-             dtype, device)
+    log.info("loaded %s: %d tensors, %s, dtype %s, device %s%s", path, len(items), cfg.model_type, dtype, device,
+             f", {len(blocks)} linear weights kept FP8 ({fp8_weights})" if blocks else "")
     return model

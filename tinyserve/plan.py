@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tinyserve.config import DTYPES, KV_CACHE_DTYPES, Config, ConfigError
+from tinyserve.loader import WeightCount
 from tinyserve.models.config import ModelConfig
 
 # The one table of dtypes: the config's name -> (torch's name, bytes per value). Plans carry the config's names, so
@@ -24,7 +25,7 @@ DTYPE_TABLE: dict[str, tuple[str, int]] = {"bfloat16": ("bfloat16", 2), "float16
 assert set(DTYPES + KV_CACHE_DTYPES) - {"auto"} == set(DTYPE_TABLE), "config.py's dtype names and this table"
 CPU_DEFAULT_KV_TOKENS = 32768       # engine.kv_cache_tokens = 0 on the CPU: a modest pool
 SNAPSHOTS_PER_RUNNING_REQUEST = 4   # cache.state_slots = 0: device snapshots per engine.max_running_requests
-CUDA_ACTIVATION_RESERVE = 1 << 30   # bytes kept free on the GPU for activations and the CUDA context
+CUDA_CONTEXT_BYTES = 600 << 20     # --gpu-memory-gb: what the CUDA context and torch take before anything is ours
 GIB = 1 << 30
 
 
@@ -67,6 +68,41 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def activation_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
+    """An estimate of the peak transient memory of one step: the largest layer's intermediates for a full prefill
+    chunk (engine.chunked_prefill_size tokens) plus the running requests' decode / verify rows, and the fp32
+    logits of every row that samples. The GDN chunk kernel's fp32 intermediates (heads expanded to the value heads,
+    the WY factors, the 64-wide triangular blocks, the state before each chunk) dominate the hybrid layers."""
+    e, b = cfg.engine, element_size(dtype)
+    rows_per_request = cfg.speculative.num_draft_tokens if cfg.speculative.algorithm == "nextn" else 1
+    tokens = e.chunked_prefill_size + e.max_running_requests * rows_per_request
+    H = mc.hidden_size
+    residual = 3 * H * b                                       # the residual stream, its norm and a layer's output
+    if mc.num_experts:
+        mlp = (mc.num_experts_per_tok * mc.moe_intermediate_size + mc.shared_expert_intermediate_size) * 3 * b
+    else:
+        mlp = 3 * mc.intermediate_size * b                     # gate | up, then the activation
+    gdn = 0
+    if mc.gdn_layer_ids:
+        hv, dk, dv = mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim
+        gdn = ((2 * mc.key_dim + 2 * mc.value_dim + 2 * hv) * b + mc.conv_dim * b
+               + hv * (2 * dk + dv) * 4 + hv * (dk + 2 * dv) * 4 + hv * 64 * 4
+               + hv * dk * dv * 4 // 64)                     # the state before each 64-token chunk
+    q_rows = mc.num_attention_heads * mc.head_dim * 2                      # queries and their output gate
+    attn = (q_rows + 2 * mc.num_key_value_heads * mc.head_dim + mc.num_attention_heads * mc.head_dim) * b
+    logits = e.max_running_requests * rows_per_request * mc.vocab_size * 4 * 2
+    return tokens * (residual + max(mlp, gdn, attn)) + logits
+
+
+def fp8_weights_for(device: str, cuda_capability: tuple[int, int] | None) -> str:
+    """How an FP8 checkpoint's weights are held (loader.FP8_WEIGHTS): kept FP8 on CUDA, with the activations
+    quantized where the GPU has FP8 tensor cores (sm_89 and later) and dequantized tile by tile before; dequantized
+    at load on the CPU, which has no FP8 arithmetic and room for bf16 or fp32 weights."""
+    if device != "cuda":
+        return "dequantize"
+    return "w8a8" if cuda_capability is None or cuda_capability >= (8, 9) else "w8a16"
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     device: str                  # "cpu" | "cuda"
@@ -88,6 +124,10 @@ class MemoryPlan:
     file_dir: str = ""           # file tier (L3): "" = off
     file_bytes: int = 0
     vision_bytes: int = 0        # the vision tower's share of weights_bytes (image input)
+    fp8_weights: str = "dequantize"  # how FP8 checkpoint weights are held (loader.FP8_WEIGHTS)
+    fp8_bytes: int = 0           # the weights kept FP8 (values and scales), a share of weights_bytes
+    activation_bytes: int = 0    # estimated peak of one step's intermediates (CUDA plans)
+    gpu_bytes: int = 0           # CUDA: the device memory the plan was made for (free memory at start)
 
     @property
     def kv_tokens(self) -> int:
@@ -98,9 +138,13 @@ class MemoryPlan:
         return self.state_bytes_per_slot > 0
 
     @classmethod
-    def resolve(cls, cfg: Config, mc: ModelConfig, device: str, weight_values: int) -> "MemoryPlan":
-        """Decide every derived size. `weight_values` is the number of weight values the model holds (from the
-        safetensors headers); `device` is "cpu" or "cuda" (see resolve_device)."""
+    def resolve(cls, cfg: Config, mc: ModelConfig, device: str, weights_count: WeightCount,
+                gpu_free_bytes: int | None = None, cuda_capability: tuple[int, int] | None = None,
+                check_host: bool = True) -> "MemoryPlan":
+        """Decide every derived size. `weights` counts the weights the model holds (from the safetensors headers,
+        FP8 ones as kept on this device); `device` is "cpu" or "cuda" (see resolve_device). On CUDA the budget is
+        `gpu_free_bytes` (a card that is not here: --gpu-memory-gb) or the device's free memory now. check_host:
+        compare the host tier with this machine's available memory (not when planning for another machine)."""
         dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         kv_dtype = cfg.model.kv_cache_dtype if cfg.model.kv_cache_dtype != "auto" else dtype
         e, c = cfg.engine, cfg.cache
@@ -116,33 +160,29 @@ class MemoryPlan:
             verify_slots = e.max_running_requests * cfg.speculative.num_steps if hybrid else 0
         per_token = kv_bytes_per_token(mc, kv_dtype, nextn_layers)
         per_slot = state_bytes_per_slot(mc, dtype)
-        weights = weight_values * element_size(dtype)
+        weights = weights_count.bytes(element_size(dtype))
         snapshots = 0
         if c.enabled and hybrid:
             snapshots = c.state_slots or SNAPSHOTS_PER_RUNNING_REQUEST * e.max_running_requests
         state_bytes = (e.max_running_requests + verify_slots + snapshots) * per_slot
-        if e.kv_cache_tokens:
-            kv_tokens = e.kv_cache_tokens
-        elif device == "cuda":
-            import torch
-            free, _ = torch.cuda.mem_get_info()
-            budget = free * e.mem_fraction_static - weights - state_bytes - CUDA_ACTIVATION_RESERVE
-            if budget < per_token * e.page_size:
-                raise ConfigError(
-                    f"the GPU has {free / GIB:.1f} GiB free; with engine.mem_fraction_static = "
-                    f"{e.mem_fraction_static} there is no room for a KV cache after {weights / GIB:.1f} GiB of "
-                    f"weights and {state_bytes / GIB:.2f} GiB of GDN state (lower engine.max_running_requests or "
-                    f"cache.state_slots, or use a smaller model)", "engine.mem_fraction_static")
-            kv_tokens = int(budget // per_token)
-        else:
-            kv_tokens = CPU_DEFAULT_KV_TOKENS
-        kv_pages = max(1, kv_tokens // e.page_size)
         context = cfg.model.context_length or mc.max_position_embeddings
+        free = activations = 0
+        if device == "cuda":
+            if gpu_free_bytes is None:
+                import torch
+                gpu_free_bytes = torch.cuda.mem_get_info()[0]
+                cuda_capability = torch.cuda.get_device_capability()
+            free = gpu_free_bytes
+            activations = activation_bytes(cfg, mc, dtype)
+            kv_tokens = cls._cuda_kv_tokens(cfg, free, weights, state_bytes, per_token, activations, context)
+        else:
+            kv_tokens = e.kv_cache_tokens or CPU_DEFAULT_KV_TOKENS
+        kv_pages = max(1, kv_tokens // e.page_size)
 
         host_pages = host_snapshots = 0
         host_bytes = int(c.host.size_gb * GIB) if c.enabled else 0
         if host_bytes:
-            available = host_available_bytes()
+            available = host_available_bytes() if check_host else host_bytes
             if host_bytes > available:
                 raise ConfigError(f"cache.host.size_gb = {c.host.size_gb:g} GB does not fit: this host has "
                                   f"{available / GIB:.1f} GiB available; lower cache.host.size_gb",
@@ -157,6 +197,9 @@ class MemoryPlan:
         file_on = c.enabled and bool(c.file.dir)
         return cls(device=device, dtype=dtype, kv_dtype=kv_dtype, weights_bytes=weights,
                    vision_bytes=mc.vision_parameters * element_size(dtype), context_length=context,
+                   fp8_weights=fp8_weights_for(device, cuda_capability) if weights_count.fp8_values else "dequantize",
+                   fp8_bytes=weights_count.fp8_values + 4 * weights_count.fp8_scales,
+                   activation_bytes=activations, gpu_bytes=free,
                    page_size=e.page_size, kv_pages=kv_pages, kv_bytes_per_token=per_token,
                    state_slots=e.max_running_requests, state_bytes_per_slot=per_slot if hybrid else 0,
                    snapshot_slots=snapshots, verify_slots=verify_slots, nextn_layers=nextn_layers,
@@ -164,8 +207,52 @@ class MemoryPlan:
                    host_pages=host_pages, host_snapshots=host_snapshots,
                    file_dir=c.file.dir if file_on else "", file_bytes=int(c.file.size_gb * GIB) if file_on else 0)
 
+    @staticmethod
+    def _cuda_kv_tokens(cfg: Config, free: int, weights: int, state_bytes: int, per_token: int, activations: int,
+                        context: int) -> int:
+        """The KV pool on a GPU with `free` bytes: engine.mem_fraction_static of them hold the weights, the GDN
+        state slots and the KV pool (engine.kv_cache_tokens, or all that is left); the rest is for one step's
+        activations and the CUDA context's own allocations. A pool that cannot hold one request of
+        `context` tokens, or activations that do not fit the rest, fail naming the key to change."""
+        e = cfg.engine
+        static = free * e.mem_fraction_static
+        have = (f"the GPU has {free / GIB:.1f} GiB free; engine.mem_fraction_static = {e.mem_fraction_static} "
+                f"gives {static / GIB:.1f} GiB to {weights / GIB:.1f} GiB of weights, {state_bytes / GIB:.2f} GiB "
+                f"of GDN state and the KV pool")
+        left = static - weights - state_bytes
+        if left < per_token * e.page_size:
+            raise ConfigError(f"{have}: the weights and the GDN state alone take it all, leaving no room for a KV "
+                              f"pool; this model needs a larger card, a smaller checkpoint, fewer "
+                              f"engine.max_running_requests / cache.state_slots, or a higher "
+                              f"engine.mem_fraction_static", "engine.mem_fraction_static")
+        if e.kv_cache_tokens:
+            if e.kv_cache_tokens * per_token > left:
+                raise ConfigError(f"{have}: engine.kv_cache_tokens = {e.kv_cache_tokens} needs "
+                                  f"{e.kv_cache_tokens * per_token / GIB:.2f} GiB but {max(0, left) / GIB:.2f} GiB "
+                                  f"are left; lower engine.kv_cache_tokens (0 derives it) or model.context_length",
+                                  "engine.kv_cache_tokens")
+            kv_tokens = e.kv_cache_tokens
+        else:
+            kv_tokens = int(max(0, left) // per_token)
+        if kv_tokens < context:
+            key = "engine.kv_cache_tokens" if e.kv_cache_tokens else "model.context_length"
+            raise ConfigError(f"{have}: the KV pool holds {kv_tokens} tokens, fewer than one request of "
+                              f"model.context_length = {context} tokens needs; lower {key}, raise "
+                              f"engine.mem_fraction_static, use fp8_e4m3 for model.kv_cache_dtype, or fewer "
+                              f"engine.max_running_requests / cache.state_slots", key)
+        rest = free - static
+        if activations > rest:
+            raise ConfigError(f"the GPU has {free / GIB:.1f} GiB free; one step's activations need about "
+                              f"{activations / GIB:.2f} GiB but engine.mem_fraction_static = "
+                              f"{e.mem_fraction_static} leaves {rest / GIB:.2f} GiB; lower "
+                              f"engine.chunked_prefill_size or engine.mem_fraction_static",
+                              "engine.chunked_prefill_size")
+        return kv_tokens
+
     def __str__(self) -> str:
         return (f"device {self.device} ({self.dtype}); weights {self.weights_bytes / GIB:.2f} GiB"
+                + (f" ({self.fp8_bytes / GIB:.2f} GiB of them kept FP8, {self.fp8_weights})" if self.fp8_bytes
+                   else "")
                 + (f" (vision tower {self.vision_bytes / GIB:.2f} GiB)" if self.vision_bytes else "") + "; "
                 f"KV pool {self.kv_tokens} tokens ({self.kv_pages} pages of {self.page_size}, "
                 f"{self.kv_dtype}, {self.kv_tokens * self.kv_bytes_per_token / GIB:.2f} GiB); "
@@ -180,7 +267,9 @@ class MemoryPlan:
                 + (f"; host tier {self.host_pages * self.page_size} tokens ({self.host_pages} pages) + "
                    f"{self.host_snapshots} snapshots" if self.host_pages or self.host_snapshots else "")
                 + (f"; file tier {self.file_dir} up to {self.file_bytes / GIB:.2f} GiB "
-                   f"(~{self.file_bytes // max(1, self.kv_bytes_per_token)} tokens)" if self.file_dir else ""))
+                   f"(~{self.file_bytes // max(1, self.kv_bytes_per_token)} tokens)" if self.file_dir else "")
+                + (f"; one step's activations ~{self.activation_bytes / GIB:.2f} GiB" if self.activation_bytes
+                   else ""))
 
 
 def resolve_device(cfg: Config) -> str:
@@ -203,9 +292,13 @@ def checkpoint_folder(cfg: Config) -> Path:
     return Path(cfg.model.path)
 
 
-def plan_for(cfg: Config) -> tuple[Path, ModelConfig, MemoryPlan]:
-    """The checkpoint folder, its ModelConfig and the plan, from config.json and the safetensors headers only."""
+def plan_for(cfg: Config, gpu_memory_gb: float | None = None) -> tuple[Path, ModelConfig, MemoryPlan]:
+    """The checkpoint folder, its ModelConfig and the plan, from config.json and the safetensors headers only.
+    gpu_memory_gb: plan for a CUDA card of that size instead of this machine's device (--gpu-memory-gb)."""
     from tinyserve.loader import read_checkpoint
     folder = checkpoint_folder(cfg)
-    mc, values = read_checkpoint(folder, vision=cfg.model.vision)     # the vision tower's weights count too
-    return folder, mc, MemoryPlan.resolve(cfg, mc, resolve_device(cfg), values)
+    device = "cuda" if gpu_memory_gb else resolve_device(cfg)
+    # the vision tower's weights count too; FP8 weights as the device keeps them
+    mc, weights = read_checkpoint(folder, vision=cfg.model.vision, keep_fp8=device == "cuda")
+    free = int(gpu_memory_gb * GIB) - CUDA_CONTEXT_BYTES if gpu_memory_gb else None
+    return folder, mc, MemoryPlan.resolve(cfg, mc, device, weights, gpu_free_bytes=free, check_host=not gpu_memory_gb)

@@ -502,9 +502,10 @@ WEIGHT_SAMPLES = 4096      # values read from each tensor for the weight digest
 
 
 def _parameters_but_vision(module) -> list[tuple[str, torch.Tensor]]:
-    """A module's parameters by name, a model's vision tower left out: it decides no text page's KV (image tokens
-    are keyed on a digest of it instead)."""
-    return sorted(((n, p) for n, p in module.named_parameters() if not n.startswith("visual.")), key=lambda t: t[0])
+    """A module's parameters and buffers (FP8 weights and their scales are buffers) by name, a model's vision
+    tower left out: it decides no text page's KV (image tokens are keyed on a digest of it instead)."""
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    return sorted(((n, p) for n, p in tensors if not n.startswith("visual.")), key=lambda t: t[0])
 
 
 @torch.no_grad()

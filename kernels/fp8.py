@@ -1,0 +1,97 @@
+"""FP8 linear weights kept as FP8 in memory (torch reference), for the checkpoints' block-FP8 formats.
+
+A weight W [N, K] is stored as float8_e4m3fn values times a float32 scale per (block_n x block_k) block:
+W[n, k] = weight[n, k] * scale[n // block_n, k // block_k]. Qwen's `quant_method: fp8` and compressed-tensors'
+block strategy use 128 x 128 blocks; per-channel scales are blocks of (1, K), a per-tensor scale becomes per-channel.
+Half the bytes of bf16 on the device, which is what lets a 27B model fit a 48 GB card.
+
+Two ways to multiply, chosen per weight (`act_quant`):
+- w8a8 (act_quant, the checkpoints' `activation_scheme: dynamic`): activations are quantized on the fly to FP8 per
+  row and per group of ACT_GROUP (128) columns, scale = amax / 448, and each group's FP8 x FP8 products are summed
+  in fp32 and scaled by both scales. GPUs with FP8 tensor cores (sm_89 and later) run this.
+- w8a16: the weight is dequantized and multiplied with the activations as they are (GPUs without FP8 tensor cores;
+  on the CPU it equals dequantizing at load exactly).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyserve.kernels import use_triton
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0          # largest finite float8_e4m3fn
+ACT_GROUP = 128          # activation quantization group (columns), also the GEMM's K tile
+AMAX_FLOOR = 1e-10       # an all-zero group gets a tiny scale instead of a division by zero
+
+
+def scale_block_ok(block: tuple[int, int], in_features: int) -> bool:
+    """Whether the GEMM can read scales of this block shape: a K block that is whole activation groups or covers K."""
+    return block[1] % ACT_GROUP == 0 or block[1] >= in_features
+
+
+class Fp8Weight(nn.Module):
+    """A linear weight [N, K] held as float8_e4m3fn with block scales (buffers `weight` and `scale`)."""
+
+    def __init__(self, out_features: int, in_features: int, block: tuple[int, int], device,
+                 act_quant: bool) -> None:
+        super().__init__()
+        assert scale_block_ok(block, in_features), (block, in_features)
+        self.block = block
+        self.act_quant = act_quant
+        self.register_buffer("weight", torch.empty((out_features, in_features), dtype=FP8, device=device))
+        self.register_buffer("scale", torch.empty((math.ceil(out_features / block[0]),
+                                                   math.ceil(in_features / block[1])),
+                                                  dtype=torch.float32, device=device))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def block_scales(self) -> torch.Tensor:
+        """The scale of every element: [N, K] float32."""
+        N, K = self.weight.shape
+        b0, b1 = self.block
+        return self.scale.repeat_interleave(b0, 0)[:N].repeat_interleave(b1, 1)[:, :K]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """W in `dtype` (computed in fp32, then rounded once, as dequantizing at load does)."""
+        return (self.weight.float() * self.block_scales()).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, block={self.block}, {'w8a8' if self.act_quant else 'w8a16'}"
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 values [M, K], fp32 scales [M, ceil(K / ACT_GROUP)]), one scale per row and group."""
+    M, K = x.shape
+    groups = math.ceil(K / ACT_GROUP)
+    xf = F.pad(x.float(), (0, groups * ACT_GROUP - K)).view(M, groups, ACT_GROUP)
+    scale = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(M, groups * ACT_GROUP)[:, :K], scale
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype."""
+    if use_triton(x):
+        from tinyserve.kernels import fp8_triton
+        return fp8_triton.fp8_linear(x, w)
+    if not w.act_quant:
+        return F.linear(x, w.dequantize(x.dtype))
+    lead, K = x.shape[:-1], x.shape[-1]
+    N = w.weight.shape[0]
+    xq, xs = quantize_activations(x.reshape(-1, K))
+    groups = xs.shape[1]
+    # per (row, group) partial products, each exact in fp32 (FP8 x FP8), then both scales and the sum over groups
+    xg = F.pad(xq.float(), (0, groups * ACT_GROUP - K)).view(xq.shape[0], groups, ACT_GROUP).transpose(0, 1)
+    wg = F.pad(w.weight.float(), (0, groups * ACT_GROUP - K)).view(N, groups, ACT_GROUP).permute(1, 2, 0)
+    partial = torch.bmm(xg, wg)                                                    # [groups, M, N]
+    b0, b1 = w.block
+    group_cols = torch.arange(groups, device=x.device) * ACT_GROUP // b1         # scale column of each group
+    ws = w.scale[:, group_cols].repeat_interleave(b0, 0)[:N].t()                  # [groups, N]
+    y = (partial * xs.t()[:, :, None] * ws[:, None, :]).sum(0)
+    return y.to(x.dtype).reshape(*lead, N)

@@ -1,0 +1,71 @@
+"""Triton kernel for kernels/fp8.py: the block-FP8 GEMM y = x W^T with W kept as float8_e4m3fn + block scales.
+
+One program computes a [BM, BN] tile of y and walks K in steps of ACT_GROUP (128) columns, one activation group at a
+time. w8a8: the program quantizes its x tile per row (amax / 448, clamped, rounded to e4m3) right after loading it,
+so there is no separate quantization kernel or FP8 copy of x; the FP8 x FP8 dot accumulates in fp32 and is scaled by
+the row's activation scale and the weight block's scale before it joins the accumulator. w8a16: the FP8 weight tile
+is widened to x's dtype and the dot's result scaled by the block's scale. Every N tile quantizes the same x tile
+again: BM x 128 divisions against BM x BN x 128 multiply-adds, a 1/BN share.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyserve.kernels.fp8 import ACT_GROUP, AMAX_FLOOR, FP8_MAX, Fp8Weight
+
+
+@triton.jit
+def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, sxm, swn, ssn, ssk, sym,
+                           SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ACT_QUANT: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    row_ok, col_ok = rows < M, cols < N
+    x_base = x_ptr + rows[:, None].to(tl.int64) * sxm
+    w_base = w_ptr + cols[None, :].to(tl.int64) * swn                  # W^T tile [BK, BN]
+    s_base = s_ptr + (cols // SCALE_BN).to(tl.int64) * ssn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + ks) < K
+        x = tl.load(x_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w_scale = tl.load(s_base + (k0 // SCALE_BK) * ssk, mask=col_ok, other=0.0)          # [BN]
+        if ACT_QUANT:
+            xf = x.to(tl.float32)
+            x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), AMAX_FLOOR) / FP8_MAX           # [BM]
+            xq = tl.clamp(xf / x_scale[:, None], -FP8_MAX, FP8_MAX).to(w.dtype)          # clamp: no NaN, saturate
+            acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
+        else:
+            acc += tl.dot(x, w.to(x.dtype)) * w_scale[None, :]
+    y = y_ptr + rows[:, None].to(tl.int64) * sym + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def tile_shape(M: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) for M rows: decode batches are bandwidth-bound (small BN, many programs
+    reading the weight once), prefill compute-bound (large tiles)."""
+    if M <= 16:
+        return 16, 64, 4, 4
+    if M <= 64:
+        return 64, 64, 4, 4
+    return 128, 128, 8, 3
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    lead, K = x.shape[:-1], x.shape[-1]
+    N = w.weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M:
+        BM, BN, warps, stages = tile_shape(M)
+        _block_fp8_gemm_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+            x2, w.weight, w.scale, y, M, N, K, x2.stride(0), w.weight.stride(0), w.scale.stride(0),
+            w.scale.stride(1), y.stride(0), SCALE_BN=w.block[0], SCALE_BK=w.block[1],
+            ACT_QUANT=w.act_quant, BM=BM, BN=BN, BK=ACT_GROUP, num_warps=warps, num_stages=stages)
+    return y.reshape(*lead, N)
