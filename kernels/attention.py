@@ -33,6 +33,9 @@ def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_table:
 
     q [T, H, hd] packed; returns [T, H, hd]. Loops over sequences (a handful per step), never over tokens.
     """
+    if use_triton(q):
+        from tinyserve.kernels import attention_triton
+        return attention_triton.paged_attention_prefill(q, kv_cache, page_table, cu_seqlens, seq_lens, scale)
     H, hd = q.shape[1], q.shape[2]
     out = torch.empty_like(q)
     page_size = kv_cache.shape[2]

@@ -130,3 +130,135 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
         o_part, lse, out, HD, S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), BS=triton.next_power_of_2(S), BD=BD, num_warps=4)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prefill: the new tokens of each sequence attend causally to its cached context plus themselves
+# ---------------------------------------------------------------------------------------------------------------
+# One program per (query tile, KV head). A query tile is BQ consecutive new tokens of one sequence; its rows are
+# (token, q head of this KV head) pairs, row r = token r // G, head r % G, so the G heads sharing a KV head share
+# every key/value block read (BM = BQ * G rows, padded to a power of two). Keys and values are read block by block
+# through the page table (token slot page * PAGE + offset), as in decode, with an online softmax in fp32 (log2
+# units). The query at row r sits at absolute position ctx + token (ctx = seq_len - new tokens); the tile sees keys
+# 0 .. ctx + last token. Blocks wholly at or below the tile's first position need no mask (the first loop); the
+# blocks after it take the causal mask (the second loop).
+PREFILL_BLOCKS: tuple[int, int] | None = None     # (rows BM, keys BN); None: by head dim (tests set small ones)
+
+
+@triton.jit
+def _prefill_block(acc, l, m, q, kv_ptr, pt_row, s, end, qpos, kv_off, d, md, scale_log2, skv, skp, sks,
+                   PAGE: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+    pos = s + tl.arange(0, BN)
+    mp = pos < end
+    page = tl.load(pt_row + pos // PAGE, mask=mp, other=0).to(tl.int64)
+    base = page * skp + (pos % PAGE) * sks + kv_off                              # [BN]
+    mkv = mp[:, None] & md[None, :]
+    k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=mkv, other=0.0).to(tl.float32).to(q.dtype)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * scale_log2                                                         # [BM, BN], log2 units
+    if MASK:
+        qk = tl.where(mp[None, :] & (pos[None, :] <= qpos[:, None]), qk, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, axis=1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    v = tl.load(kv_ptr + skv + base[:, None] + d[None, :], mask=mkv, other=0.0).to(tl.float32).to(q.dtype)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    l = l * alpha + tl.sum(p, axis=1)
+    return acc, l, m_new
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kv_ptr, pt_ptr, meta_ptr, o_ptr, scale_log2, num_tiles, num_seqs, G, HD,
+                    sqt, sqh, skp, skv, sks, skh, spt, sot, soh,
+                    PAGE: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                    IEEE: tl.constexpr):
+    # meta (int32): tile_seq [num_tiles] | tile_start [num_tiles] | cu_seqlens [num_seqs+1] | seq_lens [num_seqs]
+    i_t = tl.program_id(0)
+    i_kv = tl.program_id(1)
+    seq = tl.load(meta_ptr + i_t)
+    j0 = tl.load(meta_ptr + num_tiles + i_t)
+    bos = tl.load(meta_ptr + 2 * num_tiles + seq)
+    n = tl.load(meta_ptr + 2 * num_tiles + seq + 1) - bos
+    seq_len = tl.load(meta_ptr + 2 * num_tiles + num_seqs + 1 + seq)
+    ctx = seq_len - n                                                            # cached tokens before the new
+    r = tl.arange(0, BM)
+    tok = j0 + r // G
+    mr = (r < BQ * G) & (tok < n)
+    head = i_kv * G + r % G
+    # padding rows take the tile's first position: they see a key in every block the loops visit, so never NaN
+    qpos = tl.where(mr, ctx + tok, ctx + j0)
+    d = tl.arange(0, BD)
+    md = d < HD
+    q_rows = (bos + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=mr[:, None] & md[None, :],
+                other=0.0)                                                       # [BM, BD], q's dtype
+    pt_row = pt_ptr + seq.to(tl.int64) * spt
+    kv_off = i_kv * skh
+    end = ctx + tl.minimum(j0 + BQ, n)                                           # keys 0 .. end-1 are visible
+    full = (ctx + j0 + 1) // BN * BN                                             # blocks below: no mask needed
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    for s in range(0, full, BN):
+        acc, l, m = _prefill_block(acc, l, m, q, kv_ptr, pt_row, s, end, qpos, kv_off, d, md, scale_log2,
+                                   skv, skp, sks, PAGE=PAGE, BN=BN, MASK=False, IEEE=IEEE)
+    for s in range(full, end, BN):
+        acc, l, m = _prefill_block(acc, l, m, q, kv_ptr, pt_row, s, end, qpos, kv_off, d, md, scale_log2,
+                                   skv, skp, sks, PAGE=PAGE, BN=BN, MASK=True, IEEE=IEEE)
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(o_ptr + q_rows[:, None] * sot + head[:, None] * soh + d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=mr[:, None] & md[None, :])
+
+
+def _prefill_blocks(BD: int) -> tuple[int, int, int]:
+    """(rows BM, keys BN, num_warps) for a padded head dim. Checked by compiling for sm_90a without a device
+    (ptxas -v, bf16 q): hd 256 -> 198 registers, no spills, 96 KiB shared (64 KiB with fp8 KV), so it also fits
+    the ~100 KiB of sm_86/89; hd 128 -> 160 registers; hd 64 -> 120. fp32 q (ieee dots, tests only) spills."""
+    if PREFILL_BLOCKS is not None:
+        return (*PREFILL_BLOCKS, 4)
+    if BD > 256:
+        return 32, 16, 8
+    if BD == 256:
+        return 64, 32, 8
+    if BD == 128:
+        return 128, 32, 8
+    return 128, 64, 8
+
+
+def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                            cu_seqlens: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+    T, H, HD = q.shape
+    _, two, page_size, KV, hd_kv = kv_cache.shape
+    assert two == 2 and hd_kv == HD and H % KV == 0 and kv_cache.stride(-1) == 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    G = H // KV
+    out = torch.empty((T, H, HD), dtype=q.dtype, device=q.device)
+    N = len(seq_lens)
+    BD = max(16, triton.next_power_of_2(HD))
+    BM, BN, warps = _prefill_blocks(BD)
+    BM = max(BM, triton.next_power_of_2(G))             # at least one token's heads per tile
+    BQ = BM // G                                        # tokens per tile
+    tile_seq, tile_start = [], []
+    for i in range(N):
+        for s in range(0, cu_seqlens[i + 1] - cu_seqlens[i], BQ):
+            tile_seq.append(i)
+            tile_start.append(s)
+    if not tile_seq:
+        return out
+    # one host tensor, one host->device copy; nothing is read back
+    meta = torch.tensor(tile_seq + tile_start + list(cu_seqlens[:N + 1]) + list(seq_lens), dtype=torch.int32)
+    meta = meta.to(q.device, non_blocking=True)
+    _prefill_kernel[(len(tile_seq), KV)](
+        q, kv_cache, page_table, meta, out, scale * 1.4426950408889634, len(tile_seq), N, G, HD,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        page_table.stride(0), out.stride(0), out.stride(1),
+        PAGE=page_size, BQ=BQ, BM=BM, BN=BN, BD=BD, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=2)
+    return out

@@ -18,6 +18,9 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
 
     Returns silu(conv(x)) [T, C]. Sequence i covers x[cu_seqlens[i]:cu_seqlens[i+1]] and continues slot_ids[i].
     """
+    if use_triton(x):
+        from tinyserve.kernels import conv_triton
+        return conv_triton.causal_conv1d_prefill(x, weight, conv_state, cu_seqlens, slot_ids)
     C, K = weight.shape
     out = torch.empty_like(x)
     for i, slot in enumerate(slot_ids):
