@@ -304,22 +304,32 @@ class _FixedCost:
 
 
 def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
-    """A tiny hybrid model with a NEXTN head decodes and verifies drafts through every Triton kernel here and
-    gives the greedy tokens of the torch reference (prefill still runs the reference: no Triton kernel yet)."""
-    from checkpoints import make_agreeing_head, make_qwen3_5_text
+    """A tiny hybrid model with a NEXTN head, its linear weights kept FP8 (w8a8: activations quantized per group),
+    prefills, decodes and verifies drafts through every Triton kernel here and gives the greedy tokens of the torch
+    references."""
+    import re
+
+    from checkpoints import fp8_checkpoint, make_agreeing_head, make_qwen3_5_text
     from conftest import engine_for, tokens
-    from tinyserve.kernels import activation_triton, attention_triton, conv_triton, gdn_triton, norm_triton
+    from tinyserve.kernels import (activation_triton, attention_triton, conv_triton, fp8_triton, gdn_triton,
+                                   norm_triton)
     from tinyserve.loader import load_model
     from tinyserve.sampling import SamplingParams
 
-    path, _ = make_qwen3_5_text(tmp_path, with_mtp=True)
+    path, _ = make_qwen3_5_text(tmp_path / "bf", with_mtp=True)
     make_agreeing_head(path, mix=0.3)
-    model = load_model(path, torch.float32, DEV)
+    ignore = ["lm_head", "re:.*linear_attn\\.in_proj_[ab]$"]
+    fp8_checkpoint(path, tmp_path / "fp8", method="fp8", strategy="block", block=(16, 128), ignore=ignore,
+                   ignored=lambda m: m == "lm_head" or re.match(r".*linear_attn\.in_proj_[ab]$", m) is not None)
+    model = load_model(tmp_path / "fp8", torch.float32, DEV, fp8_weights="w8a8")
+    kernels_used = {gdn_triton: ["chunk_gated_delta_rule", "recurrent_gated_delta_rule_decode",
+                                 "recurrent_gated_delta_rule_verify"],
+                    conv_triton: ["causal_conv1d_prefill", "causal_conv1d_decode", "causal_conv1d_verify"],
+                    attention_triton: ["paged_attention_prefill", "paged_attention_decode"],
+                    activation_triton: ["silu_and_mul"], norm_triton: ["rms_norm", "gated_rms_norm"],
+                    fp8_triton: ["fp8_linear"]}
     calls: dict[str, int] = {}
-    for mod, names in [(gdn_triton, ["recurrent_gated_delta_rule_decode", "recurrent_gated_delta_rule_verify"]),
-                       (conv_triton, ["causal_conv1d_decode", "causal_conv1d_verify"]),
-                       (attention_triton, ["paged_attention_decode"]), (activation_triton, ["silu_and_mul"]),
-                       (norm_triton, ["rms_norm", "gated_rms_norm"])]:
+    for mod, names in kernels_used.items():
         for name in names:
             def spy(*a, _f=getattr(mod, name), _n=name, **k):
                 calls[_n] = calls.get(_n, 0) + 1
@@ -336,9 +346,7 @@ def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
             eng.runner.step_cost = _FixedCost()
             out[name] = eng.generate(prompts, params)
     assert out["triton"] == out["torch"]
-    assert set(calls) == {"recurrent_gated_delta_rule_decode", "recurrent_gated_delta_rule_verify",
-                          "causal_conv1d_decode", "causal_conv1d_verify", "paged_attention_decode",
-                          "silu_and_mul", "rms_norm", "gated_rms_norm"}, calls
+    assert set(calls) == {n for names in kernels_used.values() for n in names}, calls
 
 
 # ---------------------------------------------------------------------------------------------------------------
