@@ -91,6 +91,15 @@ DECODE_N = (1, 8, 32)                     # sequences of the GDN / conv decode c
 VERIFY = ((1, 4), (8, 4))                 # (sequences, tokens each) of the verify cases: NEXTN with 3 drafts
 PAGED = None                              # (kv dtype, page size, sequences, context) per case; None: paged_cases
 ACT = None                                # activation dtype; None: bf16
+GEMM_ROWS = (1, 8, 2048)                  # rows of the block-FP8 GEMM cases (decode, a batch, a prefill chunk)
+GEMMS = ((HIDDEN, 2 * MLP), (MLP, HIDDEN), (HIDDEN, 2 * NK * DK + 2 * NV * DV), (NV * DV, HIDDEN))   # (K, N)
+PREFILL = ((2048,), (1000, 2900, 196))    # sequence lengths of the chunked GDN and conv prefill cases
+PREFILL_ATTN = None                       # (kv dtype, page size, cached tokens, new tokens) per case; None: below
+
+
+def prefill_attn_cases(bf, fp8):
+    return [(bf, 16, (0,), (8192,)), (bf, 16, (8192,), (2048,)), (fp8, 16, (8192,), (2048,)),
+            (bf, 64, (30000, 0, 37), (2048, 300, 1)), (bf, 1, (4096,), (512,))]
 
 
 def paged_cases(bf, fp8):
@@ -100,20 +109,24 @@ def paged_cases(bf, fp8):
 
 def shrink_for_compile() -> None:
     """--compile: the real head dims and dtypes (they set the kernels' constexprs), short contexts and few rows."""
-    global TOKENS, DECODE_N, PAGED
+    global TOKENS, DECODE_N, PAGED, GEMM_ROWS, PREFILL, PREFILL_ATTN
     import torch
     bf, fp8 = torch.bfloat16, torch.float8_e4m3fn
-    TOKENS, DECODE_N = (1, 64), (1,)
+    TOKENS, DECODE_N, GEMM_ROWS, PREFILL = (1, 64), (1,), (1, 64, 256), ((70,),)
+    PREFILL_ATTN = [(bf, 16, (64,), (70,)), (fp8, 16, (64,), (70,)), (bf, 1, (3,), (5,)), (bf, 64, (64,), (70,))]
     PAGED = [(bf, 16, 1, 64), (bf, 1, 1, 64), (bf, 64, 1, 128), (fp8, 16, 1, 64), (torch.float32, 16, 1, 64)]
 
 
 def shrink_for_dry_run() -> None:
     """--dry-run: the same script on tiny shapes on the CPU under Triton's interpreter (checks the script)."""
-    global HIDDEN, MLP, NK, NV, DK, DV, CONV, NH, NKV, HD, TOKENS, DECODE_N, VERIFY, PAGED, ACT
+    global HIDDEN, MLP, NK, NV, DK, DV, CONV, NH, NKV, HD, TOKENS, DECODE_N, VERIFY, PAGED, ACT, GEMM_ROWS, GEMMS
+    global PREFILL, PREFILL_ATTN
     HIDDEN, MLP, NK, NV, DK, DV, NH, NKV, HD = 64, 48, 2, 4, 16, 16, 4, 2, 32
     CONV = 2 * NK * DK + NV * DV
     TOKENS, DECODE_N, VERIFY = (1, 3), (1, 2), ((2, 3),)
+    GEMM_ROWS, GEMMS, PREFILL = (1, 5), ((HIDDEN, 2 * MLP), (MLP, HIDDEN)), ((5, 70),)
     import torch
+    PREFILL_ATTN = [(torch.float32, 16, (20, 0), (7, 5)), (torch.float8_e4m3fn, 1, (9,), (4,))]
     ACT = torch.float32                   # the interpreter computes bf16 on raw bits
     PAGED = [(torch.float32, 16, 2, 40), (torch.float32, 1, 1, 20), (torch.float8_e4m3fn, 16, 2, 40)]
 
@@ -139,10 +152,11 @@ class Case:
 def cases(dev):
     import torch
     from tinyserve.kernels.activation import silu_and_mul
-    from tinyserve.kernels.attention import paged_attention_decode
-    from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_verify
-    from tinyserve.kernels.gdn import (recurrent_gated_delta_rule_decode, recurrent_gated_delta_rule_verify,
-                                       verify_layout)
+    from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill
+    from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill, causal_conv1d_verify
+    from tinyserve.kernels.fp8 import Fp8Weight, fp8_linear
+    from tinyserve.kernels.gdn import (chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
+                                       recurrent_gated_delta_rule_verify, verify_layout)
     from tinyserve.kernels.norm import gated_rms_norm, rms_norm
     bf = ACT or torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -204,6 +218,54 @@ def cases(dev):
         out.append(Case("conv verify", f"N={N} x {L} tokens", lambda a=(x, cw, cpool, lay): a, causal_conv1d_verify,
                         (N + T) * CONV * (KW - 1) * 2 + 2 * T * CONV * 2,
                         lambda x, w, s, l: causal_conv1d_verify(x.float(), w.float(), s.float(), l), mutable=(2,)))
+
+    for lens in PREFILL:
+        cu = [sum(lens[:i]) for i in range(len(lens) + 1)]
+        T, N = cu[-1], len(lens)
+        slots = list(range(1, 2 * N, 2))
+        pool = rnd(2 * N, NV, DK, DV, dtype=torch.float32, scale=0.1)
+        q = torch.nn.functional.normalize(rnd(T, NK, DK, dtype=torch.float32), dim=-1).to(bf) * DK ** -0.5
+        k = torch.nn.functional.normalize(rnd(T, NK, DK, dtype=torch.float32), dim=-1).to(bf)
+        v, gate = rnd(T, NV, DV), -torch.rand(T, NV, generator=g, device=dev) * 0.5
+        beta = torch.rand(T, NV, generator=g, device=dev)
+        out.append(Case("gdn prefill", f"{'+'.join(map(str, lens))} tokens",
+                        lambda a=(q, k, v, gate, beta, pool, cu, slots): a, chunk_gated_delta_rule,
+                        T * (2 * NK * DK + 2 * NV * DV) * 2 + 2 * N * state_bytes,
+                        lambda q, k, v, g_, b, s, c, i: chunk_gated_delta_rule(q.float(), k.float(), v.float(), g_,
+                                                                               b, s, c, i),
+                        mutable=(5,)))
+
+        x, cw = rnd(T, CONV), rnd(CONV, KW)
+        cpool = rnd(2 * N, CONV, KW - 1)
+        out.append(Case("conv prefill", f"{'+'.join(map(str, lens))} tokens",
+                        lambda a=(x, cw, cpool, cu, slots): a, causal_conv1d_prefill, 2 * T * CONV * 2,
+                        lambda x, w, s, c, i: causal_conv1d_prefill(x.float(), w.float(), s.float(), c, i),
+                        mutable=(2,)))
+
+    for kv_dtype, page, cached, new_tokens in PREFILL_ATTN or prefill_attn_cases(bf, torch.float8_e4m3fn):
+        N = len(cached)
+        lens = [c + n for c, n in zip(cached, new_tokens)]
+        npg = max(-(-n // page) for n in lens)
+        cache = rnd(N * npg + 1, 2, page, NKV, HD, dtype=torch.float32).to(kv_dtype)
+        table = torch.randperm(N * npg + 1, device=dev)[:N * npg].view(N, npg).to(torch.int32)
+        cu = [sum(new_tokens[:i]) for i in range(N + 1)]
+        q = rnd(cu[-1], NH, HD)
+        name = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", torch.float32: "fp32"}[kv_dtype]
+        out.append(Case(f"paged prefill {name} p{page}", "+".join(f"{c}:{n}" for c, n in zip(cached, new_tokens)),
+                        lambda a=(q, cache, table, cu, lens, HD ** -0.5): a, paged_attention_prefill,
+                        sum(lens) * 2 * NKV * HD * cache.element_size() + 2 * q.numel() * q.element_size(),
+                        lambda q, c, t, cu_, l, s: paged_attention_prefill(q.float(), c.float(), t, cu_, l, s)))
+
+    for M in GEMM_ROWS:                                 # block-FP8 GEMM: w8a8 (sm_89+) and w8a16
+        for K, N in GEMMS:
+            for act_quant in (True, False):
+                w = Fp8Weight(N, K, (128, 128), dev, act_quant)
+                w.weight.copy_((torch.randn(N, K, generator=g, device=dev) * 100).clamp(-448, 448).to(w.weight.dtype))
+                w.scale.copy_(torch.rand(w.scale.shape, generator=g, device=dev) * 1e-3)
+                x = rnd(M, K)
+                out.append(Case(f"fp8 gemm {'w8a8' if act_quant else 'w8a16'}", f"{M}x{K} @ {N}x{K}",
+                                lambda a=(x, w): a, fp8_linear, N * K + w.scale.numel() * 4 + (M * K + M * N) * 2,
+                                lambda x, w: fp8_linear(x.float(), w)))
 
     for kv_dtype, page, N, ctx in PAGED or paged_cases(bf, torch.float8_e4m3fn):
         npg = -(-ctx // page)
@@ -269,6 +331,22 @@ def _sig(a) -> str:
     return "fp32"
 
 
+def specialize(fn, args) -> tuple[dict[str, str], dict]:
+    """The signature and attributes the runtime would compile these arguments with: triton's own specialization
+    (an int equal to 1 becomes a constexpr; 16-aligned pointers and ints divisible by 16 get tt.divisibility,
+    without which loads do not vectorize or pipeline and register counts look far worse than they are)."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import native_specialize_impl
+    sig, attrs = {}, {}
+    for i, (param, a) in enumerate(zip(fn.params, args)):
+        ty, key = native_specialize_impl(CUDABackend, a, False, not param.do_not_specialize,
+                                         not param.do_not_specialize_on_alignment)
+        sig[param.name] = ty
+        if key == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
 def compile_all(targets: list[int]) -> bool:
     import tempfile
     import torch
@@ -285,7 +363,7 @@ def compile_all(targets: list[int]) -> bool:
                     case.fn(*case.args(args))
                 except Exception:          # outputs are never launched: whatever follows the launch may fail
                     pass
-    for name in ("norm", "activation", "gdn", "conv", "attention"):      # defined compiled, before the switch
+    for name in ("norm", "activation", "gdn", "conv", "attention", "fp8"):   # defined compiled, before the switch
         importlib.import_module(f"tinyserve.kernels.{name}_triton")
     os.environ["TRITON_INTERPRET"] = "1"          # lets the forced backend take CPU tensors; nothing is launched
     try:
@@ -301,14 +379,15 @@ def compile_all(targets: list[int]) -> bool:
         names = fn.arg_names
         constexprs = {k: v for k, v in kwargs.items() if k in names}
         opts = {k: v for k, v in kwargs.items() if k not in names}
-        sig = {n: _sig(a) for n, a in zip(names, args)}
+        sig, attrs = specialize(fn, args)
+        constexprs.update({n: a for n, a in zip(names, args) if sig[n] == "constexpr"})
         sig.update({k: "constexpr" for k in constexprs})
         ptrs = sorted({t[1:] for t in sig.values() if t.startswith("*") and not t.startswith("*i")})
         short = "/".join(ptrs) + " " + ",".join(f"{k}={v}" for k, v in constexprs.items())
         for sm in targets:
             t = time.time()
             try:
-                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                    target=GPUTarget("cuda", sm, 32), options=opts)
                 regs = spill = "?"
                 if cuobjdump.exists():
@@ -477,6 +556,8 @@ def main() -> None:
         sys.exit(0 if compile_all(args.sm) else 1)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
+        sys.path.insert(0, str(ROOT / "tests"))
+        import triton_setup  # noqa: F401 - the tests' interpreter fixes (its fp32 -> fp8 rounding is wrong)
         shrink_for_dry_run()
     else:
         os.environ.pop("TRITON_INTERPRET", None)

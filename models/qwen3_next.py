@@ -21,6 +21,7 @@ from tinyserve.kernels.fp8 import Fp8Weight
 from tinyserve.kernels.gdn import (VerifyLayout, chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
                                    recurrent_gated_delta_rule_verify)
 from tinyserve.kernels.linear import linear
+from tinyserve.kernels.moe import fused_experts, route
 from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm
 from tinyserve.models.config import ModelConfig  # noqa: F401 - re-exported
 
@@ -334,24 +335,8 @@ class SparseMoE(nn.Module):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = linear(x, self.router).float().softmax(dim=-1)
-        weights, experts = probs.topk(self.cfg.num_experts_per_tok, dim=-1)
-        if self.cfg.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        out = torch.zeros_like(x, dtype=torch.float32)
-        flat = experts.reshape(-1)
-        order = flat.argsort()
-        counts = torch.bincount(flat, minlength=self.E).tolist()
-        token_of = order // experts.shape[1]
-        start = 0
-        for e, n in enumerate(counts):                    # loop over experts hit in this step, not over tokens
-            if n == 0:
-                continue
-            idx = order[start:start + n]
-            tok = token_of[start:start + n]
-            start += n
-            y = linear(silu_and_mul(linear(x[tok], self.experts_gate_up[e])), self.experts_down[e])
-            out.index_add_(0, tok, y.float() * weights.reshape(-1)[idx].unsqueeze(-1))
+        weights, experts = route(linear(x, self.router), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        out = fused_experts(x, self.experts_gate_up, self.experts_down, weights, experts)        # fp32
         shared = self.shared_expert(x) * torch.sigmoid(linear(x, self.shared_expert_gate))
         return (out + shared.float()).to(x.dtype)
 

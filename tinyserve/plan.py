@@ -78,8 +78,9 @@ def activation_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
     tokens = e.chunked_prefill_size + e.max_running_requests * rows_per_request
     H = mc.hidden_size
     residual = 3 * H * b                                       # the residual stream, its norm and a layer's output
-    if mc.num_experts:
-        mlp = (mc.num_experts_per_tok * mc.moe_intermediate_size + mc.shared_expert_intermediate_size) * 3 * b
+    if mc.num_experts:               # the experts' gate | up and activation, their [top_k, H] outputs, the shared one
+        mlp = ((mc.num_experts_per_tok * mc.moe_intermediate_size + mc.shared_expert_intermediate_size) * 3 * b
+               + mc.num_experts_per_tok * H * (b + 4))
     else:
         mlp = 3 * mc.intermediate_size * b                     # gate | up, then the activation
     gdn = 0
@@ -95,12 +96,13 @@ def activation_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
 
 
 def fp8_weights_for(device: str, cuda_capability: tuple[int, int] | None) -> str:
-    """How an FP8 checkpoint's weights are held (loader.FP8_WEIGHTS): kept FP8 on CUDA, with the activations
-    quantized where the GPU has FP8 tensor cores (sm_89 and later) and dequantized tile by tile before; dequantized
-    at load on the CPU, which has no FP8 arithmetic and room for bf16 or fp32 weights."""
-    if device != "cuda":
+    """How an FP8 checkpoint's weights are held (loader.FP8_WEIGHTS): kept FP8 on GPUs with FP8 tensor cores
+    (sm_89 and later; None: a card planned with --gpu-memory-gb, taken to be one), activations quantized on the
+    fly (w8a8). Dequantized at load on older GPUs, where Triton has no e4m3 type, and on the CPU, which has no FP8
+    arithmetic and room for bf16 or fp32 weights."""
+    if device != "cuda" or (cuda_capability is not None and cuda_capability < (8, 9)):
         return "dequantize"
-    return "w8a8" if cuda_capability is None or cuda_capability >= (8, 9) else "w8a16"
+    return "w8a8"
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,6 @@ class MemoryPlan:
             if gpu_free_bytes is None:
                 import torch
                 gpu_free_bytes = torch.cuda.mem_get_info()[0]
-                cuda_capability = torch.cuda.get_device_capability()
             free = gpu_free_bytes
             activations = activation_bytes(cfg, mc, dtype)
             kv_tokens = cls._cuda_kv_tokens(cfg, free, weights, state_bytes, per_token, activations, context)
@@ -298,7 +299,14 @@ def plan_for(cfg: Config, gpu_memory_gb: float | None = None) -> tuple[Path, Mod
     from tinyserve.loader import read_checkpoint
     folder = checkpoint_folder(cfg)
     device = "cuda" if gpu_memory_gb else resolve_device(cfg)
-    # the vision tower's weights count too; FP8 weights as the device keeps them
-    mc, weights = read_checkpoint(folder, vision=cfg.model.vision, keep_fp8=device == "cuda")
-    free = int(gpu_memory_gb * GIB) - CUDA_CONTEXT_BYTES if gpu_memory_gb else None
-    return folder, mc, MemoryPlan.resolve(cfg, mc, device, weights, gpu_free_bytes=free, check_host=not gpu_memory_gb)
+    capability = free = None
+    if gpu_memory_gb:
+        free = int(gpu_memory_gb * GIB) - CUDA_CONTEXT_BYTES
+    elif device == "cuda":
+        import torch
+        capability = torch.cuda.get_device_capability()
+    # the vision tower's weights count too; FP8 weights as this device holds them
+    keep_fp8 = fp8_weights_for(device, capability) != "dequantize"
+    mc, weights = read_checkpoint(folder, vision=cfg.model.vision, keep_fp8=keep_fp8)
+    return folder, mc, MemoryPlan.resolve(cfg, mc, device, weights, gpu_free_bytes=free, cuda_capability=capability,
+                                          check_host=not gpu_memory_gb)

@@ -1,0 +1,128 @@
+"""Triton path for kernels/moe.py: the routed experts as two grouped GEMMs over (token, expert) pairs sorted by
+expert, with no host sync (CUDA-graph safe).
+
+1. align_pairs: the T * top_k pairs (pair p = token p // top_k, slot p % top_k) are sorted by expert with torch ops
+   on the device, and each expert's group is padded to a multiple of BM rows, so that every BM-row block of the
+   sorted list belongs to one expert. Outputs: sorted_ids (pair ids, the sentinel P = T * top_k in padding rows),
+   expert_ids (one per block) and the padded length (a 1-element device tensor). The buffers are sized by the upper
+   bound P + min(E, P) * (BM - 1) (only experts that are hit get padding), so nothing is read back to the host;
+   the programs of blocks past the padded length return at once.
+2. _moe_gemm_kernel: one program = one BM-row block (one expert) x one BN slice of the output. It gathers its rows
+   of A by pair id (A row = pair // A_ROW_DIV: the token's row of x for gate_up, the pair's own row of the
+   activation for down), multiplies by the expert's weight [N, K] (read transposed, as kernels/fp8_triton.py does),
+   accumulates in fp32, optionally scales each row by its routing weight, and writes row `pair` of a [P, N] output.
+3. gate_up GEMM -> silu_and_mul (kernels/activation.py) -> down GEMM with the routing weights -> the top_k rows of
+   each token summed in fp32 (a fixed-order reshape + sum: no atomics, so results do not depend on scheduling).
+
+The GEMMs multiply in the input dtype (bf16 / fp16 tensor cores on a GPU; fp32 in IEEE precision, not TF32, as
+torch's fp32 GEMMs by default) with fp32 accumulation; BK is the same for every tile shape, so a row's K-summation
+order does not change with the batch size. Intermediates, in x's dtype: gate_up [P, 2I], the activation [P, I] and
+the weighted down rows [P, H] (rounded after weighting; the reference rounds before), then the fp32 sum [T, H].
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyserve.kernels.activation import silu_and_mul
+
+BK = 64                       # K step of every tile shape (fixed: see the module docstring)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, y_ptr, rw_ptr, sorted_ids_ptr, expert_ids_ptr, padded_len_ptr,
+                     N, K, P, sam, swe, swn, sym,
+                     A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PREC: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if pid_m * BM >= tl.load(padded_len_ptr):
+        return                                          # a block past the padded length (the buffer's bound)
+    pairs = tl.load(sorted_ids_ptr + pid_m * BM + tl.arange(0, BM))
+    row_ok = pairs < P                                  # padding rows hold the sentinel P
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    ks = tl.arange(0, BK)
+    a_base = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * sam
+    w_base = w_ptr + expert * swe + cols.to(tl.int64)[None, :] * swn     # W_e^T tile [BK, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.dot(a, w.to(a.dtype), input_precision=PREC)
+    if MUL_ROUTED_WEIGHT:
+        acc *= tl.load(rw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    y = y_ptr + pairs.to(tl.int64)[:, None] * sym + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def tile_shape(pairs: int, num_experts: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) by the mean rows per expert: few rows (decode) -> the smallest M tile a GPU
+    dot takes and narrow N slices (many programs streaming each expert's weight once); more -> larger tiles."""
+    rows = pairs / num_experts
+    if rows <= 16:
+        return 16, 64, 4, 4
+    if rows <= 96:
+        return 32, 64, 4, 4
+    return 64, 128, 8, 3
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, BM: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs sorted by expert, each expert's group padded to a multiple of BM, with device ops only.
+    Returns (sorted_ids int32 [bound] (pair ids; P in padding rows), expert_ids int32 [bound // BM],
+    padded_len int32 [1]) with bound = P + min(E, P) * (BM - 1) rounded up to BM."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    P = flat.numel()
+    bound = triton.cdiv(P + min(num_experts, P) * (BM - 1), BM) * BM
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + BM - 1) // BM * BM
+    padded_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)                   # pair ids by expert, ascending within an expert
+    experts_sorted = flat[order]
+    rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[experts_sorted]   # place within its expert
+    dest = (padded_end - padded)[experts_sorted] + rank
+    sorted_ids = torch.full((bound,), P, dtype=torch.int32, device=dev).scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, bound, BM, device=dev)
+    expert_ids = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, a_row_div: int, routed_weights,
+                  sorted_ids: torch.Tensor, expert_ids: torch.Tensor, padded_len: torch.Tensor,
+                  tiles: tuple[int, int, int, int]) -> None:
+    BM, BN, warps, stages = tiles
+    N, K = w.shape[1], w.shape[2]
+    grid = (expert_ids.numel(), triton.cdiv(N, BN))
+    _moe_gemm_kernel[grid](
+        a, w, out, routed_weights if routed_weights is not None else out, sorted_ids, expert_ids, padded_len,
+        N, K, out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=routed_weights is not None,
+        PREC="ieee" if a.dtype == torch.float32 else "tf32",      # fp32: exact products, as torch's default GEMM
+        BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    T, k = topk_ids.shape
+    E, H = w_gate_up.shape[0], w_down.shape[1]
+    if T == 0:
+        return torch.zeros((0, H), dtype=torch.float32, device=x.device)
+    x, w_gate_up, w_down = _rows_contiguous(x), _rows_contiguous(w_gate_up), _rows_contiguous(w_down)
+    P = T * k
+    tiles = tile_shape(P, E)
+    sorted_ids, expert_ids, padded_len = align_pairs(topk_ids, E, tiles[0])
+    gate_up = torch.empty((P, w_gate_up.shape[1]), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w_gate_up, gate_up, k, None, sorted_ids, expert_ids, padded_len, tiles)
+    act = silu_and_mul(gate_up)                          # [P, I]
+    down = torch.empty((P, H), dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w_down, down, 1, topk_weights.reshape(-1).float().contiguous(), sorted_ids, expert_ids,
+                  padded_len, tiles)
+    return down.view(T, k, H).sum(1, dtype=torch.float32)
