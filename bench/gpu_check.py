@@ -3,7 +3,7 @@ tinyserve's dependencies, and no install of tinyserve):
 
     python3 bench/gpu_check.py            # from the repository root; PYTHONUNBUFFERED=1 to watch it live
 
-1. The Triton kernel tests, compiled on the device (tests/test_triton_kernels.py: the tiny ragged tier on CUDA,
+1. The Triton kernel tests, compiled on the device (tests/test_triton_*.py: the tiny ragged tier on CUDA,
    then the `gpu` tier with bf16 and Qwen3.5-27B shapes), in a subprocess, so a device fault there cannot spoil
    the timings. The test that runs a whole model (it needs the full test environment) is left out.
 2. One CUDA graph: a GDN decode layer's kernels and a paged attention decode, captured and replayed (no host sync
@@ -62,7 +62,7 @@ def import_kernels_from_the_tree() -> None:
 # 1. tests
 # ---------------------------------------------------------------------------------------------------------------
 def run_tests() -> int:
-    say("== 1. tests/test_triton_kernels.py on the device")
+    say("== 1. tests/test_triton_*.py on the device")
     t0 = time.time()
     proc = subprocess.run([sys.executable, __file__, "--pytest"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
@@ -76,8 +76,9 @@ def run_tests() -> int:
 def pytest_main() -> int:
     import pytest
     import_kernels_from_the_tree()
+    files = sorted(str(f) for f in (ROOT / "tests").glob("test_triton_*.py"))
     return pytest.main(["-q", "-rfEs", "--noconftest", "-p", "no:cacheprovider", "-x", "--timeout", "240",
-                        "-k", "not greedy_tokens", str(ROOT / "tests" / "test_triton_kernels.py")])
+                        "-k", "not greedy_tokens", *files])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -51,6 +51,9 @@ class ModelConfig:
     vision_end_token_id: int | None = None
     folder: str = ""                     # where the checkpoint was read from (its processor config lives there)
     vision_parameters: int = 0           # weight values of the vision tower (in the plan's weights)
+    # linear weights an FP8 checkpoint keeps FP8 (parameter name -> scale block), when read for a device that
+    # keeps them (loader.read_checkpoint(keep_fp8=True))
+    fp8_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     # ---- derived sizes ----
     @property

@@ -8,6 +8,9 @@ import os
 # and served (the compute thread), and two multi-threaded OpenMP teams on a 2-core machine crawl. Tests are not
 # timed; the benchmarks in bench/ run tinyserve as a user does. Set before torch is imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Where the engine tests put the model: the CPU here and in CI; tests/gpu.sh runs the parity, engine, NEXTN and
+# cache-path tests again with TINYSERVE_TEST_DEVICE=cuda on a machine with a GPU (same tests, same oracles).
+TEST_DEVICE = os.environ.get("TINYSERVE_TEST_DEVICE", "cpu")
 
 from typing import Any  # noqa: E402
 
@@ -52,9 +55,9 @@ def assert_no_leaks(engine: Engine) -> None:
 
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory):
-    """A Qwen3.5 text model (GDN + full attention), fp32, 2048 positions."""
+    """A Qwen3.5 text model (GDN + full attention), fp32, 2048 positions, on the test device."""
     folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("hybrid"), max_position_embeddings=2048)
-    return load_model(folder, torch.float32)
+    return load_model(folder, torch.float32, TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")

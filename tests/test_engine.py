@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_5_text, make_qwen3_next, update_config
-from conftest import engine_for, merge
+from conftest import TEST_DEVICE, engine_for, merge
 from tinyserve.engine import Engine, TokenEvent
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
@@ -27,14 +27,14 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(ckpt):
-    return load_model(ckpt[0], torch.float32, "cpu")
+    return load_model(ckpt[0], torch.float32, TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
     """Qwen3-Next: MoE, interleaved GDN projections."""
     folder, _ = make_qwen3_next(tmp_path_factory.mktemp("qnext"), max_position_embeddings=CTX)
-    return load_model(folder, torch.float32, "cpu")
+    return load_model(folder, torch.float32, TEST_DEVICE)
 
 
 @pytest.fixture(params=["dense", "moe"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_5_conditional, make_qwen3_5_text, make_qwen3_next
-from conftest import engine_for
+from conftest import TEST_DEVICE, engine_for
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
 from tinyserve.request import Request
@@ -27,7 +27,7 @@ FAMILIES = {
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     folder, hf = FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
-    return folder, hf, load_model(folder, torch.float32, "cpu")
+    return folder, hf, load_model(folder, torch.float32, TEST_DEVICE)
 
 
 def engine_logits(model, ids: list[int], page_size: int, chunk: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def test_prompt_logits_match_transformers(family, length, page_size):
         ref = hf(torch.tensor([ids])).logits[0]
     chunk = 50 if length > 64 else 2048       # 300 tokens in chunks of 50: GDN chunk and page boundaries inside
     ours = engine_logits(model, ids, page_size, chunk)
-    assert (ours - ref).abs().max().item() < 1e-4
+    assert (ours.cpu() - ref).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])

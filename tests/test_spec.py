@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
-from conftest import assert_no_leaks, engine_for, tokens
+from conftest import TEST_DEVICE, assert_no_leaks, engine_for, tokens
 from server_util import ServerProcess, free_port, http, server_config
 from tinyserve.config import ConfigError
 from tinyserve.loader import load_model
@@ -34,7 +34,7 @@ FAMILIES = {"qwen3_5": make_qwen3_5_text, "qwen3_next": make_qwen3_next}
 def agreeing_model(folder, family: str = "qwen3_5", mix: float = 0.3, **overrides):
     path, _ = FAMILIES[family](folder, with_mtp=True, max_position_embeddings=2048, **overrides)
     make_agreeing_head(path, mix=mix)
-    return load_model(path, torch.float32)
+    return load_model(path, torch.float32, TEST_DEVICE)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -134,7 +134,7 @@ def test_max_tokens_and_stop_ids_inside_an_accepted_run(exact_model):
 def test_depth_falls_on_a_random_head(tmp_path):
     """A random head accepts almost nothing: requests stop drafting after a few rounds (and probe now and then)."""
     folder, _ = make_qwen3_5_text(tmp_path, with_mtp=True, max_position_embeddings=2048)
-    model = load_model(folder, torch.float32)
+    model = load_model(folder, torch.float32, TEST_DEVICE)
     eng = spec_engine(model)
     prompts = [tokens(20, i) for i in range(2)]
     out = eng.generate(prompts, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))

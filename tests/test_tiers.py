@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_5_text
-from conftest import engine_for, merge, tokens
+from conftest import TEST_DEVICE, engine_for, merge, tokens
 from server_util import ServerProcess, free_port, http, server_config
 from tinyserve.engine import Engine
 from tinyserve.loader import load_model
@@ -40,7 +40,7 @@ def model(hybrid_model):
 def other_model(tmp_path_factory):
     """Same shapes, other weights: its blobs must never be taken for ours."""
     folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("other"), max_position_embeddings=2048, seed=7)
-    return load_model(folder, torch.float32)
+    return load_model(folder, torch.float32, TEST_DEVICE)
 
 
 SESSIONS = {name: tokens(SESSION, seed) for name, seed in (("A", 1), ("B", 2), ("C", 3))}

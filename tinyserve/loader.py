@@ -652,6 +652,7 @@ def read_checkpoint(folder: str | Path, vision: bool = True, keep_fp8: bool = Fa
     for item in items:
         item.scale = _scale_info(item, infos)
     blocks, kept = _fp8_placement(cfg, items, scheme)
+    cfg.fp8_blocks = blocks
     fp8_values = sum(math.prod(it.info.shape) for it in items if it.canonical in kept)
     scales = sum(math.ceil(it.info.shape[0] / blocks[kept[it.canonical]][0])
                  * math.ceil(it.info.shape[1] / blocks[kept[it.canonical]][1]) for it in items if it.canonical in kept)
@@ -759,6 +760,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
         check = Qwen3NextForCausalLM(cfg, dtype, "meta")       # names and shapes checked before any allocation
         planned = _plan(path, cfg, infos, scheme, check.expected_tensors())
         blocks, kept = _fp8_placement(cfg, planned, scheme)
+    cfg.fp8_blocks = blocks
     fp8 = Fp8Weights(blocks, act_quant=fp8_weights == "w8a8") if blocks else None
     model = Qwen3NextForCausalLM(cfg, dtype, device, fp8)
     if model.visual is not None:

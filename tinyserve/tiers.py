@@ -526,7 +526,7 @@ def weights_digest(model) -> bytes:
 
 
 _NOT_IN_FINGERPRINT = ("folder", "vision_config", "vision_parameters", "image_token_id", "vision_start_token_id",
-                       "vision_end_token_id")
+                       "vision_end_token_id", "fp8_blocks")      # FP8 kept or not: the weights' digest tells
 
 
 def model_fingerprint(model, kv_dtype: torch.dtype, page_size: int) -> bytes:

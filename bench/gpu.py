@@ -1,0 +1,311 @@
+"""The engine on a GPU with a random Qwen3.5-27B-shaped block-FP8 model (the seed's model at its real size), in one
+run of a few minutes, for a session with a lent GPU (tests/gpu.sh runs it after the tests):
+
+    python3 bench/gpu.py                  # from the repository root, tinyserve installed (-e . is enough)
+    .venv/bin/python bench/gpu.py --dry-run   # no GPU: the same script on a tiny model on the CPU (checks it)
+
+The model: Qwen3.5-27B's config (64 layers, 48 GDN + 16 attention, hidden 5120, MLP 17408, NEXTN head) with the
+linear weights FP8 where Qwen's FP8 release has them, laid out by the plan from a folder of safetensors headers
+(`loader.read_checkpoint(keep_fp8=True)`, as `tinyserve --check` does) and filled with random values on the device
+(writing and reading back 28 GiB would take most of the session; the loader is tested on the CPU). Its layers' output
+projections and the NEXTN head are set so the head agrees with the model (tests/checkpoints.make_agreeing_head's
+construction), so "with NEXTN" is close to speculation's upper bound (the table says how many drafts were
+accepted; the depth is what the engine's measured step costs choose); the kernels do the same work on any values.
+
+Printed, one table: decode tokens/s at batch 1 and 8 with and without NEXTN, and batch-1 decode against the HBM
+bound (weight bytes per token over the bandwidth measured by a device copy; target >= 70%); prefill tokens/s at 8K
+and 32K; TTFT of a 170K-token prompt; the chunked GDN kernel against flash-linear-attention's (`fla`, when it
+imports; target >= 0.8x) and the block-FP8 GEMM against torch._scaled_mm with row-wise scales (target >= 0.8x).
+In-process through the engine (Engine.for_model, offline generate): the HTTP server adds the same per-request costs
+as on the CPU (bench/serve.py), not per-token ones. Everything printed also goes to $OUT/gpu.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG: list[str] = []
+
+QWEN3_5_27B = {   # text_config of Qwen3.5-27B (../shared/reference/qwen-hybrid.md), as tests/checkpoints.py has it
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "num_hidden_layers": 64,
+    "full_attention_interval": 4, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+    "intermediate_size": 17408, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1, "tie_word_embeddings": False,
+    "eos_token_id": 248044, "dtype": "bfloat16"}
+TINY = dict(QWEN3_5_27B, vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, intermediate_size=128, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096)
+FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+             "modules_to_not_convert": ["lm_head", "re:.*linear_attn\\.in_proj_[ab]$", "mtp.fc"]}
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LOG.append(line)
+
+
+def header_folder(config: dict) -> Path:
+    """config.json (with Qwen's FP8 quantization_config) and a safetensors file of headers alone: F8_E4M3 linear
+    weights with float32 128x128 scales, the rest bf16; names and shapes from the model itself."""
+    import torch
+
+    from tinyserve.loader import _build_config
+    from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
+    folder = Path(tempfile.mkdtemp(prefix="tinyserve-gpu-"))
+    config = {**config, "quantization_config": FP8_QUANT}
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = _build_config(folder, config, ["mtp.layers.0.x"])
+    meta = Qwen3NextForCausalLM(cfg, torch.bfloat16, "meta")
+    linear = {n for n, p in meta.named_parameters() if getattr(p, "is_linear_weight", False)}
+    header, offset = {}, 0
+
+    def put(name: str, tag: str, shape) -> None:
+        nonlocal offset
+        n = {"BF16": 2, "F32": 4, "F8_E4M3": 1}[tag] * int(torch.Size(shape).numel())
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    quantized = {c for p, parts in meta.linear_parts().items() for c, _, _ in parts}
+    for name, shape in meta.expected_tensors().items():
+        stored = name if name.startswith(("mtp.", "lm_head.")) else "model." + name
+        skip = name in ("lm_head.weight", "mtp.fc.weight") or ".in_proj_a." in name or ".in_proj_b." in name
+        if name in quantized and not skip:
+            put(stored, "F8_E4M3", shape)
+            put(stored + "_scale_inv", "F32", (-(-shape[0] // 128), -(-shape[1] // 128)))
+        else:
+            put(stored, "BF16", shape)
+    assert linear
+    raw = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return folder
+
+
+def random_model(folder: Path, device, dtype):
+    """The model the plan lays out for `folder`, FP8 where it keeps FP8, random values, the NEXTN head agreeing."""
+    import torch
+
+    from tinyserve.kernels.fp8 import Fp8Weight
+    from tinyserve.loader import read_checkpoint
+    from tinyserve.models.qwen3_next import Fp8Weights, Qwen3NextForCausalLM
+    mc, weights = read_checkpoint(folder, keep_fp8=device.type == "cuda")
+    fp8 = Fp8Weights(mc.fp8_blocks, act_quant=True) if mc.fp8_blocks else None
+    model = Qwen3NextForCausalLM(mc, dtype, device, fp8)
+    g = torch.Generator(device=device).manual_seed(0)
+    outputs = ("o_proj", "out_proj", "mlp.down")            # zero: every layer passes its input through
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn(p.shape, generator=g, device=device) * 0.1)
+            else:
+                p.copy_((torch.randn(p.shape, generator=g, device=device) * 0.02).to(p.dtype))
+        for name, m in model.named_modules():
+            if isinstance(m, Fp8Weight):
+                m.weight.copy_((torch.randn(m.weight.shape, generator=g, device=device) * 64).clamp(-448, 448)
+                               .to(m.weight.dtype))
+                m.scale.fill_(0.02 / 64)
+                if name.endswith(outputs):
+                    m.scale.zero_()
+        for name, p in model.named_parameters():
+            if name.endswith(outputs):
+                p.zero_()
+        H = mc.hidden_size                                  # the head: fc = [I | 0], its norm the model's
+        fc = model.mtp.fc
+        if isinstance(fc, torch.nn.Parameter):
+            fc.zero_()
+            fc[:, :H] = torch.eye(H, device=device, dtype=fc.dtype)
+        model.mtp.pre_fc_norm_embedding.copy_(model.norm)
+        model.mtp.norm.copy_(model.norm)
+        for layer in model.layers:
+            mixer = layer.mixer
+            if hasattr(mixer, "A_log"):
+                mixer.A_log.copy_(torch.log(torch.rand(mixer.A_log.shape, generator=g, device=device) * 15 + 1))
+                mixer.dt_bias.zero_()
+    return mc, weights, model
+
+
+def engine(model, nextn: bool, context: int, dry: bool):
+    from tinyserve.config import from_dict
+    from tinyserve.engine import Engine
+    tables = {"model": {"dtype": "float32" if dry else "bfloat16", "kv_cache_dtype": "auto" if dry else "fp8_e4m3",
+                        "context_length": context},
+              "engine": {"max_running_requests": 8, "chunked_prefill_size": 512 if dry else 8192, "page_size": 64,
+                         "kv_cache_tokens": 8192 if dry else 0},
+              "cache": {"enabled": False}}
+    if nextn:
+        tables["speculative"] = {"algorithm": "nextn", "num_steps": 3, "num_draft_tokens": 4, "max_running": 8}
+    eng = Engine.for_model(from_dict(tables), model)
+    if nextn:
+        eng.price_drafts()
+    return eng
+
+
+def sync(device) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def decode_rate(eng, batch: int, new: int, vocab: int, device) -> float:
+    """Decode tokens/s: a run of `new` tokens minus a run of one (the prefill), over the extra tokens."""
+    from tinyserve.sampling import SamplingParams
+    ps = prompts(batch, 32, vocab, seed=batch)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    many = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    eng.generate(ps, many)                                  # warm-up: compiles every kernel variant
+    t1 = timed(lambda: eng.generate(ps, one), device)
+    tn = timed(lambda: eng.generate(ps, many), device)
+    return batch * (new - 1) / max(1e-9, tn - t1)
+
+
+def prefill_seconds(eng, length: int, vocab: int, device) -> float:
+    from tinyserve.sampling import SamplingParams
+    p = prompts(1, length, vocab, seed=length)
+    return timed(lambda: eng.generate(p, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)), device)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read and written (the HBM bound's bandwidth)."""
+    import torch
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.empty(4 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t = min(timed(lambda: b.copy_(a), device) for _ in range(5))
+    return 2 * a.numel() / t
+
+
+def kernel_peers(device, dry: bool) -> None:
+    """Our chunked GDN against fla's (if importable) at 8K tokens; our block-FP8 GEMM against _scaled_mm."""
+    import torch
+    if device.type != "cuda":
+        say("   kernel peers: GPU only")
+        return
+    from triton.testing import do_bench
+
+    from tinyserve.kernels import backend_set_to
+    from tinyserve.kernels.fp8 import Fp8Weight, fp8_linear
+    from tinyserve.kernels.gdn import chunk_gated_delta_rule
+    g = torch.Generator(device=device).manual_seed(1)
+    T, H, HV, D = 8192, 16, 48, 128
+    q = torch.nn.functional.normalize(torch.randn(T, H, D, generator=g, device=device), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(T, H, D, generator=g, device=device), dim=-1).bfloat16()
+    v = torch.randn(T, HV, D, generator=g, device=device).bfloat16()
+    gate = -torch.rand(T, HV, generator=g, device=device) * 0.5
+    beta = torch.rand(T, HV, generator=g, device=device)
+    pool = torch.zeros(2, HV, D, D, device=device)
+    qs = q * D ** -0.5                                     # our kernel takes q scaled; fla scales inside
+    with backend_set_to("triton"):
+        ours = do_bench(lambda: chunk_gated_delta_rule(qs, k, v, gate, beta, pool, [0, T], [1]))
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk   # GVA: 16 key, 48 value heads
+        fla = do_bench(lambda: fla_chunk(q[None], k[None], v[None], g=gate[None], beta=beta[None], scale=D ** -0.5,
+                                         initial_state=pool[:1], output_final_state=True))
+        say(f"   GDN chunk prefill, 8K tokens, 27B heads: ours {ours:.3f} ms, fla {fla:.3f} ms: "
+            f"{fla / ours:.2f}x fla's speed (target >= 0.8x)")
+    except Exception as e:                                # not installed, or an API change: say so, go on
+        say(f"   GDN chunk prefill, 8K tokens: ours {ours:.3f} ms; fla not run ({type(e).__name__}: {str(e)[:120]})")
+    for M, K, N in ((2048, 5120, 34816), (2048, 17408, 5120), (2048, 5120, 16384), (8, 5120, 34816)):
+        w = Fp8Weight(N, K, (128, 128), device, act_quant=True)
+        w.weight.copy_((torch.randn(N, K, generator=g, device=device) * 64).clamp(-448, 448).to(w.weight.dtype))
+        w.scale.fill_(1e-3)
+        x = torch.randn(M, K, generator=g, device=device).bfloat16()
+        with backend_set_to("triton"):
+            ours = do_bench(lambda: fp8_linear(x, w))
+        xq = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+        sx = torch.ones(M, 1, device=device)
+        sw = torch.ones(1, N, device=device)
+        try:
+            peer = do_bench(lambda: torch._scaled_mm(xq, w.weight.t(), scale_a=sx, scale_b=sw,
+                                                     out_dtype=torch.bfloat16))
+            ratio = f"{peer / ours:.2f}x _scaled_mm's speed (row-wise scales; target >= 0.8x)"
+        except Exception as e:
+            ratio = f"_scaled_mm not run ({type(e).__name__}: {str(e)[:100]})"
+        flops = 2 * M * N * K / (ours * 1e-3) / 1e12
+        say(f"   block-FP8 GEMM {M}x{K} @ {N}x{K}: ours {ours:.3f} ms ({flops:.0f} TFLOP/s), {ratio}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU: checks the script")
+    args = parser.parse_args()
+    import torch
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA device (or --dry-run)")
+    device = torch.device("cpu" if dry else "cuda")
+    say(f"device {'CPU (dry run)' if dry else torch.cuda.get_device_name()}, torch {torch.__version__}")
+    t0 = time.time()
+    folder = header_folder(TINY if dry else QWEN3_5_27B)
+    mc, weights, model = random_model(folder, device, torch.float32 if dry else torch.bfloat16)
+    weight_bytes = weights.bytes(4 if dry else 2)
+    say(f"model: {weight_bytes / 2**30:.2f} GiB of weights ({weights.fp8_values / 1e9:.2f} G values kept FP8), "
+        f"built in {time.time() - t0:.0f} s")
+    bw = copy_bandwidth(device)
+    # a decode step reads every weight once but the embedding (one row) and the NEXTN head (not run without NEXTN)
+    per_token = weight_bytes - mc.vocab_size * mc.hidden_size * (4 if dry else 2)
+    context = 4096 if dry else 180_000
+    lengths = (256, 1024) if dry else (8192, 32768)
+    long = 2048 if dry else 170_000
+    new = 8 if dry else 64
+    rows = []
+    for nextn in (False, True):
+        eng = engine(model, nextn, context, dry)
+        for batch in (1, 8):
+            if nextn:
+                eng.spec_stats = type(eng.spec_stats)()
+            rate = decode_rate(eng, batch, new, mc.vocab_size, device)
+            note = ""
+            if batch == 1 and not nextn and bw == bw:
+                bound = bw / per_token
+                note = f"HBM bound {bound:.0f} tok/s: {rate / bound:.0%} (target >= 70%)"
+            if nextn:
+                st = eng.spec_stats
+                note = (f"{st.num_drafts} rounds, {st.num_accepted_tokens} of {st.num_draft_tokens} drafts accepted"
+                        if st.num_drafts else "no drafting (the measured step costs chose depth 0)")
+            rows.append((f"decode batch {batch}{' NEXTN' if nextn else ''}", f"{rate:.1f} tok/s", note))
+        if not nextn:
+            for n in lengths:
+                s = prefill_seconds(eng, n, mc.vocab_size, device)
+                rows.append((f"prefill {n} tokens", f"{n / s:.0f} tok/s", f"{s:.2f} s"))
+            s = prefill_seconds(eng, long, mc.vocab_size, device)
+            rows.append((f"TTFT {long} tokens", f"{s:.2f} s", f"{long / s:.0f} tok/s"))
+        eng.close()
+        del eng
+        if device.type == "cuda":
+            torch.cuda.empty_cache()                        # the next engine plans from free memory
+    say(f"{'measurement':<36} {'value':>14}  notes")
+    for name, value, note in rows:
+        say(f"{name:<36} {value:>14}  {note}")
+    if bw == bw:
+        say(f"device copy bandwidth {bw / 1e12:.2f} TB/s; weight bytes per decoded token {per_token / 2**30:.2f} GiB")
+    kernel_peers(device, dry)
+    say(f"total {time.time() - t0:.0f} s")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu.txt").write_text("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()

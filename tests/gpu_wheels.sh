@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Wheels of what the lent GPU machine's image lacks (it has no network): run here, then carry .gpu-wheels with the
+# device tool's `run` (carry: [".gpu-wheels"]); tests/gpu.sh installs them. The image runs Python 3.12 on x86-64.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .gpu-wheels
+python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .gpu-wheels \
+    llguidance tomli-w fla-core
+du -sh .gpu-wheels && ls .gpu-wheels
