@@ -38,6 +38,7 @@ import torch
 
 from tinyserve.cache import CacheStats, NullCache, PrefixCache
 from tinyserve.config import Config, ConfigError
+from tinyserve.copies import CopyStream, copy_stream_for
 from tinyserve.grammar import GrammarCompiler
 from tinyserve.images import ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, preprocess
 from tinyserve.kernels import set_backend as set_kernel_backend
@@ -182,7 +183,9 @@ class RequestStream:
 
 
 class Engine:
-    def __init__(self, cfg: Config, model, tokenizer, plan: MemoryPlan) -> None:
+    def __init__(self, cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyStream | None = None) -> None:
+        """copy_stream: where tier copies run (copies.py); by default the device's own (CUDA: a stream of its own,
+        the CPU: at once)."""
         mc = model.cfg
         self.cfg, self.model, self.tokenizer, self.plan = cfg, model, tokenizer, plan
         self.served_name = cfg.model.served_name
@@ -203,6 +206,9 @@ class Engine:
                                     mc.linear_conv_kernel_dim,
                                     mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim,
                                     model.dtype, device, num_snapshot_slots=plan.snapshot_slots)
+        # tier copies on a stream of their own (CUDA); pages and slots handed out again wait for their saves
+        self.copies = copy_stream or copy_stream_for(device)
+        self.allocator.fence, self.state_pool.fence = self.copies.fence_pages, self.copies.fence_slots
         self._work = threading.Event()           # set when the engine thread has something to do
         self.cache = self._build_cache(cfg, plan) if cfg.cache.enabled else NullCache(self.state_pool)
         self.scheduler = Scheduler(self.allocator, self.state_pool, plan.page_size, cfg.engine.max_running_requests,
@@ -266,15 +272,15 @@ class Engine:
         host = file = None
         if plan.host_pages or plan.host_snapshots:
             host = HostTier(self.kv_pool, self.state_pool, plan.host_pages, plan.host_snapshots,
-                            min_free_bytes=int(cfg.cache.host.min_free_gb * GIB))
+                            min_free_bytes=int(cfg.cache.host.min_free_gb * GIB), copies=self.copies)
         if plan.file_dir:
             file = FileTier(Path(plan.file_dir), plan.file_bytes,
                             model_fingerprint(self.model, self.kv_pool.dtype, plan.page_size),
                             tuple(self.kv_pool.buffer.shape[1:]), self.kv_pool.dtype,
                             tuple(self.state_pool.conv.shape[1:]), self.state_pool.conv.dtype,
-                            tuple(self.state_pool.ssm.shape[1:]))
+                            tuple(self.state_pool.ssm.shape[1:]), pin=self.kv_pool.buffer.is_cuda)
             log.info("file tier %s: %d blobs found", plan.file_dir, file.num_blobs)
-        tiers = Tiers(self.kv_pool, self.state_pool, host, file, cfg.cache.host.write_policy)
+        tiers = Tiers(self.kv_pool, self.state_pool, host, file, cfg.cache.host.write_policy, self.copies)
         tree = RadixCache(self.allocator, self.state_pool, plan.page_size, plan.hybrid, tiers)
         return PrefixCache(cfg, tree, self.allocator, self.state_pool, wake=self._work.set)
 
@@ -324,7 +330,7 @@ class Engine:
                  ", ".join(f"{t * 1000:.1f}" for t in self.runner.step_cost.seconds))
 
     @classmethod
-    def for_model(cls, cfg: Config, model, tokenizer=None) -> "Engine":
+    def for_model(cls, cfg: Config, model, tokenizer=None, copy_stream: CopyStream | None = None) -> "Engine":
         """An engine around a model already loaded (tests, notebooks): the plan from cfg and the model's sizes,
         in the model's own dtype."""
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype_name(model.dtype)))
@@ -332,7 +338,7 @@ class Engine:
         fp8_values = sum(m.weight.numel() for m in fp8)
         weights = WeightCount(sum(p.numel() for p in model.parameters()) + fp8_values, fp8_values,
                               sum(m.scale.numel() for m in fp8))
-        return cls(cfg, model, tokenizer, MemoryPlan.resolve(cfg, model.cfg, model.device.type, weights))
+        return cls(cfg, model, tokenizer, MemoryPlan.resolve(cfg, model.cfg, model.device.type, weights), copy_stream)
 
     # ---- requests (called from the event loop or offline code) ----
     def fit_max_tokens(self, prompt_len: int, max_tokens: int | None, clamp: bool = False) -> int:
@@ -612,6 +618,7 @@ class Engine:
             return
         # every device page (none is locked while idle) is demoted or dropped, and with it its node's snapshot
         self.cache.make_room(self.allocator.num_pages)
+        self.copies.synchronize()                  # the demotions' copies read the pools about to be freed
         self.kv_pool.release()
         self.state_pool.release()
         if self.kv_pool.buffer.is_cuda:
@@ -711,4 +718,5 @@ class Engine:
 
     def close(self, timeout: float = 10.0) -> None:
         """Offline: flush pending file-tier writes (bounded) so a restart finds them."""
+        self.copies.synchronize()
         self.cache.close(timeout)

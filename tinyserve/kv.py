@@ -6,6 +6,8 @@ one contiguous span, so moving a page to the host or to a file is a single copy.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 class KVPool:
@@ -49,6 +51,9 @@ class PageAllocator:
         self.num_pages = num_pages
         self.refcount = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))     # pop() hands out low ids first
+        # called with pages about to be handed out (to be written): orders them after any tier copy still reading
+        # them (copies.py; the engine sets it, a no-op otherwise)
+        self.fence: Callable[[list[int]], None] = lambda pages: None
 
     @property
     def num_free(self) -> int:
@@ -65,6 +70,7 @@ class PageAllocator:
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self.refcount[p] = 1
+        self.fence(pages)
         return pages
 
     def retain(self, pages: list[int]) -> None:

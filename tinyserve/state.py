@@ -7,6 +7,7 @@ The model takes per-layer views `conv[:, l]`, `ssm[:, l]` and indexes them by sl
 from __future__ import annotations
 
 import bisect
+from typing import Callable
 
 import torch
 
@@ -21,6 +22,9 @@ class StatePool:
         self.ssm = torch.zeros((total, L, num_v_heads, dk, dv), dtype=torch.float32, device=device)
         self._free = list(range(num_slots - 1, -1, -1))
         self._free_snapshots = list(range(total - 1, num_slots - 1, -1))
+        # called with slots about to be written (handed out, copied or zeroed into): orders the write after any tier
+        # copy still reading them (copies.py; the engine sets it, a no-op otherwise)
+        self.fence: Callable[[list[int]], None] = lambda slots: None
 
     @property
     def released(self) -> bool:
@@ -46,7 +50,10 @@ class StatePool:
         return len(self._free)
 
     def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
+        slot = self._free.pop() if self._free else None
+        if slot is not None:
+            self.fence([slot])
+        return slot
 
     def free(self, slot: int) -> None:
         assert slot not in self._free, f"double free of state slot {slot}"
@@ -60,16 +67,21 @@ class StatePool:
         return len(self._free_snapshots)
 
     def alloc_snapshot(self) -> int | None:
-        return self._free_snapshots.pop() if self._free_snapshots else None
+        slot = self._free_snapshots.pop() if self._free_snapshots else None
+        if slot is not None:
+            self.fence([slot])
+        return slot
 
     def free_snapshot(self, slot: int) -> None:
         assert slot >= self.num_slots and slot not in self._free_snapshots, f"bad snapshot free {slot}"
         self._free_snapshots.append(slot)
 
     def zero(self, slot: int) -> None:
+        self.fence([slot])
         self.conv[slot].zero_()
         self.ssm[slot].zero_()
 
     def copy(self, src: int, dst: int) -> None:
+        self.fence([dst])
         self.conv[dst].copy_(self.conv[src])
         self.ssm[dst].copy_(self.ssm[src])

@@ -4,8 +4,9 @@ Host tier: a budget from `cache.host.size_gb`, split explicitly between KV pages
 segments as it fills and given back (LRU entries evicted, whole segments freed) when the machine's available
 memory falls below `cache.host.min_free_gb`. Pages keep the device pool's page-major layout, so one page (all
 attention layers) is one contiguous block, and moving a set of pages is a bounds-checked indexed copy per segment
-(`_copy_rows`), the same for every page size and dtype. Device <-> host copies run in the step thread between
-forwards (a memcpy; nothing else touches those rows then), so a page or slot is never freed while a copy reads it.
+(`_copy_rows`), the same for every page size and dtype. Device <-> host copies are issued by the step thread between
+forwards onto a copy stream (copies.py: on CUDA a stream of their own with events, overlapped with compute; on the
+CPU done at once); a device page or slot a save still reads is fenced before it is written again (invariant 4).
 
 File tier: one blob per cached run of pages (a radix node), named by the hash chain at its start and end:
 `<start>-<end>.tsb`. The chain is seeded by a fingerprint of the model (config, tensor names, shapes, dtypes),
@@ -40,9 +41,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from tinyserve.config import WRITE_POLICIES
+from tinyserve.copies import CopyStream
 from tinyserve.kv import KVPool
 from tinyserve.plan import GIB, host_available_bytes
 from tinyserve.state import StatePool
@@ -63,8 +66,10 @@ STAT_BATCH = 2000          # file tier: blobs updated per hold of the index lock
 SEGMENT_BYTES = 256 << 20
 
 
-def _copy_rows(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int]) -> None:
-    """dst[dst_idx] = src[src_idx], checked: same row shape and dtype, indices in range, equal counts."""
+def _copy_rows(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int],
+               stream: CopyStream | None = None) -> None:
+    """dst[dst_idx] = src[src_idx], checked: same row shape and dtype, indices in range, equal counts. With an
+    asynchronous copy stream, run by run (each a contiguous slice: one asynchronous copy, no gather buffer)."""
     assert len(dst_idx) == len(src_idx), "copy with mismatched index counts"
     assert dst.shape[1:] == src.shape[1:] and dst.dtype == src.dtype, \
         f"tier copy between incompatible layouts {tuple(src.shape)} {src.dtype} -> {tuple(dst.shape)} {dst.dtype}"
@@ -79,6 +84,10 @@ def _copy_rows(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx
         if i == len(dst_idx) or dst_idx[i] != dst_idx[i - 1] + 1 or src_idx[i] != src_idx[i - 1] + 1:
             runs.append((dst_idx[start], src_idx[start], i - start))
             start = i
+    if stream is not None and stream.asynchronous:
+        for d, s_, n in runs:
+            stream.copy(dst[d:d + n], src[s_:s_ + n])
+        return
     if len(runs) * 8 <= len(dst_idx) or len(runs) == 1:
         for d, s_, n in runs:
             dst[d:d + n].copy_(src[s_:s_ + n])
@@ -230,17 +239,19 @@ class _Rows:
             poss.append(pos)
         return out
 
-    def write(self, ids: list[int], srcs: list[torch.Tensor], src_idx: list[int]) -> None:
+    def write(self, ids: list[int], srcs: list[torch.Tensor], src_idx: list[int],
+              stream: CopyStream | None = None) -> None:
         """rows[ids] = src[src_idx], for each spec's tensor."""
         for seg, (offs, poss) in self._groups(ids).items():
             for k, src in enumerate(srcs):
-                _copy_rows(self.segments[seg][k], offs, src, [src_idx[p] for p in poss])
+                _copy_rows(self.segments[seg][k], offs, src, [src_idx[p] for p in poss], stream)
 
-    def read(self, ids: list[int], dsts: list[torch.Tensor], dst_idx: list[int]) -> None:
+    def read(self, ids: list[int], dsts: list[torch.Tensor], dst_idx: list[int],
+             stream: CopyStream | None = None) -> None:
         """dst[dst_idx] = rows[ids], for each spec's tensor."""
         for seg, (offs, poss) in self._groups(ids).items():
             for k, dst in enumerate(dsts):
-                _copy_rows(dst, [dst_idx[p] for p in poss], self.segments[seg][k], offs)
+                _copy_rows(dst, [dst_idx[p] for p in poss], self.segments[seg][k], offs, stream)
 
     def gather(self, ids: list[int]) -> list[torch.Tensor]:
         """New CPU tensors [len(ids), *shape] with the rows' contents, one per spec."""
@@ -286,10 +297,12 @@ class HostTier:
 
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, num_pages: int, num_snapshots: int, *,
                  min_free_bytes: int = 0, available_memory: Callable[[], int] | None = None,
-                 segment_bytes: int | None = None) -> None:
+                 segment_bytes: int | None = None, copies: CopyStream | None = None) -> None:
         """num_pages / num_snapshots: the memory plan's split of cache.host.size_gb (the most ever allocated);
-        min_free_bytes: cache.host.min_free_gb (0: no floor); segment_bytes: the allocation unit."""
+        min_free_bytes: cache.host.min_free_gb (0: no floor); segment_bytes: the allocation unit; copies: the
+        stream device <-> host copies run on (copies.py; immediate when None)."""
         self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.copies = copies or CopyStream()
         pin = kv_pool.buffer.is_cuda and torch.cuda.is_available()
         self.page_bytes, self.snap_bytes = kv_pool.bytes_per_page, state_pool.bytes_per_slot
         seg = segment_bytes or SEGMENT_BYTES
@@ -424,6 +437,7 @@ class HostTier:
             self._evict(tree)
             keep_p, keep_s = max(keep_p, pages.segments_for(pages.used)), max(keep_s, snaps.segments_for(snaps.used))
             pages.limit, snaps.limit = pages.rows_in(keep_p), snaps.rows_in(keep_s)
+            self.copies.synchronize()                      # rows move on the CPU: no copy may still write them
             freed = pages.shrink_to(keep_p) + snaps.shrink_to(keep_s)
             if not freed:                # what is left is held by running requests' paths: try again later
                 break
@@ -458,40 +472,49 @@ class HostTier:
                 self.stats.bytes_in += nbytes
         return done
 
+    # Saves and loads go through the copy stream (copies.py): on CUDA the engine thread does not wait for them, and
+    # the stream's fences keep a device page or slot a save still reads from being written meanwhile.
     def save_pages(self, device_pages: list[int], host_pages: list[int]) -> None:
         assert len(device_pages) == len(host_pages), "copy with mismatched index counts"
         done = self._timed(len(host_pages) * self.page_bytes, outward=False)
-        self._pages.write(host_pages, [self.kv_pool.buffer], device_pages)
+        with self.copies.saving(pages=device_pages, host_pages=host_pages):
+            self._pages.write(host_pages, [self.kv_pool.buffer], device_pages, self.copies)
         done()
 
     def load_pages(self, host_pages: list[int], device_pages: list[int]) -> None:
         assert len(device_pages) == len(host_pages), "copy with mismatched index counts"
         done = self._timed(len(host_pages) * self.page_bytes, outward=True)
-        self._pages.read(host_pages, [self.kv_pool.buffer], device_pages)
+        with self.copies.loading():
+            self._pages.read(host_pages, [self.kv_pool.buffer], device_pages, self.copies)
         done()
 
     def save_snapshot(self, device_slot: int, host_slot: int) -> None:
         done = self._timed(self.snap_bytes, outward=False)
-        self._snaps.write([host_slot], [self.state_pool.conv, self.state_pool.ssm], [device_slot])
+        with self.copies.saving(slots=[device_slot], host_snapshots=[host_slot]):
+            self._snaps.write([host_slot], [self.state_pool.conv, self.state_pool.ssm], [device_slot], self.copies)
         done()
 
     def load_snapshot(self, host_slot: int, device_slot: int) -> None:
         done = self._timed(self.snap_bytes, outward=True)
-        self._snaps.read([host_slot], [self.state_pool.conv, self.state_pool.ssm], [device_slot])
+        with self.copies.loading():
+            self._snaps.read([host_slot], [self.state_pool.conv, self.state_pool.ssm], [device_slot], self.copies)
         done()
 
     def read_pages(self, host_pages: list[int]) -> torch.Tensor:
         """A CPU copy [len(host_pages), *page shape] of host pages (for the file tier's writer)."""
+        self.copies.host_ready(host_pages=host_pages)
         return self._pages.gather(host_pages)[0]
 
     def read_snapshot(self, host_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """CPU copies (conv, ssm) of one host snapshot."""
+        self.copies.host_ready(host_snapshots=[host_slot])
         conv, ssm = self._snaps.gather([host_slot])
         return conv[0], ssm[0]
 
     @property
     def kv(self) -> torch.Tensor:
         """Every KV page by logical id, as one CPU copy (free ids read as zeros): for tests and benchmarks."""
+        self.copies.synchronize()
         out = torch.zeros((self.max_pages,) + self._pages.specs[0][0], dtype=self._pages.specs[0][1])
         used = [i for i in range(self.max_pages) if self._pages._where[i] >= 0]
         self._pages.read(used, [out], used)
@@ -596,6 +619,7 @@ class FileTier:
     writable: bool = True
     stats: TierStats = field(default_factory=TierStats)
     needs_state: bool = False    # a hybrid model's runs: usable only up to a state snapshot (the radix tree sets it)
+    pin: bool = False            # read blobs into pinned memory (CUDA: the copy to the device is asynchronous)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -1015,7 +1039,11 @@ class FileTier:
         def tensor(nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
             if not nbytes:                  # a state blob's pages
                 return torch.empty(shape, dtype=dtype)
-            raw = torch.frombuffer(bytearray(payload[off:off + nbytes]), dtype=torch.uint8)
+            if self.pin:                    # pinned staging: the device copy runs on the copy stream
+                raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                raw.numpy()[:] = np.frombuffer(payload[off:off + nbytes], dtype=np.uint8)
+            else:
+                raw = torch.frombuffer(bytearray(payload[off:off + nbytes]), dtype=torch.uint8)
             return raw.view(dtype).reshape(shape)
         kv = tensor(kv_len, self.kv_dtype, (n_pages,) + self.page_shape)
         off += kv_len
@@ -1050,9 +1078,10 @@ class Tiers:
     that its writer thread owns."""
 
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, host: HostTier | None, file: FileTier | None,
-                 write_policy: str) -> None:
+                 write_policy: str, copies: CopyStream | None = None) -> None:
         assert write_policy in BACKUP_EVENT, write_policy
         self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.copies = copies or CopyStream()
         self.host, self.file, self.write_policy = host, file, write_policy
 
     def backup_due(self, event: str, hits: int) -> bool:
@@ -1088,9 +1117,10 @@ class Tiers:
         self.file.write(Blob(at, at, [], torch.empty((0,) + tuple(buf.shape[1:]), dtype=buf.dtype), conv, ssm))
 
     def load_blob(self, blob: Blob, pages: list[int], snapshot: int | None) -> None:
-        """Copy a blob read from the file tier into device pages (and its state into a snapshot slot)."""
-        buf = self.kv_pool.buffer
-        buf.index_copy_(0, torch.tensor(pages, device=buf.device), blob.kv.to(buf.device))
-        if snapshot is not None:
-            self.state_pool.conv[snapshot].copy_(blob.conv)
-            self.state_pool.ssm[snapshot].copy_(blob.ssm)
+        """Copy a blob read from the file tier into device pages (and its state into a snapshot slot), on the
+        copy stream (after any save still reading a slot handed over; the next forward waits for it)."""
+        with self.copies.loading():
+            _copy_rows(self.kv_pool.buffer, pages, blob.kv, list(range(len(pages))), self.copies)
+            if snapshot is not None:
+                self.copies.copy(self.state_pool.conv[snapshot], blob.conv)
+                self.copies.copy(self.state_pool.ssm[snapshot], blob.ssm)

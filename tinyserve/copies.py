@@ -1,0 +1,236 @@
+"""Device <-> host copies of the cache tiers on a stream of their own, ordered against compute by events.
+
+On CUDA a tier copy runs on its own stream, so the engine thread never waits for it and the GPU overlaps it with
+the forward that follows:
+- a save (device -> pinned host rows) first waits, on the GPU, for the work the compute stream has queued so far
+  (the forward that wrote those pages), then copies, then records an event;
+- a load (host -> device) runs on the copy stream too, and the compute stream waits for it (a GPU-side wait) before
+  anything queued later reads the pages.
+Design invariant 4: a device page or state slot that a save still reads stays reserved until its event completes.
+Here that is a fence, not a delay: whoever hands such a page or slot out again to be written (the page allocator,
+the state pool's alloc / copy / zero) first makes the compute stream wait for the save's event; host rows a save
+still writes are read on the CPU (file-tier writer, compaction) only after their event completes. SGLang's
+write-back crashes of the seed's posts were a device page reused while its copy to the host still read it.
+
+`CopyStream` is the immediate one (the CPU: every copy is done when the call returns). `CudaCopyStream` is the
+real one. `DeferredCopyStream` runs each copy only when something waits for it: a CPU stand-in for a slow copy
+stream, so the tests can show that no fence is missing (a missing one lets a later write reach the copy first).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+
+class CopyStream:
+    """Tier copies done at once (the CPU path): nothing is ever pending."""
+
+    asynchronous = False                # copies may still run after the call that issued them returns
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    @contextlib.contextmanager
+    def saving(self, pages: list[int] = (), slots: list[int] = (), host_pages: list[int] = (),
+               host_snapshots: list[int] = ()) -> Iterator[None]:
+        """Copies from device pages / state slots into host rows, inside the with-block."""
+        yield
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """Copies from host rows into device pages / slots, inside the with-block."""
+        yield
+
+    def fence_pages(self, pages: list[int]) -> None:
+        """Device pages about to be written by compute: after any save that still reads them."""
+
+    def fence_slots(self, slots: list[int]) -> None:
+        """State slots about to be written by compute: after any save that still reads them."""
+
+    def host_ready(self, host_pages: list[int] = (), host_snapshots: list[int] = ()) -> None:
+        """Host rows about to be read or moved on the CPU: wait until the saves writing them are done."""
+
+    def synchronize(self) -> None:
+        """Every copy queued so far is done."""
+
+
+class _Pending(CopyStream):
+    """Bookkeeping shared by the asynchronous streams: the last save event of each device page, state slot and
+    host row (an event covers every copy queued before it on the one copy stream)."""
+
+    asynchronous = True
+
+    def __init__(self) -> None:
+        self._pages: dict[int, object] = {}
+        self._slots: dict[int, object] = {}
+        self._host_pages: dict[int, object] = {}
+        self._host_snaps: dict[int, object] = {}
+
+    # what each stream implements: enter / leave the copy stream, record an event after what is queued on it,
+    # make compute wait for an event or for everything queued, make the host wait for an event, test one
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _end(self) -> None:
+        raise NotImplementedError
+
+    def _record(self) -> object:
+        raise NotImplementedError
+
+    def _compute_waits(self, event: object) -> None:
+        raise NotImplementedError
+
+    def _compute_waits_all(self) -> None:
+        raise NotImplementedError
+
+    def _host_waits(self, event: object) -> None:
+        raise NotImplementedError
+
+    def _done(self, event: object) -> bool:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def saving(self, pages=(), slots=(), host_pages=(), host_snapshots=()) -> Iterator[None]:
+        self._begin()
+        try:
+            yield
+        finally:
+            self._end()
+        event = self._record()
+        for table, keys in ((self._pages, pages), (self._slots, slots), (self._host_pages, host_pages),
+                            (self._host_snaps, host_snapshots)):
+            for k in keys:
+                table[k] = event
+        self._prune()
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        self._begin()
+        try:
+            yield
+        finally:
+            self._end()
+        self._compute_waits_all()
+
+    def _fence(self, table: dict[int, object], keys: list[int]) -> None:
+        for k in keys:
+            event = table.pop(k, None)
+            if event is not None:
+                self._compute_waits(event)
+
+    def fence_pages(self, pages: list[int]) -> None:
+        self._fence(self._pages, pages)
+
+    def fence_slots(self, slots: list[int]) -> None:
+        self._fence(self._slots, slots)
+
+    def host_ready(self, host_pages=(), host_snapshots=()) -> None:
+        for table, keys in ((self._host_pages, host_pages), (self._host_snaps, host_snapshots)):
+            for k in keys:
+                event = table.pop(k, None)
+                if event is not None:
+                    self._host_waits(event)
+
+    def synchronize(self) -> None:
+        for table in (self._pages, self._slots, self._host_pages, self._host_snaps):
+            for event in table.values():
+                self._host_waits(event)
+            table.clear()
+
+    def _prune(self, every: int = 256) -> None:
+        """Forget completed events now and then (the tables would otherwise grow with every page ever saved)."""
+        if sum(map(len, (self._pages, self._slots, self._host_pages, self._host_snaps))) < every:
+            return
+        for table in (self._pages, self._slots, self._host_pages, self._host_snaps):
+            for k in [k for k, e in table.items() if self._done(e)]:
+                del table[k]
+
+
+class CudaCopyStream(_Pending):
+    """The copies on a CUDA stream of their own; host rows are pinned, so they do not block the engine thread."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.stream = torch.cuda.Stream(device)
+        self._outer: list = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def _begin(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream())      # see what the forwards wrote
+        ctx = torch.cuda.stream(self.stream)
+        ctx.__enter__()
+        self._outer.append(ctx)
+
+    def _end(self) -> None:
+        self._outer.pop().__exit__(None, None, None)
+
+    def _record(self) -> object:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def _compute_waits(self, event) -> None:
+        torch.cuda.current_stream().wait_event(event)
+
+    def _compute_waits_all(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def _host_waits(self, event) -> None:
+        event.synchronize()
+
+    def _done(self, event) -> bool:
+        return event.query()
+
+
+class DeferredCopyStream(_Pending):
+    """A CPU stand-in for a copy stream that lags behind: copies queue up and run, in order, only when something
+    waits for them (a fence, a load's end, a host read). Tests run the engine on it to show every wait is there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue: list[Callable[[], None]] = []
+        self.done = 0                       # copies run so far (an event is a position in the queue)
+        self.most_pending = 0               # the longest the queue of copies not yet run has been
+        self._depth = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._depth == 0:                # not inside saving() / loading(): an ordinary copy
+            dst.copy_(src)
+            return
+        self.queue.append(lambda: dst.copy_(src))     # reads src when it runs, as a late copy engine would
+        self.most_pending = max(self.most_pending, len(self.queue) - self.done)
+
+    def _begin(self) -> None:
+        self._depth += 1
+
+    def _end(self) -> None:
+        self._depth -= 1
+
+    def _record(self) -> int:
+        return len(self.queue)
+
+    def _run_to(self, position: int) -> None:
+        while self.done < position:
+            self.queue[self.done]()
+            self.queue[self.done] = None    # type: ignore[call-overload]
+            self.done += 1
+
+    def _compute_waits(self, event: int) -> None:
+        self._run_to(event)
+
+    def _compute_waits_all(self) -> None:
+        self._run_to(len(self.queue))
+
+    def _host_waits(self, event: int) -> None:
+        self._run_to(event)
+
+    def _done(self, event: int) -> bool:
+        return self.done >= event
+
+
+def copy_stream_for(device: torch.device) -> CopyStream:
+    return CudaCopyStream(device) if device.type == "cuda" else CopyStream()
