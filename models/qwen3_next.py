@@ -55,6 +55,9 @@ class ForwardBatch:
     mrope_positions: torch.Tensor | None = None
     image_rows: torch.Tensor | None = None       # [n] int64
     image_embeds: torch.Tensor | None = None     # [n, H]
+    # Decode attention's bound on the decode rows' seq_lens (None: their max). A static decode batch (runner.py,
+    # CUDA graphs) fixes it to the context length, so nothing in its forward changes from step to step.
+    decode_max_len: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -275,7 +278,7 @@ class GatedAttention(nn.Module):
         nd, parts = batch.num_decode, []
         if nd:
             parts.append(paged_attention_decode(q[:nd], kv_cache, batch.page_table[:nd], batch.seq_lens_t[:nd],
-                                                max(batch.seq_lens[:nd]), scale))
+                                                batch.decode_max_len or max(batch.seq_lens[:nd]), scale))
         if batch.num_seqs > nd:
             cu = [c - nd for c in batch.cu_seqlens[nd:]]
             parts.append(paged_attention_prefill(q[nd:], kv_cache, batch.page_table[nd:], cu,

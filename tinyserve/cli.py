@@ -72,12 +72,14 @@ def gpu_budget_line(cfg: Any, plan: Any, gpu_memory_gb: float | None = None) -> 
     from .plan import GIB
 
     static = (plan.weights_bytes + plan.kv_tokens * plan.kv_bytes_per_token
-              + (plan.state_slots + plan.verify_slots + plan.snapshot_slots) * plan.state_bytes_per_slot)
+              + (plan.state_slots + plan.verify_slots + plan.snapshot_slots + 1) * plan.state_bytes_per_slot
+              + plan.page_size * plan.kv_bytes_per_token)          # (+ the scratch slot and page)
     budget = plan.gpu_bytes * cfg.engine.mem_fraction_static
     card = f"a {gpu_memory_gb:g} GiB card" if gpu_memory_gb else "this GPU"
     return (f"fits {card} ({plan.gpu_bytes / GIB:.1f} GiB free): weights, GDN state and KV pool "
             f"{static / GIB:.1f} GiB of {budget / GIB:.1f} GiB (engine.mem_fraction_static = "
-            f"{cfg.engine.mem_fraction_static}); one step's activations ~{plan.activation_bytes / GIB:.2f} GiB of "
+            f"{cfg.engine.mem_fraction_static}); one step's activations ~{plan.activation_bytes / GIB:.2f} GiB "
+            + (f"and the decode CUDA graphs ~{plan.graph_bytes / GIB:.2f} GiB " if plan.graph_bytes else "") + "of "
             f"the {(plan.gpu_bytes - budget) / GIB:.1f} GiB left; a request of {plan.context_length} tokens fits "
             f"the KV pool of {plan.kv_tokens}")
 

@@ -107,6 +107,7 @@ class EngineSection(_Section):
     sleep_on_idle: bool = True
     idle_release_s: float = _opt(0.0, ge=0)     # 0: off
     kernels: str = _opt("auto", choices=KERNELS)  # auto: Triton on CUDA, the torch reference on CPU
+    cuda_graphs: bool = True                    # CUDA: decode steps replay graphs captured at start (CPU: ignored)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from tinyserve.config import Config, ConfigError
 from tinyserve.copies import CopyStream, copy_stream_for
 from tinyserve.grammar import GrammarCompiler
 from tinyserve.images import ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, preprocess
-from tinyserve.kernels import set_backend as set_kernel_backend
+from tinyserve.kernels import set_backend as set_kernel_backend, use_triton
 from tinyserve.kernels.fp8 import Fp8Weight
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
@@ -247,6 +247,19 @@ class Engine:
             except Exception as e:                       # noqa: BLE001 - serve without constrained decoding
                 self._grammar_error = f"llguidance cannot use this tokenizer ({e})"
                 log.warning("constrained decoding (response_format) is off: %s", self._grammar_error)
+        self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> None:
+        """engine.cuda_graphs on CUDA: plain decode steps go through the runner's static decode path, whose CUDA
+        graphs are captured here, at start (a server is not ready before), one per batch size up to
+        engine.max_running_requests. They need the Triton kernels (the torch references read values on the host)."""
+        if self.plan.device != "cuda" or not self.cfg.engine.cuda_graphs:
+            return
+        if not use_triton(self.kv_pool.buffer):
+            log.info("decode CUDA graphs are off: engine.kernels = %r runs the torch references on CUDA",
+                     self.cfg.engine.kernels)
+            return
+        self.runner.enable_static_decode(self.cfg.engine.max_running_requests, capture=True)
 
     @staticmethod
     def _image_processor(model) -> ImageProcessorConfig:
@@ -621,6 +634,7 @@ class Engine:
         self.copies.synchronize()                  # the demotions' copies read the pools about to be freed
         self.kv_pool.release()
         self.state_pool.release()
+        self.runner.release_graphs()               # they point into the pools just freed
         if self.kv_pool.buffer.is_cuda:
             torch.cuda.empty_cache()
         self.idle_releases += 1
@@ -630,6 +644,7 @@ class Engine:
     def _restore_device(self) -> None:
         self.kv_pool.restore()
         self.state_pool.restore()
+        self.runner.capture_graphs()               # on the new pools, before the request's first step
         log.info("a request after an idle release: device pools allocated again")
 
     def _fail_all(self) -> list[StepEvent]:

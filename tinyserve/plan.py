@@ -73,9 +73,16 @@ def activation_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
     chunk (engine.chunked_prefill_size tokens) plus the running requests' decode / verify rows, and the fp32
     logits of every row that samples. The GDN chunk kernel's fp32 intermediates (heads expanded to the value heads,
     the WY factors, the 64-wide triangular blocks, the state before each chunk) dominate the hybrid layers."""
-    e, b = cfg.engine, element_size(dtype)
+    e = cfg.engine
     rows_per_request = cfg.speculative.num_draft_tokens if cfg.speculative.algorithm == "nextn" else 1
     tokens = e.chunked_prefill_size + e.max_running_requests * rows_per_request
+    logits = e.max_running_requests * rows_per_request * mc.vocab_size * 4 * 2
+    return tokens * layer_bytes_per_token(mc, dtype) + logits
+
+
+def layer_bytes_per_token(mc: ModelConfig, dtype: str) -> int:
+    """The peak intermediates of one token through the largest layer (activation_bytes' per-token share)."""
+    b = element_size(dtype)
     H = mc.hidden_size
     residual = 3 * H * b                                       # the residual stream, its norm and a layer's output
     if mc.num_experts:               # the experts' gate | up and activation, their [top_k, H] outputs, the shared one
@@ -91,8 +98,20 @@ def activation_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
                + hv * dk * dv * 4 // 64)                     # the state before each 64-token chunk
     q_rows = mc.num_attention_heads * mc.head_dim * 2                      # queries and their output gate
     attn = (q_rows + 2 * mc.num_key_value_heads * mc.head_dim + mc.num_attention_heads * mc.head_dim) * b
-    logits = e.max_running_requests * rows_per_request * mc.vocab_size * 4 * 2
-    return tokens * (residual + max(mlp, gdn, attn)) + logits
+    return residual + max(mlp, gdn, attn)
+
+
+CUDA_GRAPH_MARGIN = 64 << 20      # the graphs' pool beyond the estimate: the allocator's block rounding, workspaces
+ATTENTION_MAX_SPLITS = 64         # kernels/attention_triton.py MAX_SPLITS (not imported: planning needs no triton)
+
+
+def cuda_graph_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
+    """An estimate of what the decode CUDA graphs (engine.cuda_graphs) hold for good: they share one memory pool,
+    captured largest first, so it is about one decode step's intermediates at engine.max_running_requests rows
+    (the layer intermediates, the split-K attention's partial outputs), the static output rows, and a margin."""
+    rows, b = cfg.engine.max_running_requests, element_size(dtype)
+    splits = rows * mc.num_attention_heads * ATTENTION_MAX_SPLITS * (mc.head_dim + 1) * 4
+    return rows * (layer_bytes_per_token(mc, dtype) + mc.hidden_size * b) + splits + CUDA_GRAPH_MARGIN
 
 
 def fp8_weights_for(device: str, cuda_capability: tuple[int, int] | None) -> str:
@@ -129,6 +148,7 @@ class MemoryPlan:
     fp8_weights: str = "dequantize"  # how FP8 checkpoint weights are held (loader.FP8_WEIGHTS)
     fp8_bytes: int = 0           # the weights kept FP8 (values and scales), a share of weights_bytes
     activation_bytes: int = 0    # estimated peak of one step's intermediates (CUDA plans)
+    graph_bytes: int = 0         # estimated memory the decode CUDA graphs hold (CUDA plans, engine.cuda_graphs)
     gpu_bytes: int = 0           # CUDA: the device memory the plan was made for (free memory at start)
 
     @property
@@ -166,16 +186,17 @@ class MemoryPlan:
         snapshots = 0
         if c.enabled and hybrid:
             snapshots = c.state_slots or SNAPSHOTS_PER_RUNNING_REQUEST * e.max_running_requests
-        state_bytes = (e.max_running_requests + verify_slots + snapshots) * per_slot
+        state_bytes = (e.max_running_requests + verify_slots + snapshots + 1) * per_slot     # + the scratch slot
         context = cfg.model.context_length or mc.max_position_embeddings
-        free = activations = 0
+        free = activations = graphs = 0
         if device == "cuda":
             if gpu_free_bytes is None:
                 import torch
                 gpu_free_bytes = torch.cuda.mem_get_info()[0]
             free = gpu_free_bytes
             activations = activation_bytes(cfg, mc, dtype)
-            kv_tokens = cls._cuda_kv_tokens(cfg, free, weights, state_bytes, per_token, activations, context)
+            graphs = cuda_graph_bytes(cfg, mc, dtype) if e.cuda_graphs else 0
+            kv_tokens = cls._cuda_kv_tokens(cfg, free, weights, state_bytes, per_token, activations, context, graphs)
         else:
             kv_tokens = e.kv_cache_tokens or CPU_DEFAULT_KV_TOKENS
         kv_pages = max(1, kv_tokens // e.page_size)
@@ -200,7 +221,7 @@ class MemoryPlan:
                    vision_bytes=mc.vision_parameters * element_size(dtype), context_length=context,
                    fp8_weights=fp8_weights_for(device, cuda_capability) if weights_count.fp8_values else "dequantize",
                    fp8_bytes=weights_count.fp8_values + 4 * weights_count.fp8_scales,
-                   activation_bytes=activations, gpu_bytes=free,
+                   activation_bytes=activations, graph_bytes=graphs, gpu_bytes=free,
                    page_size=e.page_size, kv_pages=kv_pages, kv_bytes_per_token=per_token,
                    state_slots=e.max_running_requests, state_bytes_per_slot=per_slot if hybrid else 0,
                    snapshot_slots=snapshots, verify_slots=verify_slots, nextn_layers=nextn_layers,
@@ -210,7 +231,7 @@ class MemoryPlan:
 
     @staticmethod
     def _cuda_kv_tokens(cfg: Config, free: int, weights: int, state_bytes: int, per_token: int, activations: int,
-                        context: int) -> int:
+                        context: int, graphs: int = 0) -> int:
         """The KV pool on a GPU with `free` bytes: engine.mem_fraction_static of them hold the weights, the GDN
         state slots and the KV pool (engine.kv_cache_tokens, or all that is left); the rest is for one step's
         activations and the CUDA context's own allocations. A pool that cannot hold one request of
@@ -220,7 +241,7 @@ class MemoryPlan:
         have = (f"the GPU has {free / GIB:.1f} GiB free; engine.mem_fraction_static = {e.mem_fraction_static} "
                 f"gives {static / GIB:.1f} GiB to {weights / GIB:.1f} GiB of weights, {state_bytes / GIB:.2f} GiB "
                 f"of GDN state and the KV pool")
-        left = static - weights - state_bytes
+        left = static - weights - state_bytes - per_token * e.page_size          # (the scratch page)
         if left < per_token * e.page_size:
             raise ConfigError(f"{have}: the weights and the GDN state alone take it all, leaving no room for a KV "
                               f"pool; this model needs a larger card, a smaller checkpoint, fewer "
@@ -242,9 +263,11 @@ class MemoryPlan:
                               f"engine.mem_fraction_static, use fp8_e4m3 for model.kv_cache_dtype, or fewer "
                               f"engine.max_running_requests / cache.state_slots", key)
         rest = free - static
-        if activations > rest:
+        if activations + graphs > rest:
             raise ConfigError(f"the GPU has {free / GIB:.1f} GiB free; one step's activations need about "
-                              f"{activations / GIB:.2f} GiB but engine.mem_fraction_static = "
+                              f"{activations / GIB:.2f} GiB"
+                              + (f" and the decode CUDA graphs about {graphs / GIB:.2f} GiB (engine.cuda_graphs)"
+                                 if graphs else "") + " but engine.mem_fraction_static = "
                               f"{e.mem_fraction_static} leaves {rest / GIB:.2f} GiB; lower "
                               f"engine.chunked_prefill_size or engine.mem_fraction_static",
                               "engine.chunked_prefill_size")
@@ -270,7 +293,9 @@ class MemoryPlan:
                 + (f"; file tier {self.file_dir} up to {self.file_bytes / GIB:.2f} GiB "
                    f"(~{self.file_bytes // max(1, self.kv_bytes_per_token)} tokens)" if self.file_dir else "")
                 + (f"; one step's activations ~{self.activation_bytes / GIB:.2f} GiB" if self.activation_bytes
-                   else ""))
+                   else "")
+                + (f"; decode CUDA graphs ~{self.graph_bytes / GIB:.2f} GiB (their padding rows' scratch state "
+                   f"slot and KV page are in the static share)" if self.graph_bytes else ""))
 
 
 def resolve_device(cfg: Config) -> str:

@@ -8,8 +8,10 @@ prefill chunks fill it too and a later cache hit can draft at once), and chains 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -24,6 +26,8 @@ from tinyserve import sampling
 from tinyserve.scheduler import ScheduledSeq
 from tinyserve.spec import DepthControl, NextNSetup, StepCost
 from tinyserve.state import StatePool
+
+log = logging.getLogger("tinyserve.runner")
 
 
 @dataclass
@@ -66,6 +70,35 @@ class ModelRunner:
         self.features = FeatureCache()             # vision features by image digest
         self.images_encoded = 0
         self.image_encode_seconds = 0.0
+        self.static: StaticDecode | None = None    # the static-shape decode path (CUDA graphs); None: all eager
+
+    def enable_static_decode(self, max_batch: int, capture: bool) -> None:
+        """Run plain decode steps of up to max_batch sequences through StaticDecode from now on; with capture (CUDA,
+        at engine start) replaying its graphs. Without capture (the CPU tests' switch) the padded static batch runs
+        eagerly. A capture that fails leaves every step eager, with the error in the log."""
+        max_len = min(self.context_length, self.kv_pool.num_pages * self.page_size) if self.context_length else \
+            self.kv_pool.num_pages * self.page_size
+        self.static = StaticDecode(self.model, self.kv_pool, self.state_pool, max_batch, max_len)
+        if capture:
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """(Re)capture the static decode path's CUDA graphs (at start; after an idle release of the pools)."""
+        if self.static is None:
+            return
+        try:
+            self.static.capture()
+        except RuntimeError:             # torch reports a failed capture (a host sync, a forbidden call) as one
+            log.exception("capturing the decode CUDA graphs failed: every step runs eagerly "
+                          "(engine.cuda_graphs = false skips the capture)")
+            self.static = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def release_graphs(self) -> None:
+        """Drop the graphs and their memory pool (idle release: the pools they point into are freed)."""
+        if self.static is not None:
+            self.static.graphs.clear()
 
     # ---- the packed batch ----
     def build_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
@@ -195,8 +228,11 @@ class ModelRunner:
         if not seqs:
             return StepResult([])
         start = time.perf_counter()
-        batch = self.build_batch(seqs)
-        hidden = self.model(batch, self.kv_pool, self.state_pool)
+        if self.static is not None and self.static.fits(seqs):     # plain decodes: padded, a graph on CUDA
+            batch, hidden = self.static.run(seqs)
+        else:
+            batch = self.build_batch(seqs)
+            hidden = self.model(batch, self.kv_pool, self.state_pool)
         sampled = [i for i, s in enumerate(seqs) if s.samples]
         outputs = self._sample(seqs, sampled, batch, hidden) if sampled else []
         if self.nextn is not None:
@@ -381,3 +417,146 @@ def _cumsum(xs):
     for x in xs:
         total += x
         yield total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The static-shape decode step and its CUDA graphs
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """The decode batch sizes that get a graph: 1, 2, 4, 8, then every 16 (nano-vllm's and mini-sglang's choice),
+    and max_batch itself; a step of N decodes runs as the smallest of them >= N."""
+    return [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
+
+
+class StaticDecode:
+    """A plain decode step (every sequence one new token; no prefill chunk, verify or image) with static shapes.
+
+    Every tensor the decode forward reads lives in a buffer sized for the largest batch: token ids, positions,
+    context lengths, the page table (whole-context rows), KV slots and state slots. A step of N sequences runs as
+    the smallest size B >= N of `sizes`; rows N..B-1 are padding: token 0 at position 0 of a one-token context
+    whose page is the KV pool's scratch page and whose state is the state pool's scratch slot (neither is ever
+    handed out), so every kernel computes them as any row and nothing reads what they produce. The decode
+    attention's split count comes from `max_len` (the context, at most the pool), not from this step's lengths. So
+    nothing inside the forward changes from step to step but the buffers' contents: on CUDA one graph per size is
+    captured at start (`capture`) and replayed; on the CPU (tests) the padded batch runs eagerly, the same math.
+    The final hidden states come out in `hidden`; the logits and sampling run outside, as for an eager step."""
+
+    def __init__(self, model: Qwen3NextForCausalLM, kv_pool: KVPool, state_pool: StatePool, max_batch: int,
+                 max_len: int) -> None:
+        self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_len = max_len
+        self.width = -(-max_len // kv_pool.page_size)          # page-table columns: a whole context
+        B, dev = self.sizes[-1], model.device
+        self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(B, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.zeros(B, dtype=torch.long, device=dev)
+        self.state_slots = torch.zeros(B, dtype=torch.long, device=dev)
+        self.page_table = torch.zeros((B, self.width), dtype=torch.int32, device=dev)
+        self.hidden = torch.zeros((B, model.cfg.hidden_size), dtype=model.dtype, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._captured_on: tuple[int, ...] | None = None      # the pools' addresses the graphs were captured on
+        self._pad()
+
+    def _pad(self) -> None:
+        """Every row padding (before a capture, whose warm-up runs for real: on the scratch page and slot only)."""
+        scratch_page = self.kv_pool.scratch_page
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.seq_lens.fill_(1)
+        self.slot_mapping.fill_(scratch_page * self.kv_pool.page_size)
+        self.state_slots.fill_(self.state_pool.scratch_slot)
+        self.page_table.fill_(scratch_page)
+
+    def fits(self, seqs: list[ScheduledSeq]) -> bool:
+        return len(seqs) <= self.sizes[-1] and all(
+            s.is_decode and not s.is_verify and s.num_tokens == 1 and s.req.images is None and s.start < self.max_len
+            for s in seqs)
+
+    def _pools(self) -> tuple[KVPool, SimpleNamespace]:
+        """The pools as the forward takes them, the state pool with its scratch slot (StatePool.conv_all)."""
+        return self.kv_pool, SimpleNamespace(conv=self.state_pool.conv_all, ssm=self.state_pool.ssm_all)
+
+    def _pool_addresses(self) -> tuple[int, ...]:
+        return (self.kv_pool.buffer.data_ptr(), self.state_pool.conv_all.data_ptr(),
+                self.state_pool.ssm_all.data_ptr())
+
+    def _batch(self, B: int, seq_lens: list[int], state_slots: list[int]) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:B], positions=self.positions[:B], cu_seqlens=list(range(B + 1)),
+            seq_lens=seq_lens, seq_lens_t=self.seq_lens[:B], page_table=self.page_table[:B],
+            slot_mapping=self.slot_mapping[:B], state_slots=state_slots, state_slots_t=self.state_slots[:B],
+            num_decode=B, decode_max_len=self.max_len)
+
+    def run(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, torch.Tensor]:
+        """Fill the buffers from the step's sequences (padded to a size of `sizes`) and run the forward: the
+        graph of that size when captured, else eagerly. Returns the batch (its first len(seqs) rows are the
+        sequences, in order) and its hidden states (a view of `hidden` on CUDA graphs: read before the next step)."""
+        N, ps = len(seqs), self.kv_pool.page_size
+        B = next(b for b in self.sizes if b >= N)
+        pad, scratch_page, scratch_slot = B - N, self.kv_pool.scratch_page, self.state_pool.scratch_slot
+        ids, positions, lens, slots, state_slots = [], [], [], [], []
+        for s in seqs:
+            req, p = s.req, s.start
+            n_prompt = len(req.prompt_ids)
+            ids.append(req.prompt_ids[p] if p < n_prompt else req.output_ids[p - n_prompt])
+            positions.append(p)
+            lens.append(p + 1)
+            slots.append(req.pages[p // ps] * ps + p % ps)
+            state_slots.append(req.state_slot)
+        lens += [1] * pad
+        state_slots += [scratch_slot] * pad
+        w = min(self.width, max(len(s.req.pages) for s in seqs))     # columns to write; later ones are never read
+        table: list[int] = []
+        for s in seqs:
+            row = s.req.pages[:w]
+            table += row
+            table += [scratch_page] * (w - len(row))
+        host = torch.tensor(ids + [0] * pad + positions + [0] * pad + lens
+                            + slots + [scratch_page * ps] * pad + state_slots
+                            + table + [scratch_page] * (pad * w), dtype=torch.long)
+        vals = host.to(self.input_ids.device, non_blocking=True)   # one host -> device copy
+        self.input_ids[:B].copy_(vals[:B])
+        self.positions[:B].copy_(vals[B:2 * B])
+        self.seq_lens[:B].copy_(vals[2 * B:3 * B])
+        self.slot_mapping[:B].copy_(vals[3 * B:4 * B])
+        self.state_slots[:B].copy_(vals[4 * B:5 * B])
+        self.page_table[:B, :w].copy_(vals[5 * B:].view(B, w))
+        batch = self._batch(B, lens, state_slots)
+        graph = self.graphs.get(B)
+        if graph is not None:
+            if self._pool_addresses() == self._captured_on:
+                graph.replay()
+                return batch, self.hidden[:B]
+            log.warning("the KV / state pools moved since the decode graphs were captured: dropping the graphs")
+            self.graphs.clear()
+        return batch, self.model(batch, *self._pools())
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """One CUDA graph per size, largest first, all in one memory pool (a smaller graph reuses the largest's
+        memory: only one replays at a time). Each size runs once eagerly first, outside the capture but on its
+        stream, so the Triton kernels are compiled and anything made lazily per stream (cuBLAS workspaces) is made
+        before it. Every row is padding meanwhile, so the warm-ups touch only the scratch page and slot."""
+        start, before = time.perf_counter(), torch.cuda.memory_reserved()
+        self.graphs.clear()
+        self._pad()
+        torch.cuda.synchronize()
+        pool, stream = None, torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for B in reversed(self.sizes):
+                batch = self._batch(B, [1] * B, [self.state_pool.scratch_slot] * B)
+                self.hidden[:B].copy_(self.model(batch, *self._pools()))          # warm-up
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    self.hidden[:B].copy_(self.model(batch, *self._pools()))
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[B] = graph
+        torch.cuda.synchronize()
+        self._captured_on = self._pool_addresses()
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s (%.0f MiB more reserved)",
+                 ", ".join(map(str, self.sizes)), time.perf_counter() - start,
+                 (torch.cuda.memory_reserved() - before) / 2 ** 20)

@@ -18,8 +18,11 @@ class StatePool:
         # slots [0, num_slots) are working slots of running requests; the rest hold prefix-cache snapshots
         self.num_slots, self.num_snapshot_slots = num_slots, num_snapshot_slots
         total, L = num_slots + num_snapshot_slots, max(num_layers, 1)
-        self.conv = torch.zeros((total, L, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=device)
-        self.ssm = torch.zeros((total, L, num_v_heads, dk, dv), dtype=torch.float32, device=device)
+        # one slot past them all: the scratch slot, read and written by the padding rows of a static decode batch
+        # (runner.StaticDecode), never handed out; conv / ssm, what everything else indexes, are views without it
+        self.conv_all = torch.zeros((total + 1, L, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=device)
+        self.ssm_all = torch.zeros((total + 1, L, num_v_heads, dk, dv), dtype=torch.float32, device=device)
+        self.conv, self.ssm, self.scratch_slot = self.conv_all[:total], self.ssm_all[:total], total
         self._free = list(range(num_slots - 1, -1, -1))
         self._free_snapshots = list(range(total - 1, num_slots - 1, -1))
         # called with slots about to be written (handed out, copied or zeroed into): orders the write after any tier
@@ -35,11 +38,14 @@ class StatePool:
         self._shapes = (self.conv.shape, self.ssm.shape)
         self.conv = torch.empty((self.conv.shape[0], 0), dtype=self.conv.dtype, device=self.conv.device)
         self.ssm = torch.empty((self.ssm.shape[0], 0), dtype=self.ssm.dtype, device=self.ssm.device)
+        self.conv_all, self.ssm_all = self.conv, self.ssm                  # (the scratch slot goes too)
 
     def restore(self) -> None:
         """Allocate the pool again after release() (zeros)."""
-        self.conv = torch.zeros(self._shapes[0], dtype=self.conv.dtype, device=self.conv.device)
-        self.ssm = torch.zeros(self._shapes[1], dtype=self.ssm.dtype, device=self.ssm.device)
+        (n, *conv), (_, *ssm) = self._shapes                               # (+ the scratch slot)
+        self.conv_all = torch.zeros((n + 1, *conv), dtype=self.conv.dtype, device=self.conv.device)
+        self.ssm_all = torch.zeros((n + 1, *ssm), dtype=self.ssm.dtype, device=self.ssm.device)
+        self.conv, self.ssm = self.conv_all[:n], self.ssm_all[:n]
 
     @property
     def bytes_per_slot(self) -> int:

@@ -1,0 +1,312 @@
+"""CUDA graphs for decode (runner.StaticDecode): plain decode steps run padded to a captured batch size from static
+buffers, the padding rows on a scratch KV page and a scratch GDN state slot that no request ever holds.
+
+On the CPU the static path is forced on without a capture (ModelRunner.enable_static_decode(capture=False)) and must
+give exactly the eager path's greedy tokens on every page size, with the prefix cache on, while the batch shrinks
+and grows; the scratch page and slot are never handed out and never written by a real sequence. The capture and
+replay themselves need a GPU (the `gpu` test at the end).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
+from conftest import TEST_DEVICE, assert_no_leaks, engine_for, merge, tokens
+from tinyserve.config import from_dict
+from tinyserve.engine import Engine
+from tinyserve.loader import WeightCount, load_model
+from tinyserve.plan import MemoryPlan
+from tinyserve.request import Status
+from tinyserve.runner import StaticDecode, graph_batch_sizes
+from tinyserve.sampling import SamplingParams
+
+CTX = 512
+MAX_RUNNING = 7                 # sizes 1, 2, 4, 7: steps of 3, 5 and 6 sequences are padded
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("q35"), max_position_embeddings=CTX)
+    return load_model(folder, torch.float32, TEST_DEVICE)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    folder, _ = make_qwen3_next(tmp_path_factory.mktemp("qnext"), max_position_embeddings=CTX)
+    return load_model(folder, torch.float32, TEST_DEVICE)
+
+
+def make_engine(model, page_size: int, **tables) -> Engine:
+    """The engines here run eagerly unless a test switches the static path on (cuda_graphs on only where asked)."""
+    defaults = {"engine": {"page_size": page_size, "kv_cache_tokens": 4096, "max_running_requests": MAX_RUNNING,
+                           "chunked_prefill_size": 96, "cuda_graphs": False},
+                "cache": {"state_track_interval": 64}}
+    return engine_for(model, **merge(defaults, tables))
+
+
+class Recorder:
+    """Wraps StaticDecode.run: records (sequences, padded size) of each static step and checks the buffers it ran
+    on: no real row points at the scratch page or slot, every padding row does."""
+
+    def __init__(self, static: StaticDecode) -> None:
+        self.static, self.steps = static, []
+        self._run = static.run
+        static.run = self.run
+
+    def run(self, seqs):
+        batch, hidden = self._run(seqs)
+        st, n = self.static, len(seqs)
+        B = batch.num_seqs
+        ps, page, slot = st.kv_pool.page_size, st.kv_pool.scratch_page, st.state_pool.scratch_slot
+        assert all(page not in s.req.pages and s.req.state_slot != slot for s in seqs)
+        assert not (st.slot_mapping[:n] // ps == page).any() and not (st.state_slots[:n] == slot).any()
+        assert (st.slot_mapping[n:B] == page * ps).all() and (st.state_slots[n:B] == slot).all()
+        assert (st.page_table[n:B, 0] == page).all() and (st.seq_lens[n:B] == 1).all()
+        assert hidden.shape[0] == B == next(b for b in st.sizes if b >= n)
+        self.steps.append((n, B))
+        return batch, hidden
+
+
+def drive(eng: Engine, schedule: list[tuple[int, list[int], int]]) -> list[list[int]]:
+    """Run requests offline step by step: (step it arrives at, prompt, max_tokens) each; the batch grows as they
+    arrive and shrinks as they finish. Returns each request's greedy tokens."""
+    reqs, step = [], 0
+    pending = sorted(schedule, key=lambda a: a[0])
+    while pending or any(r.status != Status.FINISHED for r in reqs):
+        while pending and pending[0][0] <= step:
+            _, prompt, n = pending.pop(0)
+            req = eng._make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), None)
+            eng.scheduler.add(req)
+            reqs.append(req)
+        eng._step()
+        step += 1
+    return [r.output_ids for r in reqs]
+
+
+def workload(seed: int) -> list[tuple[int, list[int], int]]:
+    """Eight requests of different lengths: three start together, one finishes, five more arrive one by one while
+    the others decode (the eighth waits for a free running slot), some sharing a prefix with one that finished (a
+    prefix-cache hit), then all finish at different steps: the static batch shrinks, grows to 7 and shrinks to 1."""
+    shared = tokens(150, seed)
+    return [(0, tokens(40, seed + 1), 60), (0, shared, 10), (0, tokens(7, seed + 2), 75),
+            (16, shared + tokens(20, seed + 3), 40), (17, tokens(90, seed + 4), 34),
+            (18, shared[:130] + tokens(5, seed + 5), 30), (19, tokens(3, seed + 6), 45), (20, tokens(12, seed + 7), 25)]
+
+
+def check_scratch(eng: Engine) -> None:
+    """The scratch page and slot lie past everything the allocators and the prefix cache can hold, and padding
+    rows left only finite values in them."""
+    kv, st = eng.kv_pool, eng.state_pool
+    assert kv.scratch_page == eng.allocator.num_pages == len(eng.allocator.refcount)
+    assert kv.buffer.shape[0] == kv.scratch_page + 1
+    assert st.scratch_slot == st.num_slots + st.num_snapshot_slots == st.conv.shape[0] == st.ssm.shape[0]
+    assert st.scratch_slot not in st._free and st.scratch_slot not in st._free_snapshots
+    assert st.conv_all.shape[0] == st.scratch_slot + 1 and st.conv.data_ptr() == st.conv_all.data_ptr()
+    assert torch.isfinite(kv.buffer[kv.scratch_page]).all()
+    assert torch.isfinite(st.conv_all[st.scratch_slot]).all() and torch.isfinite(st.ssm_all[st.scratch_slot]).all()
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(7) == [1, 2, 4, 7]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_static_decode_gives_the_eager_tokens(dense, page_size):
+    schedule = workload(page_size)
+    eager = make_engine(dense, page_size)
+    want = drive(eager, schedule)
+    assert eager.runner.static is None
+    assert_no_leaks(eager)
+
+    eng = make_engine(dense, page_size)
+    eng.runner.enable_static_decode(MAX_RUNNING, capture=False)          # the CPU test switch: no capture
+    rec = Recorder(eng.runner.static)
+    got = drive(eng, schedule)
+    assert got == want
+    assert {n for n, _ in rec.steps} >= set(range(1, MAX_RUNNING + 1))     # shrinking ...
+    assert any(n < B for n, B in rec.steps), "some steps were padded"
+    grew = [i for i in range(1, len(rec.steps)) if rec.steps[i][0] > rec.steps[i - 1][0]]
+    assert grew, "... and growing between static steps"
+    assert eng.cache.stats().hit_tokens > 0, "later requests hit the prefix cache"
+    check_scratch(eng)
+    assert_no_leaks(eng)
+    check_scratch(eng)
+
+
+def test_static_decode_moe(moe):
+    """Qwen3-Next (MoE): padding rows are routed to experts like any row and change nothing."""
+    schedule = workload(3)[:5]
+    want = drive(make_engine(moe, 16), schedule)
+    eng = make_engine(moe, 16)
+    eng.runner.enable_static_decode(MAX_RUNNING, capture=False)
+    rec = Recorder(eng.runner.static)
+    assert drive(eng, schedule) == want and any(n < B for n, B in rec.steps)
+    assert_no_leaks(eng)
+
+
+def test_static_decode_with_nextn(tmp_path):
+    """NEXTN speculating while at most 2 requests run: above that, plain decodes take the static path; at 2 and
+    below a static decode step drafts from the static output rows (runner._draft) and the next step verifies
+    eagerly. The greedy tokens are the unspeculated ones."""
+    folder, _ = make_qwen3_5_text(tmp_path / "mtp", with_mtp=True, max_position_embeddings=CTX)
+    make_agreeing_head(folder, mix=0.3)
+    model = load_model(folder, torch.float32, TEST_DEVICE)
+    schedule = workload(5)
+    want = drive(make_engine(model, 16, cache={"enabled": False}), schedule)
+    eng = make_engine(model, 16, speculative={"algorithm": "nextn", "max_running": 2})
+    eng.runner.enable_static_decode(MAX_RUNNING, capture=False)
+    rec = Recorder(eng.runner.static)
+    assert drive(eng, schedule) == want
+    assert any(n < B for n, B in rec.steps) and any(n <= 2 for n, _ in rec.steps)
+    assert eng.spec_stats.num_accepted_tokens > 0, "drafts made after static steps were verified"
+    assert_no_leaks(eng)
+
+
+def test_static_decode_through_the_triton_kernels(tmp_path, monkeypatch):
+    """The Triton kernels (the interpreter on the CPU) on padded static batches: the conv and GDN decode kernels
+    with several padding rows on one scratch slot, the attention decode with its split count from the whole
+    context (the split length lowered so there are many, most of them empty for these short sequences). The
+    prefill kernels, which the static path does not run, take their torch references here (the interpreter is
+    slow)."""
+    pytest.importorskip("triton")
+    from triton_setup import DEV, backend
+    from tinyserve.kernels import attention, attention_triton, conv, conv_triton, gdn, gdn_triton
+    monkeypatch.setattr(attention_triton, "SPLIT_MIN_TOKENS", 64)
+
+    def reference(fn):
+        def run(*args):
+            with backend("torch"):
+                return fn(*args)
+        return run
+    for ref, tri, name in [(gdn, gdn_triton, "chunk_gated_delta_rule"), (conv, conv_triton, "causal_conv1d_prefill"),
+                           (attention, attention_triton, "paged_attention_prefill")]:
+        monkeypatch.setattr(tri, name, reference(getattr(ref, name)))
+    folder, _ = make_qwen3_5_text(tmp_path / "q35", max_position_embeddings=CTX)
+    model = load_model(folder, torch.float32, DEV)
+    schedule = [(0, tokens(4, 1), 4), (0, tokens(6, 2), 5), (0, tokens(3, 3), 3)]
+    out = {}
+    with backend("auto"):                         # restored after: each engine sets it from engine.kernels
+        for name in ("triton", "static"):
+            eng = make_engine(model, 16, engine={"kernels": "triton"})
+            if name == "static":
+                eng.runner.enable_static_decode(MAX_RUNNING, capture=False)
+                rec = Recorder(eng.runner.static)
+            out[name] = drive(eng, schedule)
+    assert out["static"] == out["triton"] == drive(make_engine(model, 16), schedule)       # and the references'
+    assert (3, 4) in rec.steps and attention_triton.num_splits(CTX, 4, 2, torch.device(DEV)) == 8
+
+
+def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, monkeypatch):
+    """What a capture forbids, checked on the CPU as far as the CPU can: the decode forward of a static batch (as
+    captured: every row padding) reads no tensor value on the host (.item(), .tolist(), bool(), int(): aten's
+    _local_scalar_dense; nonzero; torch.tensor(list) inside the forward). With the torch references, whose only
+    reads are CPU-only (slot_run reads slot ids of CPU pools alone) or not on the CUDA path (the MoE reference counts
+    its experts on the host; CUDA runs the Triton MoE): those are switched off here. The Triton wrappers of the
+    decode kernels are pure launches (read in review); a capture on a GPU is the real test (the gpu test below)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from tinyserve.kernels import conv, gdn
+    from tinyserve.models import qwen3_next
+    monkeypatch.setattr(gdn, "slot_run", lambda ids, pool: None)
+    monkeypatch.setattr(conv, "slot_run", lambda ids, pool: None)
+    # the Triton MoE routes on the device; the reference loops over the experts it counted on the host
+    monkeypatch.setattr(qwen3_next, "fused_experts",
+                        lambda x, w1, w2, tw, ti: torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32))
+    forbidden = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                 torch.ops.aten.lift_fresh.default}
+
+    class NoHostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            assert func not in forbidden, f"the decode forward calls {func}"
+            return func(*args, **(kwargs or {}))
+
+    def read(self, *args, **kwargs):                 # CPU tensors' tolist / numpy bypass the dispatcher
+        raise AssertionError("the decode forward reads a tensor on the host")
+    for model in (dense, moe):
+        eng = make_engine(model, 16)
+        eng.runner.enable_static_decode(MAX_RUNNING, capture=False)
+        static = eng.runner.static
+        for B in static.sizes:
+            batch = static._batch(B, [1] * B, [eng.state_pool.scratch_slot] * B)
+            with monkeypatch.context() as m, torch.inference_mode(), NoHostReads():
+                for name in ("tolist", "numpy", "cpu"):
+                    m.setattr(torch.Tensor, name, read)
+                static.model(batch, *static._pools())
+
+
+def test_static_decode_with_a_short_pool(dense):
+    """A KV pool shorter than the context: the page table and the attention bound are the pool's length."""
+    eng = make_engine(dense, 16, engine={"kv_cache_tokens": 256})
+    eng.runner.enable_static_decode(MAX_RUNNING, capture=False)
+    assert eng.runner.static.max_len == 256 and eng.runner.static.width == 16
+    schedule = [(0, tokens(30, 1), 20), (0, tokens(50, 2), 20), (3, tokens(20, 3), 10)]
+    want = drive(make_engine(dense, 16, engine={"kv_cache_tokens": 256}), schedule)
+    assert drive(eng, schedule) == want
+    assert_no_leaks(eng)
+
+
+def test_the_engine_captures_on_cuda_only(dense):
+    static = make_engine(dense, 16, engine={"cuda_graphs": True}).runner.static
+    if TEST_DEVICE == "cpu":
+        assert static is None                          # engine.cuda_graphs is ignored on the CPU
+    else:
+        assert static is not None and sorted(static.graphs) == graph_batch_sizes(MAX_RUNNING)
+    assert make_engine(dense, 16).runner.static is None
+
+
+def test_the_plan_counts_the_graphs(dense):
+    mc = dense.cfg
+    weights = WeightCount(sum(p.numel() for p in dense.parameters()), 0, 0)
+    base = {"model": {"dtype": "float32"}, "engine": {"max_running_requests": 8}}
+    on = MemoryPlan.resolve(from_dict(base), mc, "cuda", weights, gpu_free_bytes=8 << 30)
+    off = MemoryPlan.resolve(from_dict(merge(base, {"engine": {"cuda_graphs": False}})), mc, "cuda", weights,
+                             gpu_free_bytes=8 << 30)
+    assert on.graph_bytes > 0 and off.graph_bytes == 0
+    assert "decode CUDA graphs" in str(on) and "decode CUDA graphs" not in str(off)
+    more = MemoryPlan.resolve(from_dict(merge(base, {"engine": {"max_running_requests": 64}})), mc, "cuda", weights,
+                              gpu_free_bytes=8 << 30)
+    assert more.graph_bytes > on.graph_bytes
+    assert MemoryPlan.resolve(from_dict(base), mc, "cpu", weights).graph_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_graphs_replay_the_eager_tokens(tmp_path):
+    """On a GPU: the graphs are captured at engine start (one per size), decode steps replay them, and the greedy
+    tokens equal an engine with engine.cuda_graphs = false; after an idle release they are captured again."""
+    folder, _ = make_qwen3_5_text(tmp_path / "q35", max_position_embeddings=CTX)
+    model = load_model(folder, torch.float32, "cuda")
+    schedule = workload(16)
+    eager = make_engine(model, 16)
+    assert eager.runner.static is None
+    want = drive(eager, schedule)
+
+    eng = make_engine(model, 16, engine={"cuda_graphs": True})
+    static = eng.runner.static
+    assert static is not None and sorted(static.graphs) == graph_batch_sizes(MAX_RUNNING)
+    replays = []
+
+    class Counted:
+        def __init__(self, graph, size):
+            self.graph, self.size = graph, size
+
+        def replay(self):
+            replays.append(self.size)
+            self.graph.replay()
+    static.graphs = {b: Counted(g, b) for b, g in static.graphs.items()}
+    rec = Recorder(static)
+    assert drive(eng, schedule) == want
+    assert replays == [B for _, B in rec.steps] and any(n < B for n, B in rec.steps)
+    check_scratch(eng)
+    assert_no_leaks(eng)
+
+    eng._release_device()
+    assert not static.graphs
+    eng._restore_device()
+    assert sorted(static.graphs) == graph_batch_sizes(MAX_RUNNING)
+    assert drive(eng, schedule) == want
+    assert_no_leaks(eng)
