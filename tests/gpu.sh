@@ -33,7 +33,7 @@ stage() {   # name, seconds, command...
 stage kernels 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_triton_kernels.py \
     tests/test_triton_gdn_prefill.py tests/test_triton_prefill.py tests/test_triton_fp8.py tests/test_triton_moe.py
 stage engine 120 env TINYSERVE_TEST_DEVICE=cuda python3 -m pytest -q -rfEs -p no:cacheprovider -x \
-    tests/test_parity.py tests/test_engine.py tests/test_spec.py tests/test_tiers.py tests/test_async_copies.py
+    tests/test_parity.py tests/test_engine.py tests/test_spec.py tests/test_tiers.py tests/test_async_copies.py tests/test_cuda_graphs.py
 stage gpu_check 75 python3 bench/gpu_check.py --skip-tests
 stage gpu 150 python3 bench/gpu.py
 exit $status
