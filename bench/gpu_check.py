@@ -268,6 +268,29 @@ def cases(dev):
                                 lambda a=(x, w): a, fp8_linear, N * K + w.scale.numel() * 4 + (M * K + M * N) * 2,
                                 lambda x, w: fp8_linear(x.float(), w)))
 
+    # MoE experts kept FP8 (Qwen3.5-35B-A3B-FP8: hidden 2048, expert width 512, 256 experts, top 8, 128 x 128
+    # blocks): routed experts through both grouped GEMMs. On the CPU (--compile records the launches, --dry-run
+    # interprets) 8 experts: their count sets no constexpr, only the rows per expert, which GEMM_ROWS then take
+    # through every tile shape.
+    from tinyserve.kernels.moe import fused_experts, route
+    moe_h, moe_i, top_k = (2048, 512, 8) if ACT is None else (HIDDEN, MLP, 2)
+    moe_e = 256 if dev.type == "cuda" else 8
+    for act_quant in (True, False):
+        stacks = (Fp8Weight(2 * moe_i, moe_h, (128, 128), dev, act_quant, experts=moe_e),
+                  Fp8Weight(moe_h, moe_i, (128, 128), dev, act_quant, experts=moe_e))
+        for w in stacks:
+            w.weight.copy_((torch.randn(w.shape, generator=g, device=dev) * 100).clamp(-448, 448).to(w.weight.dtype))
+            w.scale.copy_(torch.rand(w.scale.shape, generator=g, device=dev) * 1e-3)
+        for T in GEMM_ROWS + ((4096,) if dev.type == "cuda" else ()):      # 4096: 128 rows per expert
+            x = rnd(T, moe_h)
+            topk_weights, topk_ids = route(rnd(T, moe_e, dtype=torch.float32), top_k, True)
+            hit = topk_ids.unique().numel()
+            out.append(Case(f"moe fp8 {'w8a8' if act_quant else 'w8a16'}", f"T={T} E={moe_e} top{top_k}",
+                            lambda a=(x, *stacks, topk_weights, topk_ids): a, fused_experts,
+                            hit * sum(w.weight[0].numel() + w.scale[0].numel() * 4 for w in stacks)
+                            + T * moe_h * 2 * 2,
+                            lambda x, wgu, wd, tw, ti: fused_experts(x.float(), wgu, wd, tw, ti)))
+
     for kv_dtype, page, N, ctx in PAGED or paged_cases(bf, torch.float8_e4m3fn):
         npg = -(-ctx // page)
         cache = rnd(N * npg + 1, 2, page, NKV, HD, dtype=torch.float32).to(kv_dtype)
@@ -364,7 +387,7 @@ def compile_all(targets: list[int]) -> bool:
                     case.fn(*case.args(args))
                 except Exception:          # outputs are never launched: whatever follows the launch may fail
                     pass
-    for name in ("norm", "activation", "gdn", "conv", "attention", "fp8"):   # defined compiled, before the switch
+    for name in ("norm", "activation", "gdn", "conv", "attention", "fp8", "moe"):  # defined compiled first
         importlib.import_module(f"tinyserve.kernels.{name}_triton")
     os.environ["TRITON_INTERPRET"] = "1"          # lets the forced backend take CPU tensors; nothing is launched
     try:

@@ -35,28 +35,42 @@ def scale_block_ok(block: tuple[int, int], in_features: int) -> bool:
 
 
 class Fp8Weight(nn.Module):
-    """A linear weight [N, K] held as float8_e4m3fn with block scales (buffers `weight` and `scale`)."""
+    """A linear weight [N, K] held as float8_e4m3fn with block scales (buffers `weight` and `scale`).
+
+    With `experts`, a stack of E such weights (a MoE layer's experts): weight [E, N, K], scale [E, ceil(N / bn),
+    ceil(K / bk)], every expert blocked on its own rows; `expert(e)` is one of them as a 2-D Fp8Weight."""
 
     def __init__(self, out_features: int, in_features: int, block: tuple[int, int], device,
-                 act_quant: bool) -> None:
+                 act_quant: bool, experts: int | None = None) -> None:
         super().__init__()
         assert scale_block_ok(block, in_features), (block, in_features)
         self.block = block
         self.act_quant = act_quant
-        self.register_buffer("weight", torch.empty((out_features, in_features), dtype=FP8, device=device))
-        self.register_buffer("scale", torch.empty((math.ceil(out_features / block[0]),
-                                                   math.ceil(in_features / block[1])),
+        lead = () if experts is None else (experts,)
+        self.register_buffer("weight", torch.empty(lead + (out_features, in_features), dtype=FP8, device=device))
+        self.register_buffer("scale", torch.empty(lead + (math.ceil(out_features / block[0]),
+                                                          math.ceil(in_features / block[1])),
                                                   dtype=torch.float32, device=device))
 
     @property
     def shape(self) -> torch.Size:
         return self.weight.shape
 
+    def expert(self, e: int) -> "Fp8Weight":
+        """Expert e of a stacked weight: a 2-D Fp8Weight over views of this one's buffers (nothing is copied)."""
+        assert self.weight.dim() == 3, "not a stacked experts weight"
+        view = Fp8Weight.__new__(Fp8Weight)
+        nn.Module.__init__(view)
+        view.block, view.act_quant = self.block, self.act_quant
+        view.register_buffer("weight", self.weight[e])
+        view.register_buffer("scale", self.scale[e])
+        return view
+
     def block_scales(self) -> torch.Tensor:
-        """The scale of every element: [N, K] float32."""
-        N, K = self.weight.shape
+        """The scale of every element: [N, K] float32 ([E, N, K] for stacked experts)."""
+        N, K = self.weight.shape[-2:]
         b0, b1 = self.block
-        return self.scale.repeat_interleave(b0, 0)[:N].repeat_interleave(b1, 1)[:, :K]
+        return self.scale.repeat_interleave(b0, -2)[..., :N, :].repeat_interleave(b1, -1)[..., :K]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """W in `dtype` (computed in fp32, then rounded once, as dequantizing at load does)."""

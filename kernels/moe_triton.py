@@ -14,6 +14,13 @@ expert, with no host sync (CUDA-graph safe).
 3. gate_up GEMM -> silu_and_mul (kernels/activation.py) -> down GEMM with the routing weights -> the top_k rows of
    each token summed in fp32 (a fixed-order reshape + sum: no atomics, so results do not depend on scheduling).
 
+Experts kept FP8 (a stacked kernels/fp8.Fp8Weight) go through _moe_fp8_gemm_kernel, the same grouped GEMM with
+the K loop of kernels/fp8_triton.py: BK = ACT_GROUP (128), one activation group and one scale column per step, the
+expert's block scales indexed by expert. w8a8: the gathered A rows are quantized per row and 128-group in the
+kernel (amax / 448, clamped to +-448, rounded to e4m3) and the FP8 x FP8 dot is scaled by both scales; w8a16: the
+weight tile is widened to A's dtype and the dot scaled by the block's scale. The two GEMMs of a layer may differ
+(one FP8, one not); they share BM, which the pair alignment is padded to.
+
 The GEMMs multiply in the input dtype (bf16 / fp16 tensor cores on a GPU; fp32 in IEEE precision, not TF32, as
 torch's fp32 GEMMs by default) with fp32 accumulation; BK is the same for every tile shape, so a row's K-summation
 order does not change with the batch size. Intermediates, in x's dtype: gate_up [P, 2I], the activation [P, I] and
@@ -26,8 +33,11 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels.activation import silu_and_mul
+from tinyserve.kernels.fp8 import ACT_GROUP, AMAX_FLOOR, FP8_MAX, Fp8Weight
 
 BK = 64                       # K step of every tile shape (fixed: see the module docstring)
+_FP8_MAX = tl.constexpr(FP8_MAX)              # a compiled kernel reads module globals only as constexprs
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 @triton.jit
@@ -58,6 +68,49 @@ def _moe_gemm_kernel(a_ptr, w_ptr, y_ptr, rw_ptr, sorted_ids_ptr, expert_ids_ptr
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _moe_fp8_gemm_kernel(a_ptr, w_ptr, s_ptr, y_ptr, rw_ptr, sorted_ids_ptr, expert_ids_ptr, padded_len_ptr,
+                         N, K, P, sam, swe, swn, sse, ssn, ssk, sym,
+                         A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PREC: tl.constexpr,
+                         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ACT_QUANT: tl.constexpr,
+                         EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if pid_m * BM >= tl.load(padded_len_ptr):
+        return                                          # a block past the padded length (the buffer's bound)
+    pairs = tl.load(sorted_ids_ptr + pid_m * BM + tl.arange(0, BM))
+    row_ok = pairs < P                                  # padding rows hold the sentinel P
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    ks = tl.arange(0, BK)
+    a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * sam + ks[None, :]
+    w_ptrs = w_ptr + expert * swe + cols.to(tl.int64)[None, :] * swn + ks[:, None]      # W_e^T tile [BK, BN]
+    s_ptrs = s_ptr + expert * sse + (cols // SCALE_BN) * ssn                              # the expert's scale rows
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:                  # K a multiple of BK (the Qwen3.5 / Qwen3-Next expert shapes): no column masks
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w_scale = tl.load(s_ptrs + (k0 // SCALE_BK) * ssk, mask=col_ok, other=0.0)          # [BN]
+        if ACT_QUANT:
+            af = a.to(tl.float32)
+            a_scale = tl.maximum(tl.max(tl.abs(af), axis=1), _AMAX_FLOOR) / _FP8_MAX           # [BM]
+            aq = tl.clamp(af / a_scale[:, None], -_FP8_MAX, _FP8_MAX).to(w.dtype)          # clamp: no NaN, saturate
+            acc += tl.dot(aq, w) * a_scale[:, None] * w_scale[None, :]
+        else:
+            acc += tl.dot(a, w.to(a.dtype), input_precision=PREC) * w_scale[None, :]
+        a_ptrs += BK
+        w_ptrs += BK
+    if MUL_ROUTED_WEIGHT:
+        acc *= tl.load(rw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    y = y_ptr + pairs.to(tl.int64)[:, None] * sym + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
 def tile_shape(pairs: int, num_experts: int) -> tuple[int, int, int, int]:
     """(BM, BN, num_warps, num_stages) by the mean rows per expert: few rows (decode) -> the smallest M tile a GPU
     dot takes and narrow N slices (many programs streaming each expert's weight once); more -> larger tiles."""
@@ -67,6 +120,14 @@ def tile_shape(pairs: int, num_experts: int) -> tuple[int, int, int, int]:
     if rows <= 96:
         return 32, 64, 4, 4
     return 64, 128, 8, 3
+
+
+def fp8_tile_shape(BM: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) of the FP8 GEMM for the BM tile_shape chose (both GEMMs of a layer share
+    it). The FP8 weight tile is half the bytes of a bf16 one, so the 128-column K step still fits three stages of
+    the prefill tile in a 4090's or 5090's 100 KiB of shared memory (72 KiB; checked with
+    `bench/gpu_check.py --compile`: no spills)."""
+    return (BM, 64, 4, 4) if BM <= 32 else (BM, 128, 8, 3)
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, BM: int
@@ -91,9 +152,12 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, BM: int
     return sorted_ids, expert_ids.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, a_row_div: int, routed_weights,
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Fp8Weight, out: torch.Tensor, a_row_div: int, routed_weights,
                   sorted_ids: torch.Tensor, expert_ids: torch.Tensor, padded_len: torch.Tensor,
                   tiles: tuple[int, int, int, int]) -> None:
+    if isinstance(w, Fp8Weight):
+        return _grouped_fp8_gemm(a, w, out, a_row_div, routed_weights, sorted_ids, expert_ids, padded_len,
+                                 fp8_tile_shape(tiles[0]))
     BM, BN, warps, stages = tiles
     N, K = w.shape[1], w.shape[2]
     grid = (expert_ids.numel(), triton.cdiv(N, BN))
@@ -105,12 +169,29 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, a_row_div
         BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
 
 
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _grouped_fp8_gemm(a: torch.Tensor, w: Fp8Weight, out: torch.Tensor, a_row_div: int, routed_weights,
+                      sorted_ids: torch.Tensor, expert_ids: torch.Tensor, padded_len: torch.Tensor,
+                      tiles: tuple[int, int, int, int]) -> None:
+    BM, BN, warps, stages = tiles
+    weight, scale = w.weight, w.scale
+    N, K = weight.shape[1], weight.shape[2]
+    grid = (expert_ids.numel(), triton.cdiv(N, BN))
+    _moe_fp8_gemm_kernel[grid](
+        a, weight, scale, out, routed_weights if routed_weights is not None else out, sorted_ids, expert_ids,
+        padded_len, N, K, out.shape[0], a.stride(0), weight.stride(0), weight.stride(1), scale.stride(0),
+        scale.stride(1), scale.stride(2), out.stride(0),
+        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=routed_weights is not None,
+        PREC="ieee" if a.dtype == torch.float32 else "tf32", SCALE_BN=w.block[0], SCALE_BK=w.block[1],
+        ACT_QUANT=w.act_quant, EVEN_K=K % ACT_GROUP == 0, BM=BM, BN=BN, BK=ACT_GROUP, num_warps=warps,
+        num_stages=stages)
 
 
-def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+def _rows_contiguous(t: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:     # an Fp8Weight is contiguous
+    return t if isinstance(t, Fp8Weight) or t.stride(-1) == 1 else t.contiguous()
+
+
+def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     T, k = topk_ids.shape
     E, H = w_gate_up.shape[0], w_down.shape[1]
     if T == 0:

@@ -90,7 +90,8 @@ def _empty(shape, dtype, device) -> nn.Parameter:
 
 
 def _linear_weight(shape, dtype, device) -> nn.Parameter:
-    """A weight that only kernels.linear reads: it may be kept as FP8 instead (Fp8Weights)."""
+    """A weight that only kernels.linear reads ([N, K]), or a MoE layer's stacked experts that only the fused MoE
+    reads ([E, N, K]): it may be kept as FP8 instead (Fp8Weights)."""
     p = _empty(shape, dtype, device)
     p.is_linear_weight = True
     return p
@@ -107,9 +108,10 @@ class Fp8Weights:
 class WeightLoaders:
     """Maps canonical checkpoint tensor names to (expected shape, copy function) for one module tree.
 
-    `parts` records the tensors copied as they are into rows of a parameter (name -> (parameter, first row)): the
-    loader keeps a checkpoint's FP8 tensors FP8 only where whole parameters are filled that way. A loader of an
-    Fp8Weight's rows takes the FP8 values and their scales, already in the weight's block layout."""
+    `parts` records the tensors copied as they are into rows of a parameter (name -> (parameter, first row); for
+    stacked experts [E, N, K] the first row within its expert): the loader keeps a checkpoint's FP8 tensors FP8 only
+    where whole parameters are filled that way. A loader of an Fp8Weight's rows takes the FP8 values and their
+    scales, already in the weight's block layout."""
 
     def __init__(self) -> None:
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -130,19 +132,23 @@ class WeightLoaders:
                 target.copy_((transform(t) if transform else t).reshape(target.shape))
         self.loaders[name] = load
 
-    def add_rows(self, name: str, shape: tuple[int, ...], param: nn.Parameter | Fp8Weight, start: int) -> None:
-        """A checkpoint tensor that fills rows start:start+shape[0] of a fused parameter."""
+    def add_rows(self, name: str, shape: tuple[int, ...], param: nn.Parameter | Fp8Weight, start: int,
+                 expert: int | None = None) -> None:
+        """A checkpoint tensor that fills rows start:start+shape[0] of a fused parameter (of expert `expert` of
+        stacked experts [E, N, K])."""
         rows = shape[0]
         if isinstance(param, Fp8Weight):
             self.shapes[name] = tuple(shape)
+            weight, scale_rows = (param.weight, param.scale) if expert is None else \
+                (param.weight[expert], param.scale[expert])
 
             def load(t: torch.Tensor, scale: torch.Tensor) -> None:
                 b0 = param.block[0]
-                param.weight[start:start + rows].copy_(t)
-                param.scale[start // b0:start // b0 + scale.shape[0]].copy_(scale)
+                weight[start:start + rows].copy_(t)
+                scale_rows[start // b0:start // b0 + scale.shape[0]].copy_(scale)
             self.loaders[name] = load
         else:
-            self.add(name, shape, param[start:start + rows])
+            self.add(name, shape, (param if expert is None else param[expert])[start:start + rows])
         self.parts[name] = (param, start)
 
     def merge(self, prefix: str, other: "WeightLoaders") -> None:
@@ -314,8 +320,8 @@ class SparseMoE(nn.Module):
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg, self.E, self.I = cfg, E, I
         self.router = _linear_weight((E, H), dtype, device)
-        self.experts_gate_up = _empty((E, 2 * I, H), dtype, device)
-        self.experts_down = _empty((E, H, I), dtype, device)
+        self.experts_gate_up = _linear_weight((E, 2 * I, H), dtype, device)     # per expert: gate rows, up rows
+        self.experts_down = _linear_weight((E, H, I), dtype, device)
         self.shared_expert = DenseMLP(H, cfg.shared_expert_intermediate_size, dtype, device)
         self.shared_expert_gate = _linear_weight((1, H), dtype, device)
 
@@ -323,9 +329,9 @@ class SparseMoE(nn.Module):
         w, E, H, I = WeightLoaders(), self.E, self.cfg.hidden_size, self.I
         w.add("gate.weight", (E, H), self.router)
         for e in range(E):
-            w.add(f"experts.{e}.gate_proj.weight", (I, H), self.experts_gate_up[e, :I])
-            w.add(f"experts.{e}.up_proj.weight", (I, H), self.experts_gate_up[e, I:])
-            w.add(f"experts.{e}.down_proj.weight", (H, I), self.experts_down[e])
+            w.add_rows(f"experts.{e}.gate_proj.weight", (I, H), self.experts_gate_up, 0, expert=e)
+            w.add_rows(f"experts.{e}.up_proj.weight", (I, H), self.experts_gate_up, I, expert=e)
+            w.add_rows(f"experts.{e}.down_proj.weight", (H, I), self.experts_down, 0, expert=e)
         w.merge("shared_expert.", self.shared_expert.weight_loaders())
         w.add("shared_expert_gate.weight", (1, H), self.shared_expert_gate)
         return w
@@ -429,8 +435,8 @@ class Qwen3NextForCausalLM(nn.Module):
 
     # ---- weights ----
     def _allocate(self, fp8: Fp8Weights) -> None:
-        """Give every parameter laid out on "meta" its memory: an Fp8Weight where fp8.blocks names it, else a
-        tensor of its dtype."""
+        """Give every parameter laid out on "meta" its memory: an Fp8Weight where fp8.blocks names it (with an
+        experts dimension for stacked experts [E, N, K]), else a tensor of its dtype."""
         unknown = set(fp8.blocks) - {n for n, p in self.named_parameters() if getattr(p, "is_linear_weight", False)}
         assert not unknown, f"not linear weights of this model: {sorted(unknown)}"
         for name, p in list(self.named_parameters()):
@@ -439,7 +445,9 @@ class Qwen3NextForCausalLM(nn.Module):
             owner, attr = self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
             del owner._parameters[attr]
             if name in fp8.blocks:
-                setattr(owner, attr, Fp8Weight(p.shape[0], p.shape[1], fp8.blocks[name], self.device, fp8.act_quant))
+                experts = p.shape[0] if p.dim() == 3 else None
+                setattr(owner, attr, Fp8Weight(p.shape[-2], p.shape[-1], fp8.blocks[name], self.device,
+                                               fp8.act_quant, experts))
             else:
                 setattr(owner, attr, _empty(p.shape, p.dtype, self.device))
         if self.cfg.tie_word_embeddings:
@@ -447,16 +455,19 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def linear_parts(self) -> dict[str, list[tuple[str, int, int]]]:
         """Each linear weight filled by checkpoint tensors copied as they are: parameter name -> [(canonical name,
-        first row, rows)]. Weights loaded through a reordering (Qwen3-Next's interleaved GDN projections) or
-        stacked (experts) are not listed. What the loader decides FP8 placement on."""
+        first row, rows)], for stacked experts [E, N, K] every expert's parts with their first row within the
+        expert. Weights loaded through a reordering (Qwen3-Next's interleaved GDN projections) are not listed, and
+        the stacked names a checkpoint may ship instead (`fused_expert_tensors`) are no parts. What the loader
+        decides FP8 placement on."""
         names = {id(p): n for n, p in self.named_parameters() if getattr(p, "is_linear_weight", False)}
         out: dict[str, list[tuple[str, int, int]]] = {}
         for canonical, (param, start) in self._weights.parts.items():
             if id(param) in names:
                 out.setdefault(names[id(param)], []).append((canonical, start, self._weights.shapes[canonical][0]))
-        # a weight is listed only if its parts cover it (a reordered part leaves it out)
+        # a weight is listed only if its parts cover it (a reordered part leaves it out); stacked experts by rows
+        # of all experts
         return {n: parts for n, parts in out.items()
-                if sum(rows for _, _, rows in parts) == self.get_parameter(n).shape[0]}
+                if sum(rows for _, _, rows in parts) == math.prod(self.get_parameter(n).shape[:-1])}
 
     def _build_loaders(self) -> WeightLoaders:
         w, H, V = WeightLoaders(), self.cfg.hidden_size, self.cfg.vocab_size

@@ -21,6 +21,8 @@ from transformers import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
@@ -168,6 +170,25 @@ def make_qwen3_5_text(path: str | Path, *, max_shard_size: str | int | None = No
     _save(model, folder, max_shard_size)
     if with_mtp:
         mtp = _mtp_tensors(kw, moe=False, seed=seed)
+        add_tensors(folder, mtp, "model-mtp.safetensors")
+        _update_config(folder, lambda d: d.update(mtp_num_hidden_layers=1))
+        model.mtp_state_dict = mtp
+    return folder, model
+
+
+def make_qwen3_5_moe(path: str | Path, *, max_shard_size: str | int | None = None, with_mtp: bool = False,
+                     seed: int = 0, **overrides) -> tuple[Path, Qwen3_5MoeForCausalLM]:
+    """Tiny Qwen3.5-MoE text-only checkpoint (model_type qwen3_5_moe_text; transformers saves the experts per
+    expert, as the releases ship them)."""
+    folder = Path(path)
+    kw = _config_kwargs({**TINY_COMMON, **TINY_MOE, "rope_parameters": dict(ROPE_35)}, overrides)
+    kw.pop("intermediate_size")                     # MoE text configs carry no dense width
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kw)).eval()
+    perturb_(model, seed)
+    _save(model, folder, max_shard_size)
+    if with_mtp:
+        mtp = _mtp_tensors(kw, moe=True, seed=seed)
         add_tensors(folder, mtp, "model-mtp.safetensors")
         _update_config(folder, lambda d: d.update(mtp_num_hidden_layers=1))
         model.mtp_state_dict = mtp

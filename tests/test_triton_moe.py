@@ -2,8 +2,11 @@
 torch computation, the torch reference against an independent per-token loop in float64, the pair alignment's
 layout, and the Triton grouped GEMM path against the reference through the public function (under the interpreter
 here, compiled on a GPU): decode and prefill row counts, experts no token picks, every token on one expert, H and I
-that are not multiples of the tiles, strided activations, fp32 and fp16. The GPU tier adds the Qwen3.5-35B-A3B
-shapes in bf16 and checks that the Triton path never synchronizes with the host."""
+that are not multiples of the tiles, strided activations, fp32 and fp16. Experts kept FP8 (stacked Fp8Weights,
+w8a8 and w8a16): the reference against float64 and against the dequantized experts, the FP8 grouped GEMM against
+the reference on the same cases (ragged routing, partial K groups, one GEMM FP8 and the other not). The GPU tier
+adds the Qwen3.5-35B-A3B shapes in bf16 (FP8 experts too) and checks that the Triton path never synchronizes with
+the host."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_setup import DEV, ON_GPU, backend, both, gen_, gpu, needs_gpu, rnd, tol  # noqa: F401  (first)
+from tinyserve.kernels.fp8 import ACT_GROUP, FP8, FP8_MAX, Fp8Weight, quantize_activations  # noqa: E402
 from tinyserve.kernels.moe import fused_experts, route  # noqa: E402
 
 
@@ -195,6 +199,164 @@ def test_sparse_moe_layer_backends_agree():
     assert_close_scaled(tri, ref, torch.float32)
 
 
+# --- experts kept FP8 -------------------------------------------------------------------------------------------
+
+
+def fp8_experts(E: int, N: int, K: int, block: tuple[int, int], act_quant: bool, gen: torch.Generator) -> Fp8Weight:
+    """Stacked FP8 experts [E, N, K]: random e4m3 values and block scales, the products sized as `experts`'."""
+    w = Fp8Weight(N, K, block, DEV, act_quant, experts=E)
+    w.weight.copy_((torch.randn(E, N, K, generator=gen) * 120).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+    w.scale.copy_((torch.rand(w.scale.shape, generator=gen) + 0.5) / (100 * K ** 0.5))
+    return w
+
+
+def fp8_pair(E: int, H: int, I: int, block: tuple[int, int], act_quant: bool, gen: torch.Generator):
+    return fp8_experts(E, 2 * I, H, block, act_quant, gen), fp8_experts(E, H, I, block, act_quant, gen)
+
+
+def as_seen_by_w8a8(x: torch.Tensor) -> torch.Tensor:
+    """x's rows quantized per 128-group and scaled back: what a w8a8 GEMM multiplies."""
+    xq, xs = quantize_activations(x)
+    return xq.float() * xs.repeat_interleave(ACT_GROUP, 1)[:, :x.shape[1]]
+
+
+FP8_CASES = [  # (T, E, top_k, H, I, block)
+    (1, 4, 2, 128, 64, (128, 128)),       # decode; the down GEMM's K (64) is one partial group
+    (17, 8, 2, 200, 48, (16, 128)),       # partial K groups in both GEMMs, ragged expert groups
+    (70, 8, 4, 256, 128, (128, 128)),     # whole groups (EVEN_K) in both, several blocks per expert
+]
+
+
+@pytest.mark.parametrize("act_quant", [True, False], ids=["w8a8", "w8a16"])
+@pytest.mark.parametrize("T, E, top_k, H, I, block", FP8_CASES[:2])
+def test_fp8_reference(T, E, top_k, H, I, block, act_quant):
+    """w8a16: the dequantized experts' numbers; w8a8: float64 experts on activations quantized per row and
+    128-group (x for gate_up, the activation for down)."""
+    g = gen_(T + E + H)
+    w_gate_up, w_down = fp8_pair(E, H, I, block, act_quant, g)
+    x = rnd(T, H, gen=g)
+    topk_weights, topk_ids = routed(T, E, top_k, g)
+    with backend("torch"):
+        y = fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
+        deq = fused_experts(x, w_gate_up.dequantize(torch.float32), w_down.dequantize(torch.float32), topk_weights,
+                            topk_ids)
+    assert y.dtype == torch.float32 and y.shape == (T, H)
+    if not act_quant:                          # equal but for the GEMM route's summation order (kernels/linear.py)
+        assert_close_scaled(y, deq, torch.float32)
+        return
+    wgu, wd = w_gate_up.dequantize(torch.float64), w_down.dequantize(torch.float64)
+    expect = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        xt = as_seen_by_w8a8(x[t:t + 1].cpu()).double()[0]
+        for j in range(top_k):
+            e = int(topk_ids[t, j])
+            h = F.silu(wgu[e, :I].cpu() @ xt) * (wgu[e, I:].cpu() @ xt)
+            h = as_seen_by_w8a8(h.float()[None]).double()[0]
+            expect[t] += float(topk_weights[t, j]) * (wd[e].cpu() @ h)
+    torch.testing.assert_close(y.double().cpu(), expect, rtol=1e-4, atol=1e-4 * expect.abs().max().item())
+    assert (y - deq).norm() / deq.norm() < 0.08                 # and close to the unquantized activations'
+
+
+def assert_fused_fp8_close(tri: torch.Tensor, ref: torch.Tensor, dtype, act_quant: bool) -> None:
+    """The whole routed MoE, Triton against the reference. w8a8 quantizes the down GEMM's input, the activation
+    silu_and_mul computed, and the two paths' silu_and_mul (a Triton kernel, a torch op) differ in the last bit
+    now and then: an element that lands on the other side of an e4m3 rounding boundary moves its token's output by
+    one e4m3 step of that element's share (each GEMM on the same input agrees to the dtype's rounding:
+    test_triton_fp8_grouped_gemm). So w8a8 is held to a norm-wise bound (wider in bf16, whose 8-bit mantissa makes
+    those last-bit differences, and so the flips, more frequent), w8a16 to the dtype's rounding."""
+    if act_quant:
+        assert (tri - ref).norm() / ref.norm() < (3e-2 if dtype == torch.bfloat16 else 1e-2)
+    else:
+        assert_close_scaled(tri, ref, dtype)
+
+
+def grouped_gemm_reference(a, w: Fp8Weight, a_row_div: int, routed_weights, topk_ids) -> torch.Tensor:
+    """Row p of one grouped GEMM: A row p // a_row_div times expert topk_ids.flat[p] through kernels.fp8's
+    fp8_linear (torch), times routed_weights[p] when given, rounded to A's dtype."""
+    with backend("torch"):
+        from tinyserve.kernels.fp8 import fp8_linear
+        flat = topk_ids.reshape(-1).long()
+        out = torch.empty((flat.numel(), w.shape[1]), dtype=a.dtype, device=a.device)
+        for e in flat.unique().tolist():
+            rows = (flat == e).nonzero()[:, 0]
+            y = fp8_linear(a[rows // a_row_div], w.expert(e)).float()
+            if routed_weights is not None:
+                y = y * routed_weights[rows, None]
+            out[rows] = y.to(a.dtype)
+    return out
+
+
+@pytest.mark.parametrize("rows_per_expert", [1, 40, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("act_quant", [True, False], ids=["w8a8", "w8a16"])
+def test_triton_fp8_grouped_gemm(act_quant, dtype, rows_per_expert):
+    """Each GEMM of the layer on the same input as the reference (w8a8 then quantizes identical rows), under each
+    tile shape (the BM tile_shape picks, forced, with the FP8 tile that goes with it): the gate_up GEMM gathering
+    x's rows by token (partial K groups, 16-row scale blocks), the down GEMM with the routing weights (K = 64 in one
+    partial group), ragged routing with unused experts."""
+    from tinyserve.kernels import moe_triton
+    T, E, H, I, top_k = 21, 6, 200, 64, 2
+    g = gen_(rows_per_expert + act_quant)
+    w_gate_up, w_down = fp8_pair(E, H, I, (16, 128), act_quant, g)
+    x = rnd(T, H, dtype=dtype, gen=g)
+    act = rnd(T * top_k, I, dtype=dtype, gen=g)
+    topk_ids = torch.tensor([[0, 3]] * 15 + [[3, 5]] * 6, dtype=torch.int32).to(DEV)   # experts 1, 2, 4 unused
+    topk_weights = torch.rand(T, top_k, generator=g).to(DEV)
+    tiles = moe_triton.tile_shape(rows_per_expert * E, E)
+    sorted_ids, expert_ids, padded_len = moe_triton.align_pairs(topk_ids, E, tiles[0])
+    for a, w, div, rw in [(x, w_gate_up, top_k, None), (act, w_down, 1, topk_weights.reshape(-1))]:
+        out = torch.empty((T * top_k, w.shape[1]), dtype=dtype, device=DEV)
+        with backend("triton"):
+            moe_triton._grouped_gemm(a, w, out, div, rw, sorted_ids, expert_ids, padded_len, tiles)
+        assert_close_scaled(out, grouped_gemm_reference(a, w, div, rw, topk_ids), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("act_quant", [True, False], ids=["w8a8", "w8a16"])
+@pytest.mark.parametrize("T, E, top_k, H, I, block", FP8_CASES)
+def test_triton_fp8_against_reference(T, E, top_k, H, I, block, act_quant, dtype):
+    g = gen_(3 * T + E + I)
+    w_gate_up, w_down = fp8_pair(E, H, I, block, act_quant, g)
+    x = rnd(T, H, dtype=dtype, gen=g)
+    topk_weights, topk_ids = routed(T, E, top_k, g)
+    tri, ref, *_ = both(fused_experts, x, w_gate_up, w_down, topk_weights, topk_ids)
+    assert tri.dtype == torch.float32 and tri.shape == (T, H)
+    assert_fused_fp8_close(tri, ref, dtype, act_quant)
+
+
+@pytest.mark.parametrize("act_quant", [True, False], ids=["w8a8", "w8a16"])
+def test_triton_fp8_ragged_routing(act_quant):
+    """Most experts picked by no token, one expert by many (several blocks, the last one partial): the unused
+    experts' scales are never read."""
+    T, E, H, I = 45, 8, 128, 64
+    g = gen_(45)
+    w_gate_up, w_down = fp8_pair(E, H, I, (128, 128), act_quant, g)
+    x = rnd(T, H, dtype=torch.float16, gen=g)
+    topk_ids = torch.tensor([[3, 6]] * 40 + [[6, 0]] * 5, dtype=torch.int32).to(DEV)
+    topk_weights = torch.rand(T, 2, generator=g).to(DEV)
+    tri, ref, *_ = both(fused_experts, x, w_gate_up, w_down, topk_weights, topk_ids)
+    assert_fused_fp8_close(tri, ref, torch.float16, act_quant)
+    unused = [1, 2, 4, 5, 7]
+    w_gate_up.scale[unused] = float("nan")
+    w_down.scale[unused] = float("nan")
+    with backend("triton"):
+        assert torch.isfinite(fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids)).all()
+
+
+def test_triton_fp8_gate_up_and_plain_down():
+    """A layer whose expert width is off the scale blocks' rows keeps gate_up dequantized while down stays FP8 (and
+    the other way round): the two GEMMs share the pair alignment's BM."""
+    T, E, H, I, top_k = 30, 4, 128, 40, 2
+    g = gen_(30)
+    w_gate_up, w_down = experts(E, H, I, torch.float16, g)
+    fp8_gate_up, fp8_down = fp8_pair(E, H, I, (16, 128), False, g)
+    x = rnd(T, H, dtype=torch.float16, gen=g)
+    topk_weights, topk_ids = routed(T, E, top_k, g)
+    for pair in [(fp8_gate_up, w_down), (w_gate_up, fp8_down)]:
+        tri, ref, *_ = both(fused_experts, x, *pair, topk_weights, topk_ids)
+        assert_close_scaled(tri, ref, torch.float16)
+
+
 # --- GPU tier: Qwen3.5-35B-A3B shapes (H 2048, I 512, 256 experts, top 8) in bf16 ------------------------------------
 
 
@@ -209,6 +371,30 @@ def test_gpu_qwen3_5_moe_shapes(T):
     topk_weights, topk_ids = routed(T, E, top_k, g)
     tri, ref, *_ = both(fused_experts, x, w_gate_up, w_down, topk_weights, topk_ids)
     assert_close_scaled(tri, ref, dtype)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")                # alignment and GEMMs never wait on the host
+    try:
+        with backend("triton"):
+            fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("act_quant", [True, False], ids=["w8a8", "w8a16"])
+@pytest.mark.parametrize("T", [1, 8, 512])
+def test_gpu_qwen3_5_moe_shapes_fp8(T, act_quant):
+    """Qwen3.5-35B-A3B-FP8's experts (128 x 128 blocks) kept FP8, bf16 activations; no host sync either."""
+    E, H, I, top_k, dtype = 256, 2048, 512, 8, torch.bfloat16
+    g = gen_(T + 1)
+    w_gate_up, w_down = fp8_pair(E, H, I, (128, 128), act_quant, g)
+    x = rnd(T, H, dtype=dtype, gen=g)
+    topk_weights, topk_ids = routed(T, E, top_k, g)
+    tri, ref, *_ = both(fused_experts, x, w_gate_up, w_down, topk_weights, topk_ids)
+    assert_fused_fp8_close(tri, ref, dtype, act_quant)
+    if not act_quant:
+        return
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")                # alignment and GEMMs never wait on the host
     try:

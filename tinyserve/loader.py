@@ -560,8 +560,12 @@ def _fp8_placement(cfg: ModelConfig, items: list["_Item"], scheme: _QuantScheme
 
     A parameter stays FP8 when every checkpoint tensor that fills it is float8_e4m3fn with the same readable scale
     block and starts on a block row (fused q|k|v, gate|up, qkv|z parts of 128 rows each do; Qwen3.5's 48-row
-    in_proj_b | in_proj_a do not, and are small). Reordered or stacked weights (Qwen3-Next's interleaved GDN
-    projections, MoE experts) are dequantized. The model is laid out on "meta" to learn its parameters' parts."""
+    in_proj_b | in_proj_a do not, and are small). A MoE layer's stacked experts [E, 2I, H] / [E, H, I] are one
+    parameter filled by every expert's gate_proj / up_proj (rows 0 and I of its expert: I a multiple of the block
+    rows) or down_proj. Reordered weights (Qwen3-Next's interleaved GDN projections) are dequantized; experts a
+    checkpoint ships stacked (experts.gate_up_proj / down_proj, bf16 in the releases) are not FP8. The model is
+    laid out on "meta" to learn its parameters' parts, so the placement follows from the headers alone
+    (read_checkpoint counts what load_model holds)."""
     import dataclasses
 
     import torch
