@@ -9,9 +9,10 @@ Two ways to multiply, chosen per weight (`act_quant`):
 - w8a8 (act_quant, the checkpoints' `activation_scheme: dynamic`): activations are quantized on the fly to FP8 per
   row and per group of ACT_GROUP (128) columns, scale = amax / 448, and each group's FP8 x FP8 products are summed
   in fp32 and scaled by both scales. GPUs with FP8 tensor cores (sm_89 and later) run this.
-- w8a16: the weight is dequantized (tile by tile in the kernel) and multiplied with the activations as they are:
-  the same numbers as dequantizing at load, in half the memory (on the CPU it equals dequantizing at load exactly,
-  which the tests use). Triton has no e4m3 type before sm_89, so older GPUs dequantize at load instead.
+- w8a16: the weight is dequantized (tile by tile in the kernel, which scales after each group's dot) and multiplied
+  with the activations as they are. The torch reference equals dequantizing at load exactly: the tests compare the
+  engine with the dequantized checkpoint through it. Serving uses w8a8 (tinyserve/plan.py fp8_weights_for); Triton
+  has no e4m3 type before sm_89, so older GPUs dequantize at load instead.
 """
 from __future__ import annotations
 

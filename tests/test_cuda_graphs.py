@@ -213,9 +213,16 @@ def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, monkeypatch)
     from tinyserve.models import qwen3_next
     monkeypatch.setattr(gdn, "slot_run", lambda ids, pool: None)
     monkeypatch.setattr(conv, "slot_run", lambda ids, pool: None)
-    # the Triton MoE routes on the device; the reference loops over the experts it counted on the host
-    monkeypatch.setattr(qwen3_next, "fused_experts",
-                        lambda x, w1, w2, tw, ti: torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32))
+    # CUDA runs the Triton MoE: its device-side part (sorting the pairs into per-expert blocks) runs here for real;
+    # its two GEMM launches cannot run on CPU tensors outside the interpreter (which reads values itself), so the
+    # layer's routed output is zeros for this check (the reference loops over experts it counted on the host)
+    from tinyserve.kernels import moe_triton
+
+    def device_side_moe(x, w_gate_up, w_down, topk_weights, topk_ids):
+        moe_triton.align_pairs(topk_ids, w_gate_up.shape[0], moe_triton.tile_shape(topk_ids.numel(),
+                                                                                   w_gate_up.shape[0])[0])
+        return torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float32)
+    monkeypatch.setattr(qwen3_next, "fused_experts", device_side_moe)
     forbidden = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
                  torch.ops.aten.lift_fresh.default}
 

@@ -214,3 +214,10 @@ def test_gpu_memory_needs_check(fp8_folder, tmp_path):
     out = subprocess.run([sys.executable, "-m", "tinyserve.cli", str(path), "--gpu-memory-gb", "48"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--gpu-memory-gb N needs --check" in out.stderr
+
+
+def test_the_graph_estimate_knows_the_attention_kernels_split_limit():
+    """plan.py does not import triton (planning needs none), so it restates the decode kernel's split limit."""
+    from tinyserve import plan
+    attention_triton = pytest.importorskip("tinyserve.kernels.attention_triton")
+    assert plan.ATTENTION_MAX_SPLITS == attention_triton.MAX_SPLITS

@@ -60,8 +60,7 @@ def check(cfg: Any, gpu_memory_gb: float | None = None) -> int:
     plan = plan_for(cfg, gpu_memory_gb)[2]
     print(plan)
     if host_tier_line(cfg, plan):
-        print(host_tier_line(cfg, plan) if not gpu_memory_gb else
-              host_tier_line(cfg, plan).rpartition(";")[0] + " (not checked against this machine's memory)")
+        print(host_tier_line(cfg, plan, this_machine=not gpu_memory_gb))
     if plan.device == "cuda":
         print(gpu_budget_line(cfg, plan, gpu_memory_gb))
     return 0
@@ -71,9 +70,7 @@ def gpu_budget_line(cfg: Any, plan: Any, gpu_memory_gb: float | None = None) -> 
     """How a CUDA plan fills the card: the static share (weights, GDN state, KV pool) and the rest (activations)."""
     from .plan import GIB
 
-    static = (plan.weights_bytes + plan.kv_tokens * plan.kv_bytes_per_token
-              + (plan.state_slots + plan.verify_slots + plan.snapshot_slots + 1) * plan.state_bytes_per_slot
-              + plan.page_size * plan.kv_bytes_per_token)          # (+ the scratch slot and page)
+    static = plan.static_bytes
     budget = plan.gpu_bytes * cfg.engine.mem_fraction_static
     card = f"a {gpu_memory_gb:g} GiB card" if gpu_memory_gb else "this GPU"
     return (f"fits {card} ({plan.gpu_bytes / GIB:.1f} GiB free): weights, GDN state and KV pool "
@@ -84,8 +81,9 @@ def gpu_budget_line(cfg: Any, plan: Any, gpu_memory_gb: float | None = None) -> 
             f"the KV pool of {plan.kv_tokens}")
 
 
-def host_tier_line(cfg: Any, plan: Any) -> str:
-    """The host tier's budget and floor, for the plan shown at start and by --check ("" when the tier is off)."""
+def host_tier_line(cfg: Any, plan: Any, this_machine: bool = True) -> str:
+    """The host tier's budget and floor, for the plan shown at start and by --check ("" when the tier is off);
+    this_machine: the plan is for this machine (else its available memory is not shown: --gpu-memory-gb)."""
     from .plan import GIB, host_available_bytes
 
     budget = (plan.host_pages * plan.page_size * plan.kv_bytes_per_token
@@ -96,7 +94,8 @@ def host_tier_line(cfg: Any, plan: Any) -> str:
     return (f"host tier: up to {budget / GIB:.2f} GiB, allocated in segments as it fills; "
             + (f"gives memory back while the machine has less than {floor:g} GB available (cache.host.min_free_gb)"
                if floor else "no floor (cache.host.min_free_gb = 0)")
-            + f"; {host_available_bytes() / GIB:.1f} GiB available now")
+            + (f"; {host_available_bytes() / GIB:.1f} GiB available now" if this_machine
+               else " (not checked against this machine's memory)"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

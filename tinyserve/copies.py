@@ -9,7 +9,9 @@ the forward that follows:
 Design invariant 4: a device page or state slot that a save still reads stays reserved until its event completes.
 Here that is a fence, not a delay: whoever hands such a page or slot out again to be written (the page allocator,
 the state pool's alloc / copy / zero) first makes the compute stream wait for the save's event; host rows a save
-still writes are read on the CPU (file-tier writer, compaction) only after their event completes. SGLang's
+still writes are read on the CPU (file-tier writer) only after their event completes, and rows are moved on the CPU
+(compaction) only once every copy is done. Blobs read from the file tier go up through two pinned staging buffers.
+SGLang's
 write-back crashes of the seed's posts were a device page reused while its copy to the host still read it.
 
 `CopyStream` is the immediate one (the CPU: every copy is done when the call returns). `CudaCopyStream` is the
@@ -31,6 +33,10 @@ class CopyStream:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst (device, contiguous) = src (pageable host memory: a blob read from the file tier)."""
+        self.copy(dst, src)
 
     @contextlib.contextmanager
     def saving(self, pages: list[int] = (), slots: list[int] = (), host_pages: list[int] = (),
@@ -134,10 +140,12 @@ class _Pending(CopyStream):
                     self._host_waits(event)
 
     def synchronize(self) -> None:
+        self._host_waits_all()                  # saves and loads alike
         for table in (self._pages, self._slots, self._host_pages, self._host_snaps):
-            for event in table.values():
-                self._host_waits(event)
             table.clear()
+
+    def _host_waits_all(self) -> None:
+        raise NotImplementedError
 
     def _prune(self, every: int = 256) -> None:
         """Forget completed events now and then (the tables would otherwise grow with every page ever saved)."""
@@ -148,6 +156,9 @@ class _Pending(CopyStream):
                 del table[k]
 
 
+STAGING_BYTES = 32 << 20        # each of the two pinned buffers file-tier blobs go to the device through
+
+
 class CudaCopyStream(_Pending):
     """The copies on a CUDA stream of their own; host rows are pinned, so they do not block the engine thread."""
 
@@ -155,9 +166,28 @@ class CudaCopyStream(_Pending):
         super().__init__()
         self.stream = torch.cuda.Stream(device)
         self._outer: list = []
+        self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Through two pinned staging buffers taken in turn, STAGING_BYTES at a time: the engine thread fills one
+        (a memcpy) while the other's chunk goes to the device; a buffer is refilled once its event says its chunk
+        has left. Bounded pinned memory, however large the blob (torch's pinned cache would keep every blob's)."""
+        if not self._staging:
+            self._staging = [(torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True), None)
+                             for _ in range(2)]
+        src_bytes = src.contiguous().view(-1).view(torch.uint8)
+        dst_bytes = dst.view(-1).view(torch.uint8)
+        for i, off in enumerate(range(0, src_bytes.numel(), STAGING_BYTES)):
+            buf, event = self._staging[i % 2]
+            if event is not None:
+                event.synchronize()
+            n = min(STAGING_BYTES, src_bytes.numel() - off)
+            buf[:n].copy_(src_bytes[off:off + n])
+            dst_bytes[off:off + n].copy_(buf[:n], non_blocking=True)
+            self._staging[i % 2] = (buf, self._record())
 
     def _begin(self) -> None:
         self.stream.wait_stream(torch.cuda.current_stream())      # see what the forwards wrote
@@ -181,6 +211,9 @@ class CudaCopyStream(_Pending):
 
     def _host_waits(self, event) -> None:
         event.synchronize()
+
+    def _host_waits_all(self) -> None:
+        self.stream.synchronize()
 
     def _done(self, event) -> bool:
         return event.query()
@@ -227,6 +260,9 @@ class DeferredCopyStream(_Pending):
 
     def _host_waits(self, event: int) -> None:
         self._run_to(event)
+
+    def _host_waits_all(self) -> None:
+        self._run_to(len(self.queue))
 
     def _done(self, event: int) -> bool:
         return self.done >= event

@@ -291,7 +291,7 @@ class Engine:
                             model_fingerprint(self.model, self.kv_pool.dtype, plan.page_size),
                             tuple(self.kv_pool.buffer.shape[1:]), self.kv_pool.dtype,
                             tuple(self.state_pool.conv.shape[1:]), self.state_pool.conv.dtype,
-                            tuple(self.state_pool.ssm.shape[1:]), pin=self.kv_pool.buffer.is_cuda)
+                            tuple(self.state_pool.ssm.shape[1:]))
             log.info("file tier %s: %d blobs found", plan.file_dir, file.num_blobs)
         tiers = Tiers(self.kv_pool, self.state_pool, host, file, cfg.cache.host.write_policy, self.copies)
         tree = RadixCache(self.allocator, self.state_pool, plan.page_size, plan.hybrid, tiers)
@@ -351,7 +351,13 @@ class Engine:
         fp8_values = sum(m.weight.numel() for m in fp8)
         weights = WeightCount(sum(p.numel() for p in model.parameters()) + fp8_values, fp8_values,
                               sum(m.scale.numel() for m in fp8))
-        return cls(cfg, model, tokenizer, MemoryPlan.resolve(cfg, model.cfg, model.device.type, weights), copy_stream)
+        free = None
+        if model.device.type == "cuda":          # free memory as if the weights, loaded already, were not
+            free = torch.cuda.mem_get_info(model.device)[0] + weights.bytes(torch.empty((), dtype=model.dtype)
+                                                                           .element_size())
+        plan = MemoryPlan.resolve(cfg, model.cfg, model.device.type, weights, gpu_free_bytes=free,
+                                  cuda_capability=torch.cuda.get_device_capability(model.device) if free else None)
+        return cls(cfg, model, tokenizer, plan, copy_stream)
 
     # ---- requests (called from the event loop or offline code) ----
     def fit_max_tokens(self, prompt_len: int, max_tokens: int | None, clamp: bool = False) -> int:

@@ -650,9 +650,9 @@ def read_checkpoint(folder: str | Path, vision: bool = True, keep_fp8: bool = Fa
     items = _loadable(cfg, infos)
     cfg.vision_parameters = sum(math.prod(it.info.shape) for it in items if it.canonical.startswith("visual."))
     values = sum(math.prod(it.info.shape) for it in items)
-    if not keep_fp8:
-        return cfg, WeightCount(values)
     scheme = _QuantScheme.from_config(raw)
+    if not keep_fp8 or not scheme.method:        # the same condition as load_model's
+        return cfg, WeightCount(values)
     for item in items:
         item.scale = _scale_info(item, infos)
     blocks, kept = _fp8_placement(cfg, items, scheme)

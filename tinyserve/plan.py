@@ -114,13 +114,13 @@ def cuda_graph_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
     return rows * (layer_bytes_per_token(mc, dtype) + mc.hidden_size * b) + splits + CUDA_GRAPH_MARGIN
 
 
-def fp8_weights_for(device: str, cuda_capability: tuple[int, int] | None) -> str:
+def fp8_weights_for(device: str, cuda_capability: tuple[int, int] | None, kernels: str = "auto") -> str:
     """How an FP8 checkpoint's weights are held (loader.FP8_WEIGHTS): kept FP8 on GPUs with FP8 tensor cores
     (sm_89 and later; None: a card planned with --gpu-memory-gb, taken to be one), activations quantized on the
     fly (w8a8). Dequantized at load on older GPUs, where Triton has no e4m3 type, and on the CPU, which has no FP8
     arithmetic and room for bf16 or fp32 weights."""
-    if device != "cuda" or (cuda_capability is not None and cuda_capability < (8, 9)):
-        return "dequantize"
+    if device != "cuda" or (cuda_capability is not None and cuda_capability < (8, 9)) or kernels == "torch":
+        return "dequantize"          # (engine.kernels = "torch": the reference's w8a8 GEMM is for tests, not a 27B)
     return "w8a8"
 
 
@@ -156,6 +156,14 @@ class MemoryPlan:
         return self.kv_pages * self.page_size
 
     @property
+    def static_bytes(self) -> int:
+        """What engine.mem_fraction_static holds: the weights, every state slot (working, verify, snapshot and the
+        scratch slot of padded decode rows), the KV pool and its scratch page."""
+        slots = self.state_slots + self.verify_slots + self.snapshot_slots + 1
+        return (self.weights_bytes + slots * self.state_bytes_per_slot
+                + (self.kv_pages + 1) * self.page_size * self.kv_bytes_per_token)
+
+    @property
     def hybrid(self) -> bool:
         return self.state_bytes_per_slot > 0
 
@@ -163,7 +171,7 @@ class MemoryPlan:
     def resolve(cls, cfg: Config, mc: ModelConfig, device: str, weights_count: WeightCount,
                 gpu_free_bytes: int | None = None, cuda_capability: tuple[int, int] | None = None,
                 check_host: bool = True) -> "MemoryPlan":
-        """Decide every derived size. `weights` counts the weights the model holds (from the safetensors headers,
+        """Decide every derived size. `weights_count` counts the weights the model holds (from the safetensors headers,
         FP8 ones as kept on this device); `device` is "cpu" or "cuda" (see resolve_device). On CUDA the budget is
         `gpu_free_bytes` (a card that is not here: --gpu-memory-gb) or the device's free memory now. check_host:
         compare the host tier with this machine's available memory (not when planning for another machine)."""
@@ -219,7 +227,8 @@ class MemoryPlan:
         file_on = c.enabled and bool(c.file.dir)
         return cls(device=device, dtype=dtype, kv_dtype=kv_dtype, weights_bytes=weights,
                    vision_bytes=mc.vision_parameters * element_size(dtype), context_length=context,
-                   fp8_weights=fp8_weights_for(device, cuda_capability) if weights_count.fp8_values else "dequantize",
+                   fp8_weights=fp8_weights_for(device, cuda_capability, e.kernels) if weights_count.fp8_values
+                   else "dequantize",
                    fp8_bytes=weights_count.fp8_values + 4 * weights_count.fp8_scales,
                    activation_bytes=activations, graph_bytes=graphs, gpu_bytes=free,
                    page_size=e.page_size, kv_pages=kv_pages, kv_bytes_per_token=per_token,
@@ -234,8 +243,9 @@ class MemoryPlan:
                         context: int, graphs: int = 0) -> int:
         """The KV pool on a GPU with `free` bytes: engine.mem_fraction_static of them hold the weights, the GDN
         state slots and the KV pool (engine.kv_cache_tokens, or all that is left); the rest is for one step's
-        activations and the CUDA context's own allocations. A pool that cannot hold one request of
-        `context` tokens, or activations that do not fit the rest, fail naming the key to change."""
+        activations and the CUDA context's own allocations. A derived pool that cannot hold one request of
+        `context` tokens, an explicit one that does not fit, or activations that do not fit the rest, fail naming the
+        key to change."""
         e = cfg.engine
         static = free * e.mem_fraction_static
         have = (f"the GPU has {free / GIB:.1f} GiB free; engine.mem_fraction_static = {e.mem_fraction_static} "
@@ -256,12 +266,14 @@ class MemoryPlan:
             kv_tokens = e.kv_cache_tokens
         else:
             kv_tokens = int(max(0, left) // per_token)
-        if kv_tokens < context:
-            key = "engine.kv_cache_tokens" if e.kv_cache_tokens else "model.context_length"
-            raise ConfigError(f"{have}: the KV pool holds {kv_tokens} tokens, fewer than one request of "
-                              f"model.context_length = {context} tokens needs; lower {key}, raise "
+        pool = kv_tokens // e.page_size * e.page_size           # what whole pages hold
+        if not e.kv_cache_tokens and pool < context:
+            # a derived pool must hold one full-length request (as vLLM refuses to start otherwise); an explicit
+            # engine.kv_cache_tokens is the user's choice, and requests longer than it are refused (as on the CPU)
+            raise ConfigError(f"{have}: the KV pool holds {pool} tokens, fewer than one request of "
+                              f"model.context_length = {context} tokens needs; lower model.context_length, raise "
                               f"engine.mem_fraction_static, use fp8_e4m3 for model.kv_cache_dtype, or fewer "
-                              f"engine.max_running_requests / cache.state_slots", key)
+                              f"engine.max_running_requests / cache.state_slots", "model.context_length")
         rest = free - static
         if activations + graphs > rest:
             raise ConfigError(f"the GPU has {free / GIB:.1f} GiB free; one step's activations need about "
@@ -331,7 +343,7 @@ def plan_for(cfg: Config, gpu_memory_gb: float | None = None) -> tuple[Path, Mod
         import torch
         capability = torch.cuda.get_device_capability()
     # the vision tower's weights count too; FP8 weights as this device holds them
-    keep_fp8 = fp8_weights_for(device, capability) != "dequantize"
+    keep_fp8 = fp8_weights_for(device, capability, cfg.engine.kernels) != "dequantize"
     mc, weights = read_checkpoint(folder, vision=cfg.model.vision, keep_fp8=keep_fp8)
     return folder, mc, MemoryPlan.resolve(cfg, mc, device, weights, gpu_free_bytes=free, cuda_capability=capability,
                                           check_host=not gpu_memory_gb)

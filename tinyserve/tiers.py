@@ -41,7 +41,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from tinyserve.config import WRITE_POLICIES
@@ -79,11 +78,7 @@ def _copy_rows(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx
     assert 0 <= min(src_idx) and max(src_idx) < src.shape[0], "tier copy: source row out of range"
     # Pages come off free lists in ascending order, so index pairs usually form long runs that step together:
     # copy those as contiguous slices (no gather buffer, full memcpy speed); scattered sets gather once.
-    runs, start = [], 0
-    for i in range(1, len(dst_idx) + 1):
-        if i == len(dst_idx) or dst_idx[i] != dst_idx[i - 1] + 1 or src_idx[i] != src_idx[i - 1] + 1:
-            runs.append((dst_idx[start], src_idx[start], i - start))
-            start = i
+    runs = _runs(dst_idx, src_idx)
     if stream is not None and stream.asynchronous:
         for d, s_, n in runs:
             stream.copy(dst[d:d + n], src[s_:s_ + n])
@@ -95,6 +90,16 @@ def _copy_rows(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx
     si = torch.tensor(src_idx, dtype=torch.long, device=src.device)
     rows = src.index_select(0, si).to(dst.device, non_blocking=False)
     dst.index_copy_(0, torch.tensor(dst_idx, dtype=torch.long, device=dst.device), rows)
+
+
+def _runs(dst_idx: list[int], src_idx: list[int]) -> list[tuple[int, int, int]]:
+    """(dst start, src start, length) of each stretch where both index lists step by one together."""
+    runs, start = [], 0
+    for i in range(1, len(dst_idx) + 1):
+        if i == len(dst_idx) or dst_idx[i] != dst_idx[i - 1] + 1 or src_idx[i] != src_idx[i - 1] + 1:
+            runs.append((dst_idx[start], src_idx[start], i - start))
+            start = i
+    return runs
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -619,7 +624,6 @@ class FileTier:
     writable: bool = True
     stats: TierStats = field(default_factory=TierStats)
     needs_state: bool = False    # a hybrid model's runs: usable only up to a state snapshot (the radix tree sets it)
-    pin: bool = False            # read blobs into pinned memory (CUDA: the copy to the device is asynchronous)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -1039,11 +1043,7 @@ class FileTier:
         def tensor(nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
             if not nbytes:                  # a state blob's pages
                 return torch.empty(shape, dtype=dtype)
-            if self.pin:                    # pinned staging: the device copy runs on the copy stream
-                raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                raw.numpy()[:] = np.frombuffer(payload[off:off + nbytes], dtype=np.uint8)
-            else:
-                raw = torch.frombuffer(bytearray(payload[off:off + nbytes]), dtype=torch.uint8)
+            raw = torch.frombuffer(bytearray(payload[off:off + nbytes]), dtype=torch.uint8)
             return raw.view(dtype).reshape(shape)
         kv = tensor(kv_len, self.kv_dtype, (n_pages,) + self.page_shape)
         off += kv_len
@@ -1118,9 +1118,13 @@ class Tiers:
 
     def load_blob(self, blob: Blob, pages: list[int], snapshot: int | None) -> None:
         """Copy a blob read from the file tier into device pages (and its state into a snapshot slot), on the
-        copy stream (after any save still reading a slot handed over; the next forward waits for it)."""
+        copy stream through pinned staging (after any save still reading a slot handed over; the next forward waits
+        for it)."""
+        buf = self.kv_pool.buffer
+        assert blob.kv.shape[0] == len(pages) and blob.kv.shape[1:] == buf.shape[1:], "blob and pages disagree"
         with self.copies.loading():
-            _copy_rows(self.kv_pool.buffer, pages, blob.kv, list(range(len(pages))), self.copies)
+            for d, s_, n in _runs(pages, list(range(len(pages)))):
+                self.copies.upload(buf[d:d + n], blob.kv[s_:s_ + n])
             if snapshot is not None:
-                self.copies.copy(self.state_pool.conv[snapshot], blob.conv)
-                self.copies.copy(self.state_pool.ssm[snapshot], blob.ssm)
+                self.copies.upload(self.state_pool.conv[snapshot], blob.conv)
+                self.copies.upload(self.state_pool.ssm[snapshot], blob.ssm)
