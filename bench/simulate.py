@@ -31,7 +31,7 @@ Stand-ins:
 - The device budget: `engine.kv_cache_tokens = 0` derives the KV pool from free GPU memory, which a CPU cannot. The
   config's own state slots plus the seed's 270K tokens of KV is taken as the budget (production.toml's comment),
   and variants with more state slots take their memory from the KV pool (plan_27b). `--card` sizes it as the plan
-  does for a 48 GB card with the FP8 weights kept FP8 (card_kv_tokens: ~410K tokens).
+  does for a 48 GB card with the FP8 weights kept FP8 (card_kv_tokens: ~406K tokens).
 - Time: a virtual clock. Each step costs the cost model's compute time for its batch plus the tier copies the step
   made on the engine thread (host<->device and file uploads over PCIe, the copy a file write gathers, device
   snapshot copies). A file-tier read starts when its request arrives and runs on one reader at NVMe speed; the
