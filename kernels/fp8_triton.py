@@ -20,9 +20,25 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 @triton.jit
+def fp8_group_product(x, w, w_scale, ACT_QUANT: tl.constexpr, PREC: tl.constexpr):
+    """One activation group's share of the product: x [BM, 128] (any float dtype) times the FP8 weight tile w
+    [128, BN] whose block scales are w_scale [BN], in fp32. w8a8: x is first quantized per row (amax / 448, clamped
+    to +-448: no NaN, saturation as on the GPU) and the FP8 x FP8 dot scaled by both scales; w8a16: the weight tile
+    is widened to x's dtype. (The fused MoE's FP8 GEMM uses it too.)"""
+    if ACT_QUANT:
+        xf = x.to(tl.float32)
+        x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), _AMAX_FLOOR) / _FP8_MAX           # [BM]
+        xq = tl.clamp(xf / x_scale[:, None], -_FP8_MAX, _FP8_MAX).to(w.dtype)
+        return tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
+    else:
+        return tl.dot(x, w.to(x.dtype), input_precision=PREC) * w_scale[None, :]
+
+
+@triton.jit
 def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, sxm, swn, ssn, ssk, sym,
                            SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ACT_QUANT: tl.constexpr,
-                           EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                           PREC: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows, cols, ks = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
     row_ok = pid_m * BM + rows < M
@@ -42,13 +58,7 @@ def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, sxm, swn, ssn, s
             x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         w_scale = tl.load(s_ptrs + (k0 // SCALE_BK) * ssk, mask=col_ok, other=0.0)          # [BN]
-        if ACT_QUANT:
-            xf = x.to(tl.float32)
-            x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), _AMAX_FLOOR) / _FP8_MAX           # [BM]
-            xq = tl.clamp(xf / x_scale[:, None], -_FP8_MAX, _FP8_MAX).to(w.dtype)          # clamp: no NaN, saturate
-            acc += tl.dot(xq, w) * x_scale[:, None] * w_scale[None, :]
-        else:
-            acc += tl.dot(x, w.to(x.dtype)) * w_scale[None, :]
+        acc += fp8_group_product(x, w, w_scale, ACT_QUANT, PREC)
         x_ptrs += BK
         w_ptrs += BK
     y = y_ptr + tl.cast(pid_m * BM, tl.int64) * sym + rows[:, None] * sym + pid_n * BN + cols[None, :]
@@ -81,5 +91,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         _block_fp8_gemm_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
             x2, w.weight, w.scale, y, M, N, K, x2.stride(0), w.weight.stride(0), w.scale.stride(0),
             w.scale.stride(1), y.stride(0), SCALE_BN=w.block[0], SCALE_BK=w.block[1],
-            ACT_QUANT=w.act_quant, EVEN_K=K % ACT_GROUP == 0, BM=BM, BN=BN, BK=ACT_GROUP, num_warps=warps, num_stages=stages)
+            ACT_QUANT=w.act_quant,
+            PREC="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=K % ACT_GROUP == 0, BM=BM, BN=BN, BK=ACT_GROUP, num_warps=warps, num_stages=stages)
     return y.reshape(*lead, N)

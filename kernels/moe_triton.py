@@ -33,11 +33,10 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels.activation import silu_and_mul
-from tinyserve.kernels.fp8 import ACT_GROUP, AMAX_FLOOR, FP8_MAX, Fp8Weight
+from tinyserve.kernels.fp8 import ACT_GROUP, Fp8Weight
+from tinyserve.kernels.fp8_triton import fp8_group_product
 
 BK = 64                       # K step of every tile shape (fixed: see the module docstring)
-_FP8_MAX = tl.constexpr(FP8_MAX)              # a compiled kernel reads module globals only as constexprs
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 @triton.jit
@@ -96,13 +95,7 @@ def _moe_fp8_gemm_kernel(a_ptr, w_ptr, s_ptr, y_ptr, rw_ptr, sorted_ids_ptr, exp
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         w_scale = tl.load(s_ptrs + (k0 // SCALE_BK) * ssk, mask=col_ok, other=0.0)          # [BN]
-        if ACT_QUANT:
-            af = a.to(tl.float32)
-            a_scale = tl.maximum(tl.max(tl.abs(af), axis=1), _AMAX_FLOOR) / _FP8_MAX           # [BM]
-            aq = tl.clamp(af / a_scale[:, None], -_FP8_MAX, _FP8_MAX).to(w.dtype)          # clamp: no NaN, saturate
-            acc += tl.dot(aq, w) * a_scale[:, None] * w_scale[None, :]
-        else:
-            acc += tl.dot(a, w.to(a.dtype), input_precision=PREC) * w_scale[None, :]
+        acc += fp8_group_product(a, w, w_scale, ACT_QUANT, PREC)
         a_ptrs += BK
         w_ptrs += BK
     if MUL_ROUTED_WEIGHT:

@@ -55,8 +55,11 @@ def _round_fp8_like_the_gpu() -> None:
 if not ON_GPU:
     _interpret_triton_language()
     _round_fp8_like_the_gpu()
-for _name in [n for n in sys.modules if n.startswith("tinyserve.kernels.") and n.endswith("_triton")]:
-    importlib.reload(sys.modules[_name])   # kernel modules defined earlier in the other mode are defined again
+# Kernel modules defined earlier in the other mode are defined again, twice over: a module that imports another's
+# @triton.jit helper (moe_triton imports fp8_triton's) then holds the new one whatever the order of the first pass.
+for _ in range(2):
+    for _name in [n for n in sys.modules if n.startswith("tinyserve.kernels.") and n.endswith("_triton")]:
+        importlib.reload(sys.modules[_name])
 
 
 import tinyserve.kernels as kernels  # noqa: E402
