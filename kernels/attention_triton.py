@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyserve.kernels.tiles import prefill_tiles
+
 SPLIT_MIN_TOKENS = 256      # no split is made shorter than this (tests lower it to reach many splits)
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4         # aim: this many stage-1 programs per SM, splitting long contexts to get there
@@ -246,18 +248,11 @@ def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_table:
     BM, BN, warps = _prefill_blocks(BD)
     BM = max(BM, triton.next_power_of_2(G))             # at least one token's heads per tile
     BQ = BM // G                                        # tokens per tile
-    tile_seq, tile_start = [], []
-    for i in range(N):
-        for s in range(0, cu_seqlens[i + 1] - cu_seqlens[i], BQ):
-            tile_seq.append(i)
-            tile_start.append(s)
-    if not tile_seq:
+    meta, num_tiles = prefill_tiles(cu_seqlens, seq_lens, BQ, q.device)
+    if not num_tiles:
         return out
-    # one host tensor, one host->device copy; nothing is read back
-    meta = torch.tensor(tile_seq + tile_start + list(cu_seqlens[:N + 1]) + list(seq_lens), dtype=torch.int32)
-    meta = meta.to(q.device, non_blocking=True)
-    _prefill_kernel[(len(tile_seq), KV)](
-        q, kv_cache, page_table, meta, out, scale * 1.4426950408889634, len(tile_seq), N, G, HD,
+    _prefill_kernel[(num_tiles, KV)](
+        q, kv_cache, page_table, meta, out, scale * 1.4426950408889634, num_tiles, N, G, HD,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         page_table.stride(0), out.stride(0), out.stride(1),
         PAGE=page_size, BQ=BQ, BM=BM, BN=BN, BD=BD, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=2)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels.gdn import VerifyLayout
+from tinyserve.kernels.tiles import prefill_tiles
 
 
 @triton.jit
@@ -169,19 +170,12 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
         x = x.contiguous()
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
     N = len(slot_ids)
-    tile_seq, tile_start = [], []
-    for i in range(N):
-        for s in range(0, cu_seqlens[i + 1] - cu_seqlens[i], BT):
-            tile_seq.append(i)
-            tile_start.append(s)
-    if not tile_seq:
+    meta, num_tiles = prefill_tiles(cu_seqlens, slot_ids, BT, x.device)
+    if not num_tiles:
         return out
-    # one host tensor, one host->device copy; nothing is read back
-    meta = torch.tensor(tile_seq + tile_start + list(cu_seqlens[:N + 1]) + list(slot_ids), dtype=torch.int32)
-    meta = meta.to(x.device, non_blocking=True)
     BC = min(PREFILL_BLOCK_C, triton.next_power_of_2(C))
-    _prefill_kernel[(len(tile_seq), triton.cdiv(C, BC))](
-        x, weight, conv_state, out, meta, len(tile_seq), N, C,
+    _prefill_kernel[(num_tiles, triton.cdiv(C, BC))](
+        x, weight, conv_state, out, meta, num_tiles, N, C,
         x.stride(0), weight.stride(0), weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
         K=K, BT=BT, BC=BC, BH=triton.next_power_of_2(K - 1), num_warps=4)
