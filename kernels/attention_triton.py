@@ -36,6 +36,9 @@ def num_splits(max_len: int, num_seqs: int, kv_heads: int, device: torch.device)
     return max(1, min(by_len, by_grid, MAX_SPLITS))
 
 
+NO_MASK, BOUND, CAUSAL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)   # _attend_block's key masks
+
+
 @triton.jit
 def _decode_split_kernel(q_ptr, kv_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2, G, HD, NUM_SPLITS,
                          sqn, sqh, skp, skv, sks, skh, spt, son, soh, sos, sln, slh,
@@ -58,29 +61,10 @@ def _decode_split_kernel(q_ptr, kv_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr, scale_
     m = tl.full([BH], float("-inf"), tl.float32)
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BD], tl.float32)
+    pt_row = pt_ptr + i_n.to(tl.int64) * spt
     for s in range(start, end, BN):
-        pos = s + tl.arange(0, BN)
-        mp = pos < end
-        page = tl.load(pt_ptr + i_n.to(tl.int64) * spt + pos // PAGE, mask=mp, other=0).to(tl.int64)
-        base = page * skp + (pos % PAGE) * sks + i_kv * skh                       # [BN]
-        mkv = mp[:, None] & md[None, :]
-        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=mkv, other=0.0).to(tl.float32).to(q.dtype)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(mp[None, :], qk * scale_log2, float("-inf"))             # [BH, BN], log2 units
-        m_new = tl.maximum(m, tl.max(qk, axis=1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        v = tl.load(kv_ptr + skv + base[:, None] + d[None, :], mask=mkv, other=0.0).to(tl.float32).to(q.dtype)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        acc, l, m = _attend_block(acc, l, m, q, kv_ptr, pt_row, s, end, h, i_kv * skh, d, md, scale_log2,
+                                  skv, skp, sks, PAGE=PAGE, BN=BN, MASK=BOUND, IEEE=IEEE)
     has = l > 0
     o = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
@@ -148,8 +132,11 @@ PREFILL_BLOCKS: tuple[int, int] | None = None     # (rows BM, keys BN); None: by
 
 
 @triton.jit
-def _prefill_block(acc, l, m, q, kv_ptr, pt_row, s, end, qpos, kv_off, d, md, scale_log2, skv, skp, sks,
-                   PAGE: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+def _attend_block(acc, l, m, q, kv_ptr, pt_row, s, end, qpos, kv_off, d, md, scale_log2, skv, skp, sks,
+                  PAGE: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+    """One step of the online softmax over keys s .. s+BN-1 read through a page-table row: returns the updated
+    (acc, l, m). MASK: NO_MASK (a block wholly visible), BOUND (keys from `end` on hidden: decode's last block) or
+    CAUSAL (and each query row sees keys up to its position qpos)."""
     pos = s + tl.arange(0, BN)
     mp = pos < end
     page = tl.load(pt_row + pos // PAGE, mask=mp, other=0).to(tl.int64)
@@ -160,9 +147,11 @@ def _prefill_block(acc, l, m, q, kv_ptr, pt_row, s, end, qpos, kv_off, d, md, sc
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    qk = qk * scale_log2                                                         # [BM, BN], log2 units
-    if MASK:
+    qk = qk * scale_log2                                                         # [rows, BN], log2 units
+    if MASK == CAUSAL:
         qk = tl.where(mp[None, :] & (pos[None, :] <= qpos[:, None]), qk, float("-inf"))
+    elif MASK == BOUND:
+        qk = tl.where(mp[None, :], qk, float("-inf"))
     m_new = tl.maximum(m, tl.max(qk, axis=1))
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m - m_new)
@@ -209,11 +198,11 @@ def _prefill_kernel(q_ptr, kv_ptr, pt_ptr, meta_ptr, o_ptr, scale_log2, num_tile
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     for s in range(0, full, BN):
-        acc, l, m = _prefill_block(acc, l, m, q, kv_ptr, pt_row, s, end, qpos, kv_off, d, md, scale_log2,
-                                   skv, skp, sks, PAGE=PAGE, BN=BN, MASK=False, IEEE=IEEE)
+        acc, l, m = _attend_block(acc, l, m, q, kv_ptr, pt_row, s, end, qpos, kv_off, d, md, scale_log2,
+                                  skv, skp, sks, PAGE=PAGE, BN=BN, MASK=NO_MASK, IEEE=IEEE)
     for s in range(full, end, BN):
-        acc, l, m = _prefill_block(acc, l, m, q, kv_ptr, pt_row, s, end, qpos, kv_off, d, md, scale_log2,
-                                   skv, skp, sks, PAGE=PAGE, BN=BN, MASK=True, IEEE=IEEE)
+        acc, l, m = _attend_block(acc, l, m, q, kv_ptr, pt_row, s, end, qpos, kv_off, d, md, scale_log2,
+                                  skv, skp, sks, PAGE=PAGE, BN=BN, MASK=CAUSAL, IEEE=IEEE)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(o_ptr + q_rows[:, None] * sot + head[:, None] * soh + d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=mr[:, None] & md[None, :])
