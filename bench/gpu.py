@@ -22,9 +22,7 @@ as on the CPU (bench/serve.py), not per-token ones. Everything printed also goes
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import struct
 import sys
 import tempfile
 import time
@@ -32,20 +30,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG: list[str] = []
+sys.path.insert(0, str(ROOT / "tests"))
+from header_only import QWEN3_5_27B, make_header_only  # noqa: E402 - Qwen3.5-27B's config; its header-only folder
 
-QWEN3_5_27B = {   # text_config of Qwen3.5-27B (../shared/reference/qwen-hybrid.md), as tests/checkpoints.py has it
-    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "num_hidden_layers": 64,
-    "full_attention_interval": 4, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
-    "intermediate_size": 17408, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-    "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1, "tie_word_embeddings": False,
-    "eos_token_id": 248044, "dtype": "bfloat16"}
 TINY = dict(QWEN3_5_27B, vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, intermediate_size=128, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096)
-FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-             "modules_to_not_convert": ["lm_head", "re:.*linear_attn\\.in_proj_[ab]$", "mtp.fc"]}
 
 
 def say(line: str = "") -> None:
@@ -54,38 +44,9 @@ def say(line: str = "") -> None:
 
 
 def header_folder(config: dict) -> Path:
-    """config.json (with Qwen's FP8 quantization_config) and a safetensors file of headers alone: F8_E4M3 linear
-    weights with float32 128x128 scales, the rest bf16; names and shapes from the model itself."""
-    import torch
-
-    from tinyserve.loader import _build_config
-    from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
-    folder = Path(tempfile.mkdtemp(prefix="tinyserve-gpu-"))
-    config = {**config, "quantization_config": FP8_QUANT}
-    (folder / "config.json").write_text(json.dumps(config))
-    cfg = _build_config(folder, config, ["mtp.layers.0.x"])
-    meta = Qwen3NextForCausalLM(cfg, torch.bfloat16, "meta")
-    linear = {n for n, p in meta.named_parameters() if getattr(p, "is_linear_weight", False)}
-    header, offset = {}, 0
-
-    def put(name: str, tag: str, shape) -> None:
-        nonlocal offset
-        n = {"BF16": 2, "F32": 4, "F8_E4M3": 1}[tag] * int(torch.Size(shape).numel())
-        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    quantized = {c for p, parts in meta.linear_parts().items() for c, _, _ in parts}
-    for name, shape in meta.expected_tensors().items():
-        stored = name if name.startswith(("mtp.", "lm_head.")) else "model." + name
-        skip = name in ("lm_head.weight", "mtp.fc.weight") or ".in_proj_a." in name or ".in_proj_b." in name
-        if name in quantized and not skip:
-            put(stored, "F8_E4M3", shape)
-            put(stored + "_scale_inv", "F32", (-(-shape[0] // 128), -(-shape[1] // 128)))
-        else:
-            put(stored, "BF16", shape)
-    assert linear
-    raw = json.dumps(header).encode()
-    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
-    return folder
+    """config.json with Qwen's block-FP8 quantization_config and a safetensors file of headers alone (F8_E4M3 linear
+    weights with float32 128x128 scales, the rest bf16): what the plan lays the model out from."""
+    return make_header_only(Path(tempfile.mkdtemp(prefix="tinyserve-gpu-")) / "q35", config, fp8_block=(128, 128))
 
 
 def random_model(folder: Path, device, dtype):
