@@ -91,16 +91,23 @@ def test_w8a8_logits_are_close_to_the_dequantized_checkpoints(text_fp8):
 
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
 def test_the_plan_counts_the_bytes_the_model_holds(text_fp8, mode):
-    folder, _ = text_fp8
-    mc, counted = read_checkpoint(folder, keep_fp8=True)
+    assert_plan_counts_what_loads(text_fp8[0], mode)
+    assert read_checkpoint(text_fp8[0])[1].fp8_values == 0                  # a CPU plan dequantizes
+
+
+def assert_plan_counts_what_loads(folder, mode: str) -> None:
+    """The headers' count (read_checkpoint, what the plan uses) is what the loaded model holds, FP8 and not."""
+    _, counted = read_checkpoint(folder, keep_fp8=True)
     model = load_model(folder, torch.float32, fp8_weights=mode)
     fp8 = fp8_modules(model).values()
     assert counted.fp8_values == sum(m.weight.numel() for m in fp8)
     assert counted.fp8_scales == sum(m.scale.numel() for m in fp8)
-    held = sum(p.numel() * p.element_size() for p in model.parameters()) + \
+    assert counted.bytes(4) == _held_bytes(model)
+
+
+def _held_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + \
         sum(b.numel() * b.element_size() for b in model.buffers())
-    assert counted.bytes(4) == held
-    assert read_checkpoint(folder)[1].fp8_values == 0                        # a CPU plan dequantizes
 
 
 def test_parts_off_the_block_rows_are_dequantized(tmp_path):
@@ -229,20 +236,9 @@ def test_moe_w8a8_expert_gemms_are_close(moe_fp8):
             assert (linear(x, m.expert(e)) - exact).norm() / exact.norm() < 0.08, (name, e)
 
 
-def _held_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + \
-        sum(b.numel() * b.element_size() for b in model.buffers())
-
-
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
 def test_moe_plan_counts_the_bytes_the_model_holds(moe_fp8, mode):
-    folder, _ = moe_fp8
-    _, counted = read_checkpoint(folder, keep_fp8=True)
-    model = load_model(folder, torch.float32, fp8_weights=mode)
-    fp8 = fp8_modules(model).values()
-    assert counted.fp8_values == sum(m.weight.numel() for m in fp8)
-    assert counted.fp8_scales == sum(m.scale.numel() for m in fp8)
-    assert counted.bytes(4) == _held_bytes(model)
+    assert_plan_counts_what_loads(moe_fp8[0], mode)
 
 
 def test_experts_off_the_block_rows(tmp_path):

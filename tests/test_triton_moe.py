@@ -371,13 +371,7 @@ def test_gpu_qwen3_5_moe_shapes(T):
     topk_weights, topk_ids = routed(T, E, top_k, g)
     tri, ref, *_ = both(fused_experts, x, w_gate_up, w_down, topk_weights, topk_ids)
     assert_close_scaled(tri, ref, dtype)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")                # alignment and GEMMs never wait on the host
-    try:
-        with backend("triton"):
-            fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_no_host_sync(fused_experts, x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
 @gpu
@@ -395,10 +389,16 @@ def test_gpu_qwen3_5_moe_shapes_fp8(T, act_quant):
     assert_fused_fp8_close(tri, ref, dtype, act_quant)
     if not act_quant:
         return
+    assert_no_host_sync(fused_experts, x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def assert_no_host_sync(fn, *args) -> None:
+    """fn(*args) through the Triton path never waits on the host (CUDA's sync debug mode raises if it does):
+    the pair alignment and both GEMMs stay on the device, as a CUDA graph needs."""
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")                # alignment and GEMMs never wait on the host
+    torch.cuda.set_sync_debug_mode("error")
     try:
         with backend("triton"):
-            fused_experts(x, w_gate_up, w_down, topk_weights, topk_ids)
+            fn(*args)
     finally:
         torch.cuda.set_sync_debug_mode("default")
