@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_setup import DEV, ON_GPU, backend, both, gen_, gpu, needs_gpu, rnd, tol  # noqa: E402,F401  (first)
+from triton_setup import DEV, ON_GPU, backend, both, gen_, gpu, needs_gpu, paged_kv, rnd, tol  # noqa: E402,F401  (first)
 import tinyserve.kernels as kernels  # noqa: E402
 from tinyserve.kernels import attention_triton  # noqa: E402
 from tinyserve.kernels.activation import silu_and_mul  # noqa: E402
-from tinyserve.kernels.attention import paged_attention_decode, store_kv  # noqa: E402
+from tinyserve.kernels.attention import paged_attention_decode  # noqa: E402
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_verify  # noqa: E402
 from tinyserve.kernels.gdn import (recurrent_gated_delta_rule_decode, recurrent_gated_delta_rule_verify,  # noqa: E402
                                    verify_layout)
@@ -247,19 +247,8 @@ def test_conv_verify(lens, dtype):
 def paged_decode_case(lengths, page_size, NH, NKV, HD, kv_dtype, q_dtype, seed):
     """A KV pool with each sequence's context on scattered pages; returns the decode arguments."""
     g = gen_(seed)
-    n_pages = [-(-L // page_size) for L in lengths]
-    num_pages = sum(n_pages) + 2
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    pages = []
-    for n in n_pages:
-        pages.append(perm[:n])
-        perm = perm[n:]
-    pool = torch.zeros(num_pages, 2, 2, page_size, NKV, HD, dtype=kv_dtype, device=DEV)  # 2 layers: a view
-    cache = pool[:, 1]
-    for p, L in zip(pages, lengths):
-        slots = torch.tensor([p[i // page_size] * page_size + i % page_size for i in range(L)], device=DEV)
-        store_kv(rnd(L, NKV, HD, gen=g), rnd(L, NKV, HD, gen=g), cache, slots)
-    width = max(n_pages)
+    cache, pages, num_pages = paged_kv(lengths, page_size, NKV, HD, kv_dtype, g, spare_pages=2)
+    width = max(len(p) for p in pages)
     table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32, device=DEV)
     q = rnd(len(lengths), NH, HD, dtype=q_dtype, gen=g)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)

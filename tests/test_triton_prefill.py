@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_setup import DEV, ON_GPU, backend, both, gen_, gpu, needs_gpu, rnd, tol  # noqa: E402,F401  (first)
+from triton_setup import DEV, ON_GPU, backend, both, gen_, gpu, needs_gpu, paged_kv, rnd, tol  # noqa: E402,F401  (first)
 from tinyserve.kernels import attention_triton, conv_triton  # noqa: E402
-from tinyserve.kernels.attention import paged_attention_prefill, store_kv  # noqa: E402
+from tinyserve.kernels.attention import paged_attention_prefill  # noqa: E402
 from tinyserve.kernels.conv import causal_conv1d_prefill  # noqa: E402
 
 
@@ -109,19 +109,8 @@ def paged_prefill_case(cases, page_size, NH, NKV, HD, kv_dtype, q_dtype, seed):
     stored before attention) on scattered pages; q of the new tokens packed as a strided view."""
     g = gen_(seed)
     lengths = [c + n for c, n in cases]
-    n_pages = [-(-L // page_size) for L in lengths]
-    num_pages = sum(n_pages) + 3
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    pages = []
-    for n in n_pages:
-        pages.append(perm[:n])
-        perm = perm[n:]
-    pool = torch.zeros(num_pages, 2, 2, page_size, NKV, HD, dtype=kv_dtype, device=DEV)
-    cache = pool[:, 1]
-    for p, L in zip(pages, lengths):
-        slots = torch.tensor([p[i // page_size] * page_size + i % page_size for i in range(L)], device=DEV)
-        store_kv(rnd(L, NKV, HD, gen=g), rnd(L, NKV, HD, gen=g), cache, slots)
-    width = max(n_pages) + 1                                   # a spare column of garbage page ids
+    cache, pages, num_pages = paged_kv(lengths, page_size, NKV, HD, kv_dtype, g, spare_pages=3)
+    width = max(len(p) for p in pages) + 1                     # a spare column of garbage page ids
     table = torch.tensor([p + [num_pages - 1] * (width - len(p)) for p in pages], dtype=torch.int32, device=DEV)
     cu = cumulative([n for _, n in cases])
     qg = rnd(cu[-1], NH, 2 * HD, dtype=q_dtype, gen=g)         # the model's q: [T, H, query | gate] sliced

@@ -95,3 +95,24 @@ def gen_(seed: int) -> torch.Generator:
 def tol(dtype):
     return {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}[dtype]
+
+
+def paged_kv(lengths: list[int], page_size: int, NKV: int, HD: int, kv_dtype, gen, spare_pages: int):
+    """A KV pool (one layer's view of a two-layer pool) holding each sequence's context of lengths[i] random
+    tokens on scattered pages, with spare_pages pages no sequence uses. Returns (cache, pages per sequence,
+    number of pages)."""
+    from tinyserve.kernels.attention import store_kv
+    n_pages = [-(-L // page_size) for L in lengths]
+    num_pages = sum(n_pages) + spare_pages
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    pages = []
+    for n in n_pages:
+        pages.append(perm[:n])
+        perm = perm[n:]
+    pool = torch.zeros(num_pages, 2, 2, page_size, NKV, HD, dtype=kv_dtype, device=DEV)
+    cache = pool[:, 1]
+    for p, L in zip(pages, lengths):
+        slots = torch.tensor([p[i // page_size] * page_size + i % page_size for i in range(L)], device=DEV)
+        store_kv(rnd(L, NKV, HD, gen=gen), rnd(L, NKV, HD, gen=gen), cache, slots)
+    return cache, pages, num_pages
+
