@@ -304,9 +304,16 @@ class Engine:
         from tinyserve.loader import load_model
         from tinyserve.tokenizer import Tokenizer
         folder, _, plan = plan_for(cfg)
-        model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision,
-                           fp8_weights=plan.fp8_weights)
-        engine = cls(cfg, model, Tokenizer.from_folder(folder), plan)
+        try:
+            model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision,
+                               fp8_weights=plan.fp8_weights)
+            engine = cls(cfg, model, Tokenizer.from_folder(folder), plan)
+        except RuntimeError as e:             # torch.OutOfMemoryError (CUDA) or the CPU allocator's failure
+            if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                raise
+            key = "engine.mem_fraction_static" if plan.device == "cuda" else "engine.kv_cache_tokens"
+            raise ConfigError(f"out of memory while loading the model and allocating the pools the plan sized "
+                              f"({plan}); lower {key}", key) from None
         engine.price_drafts()
         return engine
 
