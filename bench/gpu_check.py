@@ -203,7 +203,7 @@ def cases(dev):
         cu = [i * L for i in range(N + 1)]
         ins = list(range(N))
         outs = [[i] + list(range(N + i * (L - 1), N + (i + 1) * (L - 1))) for i in range(N)]
-        lay = verify_layout(cu, ins, outs, dev)
+        lay = verify_layout(cu, [L] * N, ins, outs, dev)
         nslots = N * L
         pool = rnd(nslots, NV, DK, DV, dtype=torch.float32, scale=0.1)
         T = N * L
@@ -303,6 +303,14 @@ def cases(dev):
                         lambda a=(q, cache, table, lens, ctx, HD ** -0.5): a, paged_attention_decode,
                         int(lens.sum().item()) * 2 * NKV * HD * cache.element_size(),
                         lambda q, c, t, l, m, s: paged_attention_decode(q.float(), c.float(), t, l, m, s)))
+        if N == 1 or name == "fp32":       # a NEXTN verify over the same context: each token a row (table_rows)
+            L = VERIFY[0][1]
+            vlens = (lens[:1] - L + 1 + torch.arange(L, device=dev, dtype=torch.int32)).clamp(min=1)
+            vrows = torch.zeros(L, dtype=torch.long, device=dev)
+            out.append(Case(f"paged verify {name} p{page}", f"{L} tokens ctx={int(lens[0])}",
+                            lambda a=(rnd(L, NH, HD), cache, table, vlens, ctx, HD ** -0.5, vrows): a,
+                            paged_attention_decode, int(lens[0]) * 2 * NKV * HD * cache.element_size(),
+                            lambda q, c, t, l, m, s, r: paged_attention_decode(q.float(), c.float(), t, l, m, s, r)))
     return out
 
 

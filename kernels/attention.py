@@ -55,11 +55,18 @@ def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_table:
 
 
 def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
-                           seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """One new token per sequence, all sequences at once. q [N, H, hd]; seq_lens [N]; returns [N, H, hd]."""
+                           seq_lens: torch.Tensor, max_len: int, scale: float,
+                           table_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """One query row per sequence, all rows at once: row i sees keys 0 .. seq_lens[i]-1 of its pages. q [N, H, hd];
+    seq_lens [N] (int32, each <= max_len); returns [N, H, hd]. table_rows [N] (int64): row i reads page-table row
+    table_rows[i] (a speculative verify: each token is a row over its sequence's pages, its length its position
+    + 1, which makes it causal); None: row i."""
     if use_triton(q):
         from tinyserve.kernels import attention_triton
-        return attention_triton.paged_attention_decode(q, kv_cache, page_table, seq_lens, max_len, scale)
+        return attention_triton.paged_attention_decode(q, kv_cache, page_table, seq_lens, max_len, scale,
+                                                       table_rows)
+    if table_rows is not None:
+        page_table = page_table[table_rows]
     N, H, hd = q.shape
     page_size = kv_cache.shape[2]
     n_pages = (max_len + page_size - 1) // page_size

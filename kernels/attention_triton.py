@@ -7,6 +7,9 @@ output and its log-sum-exp (base 2). Stage 2: one program per (sequence, q head)
 count comes from the longest context and the device's SM count; each sequence divides its own length by it, so
 short sequences leave their last splits empty (lse = -inf, weight 0). KV in any float dtype (bf16, fp16, fp32,
 fp8 e4m3): keys and values are converted to q's dtype before the dots (fp32 dots are ieee, not TF32).
+A speculative verify runs through the same kernels: each of its tokens is a row with its own length (position + 1)
+reading its sequence's page-table row (table_rows). The rows of one sequence are neighbours in the grid's first
+dimension, which varies fastest, so they read each KV block at about the same time and L2 serves the repeats.
 """
 from __future__ import annotations
 
@@ -40,10 +43,10 @@ NO_MASK, BOUND, CAUSAL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)   # _
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, kv_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2, G, HD, NUM_SPLITS,
+def _decode_split_kernel(q_ptr, kv_ptr, pt_ptr, rows_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2, G, HD, NUM_SPLITS,
                          sqn, sqh, skp, skv, sks, skh, spt, son, soh, sos, sln, slh,
                          PAGE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, TABLE_ROWS: tl.constexpr):
     i_n = tl.program_id(0)
     i_kv = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -61,7 +64,10 @@ def _decode_split_kernel(q_ptr, kv_ptr, pt_ptr, lens_ptr, o_ptr, lse_ptr, scale_
     m = tl.full([BH], float("-inf"), tl.float32)
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BD], tl.float32)
-    pt_row = pt_ptr + i_n.to(tl.int64) * spt
+    if TABLE_ROWS:
+        pt_row = pt_ptr + tl.load(rows_ptr + i_n).to(tl.int64) * spt
+    else:
+        pt_row = pt_ptr + i_n.to(tl.int64) * spt
     for s in range(start, end, BN):
         acc, l, m = _attend_block(acc, l, m, q, kv_ptr, pt_row, s, end, h, i_kv * skh, d, md, scale_log2,
                                   skv, skp, sks, PAGE=PAGE, BN=BN, MASK=BOUND, IEEE=IEEE)
@@ -93,7 +99,8 @@ def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr, HD, NUM_SPLITS, son, soh,
 
 
 def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
-                           seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+                           seq_lens: torch.Tensor, max_len: int, scale: float,
+                           table_rows: torch.Tensor | None = None) -> torch.Tensor:
     N, H, HD = q.shape
     _, two, page_size, KV, hd_kv = kv_cache.shape
     assert two == 2 and hd_kv == HD and H % KV == 0 and q.stride(-1) == 1 and kv_cache.stride(-1) == 1
@@ -108,10 +115,11 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
     BH = max(16, triton.next_power_of_2(G))
     BN = 32 if BD >= 256 else 64
     _decode_split_kernel[(N, KV, S)](
-        q, kv_cache, page_table, seq_lens, o_part, lse, scale * 1.4426950408889634, G, HD, S,
+        q, kv_cache, page_table, page_table if table_rows is None else table_rows, seq_lens, o_part, lse, scale * 1.4426950408889634, G, HD, S,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         page_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        PAGE=page_size, BH=BH, BN=BN, BD=BD, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        PAGE=page_size, BH=BH, BN=BN, BD=BD, IEEE=q.dtype == torch.float32, TABLE_ROWS=table_rows is not None,
+        num_warps=4, num_stages=2)
     _decode_merge_kernel[(N, H)](
         o_part, lse, out, HD, S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), BS=triton.next_power_of_2(S), BD=BD, num_warps=4)

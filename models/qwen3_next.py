@@ -33,7 +33,8 @@ class ForwardBatch:
     The first `num_decode` sequences contribute exactly one token each (decode); the next `num_verify` are
     speculative verifies (the last accepted token plus the drafts), whose GDN layers run the decode recurrence token
     by token and keep the state after each token (`verify`, a kernels.gdn.VerifyLayout, token rows counted from the
-    first verify token); the rest are prefill chunks. For attention a verify is a short prefill chunk.
+    first verify token); the rest are prefill chunks. For attention each verify token is a decode row whose context
+    ends at its own position (split-K over a long context, where a prefill tile would be one program per KV head).
     Tensors are laid out for the GPU path too (int32 page table, int64 slot mapping, int32 state slots).
     """
 
@@ -55,7 +56,7 @@ class ForwardBatch:
     mrope_positions: torch.Tensor | None = None
     image_rows: torch.Tensor | None = None       # [n] int64
     image_embeds: torch.Tensor | None = None     # [n, H]
-    # Decode attention's bound on the decode rows' seq_lens (None: their max). A static decode batch (runner.py,
+    # Decode attention's bound on the decode and verify rows' lengths (None: their max). A static batch (runner.py,
     # CUDA graphs) fixes it to the context length, so nothing in its forward changes from step to step.
     decode_max_len: int | None = None
 
@@ -281,14 +282,20 @@ class GatedAttention(nn.Module):
         k = rotary.apply(rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, eps), *cos_sin)
         store_kv(k, v.view(T, self.nkv, self.hd), kv_cache, batch.slot_mapping)
         scale = self.hd ** -0.5
-        nd, parts = batch.num_decode, []
+        nd, nv, parts = batch.num_decode, batch.num_verify, []
         if nd:
             parts.append(paged_attention_decode(q[:nd], kv_cache, batch.page_table[:nd], batch.seq_lens_t[:nd],
                                                 batch.decode_max_len or max(batch.seq_lens[:nd]), scale))
-        if batch.num_seqs > nd:
-            cu = [c - nd for c in batch.cu_seqlens[nd:]]
-            parts.append(paged_attention_prefill(q[nd:], kv_cache, batch.page_table[nd:], cu,
-                                                 batch.seq_lens[nd:], scale))
+        ve = batch.cu_seqlens[nd + nv]
+        if nv:      # each verify token is a decode row of its own length: split-K over a long context, as decode
+            lay = batch.verify
+            parts.append(paged_attention_decode(q[nd:ve], kv_cache, batch.page_table[nd:nd + nv], lay.token_lens,
+                                                batch.decode_max_len or max(batch.seq_lens[nd:nd + nv]), scale,
+                                                table_rows=lay.token_seq))
+        if batch.num_seqs > nd + nv:
+            cu = [c - ve for c in batch.cu_seqlens[nd + nv:]]
+            parts.append(paged_attention_prefill(q[ve:], kv_cache, batch.page_table[nd + nv:], cu,
+                                                 batch.seq_lens[nd + nv:], scale))
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         o = o.reshape(T, self.nh * self.hd) * torch.sigmoid(gate.reshape(T, self.nh * self.hd))
         return linear(o, self.o_proj)

@@ -15,7 +15,7 @@ from triton_setup import DEV, ON_GPU, backend, both, gen_, gpu, needs_gpu, paged
 import tinyserve.kernels as kernels  # noqa: E402
 from tinyserve.kernels import attention_triton  # noqa: E402
 from tinyserve.kernels.activation import silu_and_mul  # noqa: E402
-from tinyserve.kernels.attention import paged_attention_decode  # noqa: E402
+from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill  # noqa: E402
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_verify  # noqa: E402
 from tinyserve.kernels.gdn import (recurrent_gated_delta_rule_decode, recurrent_gated_delta_rule_verify,  # noqa: E402
                                    verify_layout)
@@ -153,7 +153,7 @@ def ragged_verify(lens, in_slots, first_free, seed, H=2, HV=4, dk=16, dv=16, v_d
     for s, n in zip(in_slots, lens):
         out_slots.append([s] + list(range(nxt, nxt + n - 1)))
         nxt += n - 1
-    lay = verify_layout(cu, in_slots, out_slots, DEV)
+    lay = verify_layout(cu, [40 + n for n in lens], in_slots, out_slots, DEV)
     return lay, gdn_inputs(cu[-1], H, HV, dk, dv, seed, v_dtype), nxt
 
 
@@ -277,6 +277,29 @@ def test_paged_decode_low_precision_kv(kv_dtype, monkeypatch):
         ref = paged_attention_decode(q.float(), cache.float(), table, lens, max_len, scale)
     assert tri.dtype == q_dtype
     torch.testing.assert_close(tri.float(), ref, **tol(q_dtype))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_verify_rows_equal_causal_prefill(page_size, monkeypatch):
+    """A NEXTN verify through the decode kernels (each token a row of length position + 1 over its sequence's
+    page-table row, table_rows), Triton and torch, equals the same tokens attending as causal prefill chunks (the
+    torch prefill reference, an independent formulation). Ragged: 3, 1 and 4 tokens; GQA 3:1; many splits."""
+    monkeypatch.setattr(attention_triton, "SPLIT_MIN_TOKENS", 16)
+    g = gen_(11)
+    lengths, new = [9, 70, 131], [3, 1, 4]
+    cache, pages, _ = paged_kv(lengths, page_size, 2, 32, torch.float32, g, spare_pages=2)
+    width = max(len(p) for p in pages)
+    table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32, device=DEV)
+    cu = [0, 3, 4, 8]
+    q = rnd(cu[-1], 6, 32, gen=g)
+    with backend("torch"):
+        ref = paged_attention_prefill(q, cache, table, cu, lengths, 32 ** -0.5)
+    rows = torch.tensor([i for i, n in enumerate(new) for _ in range(n)], device=DEV)
+    lens = torch.tensor([L - n + t + 1 for L, n in zip(lengths, new) for t in range(n)], dtype=torch.int32,
+                        device=DEV)
+    tri, dec, *_ = both(paged_attention_decode, q, cache, table, lens, max(lengths), 32 ** -0.5, rows)
+    torch.testing.assert_close(dec, ref, **tol(torch.float32))
+    torch.testing.assert_close(tri, ref, **tol(torch.float32))
 
 
 # ---------------------------------------------------------------------------------------------------------------

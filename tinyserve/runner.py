@@ -136,7 +136,8 @@ class ModelRunner:
         if num_verify:
             vs = seqs[num_decode:num_decode + num_verify]
             layout = verify_layout([c - cu[num_decode] for c in cu[num_decode:num_decode + num_verify + 1]],
-                                 [s.req.state_slot for s in vs], [s.verify_slots for s in vs], dev)
+                                   seq_lens[num_decode:num_decode + num_verify], [s.req.state_slot for s in vs],
+                                   [s.verify_slots for s in vs], dev)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
