@@ -1,10 +1,11 @@
-"""CUDA graphs for decode (runner.StaticDecode): plain decode steps run padded to a captured batch size from static
-buffers, the padding rows on a scratch KV page and a scratch GDN state slot that no request ever holds.
+"""CUDA graphs for decode and NEXTN verify (runner.StaticStep): decode and verify steps run padded to a captured
+shape (batch size, tokens per sequence) from static buffers, the padding rows and tokens on a scratch KV page and a
+scratch GDN state slot that no request ever holds.
 
-On the CPU the static path is forced on without a capture (ModelRunner.enable_static_decode(capture=False)) and must
+On the CPU the static path is forced on without a capture (ModelRunner.enable_static_steps(capture=False)) and must
 give exactly the eager path's greedy tokens on every page size, with the prefix cache on, while the batch shrinks
-and grows; the scratch page and slot are never handed out and never written by a real sequence. The capture and
-replay themselves need a GPU (the `gpu` test at the end).
+and grows, and with NEXTN the unspeculated tokens; the scratch page and slot are never handed out and never written
+by a real sequence. The capture and replay themselves need a GPU (the `gpu` test at the end).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tinyserve.engine import Engine
 from tinyserve.loader import WeightCount, load_model
 from tinyserve.plan import MemoryPlan
 from tinyserve.request import Status
-from tinyserve.runner import StaticDecode, graph_batch_sizes
+from tinyserve.runner import StaticStep, graph_batch_sizes
 from tinyserve.sampling import SamplingParams
 
 CTX = 512
@@ -46,25 +47,33 @@ def make_engine(model, page_size: int, **tables) -> Engine:
 
 
 class Recorder:
-    """Wraps StaticDecode.run: records (sequences, padded size) of each static step and checks the buffers it ran
-    on: no real row points at the scratch page or slot, every padding row does."""
+    """Wraps StaticStep.run: records (sequences, padded size, tokens per sequence) of each static step and checks
+    the buffers it ran on: no real token points at the scratch page or slot, every padding token does."""
 
-    def __init__(self, static: StaticDecode) -> None:
-        self.static, self.steps = static, []
+    def __init__(self, static: StaticStep) -> None:
+        self.static, self.steps, self.short = static, [], 0
         self._run = static.run
         static.run = self.run
 
     def run(self, seqs):
         batch, hidden = self._run(seqs)
         st, n = self.static, len(seqs)
-        B = batch.num_seqs
+        B, T = batch.num_seqs, max(s.num_tokens for s in seqs)
         ps, page, slot = st.kv_pool.page_size, st.kv_pool.scratch_page, st.state_pool.scratch_slot
+        real = torch.tensor([i * T + t for i, s in enumerate(seqs) for t in range(s.num_tokens)])
+        padding = torch.tensor([r for r in range(B * T) if r not in set(real.tolist())], dtype=torch.long)
         assert all(page not in s.req.pages and s.req.state_slot != slot for s in seqs)
-        assert not (st.slot_mapping[:n] // ps == page).any() and not (st.state_slots[:n] == slot).any()
-        assert (st.slot_mapping[n:B] == page * ps).all() and (st.state_slots[n:B] == slot).all()
+        assert not (st.slot_mapping[real] // ps == page).any() and not (st.state_slots[:n] == slot).any()
+        assert (st.slot_mapping[padding] == page * ps).all() and (st.state_slots[n:B] == slot).all()
         assert (st.page_table[n:B, 0] == page).all() and (st.seq_lens[n:B] == 1).all()
-        assert hidden.shape[0] == B == next(b for b in st.sizes if b >= n)
-        self.steps.append((n, B))
+        if T > 1:                        # a verify shape: the state after each real token in its own slot
+            assert not (st.out_slots[real] == slot).any() and (st.out_slots[padding] == slot).all()
+            assert batch.cu_seqlens[n] == hidden.shape[0] == len(real)
+        else:
+            assert hidden.shape[0] == B
+        assert B == next(b for b in st.sizes if b >= n)
+        self.steps.append((n, B, T))
+        self.short += any(s.num_tokens < T for s in seqs)      # a sequence with padding tokens after its own
         return batch, hidden
 
 
@@ -124,12 +133,12 @@ def test_static_decode_gives_the_eager_tokens(dense, page_size):
     assert_no_leaks(eager)
 
     eng = make_engine(dense, page_size)
-    eng.runner.enable_static_decode(MAX_RUNNING, capture=False)          # the CPU test switch: no capture
+    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)          # the CPU test switch: no capture
     rec = Recorder(eng.runner.static)
     got = drive(eng, schedule)
     assert got == want
-    assert {n for n, _ in rec.steps} >= set(range(1, MAX_RUNNING + 1))     # shrinking ...
-    assert any(n < B for n, B in rec.steps), "some steps were padded"
+    assert {n for n, _, _ in rec.steps} >= set(range(1, MAX_RUNNING + 1))     # shrinking ...
+    assert any(n < B for n, B, _ in rec.steps), "some steps were padded"
     grew = [i for i in range(1, len(rec.steps)) if rec.steps[i][0] > rec.steps[i - 1][0]]
     assert grew, "... and growing between static steps"
     assert eng.cache.stats().hit_tokens > 0, "later requests hit the prefix cache"
@@ -143,36 +152,45 @@ def test_static_decode_moe(moe):
     schedule = workload(3)[:5]
     want = drive(make_engine(moe, 16), schedule)
     eng = make_engine(moe, 16)
-    eng.runner.enable_static_decode(MAX_RUNNING, capture=False)
+    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
     rec = Recorder(eng.runner.static)
-    assert drive(eng, schedule) == want and any(n < B for n, B in rec.steps)
+    assert drive(eng, schedule) == want and any(n < B for n, B, _ in rec.steps)
     assert_no_leaks(eng)
 
 
-def test_static_decode_with_nextn(tmp_path):
-    """NEXTN speculating while at most 2 requests run: above that, plain decodes take the static path; at 2 and
-    below a static decode step drafts from the static output rows (runner._draft) and the next step verifies
-    eagerly. The greedy tokens are the unspeculated ones."""
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
+    """NEXTN speculating while at most 3 requests run: above that, plain decodes take the static path with one
+    token each; at 3 and below verifies take it with 1 + drafts tokens, requests of other depths (and plain
+    decodes, probing at depth 0) padded to the longest. The drafts come from the static rows (runner._draft). The
+    greedy tokens are the unspeculated, uncached ones, and every real token's state went to its own slot."""
     folder, _ = make_qwen3_5_text(tmp_path / "mtp", with_mtp=True, max_position_embeddings=CTX)
     make_agreeing_head(folder, mix=0.3)
     model = load_model(folder, torch.float32, TEST_DEVICE)
     schedule = workload(5)
-    want = drive(make_engine(model, 16, cache={"enabled": False}), schedule)
-    eng = make_engine(model, 16, speculative={"algorithm": "nextn", "max_running": 2})
-    eng.runner.enable_static_decode(MAX_RUNNING, capture=False)
+    want = drive(make_engine(model, page_size, cache={"enabled": False}), schedule)
+    eng = make_engine(model, page_size, speculative={"algorithm": "nextn", "max_running": 3})
+    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
     rec = Recorder(eng.runner.static)
     assert drive(eng, schedule) == want
-    assert any(n < B for n, B in rec.steps) and any(n <= 2 for n, _ in rec.steps)
-    assert eng.spec_stats.num_accepted_tokens > 0, "drafts made after static steps were verified"
+    assert eng.runner.static.max_tokens == 1 + eng.nextn.num_steps
+    shapes = {(B, T) for _, B, T in rec.steps}
+    assert any(T == 1 for _, T in shapes) and any(T > 1 for _, T in shapes), shapes
+    assert any(n < B and T > 1 for n, B, T in rec.steps), "a verify batch with padding sequences"
+    assert rec.short > 0, "a verify batch with sequences of different lengths"
+    assert eng.spec_stats.num_accepted_tokens > 0
     assert_no_leaks(eng)
+    check_scratch(eng)
 
 
-def test_static_decode_through_the_triton_kernels(tmp_path, monkeypatch):
+@pytest.mark.parametrize("nextn", [False, True], ids=["decode", "nextn"])
+def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
     """The Triton kernels (the interpreter on the CPU) on padded static batches: the conv and GDN decode kernels
     with several padding rows on one scratch slot, the attention decode with its split count from the whole
-    context (the split length lowered so there are many, most of them empty for these short sequences). The
-    prefill kernels, which the static path does not run, take their torch references here (the interpreter is
-    slow)."""
+    context (the split length lowered so there are many, most of them empty for these short sequences); with
+    NEXTN the verify kernels (padding tokens' states all to the scratch slot) and the attention's verify rows
+    (table_rows). The prefill kernels, which the static path does not run, take their torch references here (the
+    interpreter is slow)."""
     pytest.importorskip("triton")
     from triton_setup import DEV, backend
     from tinyserve.kernels import attention, attention_triton, conv, conv_triton, gdn, gdn_triton
@@ -186,19 +204,26 @@ def test_static_decode_through_the_triton_kernels(tmp_path, monkeypatch):
     for ref, tri, name in [(gdn, gdn_triton, "chunk_gated_delta_rule"), (conv, conv_triton, "causal_conv1d_prefill"),
                            (attention, attention_triton, "paged_attention_prefill")]:
         monkeypatch.setattr(tri, name, reference(getattr(ref, name)))
-    folder, _ = make_qwen3_5_text(tmp_path / "q35", max_position_embeddings=CTX)
+    folder, _ = make_qwen3_5_text(tmp_path / "q35", with_mtp=nextn, max_position_embeddings=CTX)
+    if nextn:
+        make_agreeing_head(folder, mix=0.3)
     model = load_model(folder, torch.float32, DEV)
     schedule = [(0, tokens(4, 1), 4), (0, tokens(6, 2), 5), (0, tokens(3, 3), 3)]
+    spec = {"speculative": {"algorithm": "nextn", "max_running": 3, "num_steps": 2,
+                                    "num_draft_tokens": 3}} if nextn else {}
     out = {}
     with backend("auto"):                         # restored after: each engine sets it from engine.kernels
         for name in ("triton", "static"):
-            eng = make_engine(model, 16, engine={"kernels": "triton"})
+            eng = make_engine(model, 16, engine={"kernels": "triton"}, **spec)
             if name == "static":
-                eng.runner.enable_static_decode(MAX_RUNNING, capture=False)
+                eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
                 rec = Recorder(eng.runner.static)
             out[name] = drive(eng, schedule)
     assert out["static"] == out["triton"] == drive(make_engine(model, 16), schedule)       # and the references'
-    assert (3, 4) in rec.steps and attention_triton.num_splits(CTX, 4, 2, torch.device(DEV)) == 8
+    if nextn:
+        assert any(T > 1 for _, _, T in rec.steps) and eng.spec_stats.num_accepted_tokens > 0
+    else:
+        assert (3, 4, 1) in rec.steps and attention_triton.num_splits(CTX, 4, 2, torch.device(DEV)) == 8
 
 
 def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, monkeypatch):
@@ -235,10 +260,9 @@ def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, monkeypatch)
         raise AssertionError("the decode forward reads a tensor on the host")
     for model in (dense, moe):
         eng = make_engine(model, 16)
-        eng.runner.enable_static_decode(MAX_RUNNING, capture=False)
-        static = eng.runner.static
-        for B in static.sizes:
-            batch = static._batch(B, [1] * B, [eng.state_pool.scratch_slot] * B)
+        static = StaticStep(model, eng.kv_pool, eng.state_pool, MAX_RUNNING, CTX, max_tokens=3)   # and verifies
+        for B, T in static.shapes:
+            batch = static._batch(B, T, [1] * B, [eng.state_pool.scratch_slot] * B)
             with monkeypatch.context() as m, torch.inference_mode(), NoHostReads():
                 for name in ("tolist", "numpy", "cpu"):
                     m.setattr(torch.Tensor, name, read)
@@ -248,7 +272,7 @@ def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, monkeypatch)
 def test_static_decode_with_a_short_pool(dense):
     """A KV pool shorter than the context: the page table and the attention bound are the pool's length."""
     eng = make_engine(dense, 16, engine={"kv_cache_tokens": 256})
-    eng.runner.enable_static_decode(MAX_RUNNING, capture=False)
+    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
     assert eng.runner.static.max_len == 256 and eng.runner.static.width == 16
     schedule = [(0, tokens(30, 1), 20), (0, tokens(50, 2), 20), (3, tokens(20, 3), 10)]
     want = drive(make_engine(dense, 16, engine={"kv_cache_tokens": 256}), schedule)
@@ -261,7 +285,7 @@ def test_the_engine_captures_on_cuda_only(dense):
     if TEST_DEVICE == "cpu":
         assert static is None                          # engine.cuda_graphs is ignored on the CPU
     else:
-        assert static is not None and sorted(static.graphs) == graph_batch_sizes(MAX_RUNNING)
+        assert static is not None and sorted(static.graphs) == [(B, 1) for B in graph_batch_sizes(MAX_RUNNING)]
     assert make_engine(dense, 16).runner.static is None
 
 
@@ -273,7 +297,7 @@ def test_the_plan_counts_the_graphs(dense):
     off = MemoryPlan.resolve(from_dict(merge(base, {"engine": {"cuda_graphs": False}})), mc, "cuda", weights,
                              gpu_free_bytes=8 << 30)
     assert on.graph_bytes > 0 and off.graph_bytes == 0
-    assert "decode CUDA graphs" in str(on) and "decode CUDA graphs" not in str(off)
+    assert "CUDA graphs" in str(on) and "CUDA graphs" not in str(off)
     more = MemoryPlan.resolve(from_dict(merge(base, {"engine": {"max_running_requests": 64}})), mc, "cuda", weights,
                               gpu_free_bytes=8 << 30)
     assert more.graph_bytes > on.graph_bytes
@@ -282,38 +306,46 @@ def test_the_plan_counts_the_graphs(dense):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_graphs_replay_the_eager_tokens(tmp_path):
-    """On a GPU: the graphs are captured at engine start (one per size), decode steps replay them, and the greedy
-    tokens equal an engine with engine.cuda_graphs = false; after an idle release they are captured again."""
-    folder, _ = make_qwen3_5_text(tmp_path / "q35", max_position_embeddings=CTX)
+@pytest.mark.parametrize("nextn", [False, True], ids=["decode", "nextn"])
+def test_captured_graphs_replay_the_eager_tokens(tmp_path, nextn):
+    """On a GPU: the graphs are captured at engine start (one per shape: batch size x tokens per sequence, 1 + the
+    draft steps with NEXTN), decode and verify steps replay them, and the greedy tokens equal an engine with
+    engine.cuda_graphs = false and no speculation; after an idle release they are captured again."""
+    folder, _ = make_qwen3_5_text(tmp_path / "q35", with_mtp=nextn, max_position_embeddings=CTX)
+    if nextn:
+        make_agreeing_head(folder, mix=0.3)
     model = load_model(folder, torch.float32, "cuda")
     schedule = workload(16)
     eager = make_engine(model, 16)
     assert eager.runner.static is None
     want = drive(eager, schedule)
 
-    eng = make_engine(model, 16, engine={"cuda_graphs": True})
+    spec = {"speculative": {"algorithm": "nextn", "max_running": 3}} if nextn else {}
+    eng = make_engine(model, 16, engine={"cuda_graphs": True}, **spec)
     static = eng.runner.static
-    assert static is not None and sorted(static.graphs) == graph_batch_sizes(MAX_RUNNING)
+    shapes = [(B, T) for B in graph_batch_sizes(MAX_RUNNING) for T in range(1, static.max_tokens + 1)]
+    assert static is not None and sorted(static.graphs) == shapes
+    assert static.max_tokens == (1 + eng.nextn.num_steps if nextn else 1)
     replays = []
 
     class Counted:
-        def __init__(self, graph, size):
-            self.graph, self.size = graph, size
+        def __init__(self, graph, shape):
+            self.graph, self.shape = graph, shape
 
         def replay(self):
-            replays.append(self.size)
+            replays.append(self.shape)
             self.graph.replay()
-    static.graphs = {b: Counted(g, b) for b, g in static.graphs.items()}
+    static.graphs = {bt: Counted(g, bt) for bt, g in static.graphs.items()}
     rec = Recorder(static)
     assert drive(eng, schedule) == want
-    assert replays == [B for _, B in rec.steps] and any(n < B for n, B in rec.steps)
+    assert replays == [(B, T) for _, B, T in rec.steps] and any(n < B for n, B, _ in rec.steps)
+    assert any(T > 1 for _, _, T in rec.steps) == nextn
     check_scratch(eng)
     assert_no_leaks(eng)
 
     eng._release_device()
     assert not static.graphs
     eng._restore_device()
-    assert sorted(static.graphs) == graph_batch_sizes(MAX_RUNNING)
+    assert sorted(static.graphs) == shapes
     assert drive(eng, schedule) == want
     assert_no_leaks(eng)

@@ -76,7 +76,7 @@ def gpu_budget_line(cfg: Any, plan: Any, gpu_memory_gb: float | None = None) -> 
     return (f"fits {card} ({plan.gpu_bytes / GIB:.1f} GiB free): weights, GDN state and KV pool "
             f"{static / GIB:.1f} GiB of {budget / GIB:.1f} GiB (engine.mem_fraction_static = "
             f"{cfg.engine.mem_fraction_static}); one step's activations ~{plan.activation_bytes / GIB:.2f} GiB "
-            + (f"and the decode CUDA graphs ~{plan.graph_bytes / GIB:.2f} GiB " if plan.graph_bytes else "") + "of "
+            + (f"and the CUDA graphs ~{plan.graph_bytes / GIB:.2f} GiB " if plan.graph_bytes else "") + "of "
             f"the {(plan.gpu_bytes - budget) / GIB:.1f} GiB left; a request of {plan.context_length} tokens fits "
             f"the KV pool of {plan.kv_tokens}")
 

@@ -247,19 +247,20 @@ class Engine:
             except Exception as e:                       # noqa: BLE001 - serve without constrained decoding
                 self._grammar_error = f"llguidance cannot use this tokenizer ({e})"
                 log.warning("constrained decoding (response_format) is off: %s", self._grammar_error)
-        self._capture_decode_graphs()
+        self._capture_graphs()
 
-    def _capture_decode_graphs(self) -> None:
-        """engine.cuda_graphs on CUDA: plain decode steps go through the runner's static decode path, whose CUDA
+    def _capture_graphs(self) -> None:
+        """engine.cuda_graphs on CUDA: decode and NEXTN verify steps go through the runner's static path, whose CUDA
         graphs are captured here, at start (a server is not ready before), one per batch size up to
-        engine.max_running_requests. They need the Triton kernels (the torch references read values on the host)."""
+        engine.max_running_requests and tokens per sequence (1 + the draft steps). They need the Triton kernels
+        (the torch references read values on the host)."""
         if self.plan.device != "cuda" or not self.cfg.engine.cuda_graphs:
             return
         if not use_triton(self.kv_pool.buffer):
-            log.info("decode CUDA graphs are off: engine.kernels = %r runs the torch references on CUDA",
+            log.info("CUDA graphs are off: engine.kernels = %r runs the torch references on CUDA",
                      self.cfg.engine.kernels)
             return
-        self.runner.enable_static_decode(self.cfg.engine.max_running_requests, capture=True)
+        self.runner.enable_static_steps(self.cfg.engine.max_running_requests, capture=True)
 
     @staticmethod
     def _image_processor(model) -> ImageProcessorConfig:

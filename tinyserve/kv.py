@@ -15,8 +15,8 @@ class KVPool:
                  dtype: torch.dtype, device) -> None:
         self.num_pages, self.page_size, self.num_layers = num_pages, page_size, num_layers
         self.dtype = dtype
-        # one page past the allocator's: the scratch page, written by the padding rows of a static decode batch
-        # (runner.StaticDecode); never handed out, never cached
+        # one page past the allocator's: the scratch page, written by the padding rows and tokens of a static
+        # decode / verify batch (runner.StaticStep); never handed out, never cached
         self.scratch_page = num_pages
         self.buffer = torch.zeros((num_pages + 1, max(num_layers, 1), 2, page_size, num_kv_heads, head_dim),
                                   dtype=dtype, device=device)

@@ -106,10 +106,12 @@ ATTENTION_MAX_SPLITS = 64         # kernels/attention_triton.py MAX_SPLITS (not 
 
 
 def cuda_graph_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
-    """An estimate of what the decode CUDA graphs (engine.cuda_graphs) hold for good: they share one memory pool,
-    captured largest first, so it is about one decode step's intermediates at engine.max_running_requests rows
-    (the layer intermediates, the split-K attention's partial outputs), the static output rows, and a margin."""
-    rows, b = cfg.engine.max_running_requests, element_size(dtype)
+    """An estimate of what the CUDA graphs (engine.cuda_graphs) hold for good: they share one memory pool, captured
+    largest first, so it is about the intermediates of the largest step, engine.max_running_requests sequences of
+    1 + speculative.num_steps tokens with NEXTN (else 1) (the layer intermediates, the split-K attention's partial
+    outputs), the static output rows, and a margin."""
+    tokens = 1 + cfg.speculative.num_steps if cfg.speculative.algorithm == "nextn" else 1
+    rows, b = cfg.engine.max_running_requests * tokens, element_size(dtype)
     splits = rows * mc.num_attention_heads * ATTENTION_MAX_SPLITS * (mc.head_dim + 1) * 4
     return rows * (layer_bytes_per_token(mc, dtype) + mc.hidden_size * b) + splits + CUDA_GRAPH_MARGIN
 
@@ -148,7 +150,7 @@ class MemoryPlan:
     fp8_weights: str = "dequantize"  # how FP8 checkpoint weights are held (loader.FP8_WEIGHTS)
     fp8_bytes: int = 0           # the weights kept FP8 (values and scales), a share of weights_bytes
     activation_bytes: int = 0    # estimated peak of one step's intermediates (CUDA plans)
-    graph_bytes: int = 0         # estimated memory the decode CUDA graphs hold (CUDA plans, engine.cuda_graphs)
+    graph_bytes: int = 0         # estimated memory the CUDA graphs hold (CUDA plans, engine.cuda_graphs)
     gpu_bytes: int = 0           # CUDA: the device memory the plan was made for (free memory at start)
 
     @property
@@ -278,7 +280,7 @@ class MemoryPlan:
         if activations + graphs > rest:
             raise ConfigError(f"the GPU has {free / GIB:.1f} GiB free; one step's activations need about "
                               f"{activations / GIB:.2f} GiB"
-                              + (f" and the decode CUDA graphs about {graphs / GIB:.2f} GiB (engine.cuda_graphs)"
+                              + (f" and the CUDA graphs about {graphs / GIB:.2f} GiB (engine.cuda_graphs)"
                                  if graphs else "") + " but engine.mem_fraction_static = "
                               f"{e.mem_fraction_static} leaves {rest / GIB:.2f} GiB; lower "
                               f"engine.chunked_prefill_size or engine.mem_fraction_static",
@@ -306,7 +308,7 @@ class MemoryPlan:
                    f"(~{self.file_bytes // max(1, self.kv_bytes_per_token)} tokens)" if self.file_dir else "")
                 + (f"; one step's activations ~{self.activation_bytes / GIB:.2f} GiB" if self.activation_bytes
                    else "")
-                + (f"; decode CUDA graphs ~{self.graph_bytes / GIB:.2f} GiB (their padding rows' scratch state "
+                + (f"; CUDA graphs ~{self.graph_bytes / GIB:.2f} GiB (their padding rows' scratch state "
                    f"slot and KV page are in the static share)" if self.graph_bytes else ""))
 
 

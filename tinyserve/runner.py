@@ -17,7 +17,7 @@ import torch
 
 from tinyserve.grammar import MaskBuffer
 from tinyserve.kv import KVPool
-from tinyserve.kernels.gdn import verify_layout
+from tinyserve.kernels.gdn import VerifyLayout, verify_layout
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
 from tinyserve.multimodal import FeatureCache, PromptImage, rope_rows
 from tinyserve.request import Request
@@ -70,26 +70,27 @@ class ModelRunner:
         self.features = FeatureCache()             # vision features by image digest
         self.images_encoded = 0
         self.image_encode_seconds = 0.0
-        self.static: StaticDecode | None = None    # the static-shape decode path (CUDA graphs); None: all eager
+        self.static: StaticStep | None = None      # the static-shape decode / verify path (CUDA graphs); None: eager
 
-    def enable_static_decode(self, max_batch: int, capture: bool) -> None:
-        """Run plain decode steps of up to max_batch sequences through StaticDecode from now on; with capture (CUDA,
-        at engine start) replaying its graphs. Without capture (the CPU tests' switch) the padded static batch runs
-        eagerly. A capture that fails leaves every step eager, with the error in the log."""
+    def enable_static_steps(self, max_batch: int, capture: bool) -> None:
+        """Run decode and NEXTN verify steps of up to max_batch sequences through StaticStep from now on; with
+        capture (CUDA, at engine start) replaying its graphs. Without capture (the CPU tests' switch) the padded
+        static batch runs eagerly. A capture that fails leaves every step eager, with the error in the log."""
         max_len = min(self.context_length, self.kv_pool.num_pages * self.page_size) if self.context_length else \
             self.kv_pool.num_pages * self.page_size
-        self.static = StaticDecode(self.model, self.kv_pool, self.state_pool, max_batch, max_len)
+        max_tokens = 1 + self.nextn.num_steps if self.nextn is not None else 1
+        self.static = StaticStep(self.model, self.kv_pool, self.state_pool, max_batch, max_len, max_tokens)
         if capture:
             self.capture_graphs()
 
     def capture_graphs(self) -> None:
-        """(Re)capture the static decode path's CUDA graphs (at start; after an idle release of the pools)."""
+        """(Re)capture the static path's CUDA graphs (at start; after an idle release of the pools)."""
         if self.static is None:
             return
         try:
             self.static.capture()
         except RuntimeError:             # torch reports a failed capture (a host sync, a forbidden call) as one
-            log.exception("capturing the decode CUDA graphs failed: every step runs eagerly "
+            log.exception("capturing the CUDA graphs failed: every step runs eagerly "
                           "(engine.cuda_graphs = false skips the capture)")
             self.static = None
             torch.cuda.synchronize()
@@ -229,7 +230,7 @@ class ModelRunner:
         if not seqs:
             return StepResult([])
         start = time.perf_counter()
-        if self.static is not None and self.static.fits(seqs):     # plain decodes: padded, a graph on CUDA
+        if self.static is not None and self.static.fits(seqs):     # decodes and verifies: padded, graphs on CUDA
             batch, hidden = self.static.run(seqs)
         else:
             batch = self.build_batch(seqs)
@@ -421,59 +422,75 @@ def _cumsum(xs):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The static-shape decode step and its CUDA graphs
+# The static-shape decode and verify steps and their CUDA graphs
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
-    """The decode batch sizes that get a graph: 1, 2, 4, 8, then every 16 (nano-vllm's and mini-sglang's choice),
-    and max_batch itself; a step of N decodes runs as the smallest of them >= N."""
+    """The batch sizes that get a graph: 1, 2, 4, 8, then every 16 (nano-vllm's and mini-sglang's choice), and
+    max_batch itself; a step of N sequences runs as the smallest of them >= N."""
     return [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
 
 
-class StaticDecode:
-    """A plain decode step (every sequence one new token; no prefill chunk, verify or image) with static shapes.
+class StaticStep:
+    """A decode step (every sequence one new token) or a NEXTN verify step (the last accepted token plus the
+    drafts, plain decodes among them), with no prefill chunk and no image, run with static shapes.
 
-    Every tensor the decode forward reads lives in a buffer sized for the largest batch: token ids, positions,
-    context lengths, the page table (whole-context rows), KV slots and state slots. A step of N sequences runs as
-    the smallest size B >= N of `sizes`; rows N..B-1 are padding: token 0 at position 0 of a one-token context
-    whose page is the KV pool's scratch page and whose state is the state pool's scratch slot (neither is ever
-    handed out), so every kernel computes them as any row and nothing reads what they produce. The decode
-    attention's split count comes from `max_len` (the context, at most the pool), not from this step's lengths. So
-    nothing inside the forward changes from step to step but the buffers' contents: on CUDA one graph per size is
-    captured at start (`capture`) and replayed; on the CPU (tests) the padded batch runs eagerly, the same math.
-    The final hidden states come out in `hidden`; the logits and sampling run outside, as for an eager step."""
+    Every tensor the forward reads lives in a buffer sized for the largest step: token ids, positions, KV slots,
+    verify state slots and lengths per token; context lengths, state slots and the page table (whole-context rows)
+    per sequence. A step of N sequences of at most T tokens runs as shape (B, T): B the smallest of `sizes` >= N,
+    T in 1 .. max_tokens (1 + the NEXTN draft steps).
+      - T = 1: a plain decode batch of B rows.
+      - T > 1: B verifies of T tokens each. A shorter sequence's tokens past its end are padding (token 0 at its
+        last real position, KV to the scratch page, the state after it to the scratch slot); a plain decode among
+        them is a verify of one real token, whose state goes to its own slot as a verify's first token's does.
+    Sequences N..B-1 are padding: token 0 at position 0 of a one-token context on the KV pool's scratch page, state
+    in the state pool's scratch slot (neither is ever handed out), so every kernel computes them as any row and
+    nothing reads what they produce. The attention's split count comes from `max_len` (the context, at most the
+    pool), not from this step's lengths. So nothing inside the forward changes from step to step but the buffers'
+    contents: on CUDA one graph per shape is captured at start (`capture`) and replayed; on the CPU (tests) the
+    padded batch runs eagerly, the same math. The logits, sampling and NEXTN drafting run outside, as for an eager
+    step, on the real rows."""
 
     def __init__(self, model: Qwen3NextForCausalLM, kv_pool: KVPool, state_pool: StatePool, max_batch: int,
-                 max_len: int) -> None:
+                 max_len: int, max_tokens: int = 1) -> None:
         self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
         self.sizes = graph_batch_sizes(max_batch)
-        self.max_len = max_len
+        self.max_len, self.max_tokens = max_len, max_tokens
+        self.shapes = [(B, T) for T in range(1, max_tokens + 1) for B in self.sizes]
         self.width = -(-max_len // kv_pool.page_size)          # page-table columns: a whole context
-        B, dev = self.sizes[-1], model.device
-        self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.zeros(B, dtype=torch.long, device=dev)
+        B, R, dev = self.sizes[-1], self.sizes[-1] * max_tokens, model.device
+        self.input_ids = torch.zeros(R, dtype=torch.long, device=dev)           # per token row
+        self.positions = torch.zeros(R, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.zeros(R, dtype=torch.long, device=dev)
+        self.out_slots = torch.zeros(R, dtype=torch.long, device=dev)
+        self.token_lens = torch.ones(R, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)            # per sequence
         self.state_slots = torch.zeros(B, dtype=torch.long, device=dev)
         self.page_table = torch.zeros((B, self.width), dtype=torch.int32, device=dev)
-        self.hidden = torch.zeros((B, model.cfg.hidden_size), dtype=model.dtype, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden = torch.zeros((R, model.cfg.hidden_size), dtype=model.dtype, device=dev)
+        self.layouts = {(b, t): VerifyLayout(                                   # constant per verify shape
+            rows=torch.arange(b * t, device=dev).view(b, t), valid=None, in_slots=self.state_slots[:b],
+            out_slots=self.out_slots[:b * t], token_seq=torch.arange(b, device=dev).repeat_interleave(t),
+            token_lens=self.token_lens[:b * t]) for b, t in self.shapes if t > 1}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._captured_on: tuple[int, ...] | None = None      # the pools' addresses the graphs were captured on
         self._pad()
 
     def _pad(self) -> None:
         """Every row padding (before a capture, whose warm-up runs for real: on the scratch page and slot only)."""
-        scratch_page = self.kv_pool.scratch_page
+        scratch_page, scratch_slot = self.kv_pool.scratch_page, self.state_pool.scratch_slot
         self.input_ids.zero_()
         self.positions.zero_()
-        self.seq_lens.fill_(1)
         self.slot_mapping.fill_(scratch_page * self.kv_pool.page_size)
-        self.state_slots.fill_(self.state_pool.scratch_slot)
+        self.out_slots.fill_(scratch_slot)
+        self.token_lens.fill_(1)
+        self.seq_lens.fill_(1)
+        self.state_slots.fill_(scratch_slot)
         self.page_table.fill_(scratch_page)
 
     def fits(self, seqs: list[ScheduledSeq]) -> bool:
         return len(seqs) <= self.sizes[-1] and all(
-            s.is_decode and not s.is_verify and s.num_tokens == 1 and s.req.images is None and s.start < self.max_len
-            for s in seqs)
+            s.is_decode and s.num_tokens <= self.max_tokens and s.req.images is None
+            and s.start + s.num_tokens <= self.max_len for s in seqs)
 
     def _pools(self) -> tuple[KVPool, SimpleNamespace]:
         """The pools as the forward takes them, the state pool with its scratch slot (StatePool.conv_all)."""
@@ -483,29 +500,43 @@ class StaticDecode:
         return (self.kv_pool.buffer.data_ptr(), self.state_pool.conv_all.data_ptr(),
                 self.state_pool.ssm_all.data_ptr())
 
-    def _batch(self, B: int, seq_lens: list[int], state_slots: list[int]) -> ForwardBatch:
+    def _batch(self, B: int, T: int, seq_lens: list[int], state_slots: list[int]) -> ForwardBatch:
+        """The forward's batch of shape (B, T) over the buffers (host lists: what the forward reads as shapes)."""
         return ForwardBatch(
-            input_ids=self.input_ids[:B], positions=self.positions[:B], cu_seqlens=list(range(B + 1)),
-            seq_lens=seq_lens, seq_lens_t=self.seq_lens[:B], page_table=self.page_table[:B],
-            slot_mapping=self.slot_mapping[:B], state_slots=state_slots, state_slots_t=self.state_slots[:B],
-            num_decode=B, decode_max_len=self.max_len)
+            input_ids=self.input_ids[:B * T], positions=self.positions[:B * T],
+            cu_seqlens=list(range(0, B * T + 1, T)), seq_lens=seq_lens, seq_lens_t=self.seq_lens[:B],
+            page_table=self.page_table[:B], slot_mapping=self.slot_mapping[:B * T], state_slots=state_slots,
+            state_slots_t=self.state_slots[:B], num_decode=B if T == 1 else 0, num_verify=0 if T == 1 else B,
+            verify=self.layouts.get((B, T)), decode_max_len=self.max_len)
 
     def run(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, torch.Tensor]:
-        """Fill the buffers from the step's sequences (padded to a size of `sizes`) and run the forward: the
-        graph of that size when captured, else eagerly. Returns the batch (its first len(seqs) rows are the
-        sequences, in order) and its hidden states (a view of `hidden` on CUDA graphs: read before the next step)."""
+        """Fill the buffers from the step's sequences (padded to a shape of `shapes`) and run the forward: the
+        graph of that shape when captured, else eagerly. Returns the batch and the hidden states of the real
+        tokens, packed as an eager step's (sequence i's tokens at cu_seqlens[i]:cu_seqlens[i+1]; with T = 1 the
+        padding rows follow, in a view of `hidden`: read before the next step)."""
         N, ps = len(seqs), self.kv_pool.page_size
+        T = max(s.num_tokens for s in seqs)
         B = next(b for b in self.sizes if b >= N)
-        pad, scratch_page, scratch_slot = B - N, self.kv_pool.scratch_page, self.state_pool.scratch_slot
-        ids, positions, lens, slots, state_slots = [], [], [], [], []
-        for s in seqs:
-            req, p = s.req, s.start
+        scratch_kv, scratch_slot = self.kv_pool.scratch_page * ps, self.state_pool.scratch_slot
+        ids, positions, slots, out_slots, token_lens = [], [], [], [], []         # per token row
+        lens, state_slots, real_rows, cu = [], [], [], [0]                       # per sequence
+        for i, s in enumerate(seqs):
+            req, n = s.req, s.num_tokens
             n_prompt = len(req.prompt_ids)
-            ids.append(req.prompt_ids[p] if p < n_prompt else req.output_ids[p - n_prompt])
-            positions.append(p)
-            lens.append(p + 1)
-            slots.append(req.pages[p // ps] * ps + p % ps)
+            first = req.prompt_ids[s.start] if s.start < n_prompt else req.output_ids[s.start - n_prompt]
+            toks = [first] + s.draft
+            for t in range(T):
+                p = s.start + min(t, n - 1)                  # a padding token repeats the last real position
+                ids.append(toks[t] if t < n else 0)
+                positions.append(p)
+                slots.append(req.pages[p // ps] * ps + p % ps if t < n else scratch_kv)
+                out_slots.append((s.verify_slots[t] if s.is_verify else req.state_slot) if t < n else scratch_slot)
+                token_lens.append(p + 1)
+            lens.append(s.start + n)
             state_slots.append(req.state_slot)
+            real_rows += range(i * T, i * T + n)
+            cu.append(cu[-1] + n)
+        pad = B - N
         lens += [1] * pad
         state_slots += [scratch_slot] * pad
         w = min(self.width, max(len(s.req.pages) for s in seqs))     # columns to write; later ones are never read
@@ -513,51 +544,61 @@ class StaticDecode:
         for s in seqs:
             row = s.req.pages[:w]
             table += row
-            table += [scratch_page] * (w - len(row))
-        host = torch.tensor(ids + [0] * pad + positions + [0] * pad + lens
-                            + slots + [scratch_page * ps] * pad + state_slots
-                            + table + [scratch_page] * (pad * w), dtype=torch.long)
+            table += [self.kv_pool.scratch_page] * (w - len(row))
+        R, padded = B * T, pad * T
+        host = torch.tensor(ids + [0] * padded + positions + [0] * padded + slots + [scratch_kv] * padded
+                            + out_slots + [scratch_slot] * padded + token_lens + [1] * padded
+                            + lens + state_slots + table + [self.kv_pool.scratch_page] * (pad * w)
+                            + real_rows, dtype=torch.long)
         vals = host.to(self.input_ids.device, non_blocking=True)   # one host -> device copy
-        self.input_ids[:B].copy_(vals[:B])
-        self.positions[:B].copy_(vals[B:2 * B])
-        self.seq_lens[:B].copy_(vals[2 * B:3 * B])
-        self.slot_mapping[:B].copy_(vals[3 * B:4 * B])
-        self.state_slots[:B].copy_(vals[4 * B:5 * B])
-        self.page_table[:B, :w].copy_(vals[5 * B:].view(B, w))
-        batch = self._batch(B, lens, state_slots)
-        graph = self.graphs.get(B)
+        for k, buf in enumerate((self.input_ids, self.positions, self.slot_mapping, self.out_slots, self.token_lens)):
+            buf[:R].copy_(vals[k * R:(k + 1) * R])
+        at = 5 * R
+        self.seq_lens[:B].copy_(vals[at:at + B])
+        self.state_slots[:B].copy_(vals[at + B:at + 2 * B])
+        at += 2 * B
+        self.page_table[:B, :w].copy_(vals[at:at + B * w].view(B, w))
+        batch = self._batch(B, T, lens, state_slots)
+        hidden = self._forward(B, T, batch)
+        if T == 1:
+            return batch, hidden
+        # the real tokens packed as in an eager step (a copy: safe from the next replay)
+        return dataclasses.replace(batch, cu_seqlens=cu + [cu[-1]] * pad), hidden[vals[at + B * w:]]
+
+    def _forward(self, B: int, T: int, batch: ForwardBatch) -> torch.Tensor:
+        graph = self.graphs.get((B, T))
         if graph is not None:
             if self._pool_addresses() == self._captured_on:
                 graph.replay()
-                return batch, self.hidden[:B]
-            log.warning("the KV / state pools moved since the decode graphs were captured: dropping the graphs")
+                return self.hidden[:B * T]
+            log.warning("the KV / state pools moved since the CUDA graphs were captured: dropping the graphs")
             self.graphs.clear()
-        return batch, self.model(batch, *self._pools())
+        return self.model(batch, *self._pools())
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """One CUDA graph per size, largest first, all in one memory pool (a smaller graph reuses the largest's
-        memory: only one replays at a time). Each size runs once eagerly first, outside the capture but on its
-        stream, so the Triton kernels are compiled and anything made lazily per stream (cuBLAS workspaces) is made
-        before it. Every row is padding meanwhile, so the warm-ups touch only the scratch page and slot."""
+        """One CUDA graph per shape, the most rows first, all in one memory pool (a smaller graph reuses the
+        largest's memory: only one replays at a time). Each shape runs once eagerly first, outside the capture but
+        on its stream, so the Triton kernels are compiled and anything made lazily per stream (cuBLAS workspaces)
+        is made before it. Every row is padding meanwhile, so the warm-ups touch only the scratch page and slot."""
         start, before = time.perf_counter(), torch.cuda.memory_reserved()
         self.graphs.clear()
         self._pad()
         torch.cuda.synchronize()
         pool, stream = None, torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            for B in reversed(self.sizes):
-                batch = self._batch(B, [1] * B, [self.state_pool.scratch_slot] * B)
-                self.hidden[:B].copy_(self.model(batch, *self._pools()))          # warm-up
+            for B, T in sorted(self.shapes, key=lambda bt: (-bt[0] * bt[1], -bt[1])):
+                batch = self._batch(B, T, [1] * B, [self.state_pool.scratch_slot] * B)
+                self.hidden[:B * T].copy_(self.model(batch, *self._pools()))          # warm-up
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    self.hidden[:B].copy_(self.model(batch, *self._pools()))
+                    self.hidden[:B * T].copy_(self.model(batch, *self._pools()))
                 if pool is None:
                     pool = graph.pool()
-                self.graphs[B] = graph
+                self.graphs[B, T] = graph
         torch.cuda.synchronize()
         self._captured_on = self._pool_addresses()
-        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s (%.0f MiB more reserved)",
-                 ", ".join(map(str, self.sizes)), time.perf_counter() - start,
-                 (torch.cuda.memory_reserved() - before) / 2 ** 20)
+        log.info("captured %d CUDA graphs (batch sizes %s; tokens per sequence 1..%d) in %.1f s (%.0f MiB more "
+                 "reserved)", len(self.graphs), ", ".join(map(str, self.sizes)), self.max_tokens,
+                 time.perf_counter() - start, (torch.cuda.memory_reserved() - before) / 2 ** 20)
