@@ -255,7 +255,8 @@ def update_config(folder: str | Path, **changes) -> None:
     _update_config(Path(folder), lambda d: d.update(changes))
 
 
-def make_agreeing_head(folder: str | Path, *, mix: float = 0.0, head_noise: float = 0.0, seed: int = 0) -> None:
+def make_agreeing_head(folder: str | Path, *, mix: float = 0.0, head_noise: float = 0.0, head_layer: float = 0.0,
+                       seed: int = 0) -> None:
     """Rewrite a checkpoint with `mtp.*` so its NEXTN head agrees with the model by construction (for speculative
     decoding tests and benchmarks; random heads accept almost nothing).
 
@@ -264,7 +265,8 @@ def make_agreeing_head(folder: str | Path, *, mix: float = 0.0, head_noise: floa
     token depends on x_p alone. The head's fc passes the (normed) token embedding through ([I | 0]), its own layer
     adds nothing, and mtp.norm is the model's final norm: its logits at p are the model's logits at p+1, so it drafts
     exactly the model's next token. mix > 0 gives the model real dependence on its context (the GDN states, the KV)
-    that the head cannot see, and head_noise perturbs fc: both lower acceptance.
+    that the head cannot see, and head_noise perturbs fc: both lower acceptance. head_layer > 0 keeps the head's own
+    layer, its output projections scaled by it, so its drafts also depend on its attention over its own KV.
     """
     t = read_tensors(folder)
     g = torch.Generator().manual_seed(seed)
@@ -282,7 +284,7 @@ def make_agreeing_head(folder: str | Path, *, mix: float = 0.0, head_noise: floa
     t["mtp.norm.weight"] = t[final_norm].clone()
     for name in list(t):
         if name.startswith("mtp.layers.") and name.endswith(outputs):
-            t[name] = torch.zeros_like(t[name])
+            t[name] = t[name] * head_layer
     write_tensors(folder, t)
 
 

@@ -72,3 +72,17 @@ def xdg(tmp_path_factory: pytest.TempPathFactory):
         from tinyserve.demo import ensure_demo_checkpoint
         ensure_demo_checkpoint()
         yield folder
+
+
+class PinnedCost:
+    """The runner prices a draft by timing its steps (spec.StepCost); tests must not depend on timing, so the
+    price is pinned here (a draft costs `per_draft` of a decode step): the depth then follows acceptance alone."""
+
+    def __init__(self, per_draft: float = 0.1) -> None:
+        self.per_draft = per_draft
+
+    def relative(self, d: int) -> float:
+        return 1.0 + self.per_draft * d
+
+    def observe(self, drafts: int, seconds: float) -> None:
+        pass

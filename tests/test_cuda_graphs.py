@@ -9,11 +9,13 @@ by a real sequence. The capture and replay themselves need a GPU (the `gpu` test
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
-from conftest import TEST_DEVICE, assert_no_leaks, engine_for, merge, tokens
+from conftest import TEST_DEVICE, PinnedCost, assert_no_leaks, engine_for, merge, tokens
 from tinyserve.config import from_dict
 from tinyserve.engine import Engine
 from tinyserve.loader import WeightCount, load_model
@@ -29,6 +31,12 @@ MAX_RUNNING = 7                 # sizes 1, 2, 4, 7: steps of 3, 5 and 6 sequence
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("q35"), max_position_embeddings=CTX)
+    return load_model(folder, torch.float32, TEST_DEVICE)
+
+
+@pytest.fixture(scope="module")
+def mtp(tmp_path_factory):
+    folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("mtp"), with_mtp=True, max_position_embeddings=CTX)
     return load_model(folder, torch.float32, TEST_DEVICE)
 
 
@@ -51,9 +59,22 @@ class Recorder:
     the buffers it ran on: no real token points at the scratch page or slot, every padding token does."""
 
     def __init__(self, static: StaticStep) -> None:
-        self.static, self.steps, self.short = static, [], 0
-        self._run = static.run
-        static.run = self.run
+        self.static, self.steps, self.short, self.drafts = static, [], 0, []
+        self._run, self._run_draft = static.run, static.run_draft
+        static.run, static.run_draft = self.run, self.run_draft
+
+    def run_draft(self, spans, next_ids, hidden):
+        """The NEXTN head's passes: (spans, padded size, tokens per span); the real tokens' KV in their pages."""
+        out = self._run_draft(spans, next_ids, hidden)
+        st, n, T = self.static, len(spans), max(k for _, _, k in spans)
+        B, ps, page = next(b for b in st.sizes if b >= n), st.kv_pool.page_size, st.kv_pool.scratch_page
+        real = torch.tensor([i * T + t for i, (_, _, k) in enumerate(spans) for t in range(k)])
+        assert not (st.slot_mapping[real] // ps == page).any()
+        padding = torch.tensor([r for r in range(B * T) if r not in set(real.tolist())], dtype=torch.long)
+        assert (st.slot_mapping[padding] == page * ps).all()
+        assert out.shape[0] == len(real) == len(next_ids) == hidden.shape[0]
+        self.drafts.append((n, B, T))
+        return out
 
     def run(self, seqs):
         batch, hidden = self._run(seqs)
@@ -163,22 +184,34 @@ def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
     """NEXTN speculating while at most 3 requests run: above that, plain decodes take the static path with one
     token each; at 3 and below verifies take it with 1 + drafts tokens, requests of other depths (and plain
     decodes, probing at depth 0) padded to the longest. The drafts come from the static rows (runner._draft). The
-    greedy tokens are the unspeculated, uncached ones, and every real token's state went to its own slot."""
+    greedy tokens are the unspeculated, uncached ones, and every real token's state went to its own slot. The head's
+    own layer and its hidden input matter (head_layer, head_noise), so its drafts, and with them the acceptance
+    counts, are those of the eager head only if the static head pass computes what the eager one does."""
     folder, _ = make_qwen3_5_text(tmp_path / "mtp", with_mtp=True, max_position_embeddings=CTX)
-    make_agreeing_head(folder, mix=0.3)
+    make_agreeing_head(folder, mix=0.3, head_noise=0.05, head_layer=0.5)
     model = load_model(folder, torch.float32, TEST_DEVICE)
     schedule = workload(5)
     want = drive(make_engine(model, page_size, cache={"enabled": False}), schedule)
-    eng = make_engine(model, page_size, speculative={"algorithm": "nextn", "max_running": 3})
+    spec = {"algorithm": "nextn", "max_running": 3}
+    eager = make_engine(model, page_size, speculative=spec)
+    eager.runner.step_cost = PinnedCost()           # depths by acceptance alone, not by timing
+    assert drive(eager, schedule) == want
+    eng = make_engine(model, page_size, speculative=spec)
+    eng.runner.step_cost = PinnedCost()
     eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
     rec = Recorder(eng.runner.static)
     assert drive(eng, schedule) == want
+    # the same drafts as the eager head's (a wrong draft costs acceptance, not tokens: so compare the counts)
+    assert dataclasses.asdict(eng.spec_stats) == dataclasses.asdict(eager.spec_stats)
     assert eng.runner.static.max_tokens == 1 + eng.nextn.num_steps
     shapes = {(B, T) for _, B, T in rec.steps}
     assert any(T == 1 for _, T in shapes) and any(T > 1 for _, T in shapes), shapes
     assert any(n < B and T > 1 for n, B, T in rec.steps), "a verify batch with padding sequences"
     assert rec.short > 0, "a verify batch with sequences of different lengths"
     assert eng.spec_stats.num_accepted_tokens > 0
+    # the NEXTN head ran static too: over the tokens each step committed (1 .. 1 + drafts), then chain steps
+    assert any(T > 1 for _, _, T in rec.drafts) and any(T == 1 for _, _, T in rec.drafts)
+    assert any(n < B for n, B, _ in rec.drafts)
     assert_no_leaks(eng)
     check_scratch(eng)
 
@@ -226,9 +259,9 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
         assert (3, 4, 1) in rec.steps and attention_triton.num_splits(CTX, 4, 2, torch.device(DEV)) == 8
 
 
-def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, monkeypatch):
-    """What a capture forbids, checked on the CPU as far as the CPU can: the decode forward of a static batch (as
-    captured: every row padding) reads no tensor value on the host (.item(), .tolist(), bool(), int(): aten's
+def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, mtp, monkeypatch):
+    """What a capture forbids, checked on the CPU as far as the CPU can: the forwards of a static batch (decode,
+    verify and the NEXTN head's, as captured: every row padding) read no tensor value on the host (.item(), .tolist(), bool(), int(): aten's
     _local_scalar_dense; nonzero; torch.tensor(list) inside the forward). With the torch references, whose only
     reads are CPU-only (slot_run reads slot ids of CPU pools alone) or not on the CUDA path (the MoE reference counts
     its experts on the host; CUDA runs the Triton MoE): those are switched off here. The Triton wrappers of the
@@ -258,15 +291,20 @@ def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, monkeypatch)
 
     def read(self, *args, **kwargs):                 # CPU tensors' tolist / numpy bypass the dispatcher
         raise AssertionError("the decode forward reads a tensor on the host")
-    for model in (dense, moe):
-        eng = make_engine(model, 16)
-        static = StaticStep(model, eng.kv_pool, eng.state_pool, MAX_RUNNING, CTX, max_tokens=3)   # and verifies
+    for model in (dense, moe, mtp):
+        nextn = {"speculative": {"algorithm": "nextn"}} if model is mtp else {}
+        eng = make_engine(model, 16, **nextn)
+        static = StaticStep(model, eng.kv_pool, eng.state_pool, MAX_RUNNING, CTX, max_tokens=3,   # and verifies
+                            nextn_kv_layer=eng.nextn.kv_layer if nextn else None)                # and the head
         for B, T in static.shapes:
             batch = static._batch(B, T, [1] * B, [eng.state_pool.scratch_slot] * B)
             with monkeypatch.context() as m, torch.inference_mode(), NoHostReads():
                 for name in ("tolist", "numpy", "cpu"):
                     m.setattr(torch.Tensor, name, read)
                 static.model(batch, *static._pools())
+                if nextn:
+                    model.mtp_hidden(static.input_ids[:B * T], static.draft_in[:B * T], batch, eng.kv_pool,
+                                     eng.nextn.kv_layer)
 
 
 def test_static_decode_with_a_short_pool(dense):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
-from conftest import TEST_DEVICE, assert_no_leaks, engine_for, tokens
+from conftest import TEST_DEVICE, PinnedCost, assert_no_leaks, engine_for, tokens
 from server_util import ServerProcess, free_port, http, server_config
 from tinyserve.config import ConfigError
 from tinyserve.loader import load_model
@@ -46,20 +46,6 @@ def model(request, tmp_path_factory):
 def exact_model(tmp_path_factory):
     """Every draft accepted: each verify commits num_steps + 1 tokens."""
     return agreeing_model(tmp_path_factory.mktemp("exact"), mix=0.0)
-
-
-class PinnedCost:
-    """The runner prices a draft by timing its steps (spec.StepCost); tests must not depend on timing, so the
-    price is pinned here (a draft costs `per_draft` of a decode step): the depth then follows acceptance alone."""
-
-    def __init__(self, per_draft: float = 0.1) -> None:
-        self.per_draft = per_draft
-
-    def relative(self, d: int) -> float:
-        return 1.0 + self.per_draft * d
-
-    def observe(self, drafts: int, seconds: float) -> None:
-        pass
 
 
 def spec_engine(model, engine: dict | None = None, cache: dict | None = None, speculative: dict | None = None):

@@ -305,16 +305,6 @@ def test_paged_verify_rows_equal_causal_prefill(page_size, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # The model through the kernels: the real call sites (strided views of fused projections, per-layer pool views)
 # ---------------------------------------------------------------------------------------------------------------
-class _FixedCost:
-    """Draft depth priced by a constant, not by timing (the interpreter is slow): speculation always pays."""
-
-    def relative(self, d: int) -> float:
-        return 1.0 + 0.1 * d
-
-    def observe(self, drafts: int, seconds: float) -> None:
-        pass
-
-
 def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
     """A tiny hybrid model with a NEXTN head, its linear weights kept FP8 (w8a8: activations quantized per group),
     prefills, decodes and verifies drafts through every Triton kernel here and gives the greedy tokens of the torch
@@ -322,7 +312,7 @@ def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
     import re
 
     from checkpoints import fp8_checkpoint, make_agreeing_head, make_qwen3_5_text
-    from conftest import engine_for, tokens
+    from conftest import PinnedCost, engine_for, tokens
     from tinyserve.kernels import (activation_triton, attention_triton, conv_triton, fp8_triton, gdn_triton,
                                    norm_triton)
     from tinyserve.loader import load_model
@@ -355,7 +345,7 @@ def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
             eng = engine_for(model, engine={"page_size": 16, "kernels": name}, cache={"enabled": False},
                              speculative={"algorithm": "nextn", "max_running": 0})
             assert kernels.backend() == name
-            eng.runner.step_cost = _FixedCost()
+            eng.runner.step_cost = PinnedCost()
             out[name] = eng.generate(prompts, params)
     assert out["triton"] == out["torch"]
     assert set(calls) == {n for names in kernels_used.values() for n in names}, calls

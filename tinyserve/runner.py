@@ -78,8 +78,9 @@ class ModelRunner:
         static batch runs eagerly. A capture that fails leaves every step eager, with the error in the log."""
         max_len = min(self.context_length, self.kv_pool.num_pages * self.page_size) if self.context_length else \
             self.kv_pool.num_pages * self.page_size
-        max_tokens = 1 + self.nextn.num_steps if self.nextn is not None else 1
-        self.static = StaticStep(self.model, self.kv_pool, self.state_pool, max_batch, max_len, max_tokens)
+        nextn = self.nextn
+        self.static = StaticStep(self.model, self.kv_pool, self.state_pool, max_batch, max_len,
+                                 1 + nextn.num_steps if nextn else 1, nextn.kv_layer if nextn else None)
         if capture:
             self.capture_graphs()
 
@@ -337,22 +338,9 @@ class ModelRunner:
         if not segments:
             return
         segments.sort(key=lambda g: len(g.rows) != 1)   # one-row segments first: they use the decode attention
-        mtp_batch = self._mtp_batch([(seg.req, seg.pos, len(seg.rows)) for seg in segments])
-        image_rows: list[int] = []                     # the head takes the embedding of the token at p + 1:
-        image_embeds: list[torch.Tensor] = []          # at an image token, that image's feature row (as vLLM)
-        offset = 0
-        for seg in segments:
-            if seg.req.images is not None:
-                self._image_slices(seg.req, seg.pos + 1, seg.pos + 1 + len(seg.next_ids), offset, image_rows,
-                                   image_embeds)
-            offset += len(seg.next_ids)
-        if image_rows:
-            mtp_batch.image_rows = torch.tensor(image_rows, dtype=torch.long, device=self.device)
-            mtp_batch.image_embeds = torch.cat(image_embeds).to(self.device)
-        g = self.model.mtp_hidden(
-            torch.tensor([t for seg in segments for t in seg.next_ids], device=self.device),
-            hidden[torch.tensor([r for seg in segments for r in seg.rows], device=self.device)],
-            mtp_batch, self.kv_pool, self.nextn.kv_layer)
+        g = self._head([(seg.req, seg.pos, len(seg.rows)) for seg in segments],
+                       [t for seg in segments for t in seg.next_ids],
+                       hidden[torch.tensor([r for seg in segments for r in seg.rows], device=self.device)])
         ends = torch.tensor(list(_cumsum(len(seg.rows) for seg in segments)), device=self.device) - 1
         drafting = [k for k, seg in enumerate(segments) if seg.depth > 0]
         if not drafting:
@@ -362,10 +350,8 @@ class ModelRunner:
         qs: dict[int, list[torch.Tensor]] = {id(seg.req): [] for seg in live}
         for step in range(max(seg.depth for seg in live)):
             if step:                                   # a chain step: the last draft and the head's own hidden
-                h = self.model.mtp_hidden(
-                    torch.tensor([seg.req.draft[-1] for seg in live], device=self.device), h,
-                    self._mtp_batch([(seg.req, seg.pos + len(seg.rows) + step - 1, 1) for seg in live]),
-                    self.kv_pool, self.nextn.kv_layer)
+                h = self._head([(seg.req, seg.pos + len(seg.rows) + step - 1, 1) for seg in live],
+                               [seg.req.draft[-1] for seg in live], h)
             reqs = [seg.req for seg in live]
             sb = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
                                      [seg.outputs + seg.req.draft for seg in live], [r.seed for r in reqs],
@@ -384,6 +370,26 @@ class ModelRunner:
             rows = qs.get(id(seg.req))
             if rows:
                 seg.req.draft_q = torch.stack(rows)
+
+    def _head(self, spans: list[tuple[Request, int, int]], next_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """The NEXTN head's output rows [sum n, H] over spans (request, first position p, tokens n), embedding the
+        tokens at p+1 .. (next_ids, packed in span order) with the hidden rows at p .. (packed the same way):
+        through the static path (its CUDA graphs) when it fits, else eagerly."""
+        if self.static is not None and self.static.fits_draft(spans):
+            return self.static.run_draft(spans, next_ids, hidden)
+        batch = self._mtp_batch(spans)
+        image_rows: list[int] = []                     # the head takes the embedding of the token at p + 1:
+        image_embeds: list[torch.Tensor] = []          # at an image token, that image's feature row (as vLLM)
+        offset = 0
+        for req, pos, n in spans:
+            if req.images is not None:
+                self._image_slices(req, pos + 1, pos + 1 + n, offset, image_rows, image_embeds)
+            offset += n
+        if image_rows:
+            batch.image_rows = torch.tensor(image_rows, dtype=torch.long, device=self.device)
+            batch.image_embeds = torch.cat(image_embeds).to(self.device)
+        return self.model.mtp_hidden(torch.tensor(next_ids, device=self.device), hidden, batch, self.kv_pool,
+                                     self.nextn.kv_layer)
 
     def _mtp_batch(self, spans: list[tuple[Request, int, int]]) -> ForwardBatch:
         """A ForwardBatch for the NEXTN layer: request r computes positions pos .. pos+n-1 over its own pages
@@ -431,30 +437,31 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class StaticStep:
-    """A decode step (every sequence one new token) or a NEXTN verify step (the last accepted token plus the
-    drafts, plain decodes among them), with no prefill chunk and no image, run with static shapes.
+    """The steps that CUDA graphs replay, run with static shapes: a decode step (every sequence one new token), a
+    NEXTN verify step (the last accepted token plus the drafts, plain decodes among them), and the NEXTN head's
+    passes after them (over the tokens a step committed, then one token per draft). No prefill chunk, no image.
 
-    Every tensor the forward reads lives in a buffer sized for the largest step: token ids, positions, KV slots,
-    verify state slots and lengths per token; context lengths, state slots and the page table (whole-context rows)
-    per sequence. A step of N sequences of at most T tokens runs as shape (B, T): B the smallest of `sizes` >= N,
-    T in 1 .. max_tokens (1 + the NEXTN draft steps).
-      - T = 1: a plain decode batch of B rows.
+    Every tensor a forward reads lives in a buffer sized for the largest step: token ids, positions, KV slots,
+    verify state slots, lengths and (for the NEXTN head) input hidden rows per token; context lengths, state slots
+    and the page table (whole-context rows) per sequence. N sequences of at most T tokens run as shape (B, T): B the
+    smallest of `sizes` >= N, T in 1 .. max_tokens (1 + the NEXTN draft steps).
+      - T = 1: a decode batch of B rows.
       - T > 1: B verifies of T tokens each. A shorter sequence's tokens past its end are padding (token 0 at its
         last real position, KV to the scratch page, the state after it to the scratch slot); a plain decode among
         them is a verify of one real token, whose state goes to its own slot as a verify's first token's does.
     Sequences N..B-1 are padding: token 0 at position 0 of a one-token context on the KV pool's scratch page, state
     in the state pool's scratch slot (neither is ever handed out), so every kernel computes them as any row and
     nothing reads what they produce. The attention's split count comes from `max_len` (the context, at most the
-    pool), not from this step's lengths. So nothing inside the forward changes from step to step but the buffers'
-    contents: on CUDA one graph per shape is captured at start (`capture`) and replayed; on the CPU (tests) the
-    padded batch runs eagerly, the same math. The logits, sampling and NEXTN drafting run outside, as for an eager
-    step, on the real rows."""
+    pool), not from this step's lengths. So nothing inside a forward changes from step to step but the buffers'
+    contents: on CUDA one graph per shape (and per forward: the target's, the NEXTN head's) is captured at start
+    (`capture`) and replayed; on the CPU (tests) the padded batch runs eagerly, the same math. The logits and the
+    sampling run outside, as for an eager step, on the real rows."""
 
     def __init__(self, model: Qwen3NextForCausalLM, kv_pool: KVPool, state_pool: StatePool, max_batch: int,
-                 max_len: int, max_tokens: int = 1) -> None:
+                 max_len: int, max_tokens: int = 1, nextn_kv_layer: int | None = None) -> None:
         self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
         self.sizes = graph_batch_sizes(max_batch)
-        self.max_len, self.max_tokens = max_len, max_tokens
+        self.max_len, self.max_tokens, self.nextn_kv_layer = max_len, max_tokens, nextn_kv_layer
         self.shapes = [(B, T) for T in range(1, max_tokens + 1) for B in self.sizes]
         self.width = -(-max_len // kv_pool.page_size)          # page-table columns: a whole context
         B, R, dev = self.sizes[-1], self.sizes[-1] * max_tokens, model.device
@@ -466,12 +473,16 @@ class StaticStep:
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)            # per sequence
         self.state_slots = torch.zeros(B, dtype=torch.long, device=dev)
         self.page_table = torch.zeros((B, self.width), dtype=torch.int32, device=dev)
-        self.hidden = torch.zeros((R, model.cfg.hidden_size), dtype=model.dtype, device=dev)
+        H = model.cfg.hidden_size
+        self.hidden = torch.zeros((R, H), dtype=model.dtype, device=dev)       # the target's output rows
+        if nextn_kv_layer is not None:                                          # the NEXTN head's input and output
+            self.draft_in = torch.zeros((R, H), dtype=model.dtype, device=dev)
+            self.draft_out = torch.zeros((R, H), dtype=model.dtype, device=dev)
         self.layouts = {(b, t): VerifyLayout(                                   # constant per verify shape
             rows=torch.arange(b * t, device=dev).view(b, t), valid=None, in_slots=self.state_slots[:b],
             out_slots=self.out_slots[:b * t], token_seq=torch.arange(b, device=dev).repeat_interleave(t),
             token_lens=self.token_lens[:b * t]) for b, t in self.shapes if t > 1}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}    # ("step" | "draft", B, T)
         self._captured_on: tuple[int, ...] | None = None      # the pools' addresses the graphs were captured on
         self._pad()
 
@@ -486,11 +497,19 @@ class StaticStep:
         self.seq_lens.fill_(1)
         self.state_slots.fill_(scratch_slot)
         self.page_table.fill_(scratch_page)
+        if self.nextn_kv_layer is not None:
+            self.draft_in.zero_()
 
     def fits(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether a target step runs here: decodes and verifies only."""
         return len(seqs) <= self.sizes[-1] and all(
             s.is_decode and s.num_tokens <= self.max_tokens and s.req.images is None
             and s.start + s.num_tokens <= self.max_len for s in seqs)
+
+    def fits_draft(self, spans: list[tuple[Request, int, int]]) -> bool:
+        """Whether a NEXTN head pass over (request, first position, tokens) spans runs here."""
+        return self.nextn_kv_layer is not None and len(spans) <= self.sizes[-1] and all(
+            n <= self.max_tokens and req.images is None and pos + n <= self.max_len for req, pos, n in spans)
 
     def _pools(self) -> tuple[KVPool, SimpleNamespace]:
         """The pools as the forward takes them, the state pool with its scratch slot (StatePool.conv_all)."""
@@ -509,40 +528,37 @@ class StaticStep:
             state_slots_t=self.state_slots[:B], num_decode=B if T == 1 else 0, num_verify=0 if T == 1 else B,
             verify=self.layouts.get((B, T)), decode_max_len=self.max_len)
 
-    def run(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, torch.Tensor]:
-        """Fill the buffers from the step's sequences (padded to a shape of `shapes`) and run the forward: the
-        graph of that shape when captured, else eagerly. Returns the batch and the hidden states of the real
-        tokens, packed as an eager step's (sequence i's tokens at cu_seqlens[i]:cu_seqlens[i+1]; with T = 1 the
-        padding rows follow, in a view of `hidden`: read before the next step)."""
-        N, ps = len(seqs), self.kv_pool.page_size
-        T = max(s.num_tokens for s in seqs)
+    def _fill(self, spans: list[tuple[Request, int, list[int], list[int]]]
+              ) -> tuple[int, int, list[int], list[int], list[int], torch.Tensor]:
+        """Fill the buffers from (request, first position, token ids, state slot after each token) per sequence,
+        padded to a shape. Returns (B, T, context lengths, state slots, cu_seqlens of the real tokens, the real
+        tokens' rows on the device)."""
+        N, ps = len(spans), self.kv_pool.page_size
+        T = max(len(ids) for _, _, ids, _ in spans)
         B = next(b for b in self.sizes if b >= N)
         scratch_kv, scratch_slot = self.kv_pool.scratch_page * ps, self.state_pool.scratch_slot
         ids, positions, slots, out_slots, token_lens = [], [], [], [], []         # per token row
         lens, state_slots, real_rows, cu = [], [], [], [0]                       # per sequence
-        for i, s in enumerate(seqs):
-            req, n = s.req, s.num_tokens
-            n_prompt = len(req.prompt_ids)
-            first = req.prompt_ids[s.start] if s.start < n_prompt else req.output_ids[s.start - n_prompt]
-            toks = [first] + s.draft
+        for i, (req, start, toks, after) in enumerate(spans):
+            n = len(toks)
             for t in range(T):
-                p = s.start + min(t, n - 1)                  # a padding token repeats the last real position
+                p = start + min(t, n - 1)                    # a padding token repeats the last real position
                 ids.append(toks[t] if t < n else 0)
                 positions.append(p)
                 slots.append(req.pages[p // ps] * ps + p % ps if t < n else scratch_kv)
-                out_slots.append((s.verify_slots[t] if s.is_verify else req.state_slot) if t < n else scratch_slot)
+                out_slots.append(after[t] if t < n else scratch_slot)
                 token_lens.append(p + 1)
-            lens.append(s.start + n)
+            lens.append(start + n)
             state_slots.append(req.state_slot)
             real_rows += range(i * T, i * T + n)
             cu.append(cu[-1] + n)
         pad = B - N
         lens += [1] * pad
         state_slots += [scratch_slot] * pad
-        w = min(self.width, max(len(s.req.pages) for s in seqs))     # columns to write; later ones are never read
+        w = min(self.width, max(len(req.pages) for req, _, _, _ in spans))  # columns to write; later: never read
         table: list[int] = []
-        for s in seqs:
-            row = s.req.pages[:w]
+        for req, _, _, _ in spans:
+            row = req.pages[:w]
             table += row
             table += [self.kv_pool.scratch_page] * (w - len(row))
         R, padded = B * T, pad * T
@@ -558,47 +574,95 @@ class StaticStep:
         self.state_slots[:B].copy_(vals[at + B:at + 2 * B])
         at += 2 * B
         self.page_table[:B, :w].copy_(vals[at:at + B * w].view(B, w))
+        return B, T, lens, state_slots, cu + [cu[-1]] * pad, vals[at + B * w:]
+
+    def run(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, torch.Tensor]:
+        """A target step: fill the buffers from the step's sequences and run the forward, the graph of its shape
+        when captured, else eagerly. Returns the batch and the hidden states of the real tokens, packed as an
+        eager step's (sequence i's at cu_seqlens[i]:cu_seqlens[i+1]; with T = 1 the padding rows follow, in a view
+        of `hidden`: read before the next step)."""
+        spans = []
+        for s in seqs:
+            req, n_prompt = s.req, len(s.req.prompt_ids)
+            first = req.prompt_ids[s.start] if s.start < n_prompt else req.output_ids[s.start - n_prompt]
+            spans.append((req, s.start, [first] + s.draft, s.verify_slots if s.is_verify else [req.state_slot]))
+        B, T, lens, state_slots, cu, real_rows = self._fill(spans)
         batch = self._batch(B, T, lens, state_slots)
-        hidden = self._forward(B, T, batch)
+        hidden = self._replay(("step", B, T), lambda: self.model(batch, *self._pools()), self.hidden)
         if T == 1:
             return batch, hidden
-        # the real tokens packed as in an eager step (a copy: safe from the next replay)
-        return dataclasses.replace(batch, cu_seqlens=cu + [cu[-1]] * pad), hidden[vals[at + B * w:]]
+        return dataclasses.replace(batch, cu_seqlens=cu), hidden[real_rows]   # a copy: safe from the next replay
 
-    def _forward(self, B: int, T: int, batch: ForwardBatch) -> torch.Tensor:
-        graph = self.graphs.get((B, T))
+    def run_draft(self, spans: list[tuple[Request, int, int]], next_ids: list[int],
+                  hidden: torch.Tensor) -> torch.Tensor:
+        """A NEXTN head pass (fits_draft): request r computes positions pos .. pos+n-1, embedding next_ids (packed
+        in span order) with the hidden rows `hidden` [sum n, H] (the target's, or the head's own for a chain
+        step). Returns the head's output rows packed the same way (a view of `draft_out` for one token per
+        sequence: read before the next pass)."""
+        scratch, k = self.state_pool.scratch_slot, 0
+        filled = []
+        for req, pos, n in spans:
+            filled.append((req, pos, next_ids[k:k + n], [scratch] * n))
+            k += n
+        B, T, lens, state_slots, _, real_rows = self._fill(filled)
+        R = B * T
+        if T == 1:
+            self.draft_in[:len(spans)].copy_(hidden)
+            self.draft_in[len(spans):R].zero_()
+        else:
+            self.draft_in[:R].zero_()
+            self.draft_in.index_copy_(0, real_rows, hidden)
+        batch = self._batch(B, T, lens, state_slots)
+        out = self._replay(("draft", B, T), lambda: self.model.mtp_hidden(
+            self.input_ids[:R], self.draft_in[:R], batch, self.kv_pool, self.nextn_kv_layer), self.draft_out)
+        return out[:len(spans)] if T == 1 else out[real_rows]
+
+    def _replay(self, key: tuple[str, int, int], forward, out: torch.Tensor) -> torch.Tensor:
+        """The graph of `key` when captured on the pools as they are (its output in `out`), else `forward()`."""
+        graph = self.graphs.get(key)
         if graph is not None:
             if self._pool_addresses() == self._captured_on:
                 graph.replay()
-                return self.hidden[:B * T]
+                return out[:key[1] * key[2]]
             log.warning("the KV / state pools moved since the CUDA graphs were captured: dropping the graphs")
             self.graphs.clear()
-        return self.model(batch, *self._pools())
+        return forward()
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """One CUDA graph per shape, the most rows first, all in one memory pool (a smaller graph reuses the
-        largest's memory: only one replays at a time). Each shape runs once eagerly first, outside the capture but
-        on its stream, so the Triton kernels are compiled and anything made lazily per stream (cuBLAS workspaces)
-        is made before it. Every row is padding meanwhile, so the warm-ups touch only the scratch page and slot."""
+        """One CUDA graph per shape and forward, the most rows first, all in one memory pool (a smaller graph
+        reuses the largest's memory: only one replays at a time). Each runs once eagerly first, outside the capture
+        but on its stream, so the Triton kernels are compiled and anything made lazily per stream (cuBLAS
+        workspaces) is made before it. Every row is padding meanwhile, so the warm-ups touch only the scratch page
+        and slot."""
         start, before = time.perf_counter(), torch.cuda.memory_reserved()
         self.graphs.clear()
         self._pad()
         torch.cuda.synchronize()
+        kinds = ["step"] + (["draft"] if self.nextn_kv_layer is not None else [])
         pool, stream = None, torch.cuda.Stream()
         with torch.cuda.stream(stream):
             for B, T in sorted(self.shapes, key=lambda bt: (-bt[0] * bt[1], -bt[1])):
                 batch = self._batch(B, T, [1] * B, [self.state_pool.scratch_slot] * B)
-                self.hidden[:B * T].copy_(self.model(batch, *self._pools()))          # warm-up
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    self.hidden[:B * T].copy_(self.model(batch, *self._pools()))
-                if pool is None:
-                    pool = graph.pool()
-                self.graphs[B, T] = graph
+                R = B * T
+                for kind in kinds:
+                    if kind == "step":
+                        def forward():
+                            self.hidden[:R].copy_(self.model(batch, *self._pools()))
+                    else:
+                        def forward():
+                            self.draft_out[:R].copy_(self.model.mtp_hidden(
+                                self.input_ids[:R], self.draft_in[:R], batch, self.kv_pool, self.nextn_kv_layer))
+                    forward()                                                     # warm-up
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                        forward()
+                    if pool is None:
+                        pool = graph.pool()
+                    self.graphs[kind, B, T] = graph
         torch.cuda.synchronize()
         self._captured_on = self._pool_addresses()
-        log.info("captured %d CUDA graphs (batch sizes %s; tokens per sequence 1..%d) in %.1f s (%.0f MiB more "
-                 "reserved)", len(self.graphs), ", ".join(map(str, self.sizes)), self.max_tokens,
-                 time.perf_counter() - start, (torch.cuda.memory_reserved() - before) / 2 ** 20)
+        log.info("captured %d CUDA graphs (%s; batch sizes %s; tokens per sequence 1..%d) in %.1f s (%.0f MiB more "
+                 "reserved)", len(self.graphs), " and ".join(kinds), ", ".join(map(str, self.sizes)),
+                 self.max_tokens, time.perf_counter() - start, (torch.cuda.memory_reserved() - before) / 2 ** 20)
