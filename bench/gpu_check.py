@@ -86,7 +86,7 @@ def pytest_main() -> int:
 # ---------------------------------------------------------------------------------------------------------------
 HIDDEN, MLP = 5120, 17408
 NK, NV, DK, DV, CONV, KW = 16, 48, 128, 128, 10240, 4
-NH, NKV, HD = 24, 4, 256
+NH, NKV, HD, ROTARY = 24, 4, 256, 64
 TOKENS = (1, 32, 2048)                    # rows of the norm / activation cases (decode, a batch, a prefill chunk)
 DECODE_N = (1, 8, 32)                     # sequences of the GDN / conv decode cases
 VERIFY = ((1, 4), (8, 4))                 # (sequences, tokens each) of the verify cases: NEXTN with 3 drafts
@@ -121,8 +121,8 @@ def shrink_for_compile() -> None:
 def shrink_for_dry_run() -> None:
     """--dry-run: the same script on tiny shapes on the CPU under Triton's interpreter (checks the script)."""
     global HIDDEN, MLP, NK, NV, DK, DV, CONV, NH, NKV, HD, TOKENS, DECODE_N, VERIFY, PAGED, ACT, GEMM_ROWS, GEMMS
-    global PREFILL, PREFILL_ATTN
-    HIDDEN, MLP, NK, NV, DK, DV, NH, NKV, HD = 64, 48, 2, 4, 16, 16, 4, 2, 32
+    global PREFILL, PREFILL_ATTN, ROTARY
+    HIDDEN, MLP, NK, NV, DK, DV, NH, NKV, HD, ROTARY = 64, 48, 2, 4, 16, 16, 4, 2, 32, 8
     CONV = 2 * NK * DK + NV * DV
     TOKENS, DECODE_N, VERIFY = (1, 3), (1, 2), ((2, 3),)
     GEMM_ROWS, GEMMS, PREFILL = (1, 5), ((HIDDEN, 2 * MLP), (MLP, HIDDEN)), ((5, 70),)
@@ -159,6 +159,7 @@ def cases(dev):
     from tinyserve.kernels.gdn import (chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
                                        recurrent_gated_delta_rule_verify, verify_layout)
     from tinyserve.kernels.norm import gated_rms_norm, rms_norm
+    from tinyserve.kernels.rotary import apply_rotary
     bf = ACT or torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -181,6 +182,11 @@ def cases(dev):
         h = rnd(T, 2 * MLP, scale=3.0)
         out.append(Case("silu_and_mul", f"[{T}, 2x{MLP}]", lambda h=h: (h,), silu_and_mul, 3 * h.numel(),
                         lambda x: silu_and_mul(x.float())))
+        pos = torch.arange(T, device=dev, dtype=torch.float32)[:, None] * 0.01
+        cos, sin = pos.expand(T, ROTARY).cos()[:, None], pos.expand(T, ROTARY).sin()[:, None]
+        qr = rnd(T, NH, HD)
+        out.append(Case("rotary", f"[{T}, {NH}, {HD}] rd={ROTARY}", lambda a=(qr, cos, sin): a, apply_rotary,
+                        2 * qr.numel() * qr.element_size(), lambda x, c, s: apply_rotary(x.float(), c, s)))
 
     state_bytes = NV * DK * DV * 4
     for N in DECODE_N:

@@ -16,6 +16,7 @@ from torch import nn
 
 from tinyserve.kernels.activation import silu_and_mul
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv
+from tinyserve.kernels.rotary import apply_rotary
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill, causal_conv1d_verify
 from tinyserve.kernels.fp8 import Fp8Weight
 from tinyserve.kernels.gdn import (VerifyLayout, chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
@@ -66,7 +67,8 @@ class ForwardBatch:
 
 
 class Rotary:
-    """Partial NeoX rotary embedding on the first rotary_dim dims of each head."""
+    """The tables of the partial NeoX rotary embedding on the first rotary_dim dims of each head (applied by
+    kernels.rotary.apply_rotary)."""
 
     def __init__(self, rotary_dim: int, theta: float, device) -> None:
         self.rotary_dim = rotary_dim
@@ -77,13 +79,6 @@ class Rotary:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)           # [T, 1, rd]
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rd = self.rotary_dim
-        xr, xp = x[..., :rd].float(), x[..., rd:]
-        x1, x2 = xr.chunk(2, dim=-1)
-        rotated = xr * cos + torch.cat([-x2, x1], dim=-1) * sin
-        return torch.cat([rotated.to(x.dtype), xp], dim=-1)
 
 
 def _empty(shape, dtype, device) -> nn.Parameter:
@@ -273,13 +268,13 @@ class GatedAttention(nn.Module):
         w.add("k_norm.weight", (self.hd,), self.k_norm)
         return w
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, rotary: Rotary,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T, eps = x.shape[0], self.cfg.rms_norm_eps
         qg, k, v = linear(x, self.qkv_proj).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q, gate = qg.view(T, self.nh, 2 * self.hd).split([self.hd, self.hd], dim=-1)
-        q = rotary.apply(rms_norm(q, self.q_norm, eps), *cos_sin)
-        k = rotary.apply(rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, eps), *cos_sin)
+        q = apply_rotary(rms_norm(q, self.q_norm, eps), *cos_sin)
+        k = apply_rotary(rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, eps), *cos_sin)
         store_kv(k, v.view(T, self.nkv, self.hd), kv_cache, batch.slot_mapping)
         scale = self.hd ** -0.5
         nd, nv, parts = batch.num_decode, batch.num_verify, []
@@ -528,7 +523,7 @@ class Qwen3NextForCausalLM(nn.Module):
                 x = layer(x, lambda h: layer.mixer(h, batch, conv, ssm))
             else:
                 kv = kv_pool.layer(j)
-                x = layer(x, lambda h: layer.mixer(h, batch, kv, self.rotary, cos_sin))
+                x = layer(x, lambda h: layer.mixer(h, batch, kv, cos_sin))
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def cos_sin(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -568,5 +563,5 @@ class Qwen3NextForCausalLM(nn.Module):
         cos_sin = self.cos_sin(batch)
         kv = kv_pool.layer(kv_layer)
         for layer in m.layers:
-            u = layer(u, lambda h: layer.mixer(h, batch, kv, self.rotary, cos_sin))
+            u = layer(u, lambda h: layer.mixer(h, batch, kv, cos_sin))
         return rms_norm(u, m.norm, eps)

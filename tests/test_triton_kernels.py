@@ -20,6 +20,7 @@ from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_verify  #
 from tinyserve.kernels.gdn import (recurrent_gated_delta_rule_decode, recurrent_gated_delta_rule_verify,  # noqa: E402
                                    verify_layout)
 from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm  # noqa: E402
+from tinyserve.kernels.rotary import apply_rotary  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -89,6 +90,21 @@ def test_silu_and_mul(dtype):
         tri, ref, *_ = both(silu_and_mul, x)
         assert tri.shape == shape[:-1] + (shape[-1] // 2,) and tri.dtype == dtype
         torch.testing.assert_close(tri, ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hd, rd", [(32, 8), (24, 24), (20, 12)], ids=["partial", "whole", "odd"])
+def test_rotary(dtype, hd, rd):
+    """Partial rotary on q-like views (strided along tokens and heads: a slice of a fused projection), 5 heads (one
+    block of 4 and a partial one), tables with unequal halves (as no real table has: each half read for itself)."""
+    g = gen_(4)
+    fused = rnd(6, 5, 2 * hd, dtype=dtype, gen=g)
+    x = fused[..., :hd]
+    cos, sin = rnd(6, 1, rd, gen=g), rnd(6, 1, rd, gen=g)
+    tri, ref, *_ = both(apply_rotary, x, cos, sin)
+    assert tri.shape == x.shape and tri.dtype == dtype
+    torch.testing.assert_close(tri, ref, **tol(dtype))
+    assert torch.equal(tri[..., rd:], x[..., rd:])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,7 +330,7 @@ def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
     from checkpoints import fp8_checkpoint, make_agreeing_head, make_qwen3_5_text
     from conftest import PinnedCost, engine_for, tokens
     from tinyserve.kernels import (activation_triton, attention_triton, conv_triton, fp8_triton, gdn_triton,
-                                   norm_triton)
+                                   norm_triton, rotary_triton)
     from tinyserve.loader import load_model
     from tinyserve.sampling import SamplingParams
 
@@ -329,7 +345,7 @@ def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
                     conv_triton: ["causal_conv1d_prefill", "causal_conv1d_decode", "causal_conv1d_verify"],
                     attention_triton: ["paged_attention_prefill", "paged_attention_decode"],
                     activation_triton: ["silu_and_mul"], norm_triton: ["rms_norm", "gated_rms_norm"],
-                    fp8_triton: ["fp8_linear"]}
+                    fp8_triton: ["fp8_linear"], rotary_triton: ["apply_rotary"]}
     calls: dict[str, int] = {}
     for mod, names in kernels_used.items():
         for name in names:
@@ -372,7 +388,8 @@ def test_gpu_norms_and_activation_bf16():
              (rms_norm, (qg.split([256, 256], dim=-1)[0], w[:256], 1e-6)),     # per-head q norm, in place
              (rms_norm, (rnd(64, 5120, dtype=bf), w, 1e-6, False)),
              (gated_rms_norm, (o, z, w[:128], 1e-6)),
-             (silu_and_mul, (rnd(64, 2 * 17408, dtype=bf, scale=3.0),))]
+             (silu_and_mul, (rnd(64, 2 * 17408, dtype=bf, scale=3.0),)),
+             (apply_rotary, (qg.split([256, 256], dim=-1)[0], rnd(64, 1, 64), rnd(64, 1, 64)))]
     for fn, args in cases:
         with backend("triton"):
             tri = fn(*args)
