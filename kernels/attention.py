@@ -54,6 +54,19 @@ def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_table:
     return out
 
 
+def row_groups(table_rows: torch.Tensor, q: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """(first row, end row, page-table row) of each run of rows reading one page-table row, on the CPU, where
+    reading the ids is free; None on a GPU (each row gathers its own keys there: no host read)."""
+    if q.device.type != "cpu":
+        return None
+    rows, groups, start = table_rows.tolist(), [], 0
+    for end in range(1, len(rows) + 1):
+        if end == len(rows) or rows[end] != rows[start]:
+            groups.append((start, end, rows[start]))
+            start = end
+    return groups
+
+
 def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                            seq_lens: torch.Tensor, max_len: int, scale: float,
                            table_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,11 +78,22 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
         from tinyserve.kernels import attention_triton
         return attention_triton.paged_attention_decode(q, kv_cache, page_table, seq_lens, max_len, scale,
                                                        table_rows)
-    if table_rows is not None:
-        page_table = page_table[table_rows]
     N, H, hd = q.shape
     page_size = kv_cache.shape[2]
     n_pages = (max_len + page_size - 1) // page_size
+    groups = row_groups(table_rows, q) if table_rows is not None else None
+    if groups is not None:          # a sequence's rows share its keys and values: gathered once, as in prefill
+        out = torch.empty_like(q)
+        for start, end, row in groups:
+            k, v = _gather_kv(kv_cache, page_table[row, :n_pages].long(), n_pages * page_size, q.dtype)
+            mask = torch.arange(k.shape[0], device=q.device) < seq_lens[start:end, None]          # [n, L]
+            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).unsqueeze(0),
+                                               k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                               attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+    if table_rows is not None:
+        page_table = page_table[table_rows]
     kv = kv_cache[page_table[:, :n_pages].long()]          # [N, n_pages, 2, ps, KV, hd]
     KV = kv.shape[-2]
     kv = kv.transpose(1, 2).reshape(N, 2, n_pages * page_size, KV, hd)

@@ -261,15 +261,17 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
 
 def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, mtp, monkeypatch):
     """What a capture forbids, checked on the CPU as far as the CPU can: the forwards of a static batch (decode,
-    verify and the NEXTN head's, as captured: every row padding) read no tensor value on the host (.item(), .tolist(), bool(), int(): aten's
-    _local_scalar_dense; nonzero; torch.tensor(list) inside the forward). With the torch references, whose only
-    reads are CPU-only (slot_run reads slot ids of CPU pools alone) or not on the CUDA path (the MoE reference counts
+    verify and the NEXTN head's, as captured: every row padding) read no tensor value on the host (.item(),
+    .tolist(), bool(), int(): aten's _local_scalar_dense; nonzero; torch.tensor(list) inside the forward). With the
+    torch references, whose only reads are CPU-only (slot_run reads slot ids of CPU pools alone, row_groups the
+    verify rows' sequences on the CPU) or not on the CUDA path (the MoE reference counts
     its experts on the host; CUDA runs the Triton MoE): those are switched off here. The Triton wrappers of the
     decode kernels are pure launches (read in review); a capture on a GPU is the real test (the gpu test below)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from tinyserve.kernels import conv, gdn
+    from tinyserve.kernels import attention, conv, gdn
     from tinyserve.models import qwen3_next
     monkeypatch.setattr(gdn, "slot_run", lambda ids, pool: None)
+    monkeypatch.setattr(attention, "row_groups", lambda rows, q: None)
     monkeypatch.setattr(conv, "slot_run", lambda ids, pool: None)
     # CUDA runs the Triton MoE: its device-side part (sorting the pairs into per-expert blocks) runs here for real;
     # its two GEMM launches cannot run on CPU tensors outside the interpreter (which reads values itself), so the

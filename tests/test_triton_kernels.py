@@ -298,7 +298,7 @@ def test_paged_decode_low_precision_kv(kv_dtype, monkeypatch):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_paged_verify_rows_equal_causal_prefill(page_size, monkeypatch):
     """A NEXTN verify through the decode kernels (each token a row of length position + 1 over its sequence's
-    page-table row, table_rows), Triton and torch, equals the same tokens attending as causal prefill chunks (the
+    page-table row, table_rows), Triton and torch (both its paths), equals the same tokens attending as causal prefill chunks (the
     torch prefill reference, an independent formulation). Ragged: 3, 1 and 4 tokens; GQA 3:1; many splits."""
     monkeypatch.setattr(attention_triton, "SPLIT_MIN_TOKENS", 16)
     g = gen_(11)
@@ -316,6 +316,11 @@ def test_paged_verify_rows_equal_causal_prefill(page_size, monkeypatch):
     tri, dec, *_ = both(paged_attention_decode, q, cache, table, lens, max(lengths), 32 ** -0.5, rows)
     torch.testing.assert_close(dec, ref, **tol(torch.float32))
     torch.testing.assert_close(tri, ref, **tol(torch.float32))
+    from tinyserve.kernels import attention                       # the reference's path without host reads (GPU)
+    monkeypatch.setattr(attention, "row_groups", lambda rows, q: None)
+    with backend("torch"):
+        per_row = paged_attention_decode(q, cache, table, lens, max(lengths), 32 ** -0.5, rows)
+    torch.testing.assert_close(per_row, ref, **tol(torch.float32))
 
 
 # ---------------------------------------------------------------------------------------------------------------
