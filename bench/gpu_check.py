@@ -401,7 +401,7 @@ def compile_all(targets: list[int]) -> bool:
                     case.fn(*case.args(args))
                 except Exception:          # outputs are never launched: whatever follows the launch may fail
                     pass
-    for name in ("norm", "activation", "gdn", "conv", "attention", "fp8", "moe"):  # defined compiled first
+    for name in ("norm", "activation", "rotary", "gdn", "conv", "attention", "fp8", "moe"):  # compiled first
         importlib.import_module(f"tinyserve.kernels.{name}_triton")
     os.environ["TRITON_INTERPRET"] = "1"          # lets the forced backend take CPU tensors; nothing is launched
     try:

@@ -484,11 +484,18 @@ def _chunk_tiles(capability: tuple[int, int] | None) -> dict:
     bench/gpu_check.py --compile records the launches) gets the portable set. All fit shared memory and compile
     without spills for sm_89, sm_90 and sm_120 (ptxas). The state kernel's dv block is 32 on sm_90, where wgmma
     reads S from shared memory, and 16 elsewhere, where mma.sync holds all of S's dk tile x BV in every warp's
-    registers (32 reaches 255 registers on sm_89)."""
+    registers (32 reaches 255 registers on sm_89). Datacenter Blackwell (sm_100 / sm_103): Triton 3.6-3.7 races
+    in a tl.dot recurrence over a loop at 4 warps there (triton-lang/triton#10590; flash-linear-attention #945
+    measured its chunk state kernel non-deterministic on B300 at BV 64 / 4 warps and deterministic, and fastest
+    among the safe settings, at BV 32 / 2 warps), so the state pass takes BV 32 / 2 warps there, and the output
+    kernel stays at 4 warps (fla #1228: 8 warps race in its output kernel)."""
     hopper = capability is not None and capability[0] == 9
+    datacenter_blackwell = capability is not None and capability[0] == 10
+    state = dict(BV=32, num_warps=2, num_stages=2) if datacenter_blackwell else \
+        dict(BV=32 if hopper else 16, num_warps=4, num_stages=2)
     return dict(solve=dict(BK=32, num_warps=4),
                 wy=dict(BK=32, BV=32, num_warps=4),
-                state=dict(BV=32 if hopper else 16, num_warps=4, num_stages=2),
+                state=state,
                 output=dict(BK=64, BV=64, num_warps=4, num_stages=2))
 
 
