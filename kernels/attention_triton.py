@@ -115,7 +115,8 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
     BH = max(16, triton.next_power_of_2(G))
     BN = 32 if BD >= 256 else 64
     _decode_split_kernel[(N, KV, S)](
-        q, kv_cache, page_table, page_table if table_rows is None else table_rows, seq_lens, o_part, lse, scale * 1.4426950408889634, G, HD, S,
+        q, kv_cache, page_table, page_table if table_rows is None else table_rows, seq_lens, o_part, lse,
+        scale * 1.4426950408889634, G, HD, S,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         page_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         PAGE=page_size, BH=BH, BN=BN, BD=BD, IEEE=q.dtype == torch.float32, TABLE_ROWS=table_rows is not None,

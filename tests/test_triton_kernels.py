@@ -298,8 +298,9 @@ def test_paged_decode_low_precision_kv(kv_dtype, monkeypatch):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_paged_verify_rows_equal_causal_prefill(page_size, monkeypatch):
     """A NEXTN verify through the decode kernels (each token a row of length position + 1 over its sequence's
-    page-table row, table_rows), Triton and torch (both its paths), equals the same tokens attending as causal prefill chunks (the
-    torch prefill reference, an independent formulation). Ragged: 3, 1 and 4 tokens; GQA 3:1; many splits."""
+    page-table row, table_rows), Triton and torch (both its paths), equals the same tokens attending as causal
+    prefill chunks (the torch prefill reference, an independent formulation). Ragged: 3, 1 and 4 tokens; GQA 3:1;
+    many splits."""
     monkeypatch.setattr(attention_triton, "SPLIT_MIN_TOKENS", 16)
     g = gen_(11)
     lengths, new = [9, 70, 131], [3, 1, 4]
