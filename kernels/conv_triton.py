@@ -2,9 +2,9 @@
 with the per-slot conv state (the last K-1 pre-conv inputs, [slots, C, K-1]).
 
 One kernel serves both. A program owns one sequence and a block of channels. It first loads the sequence's whole
-input window into registers, [BC, K-1 + L] (its slot's history, then its L new tokens), and only then stores: the
-state after token t goes to that token's slot, which may be the slot the history came from (verify: the first
-token's slot is the sequence's own; decode: always). Output and state columns are picked from the window by
+input window into registers, [BC, K-1 + L] (its slot's history, then its L new tokens), and only then, after a
+barrier, stores: the state after token t goes to that token's slot, which may be the slot the history came from
+(verify: the first token's slot is the sequence's own; decode: always). Output and state columns are picked from the window by
 position, so no register shifting is needed. A slot id < 0 means padding: zero history, nothing stored.
 """
 from __future__ import annotations
@@ -46,6 +46,10 @@ def _conv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, in_slot_ptr, out_slot_ptr, rows_ptr
     x = tl.load(x_ptr + rows[None, :] * sxt + c[:, None], mask=mc[:, None] & ((p >= 0) & (rows < T))[None, :],
                 other=0.0).to(tl.float32)
     tile = hist + x                                   # [BC, BW], disjoint masks
+    # The first token's state may go to the slot the history came from, and a thread may store a state column
+    # (in the [BC, BK] layout) that another thread has yet to load (in the [BC, BW] one, when BW != BK: a
+    # verify): a CTA-wide barrier orders every load of the old history before the first store (as in prefill).
+    tl.debug_barrier()
 
     j = tl.arange(0, BK)
     weight = tl.load(w_ptr + c[:, None] * sw0 + j[None, :] * sw1, mask=mc[:, None] & (j < K)[None, :],
