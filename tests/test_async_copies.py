@@ -159,3 +159,69 @@ def test_the_devices_own_stream_gives_the_cold_tokens(hybrid_model):
     assert [t for t, _ in got] == cold_tokens(hybrid_model) and sum(h for _, h in got) > 0
     eng.close()
     assert_no_leaks(eng)
+
+
+def _scattered_case(seed: int):
+    """A 'device' pool of 40 rows and 'host' rows, 23 rows to move: device rows scattered (a churned pool of
+    one-token pages), host rows in a few runs (as host free lists give them)."""
+    g = torch.Generator().manual_seed(seed)
+    device = torch.randn(40, 3, 5, generator=g)
+    host = torch.randn(30, 3, 5, generator=g)
+    device_rows = torch.randperm(40, generator=g)[:23].tolist()
+    host_rows = list(range(2, 12)) + list(range(15, 28))
+    return device, device_rows, host, host_rows
+
+
+def test_scattered_rows_go_through_device_buffers():
+    """staged_rows (CudaCopyStream's path for a scattered device side): the same result as row-by-row copies, in
+    chunks smaller than the set (a chunk boundary inside a host run), both ways; the host side crosses run by run,
+    a few copies, not one per row."""
+    from tinyserve.copies import index_runs, scattered, staged_rows
+    device, device_rows, host, host_rows = _scattered_case(0)
+    assert scattered(index_runs(host_rows, device_rows), len(host_rows))
+    crossings = []
+
+    def cross(dst, src):
+        crossings.append(dst.shape[0])
+        dst.copy_(src)
+    row_bytes = 3 * 5 * 4
+    want = host.clone()
+    want[host_rows] = device[device_rows]
+    got = host.clone()
+    staged_rows(got, host_rows, device, device_rows, "src", cross, max_bytes=7 * row_bytes)    # save: 4 chunks
+    assert torch.equal(got, want) and len(crossings) == 5 and sum(crossings) == 23
+    want_dev = device.clone()
+    want_dev[device_rows] = host[host_rows]
+    got_dev = device.clone()
+    crossings.clear()
+    staged_rows(got_dev, device_rows, host, host_rows, "dst", cross, max_bytes=7 * row_bytes)  # load
+    assert torch.equal(got_dev, want_dev) and sum(crossings) == 23 and len(crossings) == 5
+
+
+def test_the_streams_row_copies_agree():
+    """copy_rows / upload_rows, which the tiers call: the immediate stream's and the deferred one's (run by run)
+    give the same rows; on CUDA the real stream's (device buffers for a scattered set) too."""
+    device, device_rows, host, host_rows = _scattered_case(1)
+    want = device.clone()
+    want[device_rows] = host[host_rows]
+    streams = [CopyStream(), DeferredCopyStream()]
+    if torch.cuda.is_available():
+        streams.append(copy_stream_for(torch.device("cuda")))
+    for stream in streams:
+        dev = device.to("cuda") if getattr(stream, "stream", None) is not None else device.clone()
+        pinned = host.pin_memory() if dev.is_cuda else host
+        with stream.loading():
+            stream.copy_rows(dev, device_rows, pinned, host_rows)
+        stream.synchronize()
+        assert torch.equal(dev.cpu(), want), type(stream).__name__
+        back = torch.zeros_like(pinned)
+        with stream.saving(pages=device_rows, host_pages=host_rows):
+            stream.copy_rows(back, host_rows, dev, device_rows)
+        stream.synchronize()
+        assert torch.equal(back[host_rows], host[host_rows]), type(stream).__name__
+        blob = host[host_rows]                                     # a file blob: rows in order, pageable memory
+        up = torch.zeros_like(dev)
+        with stream.loading():
+            stream.upload_rows(up, device_rows, blob)
+        stream.synchronize()
+        assert torch.equal(up.cpu()[device_rows], blob), type(stream).__name__

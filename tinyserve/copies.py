@@ -26,6 +26,51 @@ from typing import Callable, Iterator
 import torch
 
 
+def index_runs(dst_idx: list[int], src_idx: list[int]) -> list[tuple[int, int, int]]:
+    """(dst start, src start, length) of each stretch where both index lists step by one together."""
+    runs, start = [], 0
+    for i in range(1, len(dst_idx) + 1):
+        if i == len(dst_idx) or dst_idx[i] != dst_idx[i - 1] + 1 or src_idx[i] != src_idx[i - 1] + 1:
+            runs.append((dst_idx[start], src_idx[start], i - start))
+            start = i
+    return runs
+
+
+def scattered(runs: list[tuple[int, int, int]], rows: int) -> bool:
+    """Whether rows copied as these runs are better gathered: many short runs (pages come off free lists in
+    ascending order, so runs are usually long; a churned pool of one-token pages gives one row each)."""
+    return len(runs) > 1 and len(runs) * 8 > rows
+
+
+def staged_rows(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int], device_side: str,
+                cross: Callable[[torch.Tensor, torch.Tensor], None], max_bytes: int) -> None:
+    """dst[dst_idx] = src[src_idx] between device rows and host rows when the device side is scattered: in chunks
+    of at most max_bytes, the device rows are gathered into (device_side "src") or scattered from ("dst") a
+    contiguous device buffer by one device op, and only the host side's runs cross (`cross(dst, src)`: one copy
+    each; host rows come off free lists in runs), so a scattered set costs a few large copies, not one per row."""
+    row_bytes = src[0].numel() * src.element_size()
+    per_chunk = max(1, max_bytes // row_bytes)
+    dev = (src if device_side == "src" else dst).device
+    for c in range(0, len(dst_idx), per_chunk):
+        d_idx, s_idx = dst_idx[c:c + per_chunk], src_idx[c:c + per_chunk]
+        n = len(d_idx)
+        if device_side == "src":                       # device -> host: gather, then the host runs
+            buf = src.index_select(0, _index(s_idx, dev))
+            for d, b, k in index_runs(d_idx, list(range(n))):
+                cross(dst[d:d + k], buf[b:b + k])
+        else:                                          # host -> device: the host runs, then scatter
+            buf = torch.empty((n,) + tuple(dst.shape[1:]), dtype=dst.dtype, device=dev)
+            for b, s, k in index_runs(list(range(n)), s_idx):
+                cross(buf[b:b + k], src[s:s + k])
+            dst.index_copy_(0, _index(d_idx, dev), buf)
+
+
+def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+    """Row ids on `device`; to a GPU through pinned memory, so the engine thread does not wait for the stream."""
+    t = torch.tensor(ids, dtype=torch.long)
+    return t.to(device) if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 class CopyStream:
     """Tier copies done at once (the CPU path): nothing is ever pending."""
 
@@ -37,6 +82,17 @@ class CopyStream:
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst (device, contiguous) = src (pageable host memory: a blob read from the file tier)."""
         self.copy(dst, src)
+
+    def copy_rows(self, dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int]) -> None:
+        """dst[dst_idx] = src[src_idx] between device rows and pinned host rows, inside saving() / loading(): a copy
+        per run of rows that step together."""
+        for d, s, n in index_runs(dst_idx, src_idx):
+            self.copy(dst[d:d + n], src[s:s + n])
+
+    def upload_rows(self, dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor) -> None:
+        """dst[dst_idx] = src (a blob's rows, in order, in pageable host memory), inside loading()."""
+        for d, s, n in index_runs(dst_idx, list(range(len(dst_idx)))):
+            self.upload(dst[d:d + n], src[s:s + n])
 
     @contextlib.contextmanager
     def saving(self, pages: list[int] = (), slots: list[int] = (), host_pages: list[int] = (),
@@ -170,6 +226,20 @@ class CudaCopyStream(_Pending):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def copy_rows(self, dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int]) -> None:
+        """As CopyStream's, but a scattered device side goes through device buffers (staged_rows), on this stream."""
+        runs = index_runs(dst_idx, src_idx)
+        if not scattered(runs, len(dst_idx)):
+            for d, s, n in runs:
+                self.copy(dst[d:d + n], src[s:s + n])
+            return
+        staged_rows(dst, dst_idx, src, src_idx, "src" if src.is_cuda else "dst", self.copy, STAGING_BYTES)
+
+    def upload_rows(self, dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor) -> None:
+        if not scattered(index_runs(dst_idx, list(range(len(dst_idx)))), len(dst_idx)):
+            return super().upload_rows(dst, dst_idx, src)
+        staged_rows(dst, dst_idx, src, list(range(len(dst_idx))), "dst", self.upload, STAGING_BYTES)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Through two pinned staging buffers taken in turn, STAGING_BYTES at a time: the engine thread fills one

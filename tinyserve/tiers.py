@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 
 from tinyserve.config import WRITE_POLICIES
-from tinyserve.copies import CopyStream
+from tinyserve.copies import CopyStream, index_runs, scattered
 from tinyserve.kv import KVPool
 from tinyserve.plan import GIB, host_available_bytes
 from tinyserve.state import StatePool
@@ -68,7 +68,7 @@ SEGMENT_BYTES = 256 << 20
 def _copy_rows(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int],
                stream: CopyStream | None = None) -> None:
     """dst[dst_idx] = src[src_idx], checked: same row shape and dtype, indices in range, equal counts. With an
-    asynchronous copy stream, run by run (each a contiguous slice: one asynchronous copy, no gather buffer)."""
+    asynchronous copy stream, through its copy_rows (run by run, or through device buffers for a scattered set)."""
     assert len(dst_idx) == len(src_idx), "copy with mismatched index counts"
     assert dst.shape[1:] == src.shape[1:] and dst.dtype == src.dtype, \
         f"tier copy between incompatible layouts {tuple(src.shape)} {src.dtype} -> {tuple(dst.shape)} {dst.dtype}"
@@ -76,30 +76,19 @@ def _copy_rows(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx
         return
     assert 0 <= min(dst_idx) and max(dst_idx) < dst.shape[0], "tier copy: destination row out of range"
     assert 0 <= min(src_idx) and max(src_idx) < src.shape[0], "tier copy: source row out of range"
+    if stream is not None and stream.asynchronous:
+        stream.copy_rows(dst, dst_idx, src, src_idx)
+        return
     # Pages come off free lists in ascending order, so index pairs usually form long runs that step together:
     # copy those as contiguous slices (no gather buffer, full memcpy speed); scattered sets gather once.
-    runs = _runs(dst_idx, src_idx)
-    if stream is not None and stream.asynchronous:
-        for d, s_, n in runs:
-            stream.copy(dst[d:d + n], src[s_:s_ + n])
-        return
-    if len(runs) * 8 <= len(dst_idx) or len(runs) == 1:
+    runs = index_runs(dst_idx, src_idx)
+    if not scattered(runs, len(dst_idx)):
         for d, s_, n in runs:
             dst[d:d + n].copy_(src[s_:s_ + n])
         return
     si = torch.tensor(src_idx, dtype=torch.long, device=src.device)
     rows = src.index_select(0, si).to(dst.device, non_blocking=False)
     dst.index_copy_(0, torch.tensor(dst_idx, dtype=torch.long, device=dst.device), rows)
-
-
-def _runs(dst_idx: list[int], src_idx: list[int]) -> list[tuple[int, int, int]]:
-    """(dst start, src start, length) of each stretch where both index lists step by one together."""
-    runs, start = [], 0
-    for i in range(1, len(dst_idx) + 1):
-        if i == len(dst_idx) or dst_idx[i] != dst_idx[i - 1] + 1 or src_idx[i] != src_idx[i - 1] + 1:
-            runs.append((dst_idx[start], src_idx[start], i - start))
-            start = i
-    return runs
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -1123,8 +1112,7 @@ class Tiers:
         buf = self.kv_pool.buffer
         assert blob.kv.shape[0] == len(pages) and blob.kv.shape[1:] == buf.shape[1:], "blob and pages disagree"
         with self.copies.loading():
-            for d, s_, n in _runs(pages, list(range(len(pages)))):
-                self.copies.upload(buf[d:d + n], blob.kv[s_:s_ + n])
+            self.copies.upload_rows(buf, pages, blob.kv)
             if snapshot is not None:
                 self.copies.upload(self.state_pool.conv[snapshot], blob.conv)
                 self.copies.upload(self.state_pool.ssm[snapshot], blob.ssm)
