@@ -15,19 +15,27 @@ import os
 from typing import Iterator
 
 BACKENDS = ("auto", "torch", "triton")
+MIN_TRITON = (3, 5)                # the GDN prefill kernels' bf16x3 dots (tl.dot input_precision) came in 3.5
 _backend = "auto"
-_triton: bool | None = None        # whether triton imports (checked once, on first need)
+_triton: str | None = None         # "" when usable, else why not (checked once, on first need)
 
 
-def triton_available() -> bool:
+def triton_problem() -> str:
+    """"" when the triton package imports and is MIN_TRITON or newer; else what is wrong, in a sentence."""
     global _triton
     if _triton is None:
         try:
-            import triton  # noqa: F401
-            _triton = True
-        except Exception:          # not installed, or no usable build for this machine
-            _triton = False
+            import triton
+            found = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2])
+            _triton = "" if found >= MIN_TRITON else \
+                f"the Triton kernels need triton >= {'.'.join(map(str, MIN_TRITON))}, found {triton.__version__}"
+        except Exception as e:     # not installed, or no usable build for this machine
+            _triton = f"the Triton kernels need the triton package ({type(e).__name__}: {e})"
     return _triton
+
+
+def triton_available() -> bool:
+    return not triton_problem()
 
 
 def set_backend(name: str) -> None:
@@ -36,7 +44,7 @@ def set_backend(name: str) -> None:
     if name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {', '.join(BACKENDS)}, found {name!r}")
     if name == "triton" and not triton_available():
-        raise RuntimeError("engine.kernels = \"triton\" needs the triton package (pip install triton)")
+        raise RuntimeError(f"engine.kernels = \"triton\": {triton_problem()}")
     _backend = name
 
 

@@ -337,3 +337,19 @@ def test_gated_rms_norm_formula():
     xd = x.double()
     ref = xd / (xd.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w.double() * (z.double() * torch.sigmoid(z.double()))
     torch.testing.assert_close(gated_rms_norm(x, z, w, eps), ref.float())
+
+
+def test_an_old_triton_is_not_used(monkeypatch):
+    """The Triton kernels need triton >= kernels.MIN_TRITON (bf16x3 dots): an older one makes "auto" run the torch
+    references and "triton" fail naming the version, instead of a compile error at the first prefill."""
+    triton = pytest.importorskip("triton")
+    import tinyserve.kernels as kernels
+    monkeypatch.setattr(kernels, "_triton", None)
+    monkeypatch.setattr(triton, "__version__", "3.4.0")
+    assert not kernels.triton_available() and "triton >= 3.5, found 3.4.0" in kernels.triton_problem()
+    with pytest.raises(RuntimeError, match="3.4.0"):
+        kernels.set_backend("triton")
+    monkeypatch.setattr(kernels, "_triton", None)
+    monkeypatch.setattr(triton, "__version__", "3.7.1+git1234")
+    assert kernels.triton_available()
+    monkeypatch.setattr(kernels, "_triton", None)          # the next caller checks the real version again

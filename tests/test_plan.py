@@ -232,3 +232,17 @@ def test_running_out_of_memory_at_start_names_the_key(xdg):
     with pytest.raises(ConfigError, match="out of memory.*lower engine.kv_cache_tokens") as e:
         Engine.from_config(cfg)
     assert e.value.key == "engine.kv_cache_tokens"
+
+
+def test_fp8_kv_on_a_gpu_without_fp8_fails_naming_the_key(fp8_folder):
+    """Triton has no e4m3 before sm_89 (an RTX 3090 or A6000 is sm_86): an fp8 KV pool there is refused at
+    planning, naming model.kv_cache_dtype, not a compile error at the first forward."""
+    _, weights = read_checkpoint(fp8_folder, keep_fp8=True)
+    mc, _ = read_checkpoint(fp8_folder)
+    fp8_kv = {"model": {"kv_cache_dtype": "fp8_e4m3", "context_length": 32768}}
+    with pytest.raises(ConfigError) as e:
+        MemoryPlan.resolve(from_dict(fp8_kv), mc, "cuda", weights, gpu_free_bytes=96 * GIB, cuda_capability=(8, 6))
+    assert e.value.key == "model.kv_cache_dtype" and "sm_86" in str(e.value)
+    for ok in [(fp8_kv, (8, 9)), (fp8_kv, (12, 0)), ({"model": {"context_length": 32768}}, (8, 6)),
+               ({**fp8_kv, "engine": {"kernels": "torch"}}, (8, 6))]:
+        MemoryPlan.resolve(from_dict(ok[0]), mc, "cuda", weights, gpu_free_bytes=96 * GIB, cuda_capability=ok[1])

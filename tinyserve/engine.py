@@ -41,7 +41,7 @@ from tinyserve.config import Config, ConfigError
 from tinyserve.copies import CopyStream, copy_stream_for
 from tinyserve.grammar import GrammarCompiler
 from tinyserve.images import ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, preprocess
-from tinyserve.kernels import set_backend as set_kernel_backend, use_triton
+from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
 from tinyserve.kernels.fp8 import Fp8Weight
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
@@ -257,8 +257,9 @@ class Engine:
         if self.plan.device != "cuda" or not self.cfg.engine.cuda_graphs:
             return
         if not use_triton(self.kv_pool.buffer):
-            log.info("CUDA graphs are off: engine.kernels = %r runs the torch references on CUDA",
-                     self.cfg.engine.kernels)
+            why = triton_problem() if self.cfg.engine.kernels == "auto" else ""
+            log.log(logging.WARNING if why else logging.INFO, "CUDA graphs are off: engine.kernels = %r runs the "
+                    "torch references on CUDA%s", self.cfg.engine.kernels, f" ({why})" if why else "")
             return
         self.runner.enable_static_steps(self.cfg.engine.max_running_requests, capture=True)
 

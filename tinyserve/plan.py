@@ -190,6 +190,11 @@ class MemoryPlan:
                                   "speculative.algorithm")
             nextn_layers = mc.num_mtp_layers
             verify_slots = e.max_running_requests * cfg.speculative.num_steps if hybrid else 0
+        if kv_dtype == "fp8_e4m3" and device == "cuda" and cuda_capability is not None and \
+                cuda_capability < (8, 9) and e.kernels != "torch":
+            raise ConfigError(f'model.kv_cache_dtype = "fp8_e4m3" needs FP8 support in the GPU (sm_89 or later: '
+                              f'RTX 40xx / 50xx, L40, H100 and later) for the Triton kernels; this GPU is '
+                              f'sm_{cuda_capability[0]}{cuda_capability[1]}: use "bfloat16"', "model.kv_cache_dtype")
         per_token = kv_bytes_per_token(mc, kv_dtype, nextn_layers)
         per_slot = state_bytes_per_slot(mc, dtype)
         weights = weights_count.bytes(element_size(dtype))
