@@ -50,6 +50,45 @@ def test_idle_release_then_a_host_hit(hybrid_model):
     assert_no_leaks(eng)
 
 
+def test_no_room_to_restore_fails_the_request_not_the_server(hybrid_model):
+    """Another process took the device memory while the server idled: the pools cannot be allocated again. The
+    request that woke it ends with finish_reason "error" (no hang, no retry loop), the pools stay released, whole,
+    and the next request, with room again, is served with the cold run's tokens."""
+    session = tokens(120, 6)
+    cold = engine_for(hybrid_model, cache={"enabled": False}).generate([session], GREEDY)[0]
+    eng = engine_for(hybrid_model, engine={"page_size": 16, "idle_release_s": 0.2})
+    restore = eng.state_pool.restore
+
+    def no_room():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n(more detail)")
+
+    async def scenario():
+        await eng.start()
+        try:
+            async def run():
+                stream = eng.submit(session, GREEDY)
+                out = [e.token_id async for events in stream for e in events]
+                return out, stream.result
+            await run()
+            for _ in range(400):
+                if (await eng.call(eng.stats)).pools_released:
+                    break
+                await asyncio.sleep(0.01)
+            eng.state_pool.restore = no_room             # the KV pool is allocated, then the state pool fails
+            failed = await asyncio.wait_for(run(), 10)
+            released = eng.kv_pool.released and eng.state_pool.released
+            eng.state_pool.restore = restore
+            again = await asyncio.wait_for(run(), 30)
+            return failed, released, again
+        finally:
+            await eng.stop()
+
+    (out, result), released, (again, _) = asyncio.run(scenario())
+    assert out == [] and result.finish_reason == "error" and released
+    assert again == cold and not eng.kv_pool.released and not eng.state_pool.released
+    assert_no_leaks(eng)
+
+
 def metric(base_url: str, name: str) -> float:
     _, _, body = http("GET", base_url + "/metrics")
     text = body.decode() if isinstance(body, bytes) else body

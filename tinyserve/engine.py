@@ -528,8 +528,11 @@ class Engine:
                     fut.set_result(fn(*args))
                 except Exception as e:                   # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
-        if self._new and self.kv_pool.released:         # the first request after an idle release
-            self._restore_device()
+        if self._new and self.kv_pool.released and not self._restore_device():   # the first after an idle release
+            while self._new:                             # no room on the device now: these fail, the next tries again
+                req = self._new.popleft()
+                req.status, req.finish_reason = Status.FINISHED, "error"
+                events.append(self._event(req, []))
         while self._new:                                 # before the aborts: a request may be cancelled at once
             sched.add(self._new.popleft())
         while self._aborts:
@@ -656,11 +659,23 @@ class Engine:
         log.info("idle for %.0f s: device cache demoted to the tiers, device pools freed",
                  self.cfg.engine.idle_release_s)
 
-    def _restore_device(self) -> None:
-        self.kv_pool.restore()
-        self.state_pool.restore()
+    def _restore_device(self) -> bool:
+        """Allocate the device pools again for the first request after an idle release. False when the device has
+        no room for them now (another process took the memory meanwhile): the pools stay released, whole."""
+        try:
+            self.kv_pool.restore()
+            self.state_pool.restore()
+        except RuntimeError as e:                  # torch.OutOfMemoryError is one; so is a failed CPU allocation
+            self.kv_pool.release()                 # what did get allocated
+            self.state_pool.release()
+            if self.kv_pool.buffer.is_cuda:
+                torch.cuda.empty_cache()
+            log.error("a request after an idle release: no room for the device pools now (%s); the waiting "
+                      "requests fail and the next one tries again", str(e).splitlines()[0])
+            return False
         self.runner.capture_graphs()               # on the new pools, before the request's first step
         log.info("a request after an idle release: device pools allocated again")
+        return True
 
     def _fail_all(self) -> list[StepEvent]:
         events = []

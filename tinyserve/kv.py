@@ -30,6 +30,8 @@ class KVPool:
 
     def release(self) -> None:
         """Give the pool's memory back (idle release); every page's content is lost. The page count stays."""
+        if self.released:
+            return
         self._shape = self.buffer.shape
         self.buffer = torch.empty((self.num_pages, 0), dtype=self.dtype, device=self.buffer.device)
 

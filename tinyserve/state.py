@@ -35,6 +35,8 @@ class StatePool:
 
     def release(self) -> None:
         """Give the pool's memory back (idle release); every slot's content is lost. The slot counts stay."""
+        if self.released:
+            return
         self._shapes = (self.conv.shape, self.ssm.shape)
         self.conv = torch.empty((self.conv.shape[0], 0), dtype=self.conv.dtype, device=self.conv.device)
         self.ssm = torch.empty((self.ssm.shape[0], 0), dtype=self.ssm.dtype, device=self.ssm.device)
