@@ -8,6 +8,7 @@ out, the same traffic corrupts the host copies (the control below), so the test 
 test_tiers.py with the model on the GPU, where the real stream (CudaCopyStream) is the default."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import assert_no_leaks, engine_for, tokens
@@ -225,3 +226,22 @@ def test_the_streams_row_copies_agree():
             stream.upload_rows(up, device_rows, blob)
         stream.synchronize()
         assert torch.equal(up.cpu()[device_rows], blob), type(stream).__name__
+
+
+def test_a_save_that_fails_part_way_still_fences_what_it_queued():
+    """A copy that raises inside saving() (a staging buffer it could not allocate): the copies queued before it
+    still read the page, so the page stays fenced; inside loading(), compute still waits for what was queued."""
+    stream = DeferredCopyStream()
+    page, host = torch.ones(4), torch.zeros(4)
+    with pytest.raises(RuntimeError):
+        with stream.saving(pages=[3], host_pages=[0]):
+            stream.copy(host[:2], page[:2])
+            raise RuntimeError("out of memory")
+    assert host.sum() == 0                     # still queued
+    stream.fence_pages([3])                    # page 3 is about to be written: its save runs first
+    assert host[:2].sum() == 2
+    with pytest.raises(RuntimeError):
+        with stream.loading():
+            stream.copy(page[2:], host[:2] + 5)
+            raise RuntimeError("out of memory")
+    assert torch.equal(page, torch.tensor([1.0, 1.0, 6.0, 6.0]))

@@ -158,23 +158,23 @@ class _Pending(CopyStream):
         self._begin()
         try:
             yield
-        finally:
+        finally:                            # also when a copy failed part-way: those queued before it still run
             self._end()
-        event = self._record()
-        for table, keys in ((self._pages, pages), (self._slots, slots), (self._host_pages, host_pages),
-                            (self._host_snaps, host_snapshots)):
-            for k in keys:
-                table[k] = event
-        self._prune()
+            event = self._record()
+            for table, keys in ((self._pages, pages), (self._slots, slots), (self._host_pages, host_pages),
+                                (self._host_snaps, host_snapshots)):
+                for k in keys:
+                    table[k] = event
+            self._prune()
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
         self._begin()
         try:
             yield
-        finally:
+        finally:                            # also when a copy failed part-way (see saving)
             self._end()
-        self._compute_waits_all()
+            self._compute_waits_all()
 
     def _fence(self, table: dict[int, object], keys: list[int]) -> None:
         for k in keys:
@@ -223,6 +223,7 @@ class CudaCopyStream(_Pending):
         self.stream = torch.cuda.Stream(device)
         self._outer: list = []
         self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._turn = 0                              # chunks staged so far (they alternate between the two)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
@@ -250,7 +251,9 @@ class CudaCopyStream(_Pending):
                              for _ in range(2)]
         src_bytes = src.contiguous().view(-1).view(torch.uint8)
         dst_bytes = dst.view(-1).view(torch.uint8)
-        for i, off in enumerate(range(0, src_bytes.numel(), STAGING_BYTES)):
+        for off in range(0, src_bytes.numel(), STAGING_BYTES):
+            self._turn += 1                         # across calls too: a call's first chunk takes the idle buffer
+            i = self._turn
             buf, event = self._staging[i % 2]
             if event is not None:
                 event.synchronize()
