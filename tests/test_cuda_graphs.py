@@ -80,10 +80,11 @@ class Recorder:
         batch, hidden = self._run(seqs)
         st, n = self.static, len(seqs)
         B, T = batch.num_seqs, max(s.num_tokens for s in seqs)
-        ps, page, slot = st.kv_pool.page_size, st.kv_pool.scratch_page, st.state_pool.scratch_slot
+        ps, page, slot = st.kv_pool.page_size, st.kv_pool.scratch_page, st.padding_slot
         real = torch.tensor([i * T + t for i, s in enumerate(seqs) for t in range(s.num_tokens)])
         padding = torch.tensor([r for r in range(B * T) if r not in set(real.tolist())], dtype=torch.long)
-        assert all(page not in s.req.pages and s.req.state_slot != slot for s in seqs)
+        assert all(page not in s.req.pages and s.req.state_slot not in (slot, st.state_pool.scratch_slot)
+                   for s in seqs)
         assert not (st.slot_mapping[real] // ps == page).any() and not (st.state_slots[:n] == slot).any()
         assert (st.slot_mapping[padding] == page * ps).all() and (st.state_slots[n:B] == slot).all()
         assert (st.page_table[n:B, 0] == page).all() and (st.seq_lens[n:B] == 1).all()
@@ -219,9 +220,9 @@ def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
 @pytest.mark.parametrize("nextn", [False, True], ids=["decode", "nextn"])
 def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
     """The Triton kernels (the interpreter on the CPU) on padded static batches: the conv and GDN decode kernels
-    with several padding rows on one scratch slot, the attention decode with its split count from the whole
+    with several padding rows on slot -1 (a zero state, nothing stored), the attention decode with its split count from the whole
     context (the split length lowered so there are many, most of them empty for these short sequences); with
-    NEXTN the verify kernels (padding tokens' states all to the scratch slot) and the attention's verify rows
+    NEXTN the verify kernels (padding tokens' states to slot -1) and the attention's verify rows
     (table_rows). The prefill kernels, which the static path does not run, take their torch references here (the
     interpreter is slow)."""
     pytest.importorskip("triton")
@@ -242,8 +243,8 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
         make_agreeing_head(folder, mix=0.3)
     model = load_model(folder, torch.float32, DEV)
     schedule = [(0, tokens(4, 1), 4), (0, tokens(6, 2), 5), (0, tokens(3, 3), 3)]
-    spec = {"speculative": {"algorithm": "nextn", "max_running": 3, "num_steps": 2,
-                                    "num_draft_tokens": 3}} if nextn else {}
+    spec = {"speculative": {"algorithm": "nextn", "max_running": 3, "num_steps": 2, "num_draft_tokens": 3}} \
+        if nextn else {}
     out = {}
     with backend("auto"):                         # restored after: each engine sets it from engine.kernels
         for name in ("triton", "static"):
@@ -253,6 +254,7 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
                 rec = Recorder(eng.runner.static)
             out[name] = drive(eng, schedule)
     assert out["static"] == out["triton"] == drive(make_engine(model, 16), schedule)       # and the references'
+    assert eng.runner.static.padding_slot == -1
     if nextn:
         assert any(T > 1 for _, _, T in rec.steps) and eng.spec_stats.num_accepted_tokens > 0
     else:
@@ -299,7 +301,7 @@ def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, mtp, monkeyp
         static = StaticStep(model, eng.kv_pool, eng.state_pool, MAX_RUNNING, CTX, max_tokens=3,   # and verifies
                             nextn_kv_layer=eng.nextn.kv_layer if nextn else None)                # and the head
         for B, T in static.shapes:
-            batch = static._batch(B, T, [1] * B, [eng.state_pool.scratch_slot] * B)
+            batch = static._batch(B, T, [1] * B, [static.padding_slot] * B)
             with monkeypatch.context() as m, torch.inference_mode(), NoHostReads():
                 for name in ("tolist", "numpy", "cpu"):
                     m.setattr(torch.Tensor, name, read)

@@ -17,6 +17,7 @@ import torch
 
 from tinyserve.grammar import MaskBuffer
 from tinyserve.kv import KVPool
+from tinyserve.kernels import use_triton
 from tinyserve.kernels.gdn import VerifyLayout, verify_layout
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
 from tinyserve.multimodal import FeatureCache, PromptImage, rope_rows
@@ -447,11 +448,13 @@ class StaticStep:
     smallest of `sizes` >= N, T in 1 .. max_tokens (1 + the NEXTN draft steps).
       - T = 1: a decode batch of B rows.
       - T > 1: B verifies of T tokens each. A shorter sequence's tokens past its end are padding (token 0 at its
-        last real position, KV to the scratch page, the state after it to the scratch slot); a plain decode among
+        last real position, KV to the scratch page, the state after it to `padding_slot`); a plain decode among
         them is a verify of one real token, whose state goes to its own slot as a verify's first token's does.
     Sequences N..B-1 are padding: token 0 at position 0 of a one-token context on the KV pool's scratch page, state
-    in the state pool's scratch slot (neither is ever handed out), so every kernel computes them as any row and
-    nothing reads what they produce. The attention's split count comes from `max_len` (the context, at most the
+    from `padding_slot` (the page is never handed out), so every kernel computes them as any row and nothing reads
+    what they produce. `padding_slot` is -1 with the Triton kernels, which read a zero state for it and store none
+    (a padding token would otherwise write a whole fp32 state per GDN layer), and the state pool's scratch slot
+    (never handed out) with the torch references, which index it. The attention's split count comes from `max_len` (the context, at most the
     pool), not from this step's lengths. So nothing inside a forward changes from step to step but the buffers'
     contents: on CUDA one graph per shape (and per forward: the target's, the NEXTN head's) is captured at start
     (`capture`) and replayed; on the CPU (tests) the padded batch runs eagerly, the same math. The logits and the
@@ -460,6 +463,7 @@ class StaticStep:
     def __init__(self, model: Qwen3NextForCausalLM, kv_pool: KVPool, state_pool: StatePool, max_batch: int,
                  max_len: int, max_tokens: int = 1, nextn_kv_layer: int | None = None) -> None:
         self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
+        self.padding_slot = -1 if use_triton(state_pool.ssm_all) else state_pool.scratch_slot
         self.sizes = graph_batch_sizes(max_batch)
         self.max_len, self.max_tokens, self.nextn_kv_layer = max_len, max_tokens, nextn_kv_layer
         self.shapes = [(B, T) for T in range(1, max_tokens + 1) for B in self.sizes]
@@ -487,15 +491,16 @@ class StaticStep:
         self._pad()
 
     def _pad(self) -> None:
-        """Every row padding (before a capture, whose warm-up runs for real: on the scratch page and slot only)."""
-        scratch_page, scratch_slot = self.kv_pool.scratch_page, self.state_pool.scratch_slot
+        """Every row padding (before a capture, whose warm-up runs for real: on the scratch page and padding_slot
+        only)."""
+        scratch_page, pad_slot = self.kv_pool.scratch_page, self.padding_slot
         self.input_ids.zero_()
         self.positions.zero_()
         self.slot_mapping.fill_(scratch_page * self.kv_pool.page_size)
-        self.out_slots.fill_(scratch_slot)
+        self.out_slots.fill_(pad_slot)
         self.token_lens.fill_(1)
         self.seq_lens.fill_(1)
-        self.state_slots.fill_(scratch_slot)
+        self.state_slots.fill_(pad_slot)
         self.page_table.fill_(scratch_page)
         if self.nextn_kv_layer is not None:
             self.draft_in.zero_()
@@ -536,7 +541,7 @@ class StaticStep:
         N, ps = len(spans), self.kv_pool.page_size
         T = max(len(ids) for _, _, ids, _ in spans)
         B = next(b for b in self.sizes if b >= N)
-        scratch_kv, scratch_slot = self.kv_pool.scratch_page * ps, self.state_pool.scratch_slot
+        scratch_kv, pad_slot = self.kv_pool.scratch_page * ps, self.padding_slot
         ids, positions, slots, out_slots, token_lens = [], [], [], [], []         # per token row
         lens, state_slots, real_rows, cu = [], [], [], [0]                       # per sequence
         for i, (req, start, toks, after) in enumerate(spans):
@@ -546,7 +551,7 @@ class StaticStep:
                 ids.append(toks[t] if t < n else 0)
                 positions.append(p)
                 slots.append(req.pages[p // ps] * ps + p % ps if t < n else scratch_kv)
-                out_slots.append(after[t] if t < n else scratch_slot)
+                out_slots.append(after[t] if t < n else pad_slot)
                 token_lens.append(p + 1)
             lens.append(start + n)
             state_slots.append(req.state_slot)
@@ -554,7 +559,7 @@ class StaticStep:
             cu.append(cu[-1] + n)
         pad = B - N
         lens += [1] * pad
-        state_slots += [scratch_slot] * pad
+        state_slots += [pad_slot] * pad
         w = min(self.width, max(len(req.pages) for req, _, _, _ in spans))  # columns to write; later: never read
         table: list[int] = []
         for req, _, _, _ in spans:
@@ -563,7 +568,7 @@ class StaticStep:
             table += [self.kv_pool.scratch_page] * (w - len(row))
         R, padded = B * T, pad * T
         host = torch.tensor(ids + [0] * padded + positions + [0] * padded + slots + [scratch_kv] * padded
-                            + out_slots + [scratch_slot] * padded + token_lens + [1] * padded
+                            + out_slots + [pad_slot] * padded + token_lens + [1] * padded
                             + lens + state_slots + table + [self.kv_pool.scratch_page] * (pad * w)
                             + real_rows, dtype=torch.long)
         vals = host.to(self.input_ids.device, non_blocking=True)   # one host -> device copy
@@ -599,10 +604,10 @@ class StaticStep:
         in span order) with the hidden rows `hidden` [sum n, H] (the target's, or the head's own for a chain
         step). Returns the head's output rows packed the same way (a view of `draft_out` for one token per
         sequence: read before the next pass)."""
-        scratch, k = self.state_pool.scratch_slot, 0
+        pad_slot, k = self.padding_slot, 0
         filled = []
         for req, pos, n in spans:
-            filled.append((req, pos, next_ids[k:k + n], [scratch] * n))
+            filled.append((req, pos, next_ids[k:k + n], [pad_slot] * n))
             k += n
         B, T, lens, state_slots, _, real_rows = self._fill(filled)
         R = B * T
@@ -634,7 +639,7 @@ class StaticStep:
         reuses the largest's memory: only one replays at a time). Each runs once eagerly first, outside the capture
         but on its stream, so the Triton kernels are compiled and anything made lazily per stream (cuBLAS
         workspaces) is made before it. Every row is padding meanwhile, so the warm-ups touch only the scratch page
-        and slot."""
+        and padding_slot."""
         start, before = time.perf_counter(), torch.cuda.memory_reserved()
         self.graphs.clear()
         self._pad()
@@ -643,7 +648,7 @@ class StaticStep:
         pool, stream = None, torch.cuda.Stream()
         with torch.cuda.stream(stream):
             for B, T in sorted(self.shapes, key=lambda bt: (-bt[0] * bt[1], -bt[1])):
-                batch = self._batch(B, T, [1] * B, [self.state_pool.scratch_slot] * B)
+                batch = self._batch(B, T, [1] * B, [self.padding_slot] * B)
                 R = B * T
                 for kind in kinds:
                     if kind == "step":
