@@ -310,13 +310,13 @@ class Engine:
             model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision,
                                fp8_weights=plan.fp8_weights)
             engine = cls(cfg, model, Tokenizer.from_folder(folder), plan)
+            engine.price_drafts()             # NEXTN: the first forwards, before serving
         except RuntimeError as e:             # torch.OutOfMemoryError (CUDA) or the CPU allocator's failure
             if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
                 raise
             key = "engine.mem_fraction_static" if plan.device == "cuda" else "engine.kv_cache_tokens"
-            raise ConfigError(f"out of memory while loading the model and allocating the pools the plan sized "
-                              f"({plan}); lower {key}", key) from None
-        engine.price_drafts()
+            raise ConfigError(f"out of memory while loading the model, allocating the pools the plan sized "
+                              f"({plan}) or running the first steps; lower {key}", key) from None
         return engine
 
     def price_drafts(self, steps: int = 3) -> None:
