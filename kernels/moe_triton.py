@@ -40,18 +40,32 @@ BK = 64                       # K step of every tile shape (fixed: see the modul
 
 
 @triton.jit
+def _expert_block(sorted_ids_ptr, expert_ids_ptr, N, P, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's block: its BM (token, expert) pair ids (padding rows hold the sentinel P), their one expert,
+    and its BN output columns, with the masks of both."""
+    pairs = tl.load(sorted_ids_ptr + tl.program_id(0) * BM + tl.arange(0, BM))
+    expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    return pairs, pairs < P, expert, cols, cols < N
+
+
+@triton.jit
+def _store_block(acc, y_ptr, rw_ptr, pairs, row_ok, cols, col_ok, sym, MUL_ROUTED_WEIGHT: tl.constexpr):
+    """The block's rows of y, scaled by their routing weights first when asked (the down projection)."""
+    if MUL_ROUTED_WEIGHT:
+        acc *= tl.load(rw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    y = y_ptr + pairs.to(tl.int64)[:, None] * sym + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, y_ptr, rw_ptr, sorted_ids_ptr, expert_ids_ptr, padded_len_ptr,
                      N, K, P, sam, swe, swn, sym,
                      A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PREC: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if pid_m * BM >= tl.load(padded_len_ptr):
+    if tl.program_id(0) * BM >= tl.load(padded_len_ptr):
         return                                          # a block past the padded length (the buffer's bound)
-    pairs = tl.load(sorted_ids_ptr + pid_m * BM + tl.arange(0, BM))
-    row_ok = pairs < P                                  # padding rows hold the sentinel P
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    col_ok = cols < N
+    pairs, row_ok, expert, cols, col_ok = _expert_block(sorted_ids_ptr, expert_ids_ptr, N, P, BM=BM, BN=BN)
     ks = tl.arange(0, BK)
     a_base = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * sam
     w_base = w_ptr + expert * swe + cols.to(tl.int64)[None, :] * swn     # W_e^T tile [BK, BN]
@@ -61,10 +75,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, y_ptr, rw_ptr, sorted_ids_ptr, expert_ids_ptr
         a = tl.load(a_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc += tl.dot(a, w.to(a.dtype), input_precision=PREC)
-    if MUL_ROUTED_WEIGHT:
-        acc *= tl.load(rw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    y = y_ptr + pairs.to(tl.int64)[:, None] * sym + cols[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_block(acc, y_ptr, rw_ptr, pairs, row_ok, cols, col_ok, sym, MUL_ROUTED_WEIGHT=MUL_ROUTED_WEIGHT)
 
 
 @triton.jit
@@ -73,14 +84,9 @@ def _moe_fp8_gemm_kernel(a_ptr, w_ptr, s_ptr, y_ptr, rw_ptr, sorted_ids_ptr, exp
                          A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PREC: tl.constexpr,
                          SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ACT_QUANT: tl.constexpr,
                          EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if pid_m * BM >= tl.load(padded_len_ptr):
+    if tl.program_id(0) * BM >= tl.load(padded_len_ptr):
         return                                          # a block past the padded length (the buffer's bound)
-    pairs = tl.load(sorted_ids_ptr + pid_m * BM + tl.arange(0, BM))
-    row_ok = pairs < P                                  # padding rows hold the sentinel P
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    col_ok = cols < N
+    pairs, row_ok, expert, cols, col_ok = _expert_block(sorted_ids_ptr, expert_ids_ptr, N, P, BM=BM, BN=BN)
     ks = tl.arange(0, BK)
     a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * sam + ks[None, :]
     w_ptrs = w_ptr + expert * swe + cols.to(tl.int64)[None, :] * swn + ks[:, None]      # W_e^T tile [BK, BN]
@@ -98,10 +104,7 @@ def _moe_fp8_gemm_kernel(a_ptr, w_ptr, s_ptr, y_ptr, rw_ptr, sorted_ids_ptr, exp
         acc += fp8_group_product(a, w, w_scale, ACT_QUANT, PREC)
         a_ptrs += BK
         w_ptrs += BK
-    if MUL_ROUTED_WEIGHT:
-        acc *= tl.load(rw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    y = y_ptr + pairs.to(tl.int64)[:, None] * sym + cols[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_block(acc, y_ptr, rw_ptr, pairs, row_ok, cols, col_ok, sym, MUL_ROUTED_WEIGHT=MUL_ROUTED_WEIGHT)
 
 
 def tile_shape(pairs: int, num_experts: int) -> tuple[int, int, int, int]:

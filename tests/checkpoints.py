@@ -143,6 +143,16 @@ def _save(model: torch.nn.Module, folder: Path, max_shard_size: str | int | None
     model.save_pretrained(str(folder), safe_serialization=True, **kw)
 
 
+def _add_mtp(folder: Path, kw: dict, model, *, moe: bool, seed: int, count_in_config: bool) -> None:
+    """A random NEXTN head (mtp.* tensors) in a shard of its own, kept on `model` for the tests' oracle;
+    count_in_config: config.json says mtp_num_hidden_layers = 1 (where the folder's config does not already)."""
+    mtp = _mtp_tensors(kw, moe=moe, seed=seed)
+    add_tensors(folder, mtp, "model-mtp.safetensors")
+    if count_in_config:
+        _update_config(folder, lambda d: d.update(mtp_num_hidden_layers=1))
+    model.mtp_state_dict = mtp
+
+
 def make_qwen3_next(path: str | Path, *, max_shard_size: str | int | None = None, with_mtp: bool = False,
                     seed: int = 0, **overrides) -> tuple[Path, Qwen3NextForCausalLM]:
     """Tiny Qwen3-Next (MoE, interleaved GDN projections, per-expert tensors as in the release)."""
@@ -153,10 +163,8 @@ def make_qwen3_next(path: str | Path, *, max_shard_size: str | int | None = None
     perturb_(model, seed)
     _save(model, folder, max_shard_size)
     if with_mtp:
-        mtp = _mtp_tensors(kw, moe=True, seed=seed)
-        add_tensors(folder, mtp, "model-mtp.safetensors")
         # The Qwen3-Next release has no MTP count in config.json; vLLM defaults num_nextn_predict_layers to 1.
-        model.mtp_state_dict = mtp
+        _add_mtp(folder, kw, model, moe=True, seed=seed, count_in_config=False)
     return folder, model
 
 
@@ -170,10 +178,7 @@ def make_qwen3_5_text(path: str | Path, *, max_shard_size: str | int | None = No
     perturb_(model, seed)
     _save(model, folder, max_shard_size)
     if with_mtp:
-        mtp = _mtp_tensors(kw, moe=False, seed=seed)
-        add_tensors(folder, mtp, "model-mtp.safetensors")
-        _update_config(folder, lambda d: d.update(mtp_num_hidden_layers=1))
-        model.mtp_state_dict = mtp
+        _add_mtp(folder, kw, model, moe=False, seed=seed, count_in_config=True)
     return folder, model
 
 
@@ -189,10 +194,7 @@ def make_qwen3_5_moe(path: str | Path, *, max_shard_size: str | int | None = Non
     perturb_(model, seed)
     _save(model, folder, max_shard_size)
     if with_mtp:
-        mtp = _mtp_tensors(kw, moe=True, seed=seed)
-        add_tensors(folder, mtp, "model-mtp.safetensors")
-        _update_config(folder, lambda d: d.update(mtp_num_hidden_layers=1))
-        model.mtp_state_dict = mtp
+        _add_mtp(folder, kw, model, moe=True, seed=seed, count_in_config=True)
     return folder, model
 
 
@@ -226,9 +228,7 @@ def make_qwen3_5_conditional(path: str | Path, with_mtp: bool = True, *, max_sha
 
     _update_config(folder, fix)
     if with_mtp:
-        mtp = _mtp_tensors(kw, moe=False, seed=seed)
-        add_tensors(folder, mtp, "model-mtp.safetensors")
-        text.mtp_state_dict = mtp
+        _add_mtp(folder, kw, text, moe=False, seed=seed, count_in_config=False)
     return folder, text
 
 
@@ -422,9 +422,7 @@ def make_qwen3_5_vl(path: str | Path, *, seed: int = 0, with_mtp: bool = False, 
     # save_pretrained rewrote generation_config.json from the model config: keep the chat-aware one
     _write_vl_tokenizer_files(folder)
     if with_mtp:
-        mtp = _mtp_tensors(kw, moe=False, seed=seed)
-        add_tensors(folder, mtp, "model-mtp.safetensors")
-        full.mtp_state_dict = mtp
+        _add_mtp(folder, kw, full, moe=False, seed=seed, count_in_config=False)
     return folder, full
 
 

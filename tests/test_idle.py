@@ -14,6 +14,21 @@ from tinyserve.sampling import SamplingParams
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
+async def run(eng, prompt: list[int]):
+    """One request through a started engine: its tokens and its result."""
+    stream = eng.submit(prompt, GREEDY)
+    out = [e.token_id async for events in stream for e in events]
+    return out, stream.result
+
+
+async def wait_for_release(eng) -> None:
+    """A bounded wait for the engine thread's idle release."""
+    for _ in range(400):
+        if (await eng.call(eng.stats)).pools_released:
+            return
+        await asyncio.sleep(0.01)
+
+
 def test_idle_release_then_a_host_hit(hybrid_model):
     session = tokens(200, 5)
     cold = engine_for(hybrid_model, cache={"enabled": False}).generate([session], GREEDY)[0]
@@ -23,22 +38,15 @@ def test_idle_release_then_a_host_hit(hybrid_model):
     async def scenario():
         await eng.start()
         try:
-            async def run():
-                stream = eng.submit(session, GREEDY)
-                out = [e.token_id async for events in stream for e in events]
-                return out, stream.result
-            first, _ = await run()
-            for _ in range(400):                       # bounded wait for the engine thread's release
-                if (await eng.call(eng.stats)).pools_released:
-                    break
-                await asyncio.sleep(0.01)
+            first, _ = await run(eng, session)
+            await wait_for_release(eng)
             stats = await eng.call(eng.stats)
             assert stats.pools_released and stats.idle_releases == 1
             assert eng.kv_pool.buffer.numel() == 0 and eng.state_pool.ssm.numel() == 0
             assert stats.kv_pages_used == 0 and stats.cache.cached_pages == 0 and stats.cache.snapshots_held == 0
             await asyncio.sleep(0.3)                   # stats calls (like /metrics) do not wake it
             assert (await eng.call(eng.stats)).idle_releases == 1
-            again, result = await run()
+            again, result = await run(eng, session)
             return first, again, result
         finally:
             await eng.stop()
@@ -65,20 +73,13 @@ def test_no_room_to_restore_fails_the_request_not_the_server(hybrid_model):
     async def scenario():
         await eng.start()
         try:
-            async def run():
-                stream = eng.submit(session, GREEDY)
-                out = [e.token_id async for events in stream for e in events]
-                return out, stream.result
-            await run()
-            for _ in range(400):
-                if (await eng.call(eng.stats)).pools_released:
-                    break
-                await asyncio.sleep(0.01)
+            await run(eng, session)
+            await wait_for_release(eng)
             eng.state_pool.restore = no_room             # the KV pool is allocated, then the state pool fails
-            failed = await asyncio.wait_for(run(), 10)
+            failed = await asyncio.wait_for(run(eng, session), 10)
             released = eng.kv_pool.released and eng.state_pool.released
             eng.state_pool.restore = restore
-            again = await asyncio.wait_for(run(), 30)
+            again = await asyncio.wait_for(run(eng, session), 30)
             return failed, released, again
         finally:
             await eng.stop()

@@ -302,13 +302,10 @@ def test_paged_verify_rows_equal_causal_prefill(page_size, monkeypatch):
     prefill chunks (the torch prefill reference, an independent formulation). Ragged: 3, 1 and 4 tokens; GQA 3:1;
     many splits."""
     monkeypatch.setattr(attention_triton, "SPLIT_MIN_TOKENS", 16)
-    g = gen_(11)
     lengths, new = [9, 70, 131], [3, 1, 4]
-    cache, pages, _ = paged_kv(lengths, page_size, 2, 32, torch.float32, g, spare_pages=2)
-    width = max(len(p) for p in pages)
-    table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32, device=DEV)
+    _, cache, table, *_ = paged_decode_case(lengths, page_size, 6, 2, 32, torch.float32, torch.float32, seed=11)
     cu = [0, 3, 4, 8]
-    q = rnd(cu[-1], 6, 32, gen=g)
+    q = rnd(cu[-1], 6, 32, gen=gen_(12))
     with backend("torch"):
         ref = paged_attention_prefill(q, cache, table, cu, lengths, 32 ** -0.5)
     rows = torch.tensor([i for i, n in enumerate(new) for _ in range(n)], device=DEV)

@@ -454,11 +454,11 @@ class StaticStep:
     from `padding_slot` (the page is never handed out), so every kernel computes them as any row and nothing reads
     what they produce. `padding_slot` is -1 with the Triton kernels, which read a zero state for it and store none
     (a padding token would otherwise write a whole fp32 state per GDN layer), and the state pool's scratch slot
-    (never handed out) with the torch references, which index it. The attention's split count comes from `max_len` (the context, at most the
-    pool), not from this step's lengths. So nothing inside a forward changes from step to step but the buffers'
-    contents: on CUDA one graph per shape (and per forward: the target's, the NEXTN head's) is captured at start
-    (`capture`) and replayed; on the CPU (tests) the padded batch runs eagerly, the same math. The logits and the
-    sampling run outside, as for an eager step, on the real rows."""
+    (never handed out) with the torch references, which index it. The attention's split count comes from
+    `max_len` (the context, at most the pool), not from this step's lengths. So nothing inside a forward changes
+    from step to step but the buffers' contents: on CUDA one graph per shape (and per forward: the target's, the
+    NEXTN head's) is captured at start (`capture`) and replayed; on the CPU (tests) the padded batch runs eagerly,
+    the same math. The logits and the sampling run outside, as for an eager step, on the real rows."""
 
     def __init__(self, model: Qwen3NextForCausalLM, kv_pool: KVPool, state_pool: StatePool, max_batch: int,
                  max_len: int, max_tokens: int = 1, nextn_kv_layer: int | None = None) -> None:
@@ -611,12 +611,7 @@ class StaticStep:
             k += n
         B, T, lens, state_slots, _, real_rows = self._fill(filled)
         R = B * T
-        if T == 1:
-            self.draft_in[:len(spans)].copy_(hidden)
-            self.draft_in[len(spans):R].zero_()
-        else:
-            self.draft_in[:R].zero_()
-            self.draft_in.index_copy_(0, real_rows, hidden)
+        self.draft_in.index_copy_(0, real_rows, hidden)   # padding rows keep earlier rows: finite, never read
         batch = self._batch(B, T, lens, state_slots)
         out = self._replay(("draft", B, T), lambda: self.model.mtp_hidden(
             self.input_ids[:R], self.draft_in[:R], batch, self.kv_pool, self.nextn_kv_layer), self.draft_out)
