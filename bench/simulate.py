@@ -8,7 +8,7 @@ tiers with the byte sizes of a Qwen3.5-27B-shaped model, and a stand-in for the 
 What is real and what stands in
 -------------------------------
 Real: `Engine._step` (the one step loop), `Scheduler`, `PrefixCache`, `RadixCache`, `Tiers`, `HostTier`,
-`FileTier`, `PageAllocator`, `StatePool`, `KVPool`, built by `Engine.__init__` / `Engine._build_cache` from the
+`FileTier`, `PageAllocator`, `StatePool`, `KVPool`, built by build.assemble / build.prefix_cache from the
 TOML config and a `MemoryPlan` that `MemoryPlan.resolve` makes for a header-only Qwen3.5-27B folder (what
 `tinyserve --check` prints): KV pages, device snapshot slots, NEXTN verify slots, host pages and host snapshots, file
 bytes. Every eviction, promotion, backup and file read is the engine's own code.
@@ -69,7 +69,7 @@ Per request the report has the TTFT (arrival to first token, queueing included) 
 then admission to first token: its copies and prefill, without the wait behind other requests).
 
 The small-scale check (tests/test_simulate.py): the same traces, shrunk, through a real Engine on the CPU (a tiny
-checkpoint, the real runner) and through SimEngine with the same plan sizes, both by `replay` on the same clock:
+checkpoint, the real runner) and through sim_engine with the same plan sizes, both by `replay` on the same clock:
 per-request cached tokens and their device / host / file split, the tree's counters, what each tier holds and the
 file tier's byte accounting must be equal.
 """
@@ -96,18 +96,19 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-import tinyserve.plan as planmod  # noqa: E402
-from tinyserve.cache import PrefixCache  # noqa: E402
-from tinyserve.config import Config, from_dict, load, to_dict  # noqa: E402
+import tinyserve.plan as planmod    # noqa: E402
+from tinyserve.build import assemble    # noqa: E402
+from tinyserve.cache import PrefixCache    # noqa: E402
+from tinyserve.config import Config, from_dict, load, to_dict    # noqa: E402
 from tinyserve.engine import Engine, RequestError  # noqa: E402
-from tinyserve.models.config import ModelConfig  # noqa: E402
-from tinyserve.plan import GIB, MemoryPlan  # noqa: E402
-from tinyserve.radix import Node, RadixCache  # noqa: E402
-from tinyserve.request import Request, Status  # noqa: E402
-from tinyserve.runner import SeqOutput, StepResult  # noqa: E402
-from tinyserve.sampling import SamplingParams  # noqa: E402
-from tinyserve.scheduler import ScheduledSeq  # noqa: E402
-from tinyserve.tiers import HEADER, FileTier, Tiers  # noqa: E402
+from tinyserve.models.config import ModelConfig    # noqa: E402
+from tinyserve.plan import GIB, MemoryPlan    # noqa: E402
+from tinyserve.radix import Node, RadixCache    # noqa: E402
+from tinyserve.request import Request, Status    # noqa: E402
+from tinyserve.runner import SeqOutput, StepResult    # noqa: E402
+from tinyserve.sampling import SamplingParams    # noqa: E402
+from tinyserve.scheduler import ScheduledSeq    # noqa: E402
+from tinyserve.tiers import HEADER, FileTier, Tiers    # noqa: E402
 
 GB = 1e9
 SEED_KV_TOKENS = 270336          # the seed's device pool (~270K tokens, fp8 KV, 48 GB card): 4224 pages of 64
@@ -411,7 +412,7 @@ class SimPrefixCache(PrefixCache):
 
 # -------------------------------------------------------------------------------------------- model stand-ins
 class StandInModel:
-    """What Engine.__init__ reads of a model: its config, device and dtype (no parameters, no vision tower)."""
+    """What build.assemble reads of a model: its config, device and dtype (no parameters, no vision tower)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg, self.device, self.dtype = cfg, torch.device("cpu"), torch.float32
@@ -486,46 +487,47 @@ class ClockedRunner:
 
 
 # ------------------------------------------------------------------------------------------- the simulated engine
-class SimEngine(Engine):
-    """Engine with the stand-in model and runner, pools of the plan's counts with tiny tensors, and counters.
+def sim_engine(cfg: Config, plan: MemoryPlan, mc: ModelConfig, cost: CostModel, clock: Clock,
+               policy: str = "engine") -> Engine:
+    """An Engine with the stand-in model and runner, pools of the plan's counts with tiny tensors, and counters
+    (engine.counters). `plan` is the real plan (sizes, reports); the engine is built from a copy whose KV pool has
+    one layer of fp32 (the counts stay)."""
+    assert policy in POLICIES, policy
+    sim_plan = dataclasses.replace(plan, device="sim", dtype="float32", kv_dtype="float32",
+                                   kv_layers=1 if plan.kv_layers else 0)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
+    engine = assemble(cfg, StandInModel(stand_in_config(mc)), None, sim_plan)
+    engine.sizes, engine.cost, engine.clock, engine.policy = Sizes.of(plan), cost, clock, policy
+    engine.counters = c = Counters()
+    engine.plan = plan
+    engine.runner = StandInRunner(mc.vocab_size, engine.eos_token_ids)
+    _count_calls(engine.state_pool, "copy", lambda *a: setattr(c, "device_snapshot_copies",
+                                                               c.device_snapshot_copies + 1))
+    if isinstance(engine.cache, PrefixCache):
+        _adopt_cache(engine)
+    return engine
 
-    `plan` is the real plan (sizes, reports); the engine is built from a copy whose KV pool has one layer of fp32
-    (the counts stay)."""
 
-    def __init__(self, cfg: Config, plan: MemoryPlan, mc: ModelConfig, cost: CostModel, clock: Clock,
-                 policy: str = "engine") -> None:
-        assert policy in POLICIES, policy
-        self.sizes, self.cost, self.clock, self.policy = Sizes.of(plan), cost, clock, policy
-        self.counters = Counters()
-        sim_plan = dataclasses.replace(plan, device="sim", dtype="float32", kv_dtype="float32",
-                                       kv_layers=1 if plan.kv_layers else 0)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
-        super().__init__(cfg, StandInModel(stand_in_config(mc)), None, sim_plan)
-        self.plan = plan
-        self.runner = StandInRunner(mc.vocab_size, self.eos_token_ids)
-        c = self.counters
-        _count_calls(self.state_pool, "copy", lambda *a: setattr(c, "device_snapshot_copies",
-                                                                  c.device_snapshot_copies + 1))
-
-    def _build_cache(self, cfg: Config, plan: MemoryPlan):
-        cache = super()._build_cache(cfg, plan)
-        tree, tiers = cache.tree, cache.tree.tiers
-        c = self.counters
-        common = dict(sizes=self.sizes, counters=c)
-        if tiers.host is not None:                           # every copy between the device and the host tier
-            tiers.host.min_free_bytes = 0                    # no memory pressure: a 64 GB box runs nothing else
-            def bump(field: str, pages: bool):
-                return lambda *a: setattr(c, field, getattr(c, field) + (len(a[0]) if pages else 1))
-            _count_calls(tiers.host, "save_pages", bump("host_pages_saved", True))
-            _count_calls(tiers.host, "load_pages", bump("host_pages_loaded", True))
-            _count_calls(tiers.host, "save_snapshot", bump("host_snapshots_saved", False))
-            _count_calls(tiers.host, "load_snapshot", bump("host_snapshots_loaded", False))
-        if tiers.file is not None:
-            _adopt(tiers.file, SimFileTier, meta={}, **common)
-        _adopt(tiers, SimTiers, **common)
-        _adopt(tree, SimRadix, counters=c, policy=self.policy)
-        return _adopt(cache, SimPrefixCache, clock=self.clock, cost=self.cost, read_ready={}, read_time={},
-                      reader_free=0.0, **common)
+def _adopt_cache(engine: Engine) -> None:
+    """The engine's prefix cache, tree and tiers switched to their simulator subclasses, in place (the scheduler
+    holds the same objects)."""
+    cache, c = engine.cache, engine.counters
+    tree, tiers = cache.tree, cache.tree.tiers
+    common = dict(sizes=engine.sizes, counters=c)
+    if tiers.host is not None:                           # every copy between the device and the host tier
+        tiers.host.min_free_bytes = 0                    # no memory pressure: a 64 GB box runs nothing else
+        def bump(field: str, pages: bool):
+            return lambda *a: setattr(c, field, getattr(c, field) + (len(a[0]) if pages else 1))
+        _count_calls(tiers.host, "save_pages", bump("host_pages_saved", True))
+        _count_calls(tiers.host, "load_pages", bump("host_pages_loaded", True))
+        _count_calls(tiers.host, "save_snapshot", bump("host_snapshots_saved", False))
+        _count_calls(tiers.host, "load_snapshot", bump("host_snapshots_loaded", False))
+    if tiers.file is not None:
+        _adopt(tiers.file, SimFileTier, meta={}, **common)
+    _adopt(tiers, SimTiers, **common)
+    _adopt(tree, SimRadix, counters=c, policy=engine.policy)
+    _adopt(cache, SimPrefixCache, clock=engine.clock, cost=engine.cost, read_ready={}, read_time={},
+           reader_free=0.0, **common)
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
@@ -817,7 +819,7 @@ def _transfer_seconds(engine: Engine, cost: CostModel, d: dict[str, float]) -> f
 
 def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Result:
     """Play the trace through engine._step, the engine's own step, on the virtual clock. Works for a real Engine
-    (its runner is wrapped to advance the clock; its tier copies are not timed) and for a SimEngine. A request's
+    (its runner is wrapped to advance the clock; its tier copies are not timed) and for a sim_engine. A request's
     file-tier read is waited for when it arrives, and file writes are flushed after every step, so the order of
     events never depends on the reader and writer threads."""
     assert hasattr(engine.cache, "tree"), "replay needs the prefix cache (cache.enabled = true)"
@@ -848,7 +850,7 @@ def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Resul
             arrival, _, turn = heapq.heappop(heap)
             prompt = (history[turn.base] if turn.base is not None else []) + turn.message
             params = SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
-            req = engine._make_request(prompt, params, f"{turn.session}/{turn.index}")
+            req = engine.intake.make_request(prompt, params, f"{turn.session}/{turn.index}")
             rec = Record(req.request_id, turn.session, turn.index, len(prompt), arrival)
             records.append(rec)
             sched.add(req)
@@ -925,12 +927,12 @@ def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Resul
 def simulate(trace: Trace, config: Path = ROOT / "systemd" / "production.toml",
              overrides: dict[str, Any] | None = None, cost_kw: dict[str, Any] | None = None,
              kv_tokens: int = SEED_KV_TOKENS, policy: str = "engine") -> Result:
-    """One trace through a SimEngine for the 27B plan of `config` (+ overrides)."""
+    """One trace through a sim_engine for the 27B plan of `config` (+ overrides)."""
     with tempfile.TemporaryDirectory(prefix="tinyserve-sim-file-") as tmp:
         cfg, mc, values, plan = plan_27b(config, Path(tmp), overrides, kv_tokens)
         cost = CostModel.for_model(mc, values, plan, **(cost_kw or {}))
         clock = Clock()
-        engine = SimEngine(cfg, plan, mc, cost, clock, policy)
+        engine = sim_engine(cfg, plan, mc, cost, clock, policy)
         try:
             return replay(engine, trace, cost, clock)
         finally:

@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_checkpoint, fmt_table, make_prompts, engine_for  # noqa: E402
+from common import bench_checkpoint, fmt_table, make_prompts, engine_for    # noqa: E402
 
 from tinyserve.engine import Engine  # noqa: E402
-from tinyserve.loader import load_model  # noqa: E402
-from tinyserve.sampling import SamplingParams  # noqa: E402
-from tinyserve.tiers import Blob, FileTier, HostTier, chain_hashes  # noqa: E402
+from tinyserve.loader import load_model    # noqa: E402
+from tinyserve.sampling import SamplingParams    # noqa: E402
+from tinyserve.tiers import Blob, FileTier, HostTier, chain_hashes    # noqa: E402
 
 FIRST = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)    # the request time is the TTFT
 GB = 1e9

@@ -14,6 +14,7 @@ import torch
 from conftest import assert_no_leaks, engine_for, tokens
 from tinyserve.copies import CopyStream, DeferredCopyStream, copy_stream_for
 from tinyserve.engine import Engine
+from tinyserve.build import engine_for_model
 from tinyserve.config import from_dict
 from tinyserve.sampling import SamplingParams
 
@@ -28,7 +29,7 @@ def tiered(model, stream, file_dir=None) -> Engine:
         cache["file"] = {"dir": str(file_dir), "size_gb": 1.0, "prefetch_policy": "wait_complete"}
     cfg = from_dict({"engine": {"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1},
                      "cache": cache})
-    return Engine.for_model(cfg, model, copy_stream=stream)
+    return engine_for_model(cfg, model, copy_stream=stream)
 
 
 def play(eng: Engine) -> list[tuple[list[int], int]]:

@@ -269,7 +269,7 @@ def test_pressure_while_a_request_runs(model, cold, monkeypatch):
     host, tree = host_of(eng), eng.cache.tree
     fill(eng, cold)
     eng.cache.make_room(eng.allocator.num_pages)             # everything host-only: A resumes from the host
-    req = eng._make_request(SESSIONS["A"], GREEDY, None)
+    req = eng.intake.make_request(SESSIONS["A"], GREEDY)
     eng.scheduler.add(req)
     eng._step()                                               # admitted (its path locked), prefilling
     assert req.status == Status.RUNNING and req.cached_by_tier["host"] > 0

@@ -22,6 +22,7 @@ from checkpoints import make_qwen3_5_text
 from conftest import TEST_DEVICE, engine_for, merge, tokens
 from server_util import ServerProcess, free_port, http, server_config
 from tinyserve.engine import Engine
+from tinyserve.build import engine_for_model
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
 from tinyserve.tiers import SUFFIX, FileTier, chain_hashes, model_fingerprint
@@ -447,12 +448,12 @@ def test_kill_9_while_writing_leaves_a_consistent_folder(tmp_path):
 ENGINE_WRITER = r"""
 import sys, torch
 from tinyserve.config import from_dict
-from tinyserve.engine import Engine
+from tinyserve.build import engine_for_model
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
 cfg = from_dict({"engine": {"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1},
                  "cache": {"file": {"dir": sys.argv[2], "size_gb": 1.0}}})
-eng = Engine.for_model(cfg, load_model(sys.argv[1], torch.float32))
+eng = engine_for_model(cfg, load_model(sys.argv[1], torch.float32))
 p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 i = 0
 while True:

@@ -364,7 +364,7 @@ def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
             eng = engine_for(model, engine={"page_size": 16, "kernels": name}, cache={"enabled": False},
                              speculative={"algorithm": "nextn", "max_running": 0})
             assert kernels.backend() == name
-            eng.runner.step_cost = PinnedCost()
+            eng.nextn.step_cost = PinnedCost()
             out[name] = eng.generate(prompts, params)
     assert out["triton"] == out["torch"]
     assert set(calls) == {n for names in kernels_used.values() for n in names}, calls

@@ -14,7 +14,7 @@ pages and state; this module only submits, iterates and cancels.
 
 Images: a request's image parts are parsed (protocol) into their bytes, or, with server.fetch_image_urls, into http(s)
 URLs this module fetches (aiohttp, FETCH_TIMEOUT_S, at most server.max_request_body_mb each). After the prompt ids,
-the engine decodes them and widens each image's one pad to its token count (engine.prepare_images, in a worker
+the engine decodes them and widens each image's one pad to its token count (engine.intake.prepare_images, in a worker
 thread); the widened ids are the prompt from then on (max_tokens fitting, usage, return_token_ids).
 
 Why the bounded queue: SGLang and vLLM queue without limit, so a burst piles up minutes of waiting requests that
@@ -213,7 +213,7 @@ class Generation:
     """Submits n requests for one prompt, turns their token events into text deltas (stop strings applied),
     records metrics, and cancels whatever is unfinished on close(): client gone, stop string, or shutdown.
     Raises the engine's RequestError before submitting anything when the parameters are out of range. `images`:
-    what engine.prepare_images returned for these prompt ids; every choice sees the same ones."""
+    what engine.intake.prepare_images returned for these prompt ids; every choice sees the same ones."""
 
     def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, n: int, stop: list[str],
                  request_id: str, arrival: float, images: Sequence[Any] = ()) -> None:
@@ -429,9 +429,9 @@ async def prepare_images(state: ServerState, endpoint: Endpoint, req: Any, promp
     for engine.submit). 400 naming the part when the model takes no images or an image cannot be used."""
     engine, cfg = state.engine, state.cfg
     try:
-        engine.check_images([im.param for im in req.images])        # before fetching what cannot be used
+        engine.intake.check_images([im.param for im in req.images])        # before fetching what cannot be used
         sources = await fetch_images(req.images, int(cfg.server.max_request_body_mb * 1024 * 1024))
-        return await asyncio.get_running_loop().run_in_executor(IMAGE_WORKERS, engine.prepare_images, prompt_ids,
+        return await asyncio.get_running_loop().run_in_executor(IMAGE_WORKERS, engine.intake.prepare_images, prompt_ids,
                                                                 sources)
     except RequestError as e:
         raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
@@ -459,7 +459,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     meta = Meta(endpoint.id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompt_ids,
                 state.token_text)
     try:                                              # the engine decides what fits and what is in range
-        fitted = engine.fit_max_tokens(len(prompt_ids), options.max_tokens, endpoint.clamp_max_tokens)
+        fitted = engine.intake.fit_max_tokens(len(prompt_ids), options.max_tokens, endpoint.clamp_max_tokens)
         params = sampling_params(options, fitted)
         gen = Generation(state, prompt_ids, params, options.n, options.stop, meta.request_id, arrival, images)
     except RequestError as e:

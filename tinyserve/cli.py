@@ -171,8 +171,9 @@ async def serve(cfg: Any) -> int:
     log.info("listening on http://%s:%d, loading %s", host, port, cfg.model.path)
 
     # Load on the compute thread, which then runs every step: one OpenMP team for the whole life of the process.
-    from .engine import Engine, compute_thread
-    load = asyncio.wrap_future(compute_thread().submit(Engine.from_config, cfg))
+    from .build import build_engine
+    from .engine import compute_thread
+    load = asyncio.wrap_future(compute_thread().submit(build_engine, cfg))
     stop_wait = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, stop_wait], return_when=asyncio.FIRST_COMPLETED)
     if not load.done():                               # stopped while loading (the daemon thread dies with us)

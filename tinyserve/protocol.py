@@ -204,7 +204,7 @@ def sampling_params(options: GenerationOptions, max_tokens: int) -> SamplingPara
 
 # ---------------------------------------------------------------------------------------------------------------
 # Images: every protocol's image parts become ImageSources (bytes as sent) or RemoteImages (fetched by api.py), in
-# prompt order; the engine decodes them (engine.prepare_images). Errors name the part.
+# prompt order; the engine decodes them (engine.intake.prepare_images). Errors name the part.
 
 FETCH_OFF = ("remote image URLs are not fetched (server.fetch_image_urls = false); send the image as a data: URL "
              "(data:image/png;base64,...)")
