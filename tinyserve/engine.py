@@ -42,7 +42,7 @@ from tinyserve.copies import CopyStream, copy_stream_for
 from tinyserve.grammar import GrammarCompiler
 from tinyserve.images import ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, preprocess
 from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
-from tinyserve.kernels.fp8 import Fp8Weight
+from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.loader import WeightCount

@@ -532,7 +532,7 @@ def _dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], sc
 def _scale_block(item: "_Item", block: tuple[int, int]) -> tuple[int, int] | None:
     """The scale block of an FP8 tensor in Fp8Weight's terms (per-tensor and per-channel scales are blocks of one
     row by all columns), or None when the GEMM cannot read it (then the tensor is dequantized)."""
-    from tinyserve.kernels.fp8 import scale_block_ok
+    from tinyserve.kernels.fp8_weight import scale_block_ok
     if item.scale is None or item.info.dtype != "F8_E4M3" or len(item.info.shape) != 2:
         return None
     out, inp = item.info.shape

@@ -18,7 +18,7 @@ import torch
 from tinyserve.grammar import MaskBuffer
 from tinyserve.kv import KVPool
 from tinyserve.kernels import use_triton
-from tinyserve.kernels.gdn import VerifyLayout, verify_layout
+from tinyserve.kernels.verify_layout import VerifyLayout, verify_layout
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
 from tinyserve.multimodal import FeatureCache, PromptImage, rope_rows
 from tinyserve.request import Request
