@@ -7,7 +7,7 @@ per-key-head-group rows are reordered once at load time.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch

@@ -18,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("tinyserve", "models", "kernels")
 API_MODULES = ("api", "protocol", "anthropic", "responses", "tokenizer", "parsers", "metrics", "cli")
-ENGINE_PARTS = ("models", "kernels", "loader", "runner", "scheduler", "cache", "radix", "tiers", "kv", "state",
-                "request", "plan")
+ENGINE_PARTS = ("models", "kernels", "loader", "model_config", "fp8_scheme", "runner", "scheduler", "cache", "radix",
+                "tiers", "kv", "state", "request", "plan")
 ENGINE_PRIVATE = ("model", "model_config", "scheduler", "cache", "runner", "kv_pool", "state_pool", "allocator",
                   "plan")
 

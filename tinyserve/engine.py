@@ -45,7 +45,7 @@ from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem,
 from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
-from tinyserve.loader import WeightCount
+from tinyserve.models.config import WeightCount
 from tinyserve.multimodal import expand_image_pads, image_keys, request_images
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
 from tinyserve.radix import RadixCache
