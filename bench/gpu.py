@@ -53,7 +53,7 @@ def random_model(folder: Path, device, dtype):
     """The model the plan lays out for `folder`, FP8 where it keeps FP8, random values, the NEXTN head agreeing."""
     import torch
 
-    from tinyserve.kernels.fp8 import Fp8Weight
+    from tinyserve.kernels.fp8_weight import Fp8Weight
     from tinyserve.loader import read_checkpoint
     from tinyserve.models.qwen3_next import Fp8Weights, Qwen3NextForCausalLM
     mc, weights = read_checkpoint(folder, keep_fp8=device.type == "cuda")
@@ -167,7 +167,8 @@ def kernel_peers(device, dry: bool) -> None:
     from triton.testing import do_bench
 
     from tinyserve.kernels import backend_set_to
-    from tinyserve.kernels.fp8 import Fp8Weight, fp8_linear
+    from tinyserve.kernels.fp8 import fp8_linear
+    from tinyserve.kernels.fp8_weight import Fp8Weight
     from tinyserve.kernels.gdn import chunk_gated_delta_rule
     g = torch.Generator(device=device).manual_seed(1)
     T, H, HV, D = 8192, 16, 48, 128

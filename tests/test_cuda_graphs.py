@@ -18,7 +18,8 @@ from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
 from conftest import TEST_DEVICE, PinnedCost, assert_no_leaks, engine_for, merge, tokens
 from tinyserve.config import from_dict
 from tinyserve.engine import Engine
-from tinyserve.loader import WeightCount, load_model
+from tinyserve.loader import load_model
+from tinyserve.models.config import WeightCount
 from tinyserve.plan import MemoryPlan
 from tinyserve.request import Status
 from tinyserve.static import StaticStep, graph_batch_sizes

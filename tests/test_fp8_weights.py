@@ -13,7 +13,7 @@ import torch
 
 from checkpoints import fp8_checkpoint, make_qwen3_5_conditional, make_qwen3_5_moe, make_qwen3_5_text, make_qwen3_next
 from conftest import engine_for, tokens
-from tinyserve.kernels.fp8 import Fp8Weight
+from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.linear import linear
 from tinyserve.loader import load_model, read_checkpoint
 from tinyserve.sampling import SamplingParams

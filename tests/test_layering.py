@@ -3,7 +3,9 @@
 - models/ imports, of ours, only kernels/;
 - the cache, the scheduler and the tiers know nothing of the API (HTTP, protocols, tokenizer, parsers, metrics);
 - the API reaches the model only through the engine: it imports none of the engine's parts, and touches no private
-  part of an engine object (model, scheduler, cache, pools, runner).
+  part of an engine object (model, scheduler, cache, pools, runner);
+- no import cycle among our modules, counting the imports inside functions (they run when the function does) but
+  not those under `if TYPE_CHECKING:` (they never run).
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("tinyserve", "models", "kernels")
 API_MODULES = ("api", "protocol", "anthropic", "responses", "tokenizer", "parsers", "metrics", "cli")
-ENGINE_PARTS = ("models", "kernels", "loader", "runner", "scheduler", "cache", "radix", "tiers", "kv", "state",
-                "request", "plan")
+ENGINE_PARTS = ("models", "kernels", "loader", "model_config", "fp8_scheme", "runner", "scheduler", "cache", "radix",
+                "tiers", "kv", "state", "request", "plan")
 ENGINE_PRIVATE = ("model", "model_config", "scheduler", "cache", "runner", "kv_pool", "state_pool", "allocator",
                   "plan")
 
@@ -91,3 +93,94 @@ def test_the_api_reaches_the_model_only_through_the_engine(name):
             owner = node.value
             name_of = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
             assert name_of != "engine", f"{name}.py reaches engine.{node.attr} (line {node.lineno})"
+
+
+def module_name(path: Path) -> str:
+    """The import name of one of our files (models/qwen3_next.py -> tinyserve.models.qwen3_next)."""
+    package = {"kernels": "tinyserve.kernels", "models": "tinyserve.models"}.get(path.parent.name, "tinyserve")
+    return package if path.stem == "__init__" else f"{package}.{path.stem}"
+
+
+def runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """Our modules a file imports when it runs: at the top, in functions and classes, anywhere but under
+    `if TYPE_CHECKING:`. `from package import name` counts as importing the module package.name when it is one."""
+    package = module_name(path).rsplit(".", 1)[0] if path.stem != "__init__" else module_name(path)
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return {m for m in found if m in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = files("tinyserve") + files("models") + files("kernels")
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): runtime_imports(p, modules) - {module_name(p)} for p in paths}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles as paths m -> ... -> m: one through each module on a cycle that no cycle found before passes."""
+    def reach(start: str) -> dict[str, str | None]:
+        """Every module reachable from start, with the module it was first reached from (a BFS tree)."""
+        parent: dict[str, str | None] = {start: None}
+        queue = [start]
+        for m in queue:
+            for n in sorted(graph[m]):
+                if n not in parent:
+                    parent[n] = m
+                    queue.append(n)
+        return parent
+
+    found, seen = [], set()
+    for m in sorted(graph):
+        if m in seen:
+            continue
+        back = [n for n in sorted(graph) if m in graph[n]]       # modules that import m
+        reached = reach(m)
+        closing = next((n for n in back if n in reached), None)
+        if closing is None:
+            continue
+        path = [closing]
+        while reached[path[-1]] is not None:
+            path.append(reached[path[-1]])
+        cycle = path[::-1] + [m]
+        seen.update(cycle)
+        found.append(cycle)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path):
+    (tmp_path / "a.py").write_text("import tinyserve.b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from tinyserve import c\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tinyserve.b\n"
+                                   "else:\n    from . import a\n")
+    (tmp_path / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tinyserve.a\n")
+    modules = {f"tinyserve.{n}" for n in "abcd"}
+    graph = {f"tinyserve.{n}": runtime_imports(tmp_path / f"{n}.py", modules) for n in "abcd"}
+    assert graph["tinyserve.d"] == set()
+    assert cycles(graph) == [["tinyserve.a", "tinyserve.b", "tinyserve.c", "tinyserve.a"]]
+
+
+def test_no_import_cycle_among_our_modules():
+    graph = import_graph()
+    assert "tinyserve.kernels.gdn_triton" in graph["tinyserve.kernels.gdn"]      # imports in functions count
+    found = cycles(graph)
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)

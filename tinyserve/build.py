@@ -16,10 +16,11 @@ from tinyserve.copies import CopyStream, copy_stream_for
 from tinyserve.engine import Engine
 from tinyserve.intake import Intake, RequestError, image_processor_for
 from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
-from tinyserve.kernels.fp8 import Fp8Weight
+from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
-from tinyserve.loader import WeightCount
+from tinyserve.loader import load_model
+from tinyserve.models.config import WeightCount
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
 from tinyserve.radix import RadixCache
 from tinyserve.request import Status
@@ -29,6 +30,7 @@ from tinyserve.scheduler import Scheduler
 from tinyserve.spec import FixedDepth, NextN, NextNStats
 from tinyserve.state import StatePool
 from tinyserve.tiers import FileTier, HostTier, Tiers, model_fingerprint, weights_digest
+from tinyserve.tokenizer import Tokenizer
 
 log = logging.getLogger("tinyserve.build")
 
@@ -36,8 +38,6 @@ log = logging.getLogger("tinyserve.build")
 def build_engine(cfg: Config) -> Engine:
     """Plan from the checkpoint's headers, then load the weights and build the pools, on the calling thread (a
     server calls this on the compute thread)."""
-    from tinyserve.loader import load_model
-    from tinyserve.tokenizer import Tokenizer
     folder, _, plan = plan_for(cfg)
     try:
         model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision,

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:                          # before importing torch: a typo fails in a blink
         return _fail(e)
     _setup_logging(cfg.log.level)
-    from .loader import LoaderError
+    from .model_config import LoaderError
 
     try:
         if args.check:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.grammar import MaskBuffer
-from tinyserve.kernels.gdn import verify_layout
+from tinyserve.kernels.verify_layout import verify_layout
 from tinyserve.kv import KVPool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
 from tinyserve.multimodal import VisionFeatures, rope_rows

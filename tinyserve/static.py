@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from tinyserve.kernels import use_triton
-from tinyserve.kernels.gdn import VerifyLayout
+from tinyserve.kernels.verify_layout import VerifyLayout
 from tinyserve.kv import KVPool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
 from tinyserve.request import Request
