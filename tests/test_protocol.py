@@ -1,13 +1,13 @@
-"""tinyserve.protocol without a server: request parsing (each error names its field), the engine-error mapping,
-response bodies and stream chunks."""
+"""The OpenAI endpoints (tinyserve.openai_api) and the shared layer (tinyserve.protocol) without a server: request
+parsing (each error names its field), the engine-error mapping, response bodies and stream chunks."""
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 
-from tinyserve.protocol import (APIError, Chat, ChoiceResult, Completions, Delta, Meta, Usage, parse_chat_request,
-                                parse_completion_request, sampling_params)
+from tinyserve.openai_api import Chat, Completions, parse_chat_request, parse_completion_request
+from tinyserve.protocol import APIError, ChoiceResult, Delta, Meta, Usage, sampling_params
 
 USER = [{"role": "user", "content": "x"}]
 
