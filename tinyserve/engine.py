@@ -36,10 +36,13 @@ from typing import Any, Callable
 
 import torch
 
+from tinyserve.blob import model_fingerprint, weights_digest
 from tinyserve.cache import CacheStats, NullCache, PrefixCache
 from tinyserve.config import Config, ConfigError
 from tinyserve.copies import CopyStream, copy_stream_for
+from tinyserve.file_tier import FileTier
 from tinyserve.grammar import GrammarCompiler
+from tinyserve.host_tier import HostTier
 from tinyserve.images import ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, preprocess
 from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
 from tinyserve.kernels.fp8_weight import Fp8Weight
@@ -48,18 +51,17 @@ from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.models.config import WeightCount
 from tinyserve.multimodal import expand_image_pads, image_keys, request_images
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
-from tinyserve.radix import RadixCache
 from tinyserve.request import TIERS, Request, Status
 from tinyserve.runner import ModelRunner
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import Scheduler
 from tinyserve.spec import FixedDepth, NextNSetup, SpecStats
 from tinyserve.state import StatePool
-from tinyserve.tiers import FileTier, HostTier, Tiers, model_fingerprint, weights_digest
 
 log = logging.getLogger("tinyserve.engine")
 
 IDLE_WAIT_S = 0.05        # how long an idle engine thread sleeps between checks when a file-tier read may land
+HOST_MEMORY_CHECK_S = 1.0  # how often a serving engine compares the host's available memory with its floor
 
 
 class RequestError(ValueError):
@@ -234,6 +236,7 @@ class Engine:
         self._streams: dict[str, RequestStream] = {}     # unfinished requests; event-loop side only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: asyncio.Future | None = None
+        self._watcher: asyncio.Task | None = None      # the host-memory watcher while serving
         self._stopping = False
         self._last_busy = time.monotonic()             # the last step that ran a request (idle release)
         self.idle_releases = 0
@@ -289,15 +292,12 @@ class Engine:
             host = HostTier(self.kv_pool, self.state_pool, plan.host_pages, plan.host_snapshots,
                             min_free_bytes=int(cfg.cache.host.min_free_gb * GIB), copies=self.copies)
         if plan.file_dir:
-            file = FileTier(Path(plan.file_dir), plan.file_bytes,
-                            model_fingerprint(self.model, self.kv_pool.dtype, plan.page_size),
-                            tuple(self.kv_pool.buffer.shape[1:]), self.kv_pool.dtype,
-                            tuple(self.state_pool.conv.shape[1:]), self.state_pool.conv.dtype,
-                            tuple(self.state_pool.ssm.shape[1:]))
+            file = FileTier.for_pools(Path(plan.file_dir), plan.file_bytes,
+                                      model_fingerprint(self.model, self.kv_pool.dtype, plan.page_size),
+                                      self.kv_pool, self.state_pool, self.copies, host, needs_state=plan.hybrid)
             log.info("file tier %s: %d blobs found", plan.file_dir, file.num_blobs)
-        tiers = Tiers(self.kv_pool, self.state_pool, host, file, cfg.cache.host.write_policy, self.copies)
-        tree = RadixCache(self.allocator, self.state_pool, plan.page_size, plan.hybrid, tiers)
-        return PrefixCache(cfg, tree, self.allocator, self.state_pool, wake=self._work.set)
+        return PrefixCache(cfg, self.allocator, self.state_pool, plan.page_size, plan.hybrid, host, file,
+                           wake=self._work.set)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Engine":
@@ -691,15 +691,29 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
         self._serving = asyncio.wrap_future(compute_thread().submit(self._serve))
+        self._watcher = asyncio.ensure_future(self._watch_host_memory())
 
     async def stop(self) -> None:
         """Stop the step loop and flush pending file-tier writes (bounded)."""
         if self._serving is None:
             return
+        self._watcher.cancel()
         self._stopping = True
         self._work.set()
         await self._serving
         self._serving = None
+
+    async def _watch_host_memory(self) -> None:
+        """While serving: every HOST_MEMORY_CHECK_S, ask the cache whether the host's available memory is below
+        cache.host.min_free_gb (a read of /proc/meminfo; no host tier or no floor: never), and if so have the host
+        tier give memory back on the engine thread, between two steps. Runs until stop()."""
+        while True:
+            await asyncio.sleep(HOST_MEMORY_CHECK_S)
+            try:
+                if self.cache.relief_due():
+                    await self.call(self.cache.relieve_host_memory)
+            except Exception:                             # noqa: BLE001 - serving goes on; the next check retries
+                log.exception("host tier: giving memory back failed")
 
     def _dispatch(self, events: list[StepEvent]) -> None:
         now = time.monotonic()
