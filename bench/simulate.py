@@ -7,8 +7,8 @@ tiers with the byte sizes of a Qwen3.5-27B-shaped model, and a stand-in for the 
 
 What is real and what stands in
 -------------------------------
-Real: `Engine._step` (the one step loop), `Scheduler`, `PrefixCache`, `RadixCache`, `Tiers`, `HostTier`,
-`FileTier`, `PageAllocator`, `StatePool`, `KVPool`, built by build.assemble / build.prefix_cache from the
+Real: `Engine._step` (the one step loop), `Scheduler`, `PrefixCache`, `RadixCache`, `HostTier`, `FileTier`,
+`PageAllocator`, `StatePool`, `KVPool`, built by build.assemble / build.prefix_cache from the
 TOML config and a `MemoryPlan` that `MemoryPlan.resolve` makes for a header-only Qwen3.5-27B folder (what
 `tinyserve --check` prints): KV pages, device snapshot slots, NEXTN verify slots, host pages and host snapshots, file
 bytes. Every eviction, promotion, backup and file read is the engine's own code.
@@ -96,19 +96,20 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-import tinyserve.plan as planmod    # noqa: E402
-from tinyserve.build import assemble    # noqa: E402
-from tinyserve.cache import PrefixCache    # noqa: E402
-from tinyserve.config import Config, from_dict, load, to_dict    # noqa: E402
+import tinyserve.plan as planmod  # noqa: E402
+from tinyserve.blob import HEADER  # noqa: E402
+from tinyserve.build import assemble  # noqa: E402
+from tinyserve.cache import Admission, PrefixCache  # noqa: E402
+from tinyserve.config import Config, from_dict, load, to_dict  # noqa: E402
 from tinyserve.engine import Engine, RequestError  # noqa: E402
-from tinyserve.models.config import ModelConfig    # noqa: E402
-from tinyserve.plan import GIB, MemoryPlan    # noqa: E402
-from tinyserve.radix import Node, RadixCache    # noqa: E402
-from tinyserve.request import Request, Status    # noqa: E402
-from tinyserve.runner import SeqOutput, StepResult    # noqa: E402
-from tinyserve.sampling import SamplingParams    # noqa: E402
-from tinyserve.scheduler import ScheduledSeq    # noqa: E402
-from tinyserve.tiers import HEADER, FileTier, Tiers    # noqa: E402
+from tinyserve.file_tier import FileTier  # noqa: E402
+from tinyserve.models.config import ModelConfig  # noqa: E402
+from tinyserve.plan import GIB, MemoryPlan  # noqa: E402
+from tinyserve.radix import Node, RadixCache  # noqa: E402
+from tinyserve.request import Request, Status  # noqa: E402
+from tinyserve.runner import SeqOutput, StepResult  # noqa: E402
+from tinyserve.sampling import SamplingParams  # noqa: E402
+from tinyserve.scheduler import ScheduledSeq  # noqa: E402
 
 GB = 1e9
 SEED_KV_TOKENS = 270336          # the seed's device pool (~270K tokens, fp8 KV, 48 GB card): 4224 pages of 64
@@ -261,8 +262,9 @@ def _count_calls(obj: Any, name: str, bump: Any) -> None:
 
 class SimFileTier(FileTier):
     """The file tier, sized at real scale: a blob counts as the bytes it would have with real pages and state
-    (its size accounting, and so its eviction against cache.file.size_gb, is the real one)."""
-    hooks = ("write", "_add")
+    (its size accounting, and so its eviction against cache.file.size_gb, is the real one), and the real bytes of
+    the blobs uploaded to the device are counted."""
+    hooks = ("write", "_add", "load")
     sizes: Sizes
     counters: Counters
     meta: dict                             # (start, end) -> (real bytes, has a snapshot)
@@ -283,22 +285,15 @@ class SimFileTier(FileTier):
         entry.size = self.meta.get((start, end), (entry.size, False))[0]
         super()._add(start, end, entry)
 
-    def snapshots_held(self) -> int:
-        with self._lock:
-            return sum(self.meta.get(k, (0, False))[1] for k in self._lru)
-
-
-class SimTiers(Tiers):
-    """Counts the real bytes of file-tier blobs uploaded to the device."""
-    hooks = ("load_blob",)
-    sizes: Sizes
-    counters: Counters
-
-    def load_blob(self, blob, pages: list[int], snapshot: int | None, *args: Any, **kwargs: Any) -> None:
+    def load(self, blob, pages: list[int], snapshot: int | None, *args: Any, **kwargs: Any) -> None:
         self.counters.file_to_device_bytes += len(pages) * self.sizes.page_bytes + \
             (self.sizes.snap_bytes if snapshot is not None else 0)
         self.counters.file_snapshots_loaded += snapshot is not None
-        super().load_blob(blob, pages, snapshot, *args, **kwargs)
+        super().load(blob, pages, snapshot, *args, **kwargs)
+
+    def snapshots_held(self) -> int:
+        with self._lock:
+            return sum(self.meta.get(k, (0, False))[1] for k in self._lru)
 
 
 POLICIES = ("engine", "lru", "pinned")
@@ -342,7 +337,7 @@ class SimRadix(RadixCache):
             return None
         victim = min(held, key=lambda n: n.last_use)
         if self.host is not None and victim.host_snapshot is None and \
-                (self.tiers.backup_due("evict", victim.hits) or victim.host_pages is not None):
+                (self._backup_due("evict", victim.hits) or victim.host_pages is not None):
             hs = self._host_alloc_snapshot(protect=victim)
             if hs is not None:
                 self.host.save_snapshot(victim.snapshot, hs)
@@ -386,7 +381,7 @@ class SimPrefixCache(PrefixCache):
 
     def on_arrival(self, req: Request) -> None:
         super().on_arrival(req)
-        run = req.cache_run
+        run = self.runs.get(req.request_id)
         if run is None or run.read is None:
             return
         concurrent.futures.wait([run.read])             # the tiny blobs are read at once; time is modelled
@@ -405,9 +400,9 @@ class SimPrefixCache(PrefixCache):
         later = [t for t in self.read_ready.values() if t > self.clock.now]
         return min(later) if later else None
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> Admission:
         self.read_ready.pop(req.request_id, None)
-        super().admit(req)
+        return super().admit(req)
 
 
 # -------------------------------------------------------------------------------------------- model stand-ins
@@ -512,20 +507,19 @@ def _adopt_cache(engine: Engine) -> None:
     """The engine's prefix cache, tree and tiers switched to their simulator subclasses, in place (the scheduler
     holds the same objects)."""
     cache, c = engine.cache, engine.counters
-    tree, tiers = cache.tree, cache.tree.tiers
+    host, file = cache.host, cache.file
     common = dict(sizes=engine.sizes, counters=c)
-    if tiers.host is not None:                           # every copy between the device and the host tier
-        tiers.host.min_free_bytes = 0                    # no memory pressure: a 64 GB box runs nothing else
+    if host is not None:                                 # every copy between the device and the host tier
+        host.min_free_bytes = 0                          # no memory pressure: a 64 GB box runs nothing else
         def bump(field: str, pages: bool):
             return lambda *a: setattr(c, field, getattr(c, field) + (len(a[0]) if pages else 1))
-        _count_calls(tiers.host, "save_pages", bump("host_pages_saved", True))
-        _count_calls(tiers.host, "load_pages", bump("host_pages_loaded", True))
-        _count_calls(tiers.host, "save_snapshot", bump("host_snapshots_saved", False))
-        _count_calls(tiers.host, "load_snapshot", bump("host_snapshots_loaded", False))
-    if tiers.file is not None:
-        _adopt(tiers.file, SimFileTier, meta={}, **common)
-    _adopt(tiers, SimTiers, **common)
-    _adopt(tree, SimRadix, counters=c, policy=engine.policy)
+        _count_calls(host, "save_pages", bump("host_pages_saved", True))
+        _count_calls(host, "load_pages", bump("host_pages_loaded", True))
+        _count_calls(host, "save_snapshot", bump("host_snapshots_saved", False))
+        _count_calls(host, "load_snapshot", bump("host_snapshots_loaded", False))
+    if file is not None:
+        _adopt(file, SimFileTier, meta={}, **common)
+    _adopt(cache.tree, SimRadix, counters=c, policy=engine.policy)
     _adopt(cache, SimPrefixCache, clock=engine.clock, cost=engine.cost, read_ready={}, read_time={},
            reader_free=0.0, **common)
 
@@ -783,8 +777,7 @@ class Result:
 
 def _occupancy(engine: Engine) -> dict[str, float]:
     """What each tier holds now, in pages / snapshots / blobs and real bytes."""
-    tree = engine.cache.tree
-    host, file = tree.tiers.host, tree.tiers.file
+    tree, host, file = engine.cache.tree, engine.cache.host, engine.cache.file
     sz = Sizes.of(engine.plan)
     occ = {"device_pages": tree.num_pages, "device_snapshots": tree.num_snapshots}
     occ["device_bytes"] = occ["device_pages"] * sz.page_bytes + occ["device_snapshots"] * sz.snap_bytes
@@ -812,7 +805,7 @@ def _transfer_seconds(engine: Engine, cost: CostModel, d: dict[str, float]) -> f
     write gathers (from the host tier when there is one, else from the device), device snapshot copies."""
     if not d:
         return 0.0
-    host = engine.cache.tree.tiers.host is not None
+    host = engine.cache.host is not None
     return d["pcie"] / cost.pcie_bw + d["file_write"] / (cost.host_copy_bw if host else cost.pcie_bw) \
         + d["snap_copies"] * 2 * cost.state_bytes / cost.mem_bw
 
@@ -824,7 +817,7 @@ def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Resul
     events never depends on the reader and writer threads."""
     assert hasattr(engine.cache, "tree"), "replay needs the prefix cache (cache.enabled = true)"
     runner = engine.runner = ClockedRunner(engine.runner, cost, clock)
-    file = engine.cache.tree.tiers.file
+    file = engine.cache.file
     waiting_on: dict[tuple[str, int], list[Turn]] = defaultdict(list)
     heap: list[tuple[float, int, Turn]] = []
     order = 0
@@ -854,7 +847,7 @@ def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Resul
             rec = Record(req.request_id, turn.session, turn.index, len(prompt), arrival)
             records.append(rec)
             sched.add(req)
-            run = req.cache_run
+            run = engine.cache.runs.get(req.request_id)
             if run is not None and run.read is not None:
                 concurrent.futures.wait([run.read])
             live[id(req)] = (req, rec, turn)
@@ -909,15 +902,14 @@ def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Resul
                     heapq.heappush(heap, (clock.now + nxt_turn.delay, order, nxt_turn))
                     order += 1
                 del live[key]
-    tree = engine.cache.tree
-    tiers = tree.tiers
+    tree, host, file = engine.cache.tree, engine.cache.host, engine.cache.file
     end = _occupancy(engine)
-    if isinstance(tiers.file, SimFileTier):
-        end["file_snapshots"] = tiers.file.snapshots_held()
+    if isinstance(file, SimFileTier):
+        end["file_snapshots"] = file.snapshots_held()
     tree_stats = {"hit_tokens": tree.hit_tokens, "query_tokens": tree.query_tokens,
                   "snapshots_evicted": tree.snapshots_evicted,
-                  "host_hit_tokens": tiers.host.stats.hit_tokens if tiers.host else 0,
-                  "file_hit_tokens": tiers.file.stats.hit_tokens if tiers.file else 0,
+                  "host_hit_tokens": host.stats.hit_tokens if host else 0,
+                  "file_hit_tokens": file.stats.hit_tokens if file else 0,
                   "preemptions": sched.num_preemptions}
     engine.runner = runner.inner
     return Result(trace.name, records, clock.now, runner.prefill_s, runner.decode_s, transfer_s, dict(peak),

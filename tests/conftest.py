@@ -46,8 +46,10 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def assert_no_leaks(engine: Engine) -> None:
-    """The prefix cache keeps its invariants; once emptied, every page, state slot and snapshot slot is free."""
+    """The prefix cache keeps its invariants; once emptied, every page, state slot and snapshot slot is free, and
+    the cache keeps no request's bookkeeping."""
     engine.cache.check()
+    assert not getattr(engine.cache, "runs", {}), "bookkeeping of requests that are gone"
     assert engine.flush_cache()
     engine.cache.check()
     assert engine.allocator.num_free == engine.allocator.num_pages

@@ -109,7 +109,7 @@ def test_the_cpu_copies_at_once():
 def pools(stream):
     from tinyserve.kv import KVPool, PageAllocator
     from tinyserve.state import StatePool
-    from tinyserve.tiers import HostTier
+    from tinyserve.host_tier import HostTier
     kv = KVPool(8, 4, 2, 2, 8, torch.float32, "cpu")
     alloc = PageAllocator(8)
     state = StatePool(2, 2, 12, 4, 2, 8, 8, torch.float32, "cpu", num_snapshot_slots=2)

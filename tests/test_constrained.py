@@ -223,7 +223,7 @@ def test_engine_rejects_bad_constraints(engine, tokenizer):
 
 
 def test_chat_prompt_opening_think_sets_start_after(tokenizer):
-    from tinyserve.protocol import Chat, parse_chat_request
+    from tinyserve.openai_api import Chat, parse_chat_request
     from tinyserve.tokenizer import Tokenizer
     thinking = Tokenizer(hf=tokenizer.hf, chat_template="{{ messages[0].content }}<think>\n",
                          eos_token_ids=tokenizer.eos_token_ids)
@@ -439,7 +439,7 @@ def test_bad_tool_schemas_raise_value_error(tokenizer, parameters):
 
 
 def test_chat_sets_the_tool_call_constraint(tokenizer):
-    from tinyserve.protocol import Chat, parse_chat_request
+    from tinyserve.openai_api import Chat, parse_chat_request
     from tinyserve.tokenizer import Tokenizer
     thinking = Tokenizer(hf=tokenizer.hf, chat_template="{{ messages[0].content }}<think>\n",
                          eos_token_ids=tokenizer.eos_token_ids)

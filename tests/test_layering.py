@@ -2,10 +2,13 @@
 - kernels/ imports the standard library, torch and triton, and itself: nothing else of ours;
 - models/ imports, of ours, only kernels/;
 - the cache, the scheduler and the tiers know nothing of the API (HTTP, protocols, tokenizer, parsers, metrics);
+- the tiers are reached only through the cache: no module but the cache side imports them (build.py, which
+  makes the engine, builds them);
 - the API reaches the model only through the engine: it imports none of the engine's parts, and touches no private
   part of an engine object (model, scheduler, cache, pools, runner);
 - no import cycle among our modules, counting the imports inside functions (they run when the function does) but
-  not those under `if TYPE_CHECKING:` (they never run).
+  not those under `if TYPE_CHECKING:` (they never run);
+- the cli talks to the engine, the config and the API only.
 """
 from __future__ import annotations
 
@@ -17,9 +20,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("tinyserve", "models", "kernels")
-API_MODULES = ("api", "protocol", "anthropic", "responses", "tokenizer", "parsers", "metrics", "cli")
-ENGINE_PARTS = ("models", "kernels", "loader", "model_config", "fp8_scheme", "runner", "scheduler", "cache", "radix",
-                "tiers", "kv", "state", "request", "plan")
+API_MODULES = ("api", "protocol", "chat", "openai_api", "anthropic", "responses", "tokenizer", "parsers", "metrics",
+               "cli")
+ENGINE_PARTS = ("models", "kernels", "build", "loader", "model_config", "fp8_scheme", "runner", "static", "spec",
+                "scheduler", "cache", "radix", "host_tier", "file_tier", "blob", "copies", "idle", "kv", "state",
+                "request", "plan")
+TIERS = ("host_tier", "file_tier", "blob")
+CACHE_SIDE = ("cache", "radix") + TIERS
 ENGINE_PRIVATE = ("model", "model_config", "scheduler", "cache", "runner", "kv_pool", "state_pool", "allocator",
                   "plan")
 
@@ -77,22 +84,50 @@ def test_models_import_only_kernels_of_ours(path):
         assert part in (None, "kernels", "models"), f"{path.name} imports {module}"
 
 
-@pytest.mark.parametrize("name", ["cache", "radix", "scheduler", "tiers", "kv", "state", "request", "runner"])
+@pytest.mark.parametrize("name", ["scheduler", "kv", "state", "request", "runner", *CACHE_SIDE])
 def test_cache_and_scheduler_know_nothing_of_the_api(name):
     for module in imports(ROOT / "tinyserve" / f"{name}.py"):
         assert ours(module) not in API_MODULES, f"{name}.py imports {module}"
 
 
-@pytest.mark.parametrize("name", ["api", "protocol", "metrics"])
+@pytest.mark.parametrize("name", ["api", "protocol", "chat", "openai_api", "anthropic", "responses", "metrics"])
 def test_the_api_reaches_the_model_only_through_the_engine(name):
     path = ROOT / "tinyserve" / f"{name}.py"
     for module in imports(path):
         assert ours(module) not in ENGINE_PARTS, f"{name}.py imports {module}"
+    for attr, line in engine_attributes(path):
+        assert attr not in ENGINE_PRIVATE, f"{name}.py reaches engine.{attr} (line {line})"
+
+
+def engine_attributes(path: Path) -> list[tuple[str, int]]:
+    """(attribute, line) of every `engine.<attribute>` in a file."""
+    out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PRIVATE:
+        if isinstance(node, ast.Attribute):
             owner = node.value
             name_of = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
-            assert name_of != "engine", f"{name}.py reaches engine.{node.attr} (line {node.lineno})"
+            if name_of == "engine":
+                out.append((node.attr, node.lineno))
+    return out
+
+
+@pytest.mark.parametrize("path", files("tinyserve"), ids=lambda p: p.name)
+def test_the_tiers_are_reached_only_through_the_cache(path):
+    name = path.stem
+    for module in imports(path):
+        if ours(module) in TIERS:
+            assert name in CACHE_SIDE or name == "build", f"{path.name} imports {module}"
+
+
+def test_the_cli_talks_to_the_engine_config_and_api_only():
+    # build: makes the engine; plan and model_config: --check prints the memory plan from the checkpoint's headers,
+    # and reports its errors, without importing torch (the engine does)
+    path = ROOT / "tinyserve" / "cli.py"
+    for module in imports(path):
+        assert ours(module) in (None, "tinyserve", "engine", "build", "config", "api", "plan", "model_config"), \
+            f"cli.py imports {module}"
+    for attr, line in engine_attributes(path):
+        assert attr not in ENGINE_PRIVATE or attr == "plan", f"cli.py reaches engine.{attr} (line {line})"
 
 
 def module_name(path: Path) -> str:

@@ -75,7 +75,7 @@ def test_simulator_reproduces_the_engine(hybrid_model, tmp_path, name):
     real, sim, r_real, r_sim = replay_both(hybrid_model, tmp_path, trace)
     assert per_request(r_sim) == per_request(r_real)
     assert r_sim.tree == r_real.tree
-    f_real, f_sim = real.cache.tree.tiers.file, sim.cache.tree.tiers.file
+    f_real, f_sim = real.cache.file, sim.cache.file
     assert (f_sim.num_blobs, f_sim.used_bytes) == (f_real.num_blobs, f_real.used_bytes), \
         "the simulated file tier sizes blobs as the real one writes them"
     for k, v in r_real.end.items():                             # pages, snapshots, blobs held by each tier
@@ -104,7 +104,7 @@ def test_27b_plan_with_tiny_pools(tmp_path):
         assert engine.allocator.num_pages == 4224 and pools < 8 << 20
         r = simulate.replay(engine, simulate.seed_trace(turns=5), cost, clock)
         engine.cache.check()
-        assert engine.cache.tree.tiers.host._pages.allocated_bytes < 8 << 20
+        assert engine.cache.host._pages.allocated_bytes < 8 << 20
     finally:
         engine.close()
     sizes = simulate.Sizes.of(plan)

@@ -298,7 +298,7 @@ def test_the_file_tiers_fingerprint_ignores_the_folder_and_the_vision_tower(vl, 
     tokens are keyed on the tower's weights instead (Intake.vision_fingerprint)."""
     import shutil
 
-    from tinyserve.tiers import model_fingerprint
+    from tinyserve.blob import model_fingerprint
     folder, oracle, model, tok = vl
     moved = shutil.copytree(folder, tmp_path / "moved")
     prints = {model_fingerprint(m, torch.float32, PS) for m in (model, load_model(moved, torch.float32),

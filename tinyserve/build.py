@@ -10,9 +10,12 @@ from pathlib import Path
 
 import torch
 
+from tinyserve.blob import model_fingerprint, weights_digest
 from tinyserve.cache import NullCache, PrefixCache
 from tinyserve.config import Config, ConfigError
 from tinyserve.copies import CopyStream, copy_stream_for
+from tinyserve.file_tier import FileTier
+from tinyserve.host_tier import HostTier
 from tinyserve.engine import Engine
 from tinyserve.intake import Intake, RequestError, image_processor_for
 from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
@@ -22,14 +25,12 @@ from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.loader import load_model
 from tinyserve.models.config import WeightCount
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
-from tinyserve.radix import RadixCache
 from tinyserve.request import Status
 from tinyserve.runner import ModelRunner
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import Scheduler
 from tinyserve.spec import FixedDepth, NextN, NextNStats
 from tinyserve.state import StatePool
-from tinyserve.tiers import FileTier, HostTier, Tiers, model_fingerprint, weights_digest
 from tinyserve.tokenizer import Tokenizer
 
 log = logging.getLogger("tinyserve.build")
@@ -118,13 +119,11 @@ def prefix_cache(cfg: Config, plan: MemoryPlan, model, kv_pool: KVPool, allocato
         host = HostTier(kv_pool, state_pool, plan.host_pages, plan.host_snapshots,
                         min_free_bytes=int(cfg.cache.host.min_free_gb * GIB), copies=copies)
     if plan.file_dir:
-        file = FileTier(Path(plan.file_dir), plan.file_bytes, model_fingerprint(model, kv_pool.dtype, plan.page_size),
-                        tuple(kv_pool.buffer.shape[1:]), kv_pool.dtype, tuple(state_pool.conv.shape[1:]),
-                        state_pool.conv.dtype, tuple(state_pool.ssm.shape[1:]))
+        file = FileTier.for_pools(Path(plan.file_dir), plan.file_bytes,
+                                  model_fingerprint(model, kv_pool.dtype, plan.page_size), kv_pool, state_pool,
+                                  copies, host, needs_state=plan.hybrid)
         log.info("file tier %s: %d blobs found", plan.file_dir, file.num_blobs)
-    tiers = Tiers(kv_pool, state_pool, host, file, cfg.cache.host.write_policy, copies)
-    tree = RadixCache(allocator, state_pool, plan.page_size, plan.hybrid, tiers)
-    return PrefixCache(cfg, tree, allocator, state_pool, wake=wake)
+    return PrefixCache(cfg, allocator, state_pool, plan.page_size, plan.hybrid, host, file, wake=wake)
 
 
 def capture_graphs(cfg: Config, plan: MemoryPlan, runner: ModelRunner, kv_pool: KVPool) -> None:

@@ -51,6 +51,7 @@ __all__ = ["Engine", "EngineStats", "RequestError", "RequestResult", "RequestStr
 log = logging.getLogger("tinyserve.engine")
 
 IDLE_WAIT_S = 0.05        # how long an idle engine thread sleeps between checks when a file-tier read may land
+HOST_MEMORY_CHECK_S = 1.0  # how often a serving engine compares the host's available memory with its floor
 
 
 @dataclass
@@ -190,6 +191,7 @@ class Engine:
         self._streams: dict[str, RequestStream] = {}     # unfinished requests; event-loop side only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: asyncio.Future | None = None
+        self._watcher: asyncio.Task | None = None      # the host-memory watcher while serving
         self._stopping = False
 
     # ---- requests (called from the event loop or offline code) ----
@@ -351,15 +353,29 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
         self._serving = asyncio.wrap_future(compute_thread().submit(self._serve))
+        self._watcher = asyncio.ensure_future(self._watch_host_memory())
 
     async def stop(self) -> None:
         """Stop the step loop and flush pending file-tier writes (bounded)."""
         if self._serving is None:
             return
+        self._watcher.cancel()
         self._stopping = True
         self._work.set()
         await self._serving
         self._serving = None
+
+    async def _watch_host_memory(self) -> None:
+        """While serving: every HOST_MEMORY_CHECK_S, ask the cache whether the host's available memory is below
+        cache.host.min_free_gb (a read of /proc/meminfo; no host tier or no floor: never), and if so have the host
+        tier give memory back on the engine thread, between two steps. Runs until stop()."""
+        while True:
+            await asyncio.sleep(HOST_MEMORY_CHECK_S)
+            try:
+                if self.cache.relief_due():
+                    await self.call(self.cache.relieve_host_memory)
+            except Exception:                             # noqa: BLE001 - serving goes on; the next check retries
+                log.exception("host tier: giving memory back failed")
 
     def _dispatch(self, events: list[StepEvent]) -> None:
         now = time.monotonic()

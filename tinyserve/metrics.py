@@ -105,7 +105,7 @@ class _EngineCollector(Collector):
             metric = "tier_transfer_seconds" if name == "seconds" else f"tier_{name}"
             family = family_type(f"tinyserve:{metric}", doc, labels=["tier"])
             for tier, t in tiers.items():
-                family.add_metric([tier], float(getattr(t, name)))
+                family.add_metric([tier], float(getattr(t, name, 0)))      # errors: the file tier's only
             out.append(family)
         if c.host is not None:
             h = c.host
