@@ -101,7 +101,7 @@ def engine(model, nextn: bool, context: int, dry: bool):
                          "kv_cache_tokens": 8192 if dry else 0},
               "cache": {"enabled": False}}
     if nextn:
-        tables["speculative"] = {"algorithm": "nextn", "num_steps": 3, "num_draft_tokens": 4, "max_running": 8}
+        tables["speculative"] = {"num_steps": 3, "max_running": 8}
     eng = engine_for_model(from_dict(tables), model)
     if nextn:
         price_drafts(eng)

@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_checkpoint, fmt_table, make_prompts    # noqa: E402
+from common import bench_checkpoint, fmt_table, make_prompts  # noqa: E402
 
-from tinyserve.config import from_dict    # noqa: E402
+from tinyserve.config import from_dict  # noqa: E402
 from tinyserve.engine import Engine  # noqa: E402
 from tinyserve.build import build_engine  # noqa: E402
-from tinyserve.grammar import Constraint    # noqa: E402
-from tinyserve.request import Status    # noqa: E402
-from tinyserve.sampling import SamplingParams    # noqa: E402
+from tinyserve.grammar import Constraint  # noqa: E402
+from tinyserve.request import Status  # noqa: E402
+from tinyserve.sampling import SamplingParams  # noqa: E402
 
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 48,
           "maxItems": 48}

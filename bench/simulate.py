@@ -2,7 +2,7 @@
 tiers with the byte sizes of a Qwen3.5-27B-shaped model, and a stand-in for the forward pass.
 
     python bench/simulate.py                                  # both traces under systemd/production.toml
-    python bench/simulate.py --trace seed --set cache.state_track_interval=512 --set cache.host.state_share=0
+    python bench/simulate.py --trace seed --set cache.state_track_interval=512 --set plan.HOST_STATE_SHARE=0.1
     python bench/simulate.py --variants knobs --policies engine,pinned    # the tables of docs/cache-sizing.md
 
 What is real and what stands in
@@ -563,7 +563,7 @@ def card_kv_tokens(config: Path, free_gib: float = CARD_FREE_GIB) -> int:
 
 def state_slots_total(cfg: Config) -> int:
     """Device state slots of a config: working slots, NEXTN verify slots, prefix-cache snapshot slots."""
-    e, nextn = cfg.engine, cfg.speculative.algorithm == "nextn"
+    e, nextn = cfg.engine, cfg.speculative.num_steps > 0
     snaps = cfg.cache.state_slots or planmod.SNAPSHOTS_PER_RUNNING_REQUEST * e.max_running_requests
     return e.max_running_requests * (1 + (cfg.speculative.num_steps if nextn else 0)) + snaps
 
@@ -584,14 +584,18 @@ def plan_27b(config: Path, file_dir: Path, overrides: dict[str, Any] | None = No
     data = to_dict(load(config))
     data["model"]["path"] = str(folder)
     base = from_dict(data)
+    share = planmod.HOST_STATE_SHARE
     for k, v in (overrides or {}).items():
-        set_key(data, k, v)
+        if k == "plan.HOST_STATE_SHARE":          # a constant of the plan, not a key
+            share = v
+        else:
+            set_key(data, k, v)
     if data["cache"]["file"]["dir"]:
         data["cache"]["file"]["dir"] = str(file_dir)
     if not data["engine"]["kv_cache_tokens"]:
         cfg = from_dict(data)
         per_token = planmod.kv_bytes_per_token(mc, cfg.model.kv_cache_dtype,
-                                               mc.num_mtp_layers if cfg.speculative.algorithm == "nextn" else 0)
+                                               mc.num_mtp_layers if cfg.speculative.num_steps else 0)
         extra = (state_slots_total(cfg) - state_slots_total(base)) * \
             planmod.state_bytes_per_slot(mc, cfg.model.dtype)
         ps = cfg.engine.page_size
@@ -601,7 +605,8 @@ def plan_27b(config: Path, file_dir: Path, overrides: dict[str, Any] | None = No
         context = data["model"]["context_length"] or mc.max_position_embeddings
         data["model"]["context_length"] = min(context, data["engine"]["kv_cache_tokens"])
     cfg = from_dict(data, source=str(config))
-    with mock.patch.object(planmod, "host_available_bytes", lambda: HOME_BOX_AVAILABLE):
+    with mock.patch.object(planmod, "host_available_bytes", lambda: HOME_BOX_AVAILABLE), \
+            mock.patch.object(planmod, "HOST_STATE_SHARE", share):
         plan = MemoryPlan.resolve(cfg, mc, "cuda", weights, gpu_free_bytes=int(CARD_FREE_GIB * GIB))
     return cfg, mc, values, plan
 
@@ -1069,14 +1074,14 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("production.toml", {}),
         ("state_track_interval = 512", {"cache.state_track_interval": 512}),
         ("state_track_interval = 8192", {"cache.state_track_interval": 8192}),
-        ("host.state_share = 0 (the device's ratio)", {"cache.host.state_share": 0.0}),
-        ("host.state_share = 0.5", {"cache.host.state_share": 0.5}),
+        ("host state share 0.1", {"plan.HOST_STATE_SHARE": 0.1}),
+        ("host state share 0.5", {"plan.HOST_STATE_SHARE": 0.5}),
         ("write_policy = write_back", {"cache.host.write_policy": "write_back"}),
     ],
     "recommended": [                                   # the old defaults, today's, and two alternatives
-        ("old defaults: interval 512, host.state_share 0",
-         {"cache.state_track_interval": 512, "cache.host.state_share": 0.0}),
-        ("production.toml (interval 2048, host.state_share 0.25)", {}),
+        ("interval 512, host state share 0.1",
+         {"cache.state_track_interval": 512, "plan.HOST_STATE_SHARE": 0.1}),
+        ("production.toml (interval 2048, host state share 0.25)", {}),
         ("production.toml, write_back", {"cache.host.write_policy": "write_back"}),
         ("production.toml, state_slots 16", {"cache.state_slots": 16}),
     ],
@@ -1103,7 +1108,8 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "systemd" / "production.toml")
     ap.add_argument("--trace", choices=["seed", "coding", "both"], default="both")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key with a TOML value (e.g. cache.state_track_interval=2048)")
+                    help="override a config key with a TOML value (e.g. cache.state_track_interval=2048), or "
+                    "the host tier's state share (plan.HOST_STATE_SHARE=0.5)")
     ap.add_argument("--variants", choices=sorted(VARIANTS), help="a set of variants of docs/cache-sizing.md, one "
                     "summary row each (and per --policies)")
     ap.add_argument("--policies", default="", help="comma-separated snapshot policies for --variants "

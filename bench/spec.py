@@ -77,9 +77,7 @@ port = {port}
 [engine]
 max_running_requests = 8
 [speculative]
-algorithm = "{'nextn' if spec else ''}"
-num_steps = {num_steps}
-num_draft_tokens = {num_steps + 1}
+num_steps = {num_steps if spec else 0}
 max_running = {max_running}
 [log]
 level = "warning"

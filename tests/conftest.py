@@ -12,16 +12,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # cache-path tests again with TINYSERVE_TEST_DEVICE=cuda on a machine with a GPU (same tests, same oracles).
 TEST_DEVICE = os.environ.get("TINYSERVE_TEST_DEVICE", "cpu")
 
-from typing import Any    # noqa: E402
+from typing import Any  # noqa: E402
 
-import pytest    # noqa: E402
-import torch    # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-from checkpoints import make_qwen3_5_text    # noqa: E402
-from tinyserve.config import from_dict    # noqa: E402
-from tinyserve.engine import Engine  # noqa: E402
+from checkpoints import make_qwen3_5_text  # noqa: E402
+from tinyserve import plan  # noqa: E402
 from tinyserve.build import engine_for_model  # noqa: E402
-from tinyserve.loader import load_model    # noqa: E402
+from tinyserve.config import from_dict  # noqa: E402
+from tinyserve.engine import Engine  # noqa: E402
+from tinyserve.loader import load_model  # noqa: E402
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -32,13 +33,22 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def engine_for(loaded_model, tokenizer=None, **tables: dict[str, Any]) -> Engine:
+def engine_for(loaded_model, tokenizer=None, host_state_share: float | None = None,
+               **tables: dict[str, Any]) -> Engine:
     """An engine around a loaded model, configured by TOML tables with the TOML's own key names:
     engine_for(model, engine={"page_size": 16}, cache={"enabled": False, "host": {"size_gb": 0.01}}).
+    host_state_share: the share of cache.host.size_gb its plan gives state snapshots (plan.HOST_STATE_SHARE, a
+    constant, not a key), for tests that need exact host page and snapshot counts.
     On CUDA (tests/gpu.sh) CUDA graphs are off unless a test asks for them: capturing them for every engine
     of the suite would take most of a lent GPU's minutes (tests/test_cuda_graphs.py tests them)."""
     tables = merge({"engine": {"cuda_graphs": False}}, tables)
-    return engine_for_model(from_dict(tables), loaded_model, tokenizer)
+    if host_state_share is None:
+        return engine_for_model(from_dict(tables), loaded_model, tokenizer)
+    default, plan.HOST_STATE_SHARE = plan.HOST_STATE_SHARE, host_state_share
+    try:
+        return engine_for_model(from_dict(tables), loaded_model, tokenizer)
+    finally:
+        plan.HOST_STATE_SHARE = default
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -194,7 +194,7 @@ def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
     model = load_model(folder, torch.float32, TEST_DEVICE)
     schedule = workload(5)
     want = drive(make_engine(model, page_size, cache={"enabled": False}), schedule)
-    spec = {"algorithm": "nextn", "max_running": 3}
+    spec = {"num_steps": 3, "max_running": 3}
     eager = make_engine(model, page_size, speculative=spec)
     eager.nextn.step_cost = PinnedCost()           # depths by acceptance alone, not by timing
     assert drive(eager, schedule) == want
@@ -244,7 +244,7 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
         make_agreeing_head(folder, mix=0.3)
     model = load_model(folder, torch.float32, DEV)
     schedule = [(0, tokens(4, 1), 4), (0, tokens(6, 2), 5), (0, tokens(3, 3), 3)]
-    spec = {"speculative": {"algorithm": "nextn", "max_running": 3, "num_steps": 2, "num_draft_tokens": 3}} \
+    spec = {"speculative": {"max_running": 3, "num_steps": 2}} \
         if nextn else {}
     out = {}
     with backend("auto"):                         # restored after: each engine sets it from engine.kernels
@@ -297,7 +297,7 @@ def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, mtp, monkeyp
     def read(self, *args, **kwargs):                 # CPU tensors' tolist / numpy bypass the dispatcher
         raise AssertionError("the decode forward reads a tensor on the host")
     for model in (dense, moe, mtp):
-        nextn = {"speculative": {"algorithm": "nextn"}} if model is mtp else {}
+        nextn = {"speculative": {"num_steps": 3}} if model is mtp else {}
         eng = make_engine(model, 16, **nextn)
         static = StaticStep(model, eng.kv_pool, eng.state_pool, MAX_RUNNING, CTX, max_tokens=3,   # and verifies
                             nextn_kv_layer=eng.nextn.kv_layer if nextn else None)                # and the head
@@ -363,7 +363,7 @@ def test_captured_graphs_replay_the_eager_tokens(tmp_path, nextn):
     assert eager.runner.static is None
     want = drive(eager, schedule)
 
-    spec = {"speculative": {"algorithm": "nextn", "max_running": 3}} if nextn else {}
+    spec = {"speculative": {"num_steps": 3, "max_running": 3}} if nextn else {}
     eng = make_engine(model, 16, engine={"cuda_graphs": True}, **spec)
     static = eng.runner.static
     shapes = [(B, T) for B in graph_batch_sizes(MAX_RUNNING) for T in range(1, static.max_tokens + 1)]

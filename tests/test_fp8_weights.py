@@ -69,7 +69,7 @@ def test_w8a16_decodes_as_the_dequantized_checkpoint(text_fp8):
     kept, deq = load_model(folder, torch.float32, fp8_weights="w8a16"), load_model(ref, torch.float32)
     assert greedy(kept, PROMPTS) == greedy(deq, PROMPTS)
     # and through NEXTN drafting (the head's fc and layer are FP8 too) and the prefix cache
-    spec = {"speculative": {"algorithm": "nextn", "max_running": 8}}
+    spec = {"speculative": {"num_steps": 3, "max_running": 8}}
     assert greedy(kept, PROMPTS, **spec) == greedy(deq, PROMPTS)
 
 
@@ -217,7 +217,7 @@ def test_moe_w8a16_decodes_as_the_dequantized_checkpoint(moe_fp8):
     kept, deq = load_model(folder, torch.float32, fp8_weights="w8a16"), load_model(ref, torch.float32)
     expect = greedy(deq, PROMPTS)
     assert greedy(kept, PROMPTS) == expect
-    spec = {"speculative": {"algorithm": "nextn", "max_running": 8}}     # the head's MoE layer is FP8 too
+    spec = {"speculative": {"num_steps": 3, "max_running": 8}}     # the head's MoE layer is FP8 too
     assert greedy(kept, PROMPTS, **spec) == expect
 
 

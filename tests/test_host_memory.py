@@ -60,8 +60,8 @@ def engine_with_host(model, pages: int = 48, snapshots: int = 8, floor: int = 0,
     monkeypatch.setattr(host_tier, "SEGMENT_BYTES", PAGES_PER_SEGMENT * page)
     size = pages * page + snapshots * snap
     eng = engine_for(model, engine={"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1},
-                     cache={"host": {"size_gb": size / GIB, "state_share": (snapshots * snap + 0.5) / size,
-                                     "min_free_gb": floor / GIB}})
+                     cache={"host": {"size_gb": size / GIB, "min_free_gb": floor / GIB}},
+                     host_state_share=(snapshots * snap + 0.5) / size)
     host = eng.cache.host
     assert (host.max_pages, host.max_snapshots) == (pages, snapshots)
     assert (host._pages.per_segment, host._snaps.per_segment) == (PAGES_PER_SEGMENT, 3)

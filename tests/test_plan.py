@@ -12,6 +12,7 @@ import torch
 
 from checkpoints import QWEN3_5_27B, make_header_only
 from server_util import write_config
+from tinyserve import plan as planmod
 from tinyserve.config import ConfigError, from_dict
 from tinyserve.loader import read_checkpoint
 from tinyserve.plan import (CPU_DEFAULT_KV_TOKENS, GIB, SNAPSHOTS_PER_RUNNING_REQUEST, MemoryPlan, activation_bytes,
@@ -53,11 +54,12 @@ def test_derived_sizes(header_folder):
     assert state_bytes_per_slot(mc, "bfloat16") == plan.state_bytes_per_slot
 
 
-def test_host_tier_split_and_explicit_keys(header_folder):
+def test_host_tier_split_and_explicit_keys(header_folder, monkeypatch):
+    monkeypatch.setattr(planmod, "HOST_STATE_SHARE", 0.5)
     mc, weights = read_checkpoint(header_folder)
     cfg = from_dict({"model": {"dtype": "bfloat16", "context_length": 65536},
                      "engine": {"kv_cache_tokens": 4096, "page_size": 64},
-                     "cache": {"state_slots": 3, "host": {"size_gb": 1.0, "state_share": 0.5}}})
+                     "cache": {"state_slots": 3, "host": {"size_gb": 1.0}}})
     plan = MemoryPlan.resolve(cfg, mc, "cpu", weights)
     assert plan.kv_pages == 64 and plan.snapshot_slots == 3 and plan.context_length == 65536
     assert plan.host_snapshots == int(0.5 * GIB // plan.state_bytes_per_slot)
@@ -172,7 +174,7 @@ def test_a_card_too_small_fails_naming_the_key(fp8_folder, tmp_path, gb, key):
 def test_a_shorter_context_fits_a_5090(fp8_folder, tmp_path):
     """The 27B FP8 on a 32 GB card: a 32K context without NEXTN, one snapshot slot and 95% for the static share."""
     data = production(fp8_folder, tmp_path)
-    data["speculative"]["algorithm"] = ""                  # no verify slots and no NEXTN KV
+    data["speculative"]["num_steps"] = 0                  # no verify slots and no NEXTN KV
     data["model"]["context_length"] = 32768
     data["engine"]["chunked_prefill_size"] = 2048
     data["cache"]["state_slots"] = 1

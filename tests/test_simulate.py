@@ -28,11 +28,11 @@ SCALE_CODING = 1 / 80          # the coding trace's 20K prefix -> 250 tokens
 # it evicts too). 16-token pages, so a few hundred tokens make many pages and snapshots.
 TABLES = {
     "seed": dict(engine={"kv_cache_tokens": 1504, "max_running_requests": 1},
-                 cache={"state_track_interval": 32, "state_slots": 6, "host": {"size_gb": 0.001, "state_share": 0.25},
+                 cache={"state_track_interval": 32, "state_slots": 6, "host": {"size_gb": 0.001},
                         "file": {"size_gb": 0.001}}),
     "coding": dict(engine={"kv_cache_tokens": 1504, "max_running_requests": 2},
                    cache={"state_track_interval": 64, "state_slots": 8,
-                          "host": {"size_gb": 0.001, "state_share": 0.25}, "file": {"size_gb": 0.002}}),
+                          "host": {"size_gb": 0.001}, "file": {"size_gb": 0.002}}),
 }
 
 

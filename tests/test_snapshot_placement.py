@@ -29,16 +29,20 @@ def model(hybrid_model):
     return hybrid_model
 
 
-def engine(model, state_slots: int, host: dict | None = None) -> Engine:
+def engine(model, state_slots: int, host: tuple[dict, float] | None = None) -> Engine:
+    """host: ([cache.host], the share of it for state snapshots), as host_tier gives them."""
+    table, share = host or ({}, None)
     return engine_for(model, engine={"page_size": PS, "kv_cache_tokens": 4096, "max_running_requests": 1},
-                      cache={"state_track_interval": INTERVAL, "state_slots": state_slots, "host": host or {}})
+                      cache={"state_track_interval": INTERVAL, "state_slots": state_slots, "host": table},
+                      host_state_share=share)
 
 
-def host_table(probe: Engine, snapshots: int, pages: int = 200) -> dict:
-    """[cache.host] giving exactly `pages` host pages and `snapshots` host snapshots."""
+def host_tier(probe: Engine, snapshots: int, pages: int = 200, **keys) -> tuple[dict, float]:
+    """[cache.host] (size_gb and `keys`) and the state share giving exactly `pages` host pages and `snapshots`
+    host snapshots."""
     page, snap = probe.kv_pool.bytes_per_page, probe.state_pool.bytes_per_slot
     size = pages * page + snapshots * snap
-    return {"size_gb": size / GIB, "state_share": (snapshots * snap + 0.5) / size}
+    return {"size_gb": size / GIB, **keys}, (snapshots * snap + 0.5) / size
 
 
 def play(eng: Engine, cold: Engine, script) -> list:
@@ -110,7 +114,7 @@ def test_leaf_snapshots_are_demoted_to_the_host_not_dropped(model, cold, roomy, 
     dropped, and later requests resume from them (KV on the device, the state loaded back from the host, counted
     as the host's hit)."""
     probe = engine(model, state_slots=2)
-    eng = engine(model, state_slots=2, host=dict(host_table(probe, host_snapshots), write_policy="write_back"))
+    eng = engine(model, state_slots=2, host=host_tier(probe, host_snapshots, write_policy="write_back"))
     reqs = play(eng, cold, SCRIPT)
     assert [reqs[i].cached_tokens for i in LATER] == [roomy[i] for i in LATER]
     # KV on the device, the state from the host: the host made those tokens usable, so they count as its hits
@@ -124,7 +128,7 @@ def test_a_full_host_tier_keeps_leaves_over_interior_snapshots(model, cold, room
     """write_through fills a host tier of three snapshot slots with copies of every snapshot; demoted leaves displace
     interior and duplicated copies there, never a leaf for an interior one."""
     probe = engine(model, state_slots=2)
-    eng = engine(model, state_slots=2, host=dict(host_table(probe, 3), write_policy="write_through"))
+    eng = engine(model, state_slots=2, host=host_tier(probe, 3, write_policy="write_through"))
     reqs = play(eng, cold, SCRIPT)
     assert [reqs[i].cached_tokens for i in LATER] == [roomy[i] for i in LATER]
     assert_no_leaks(eng)

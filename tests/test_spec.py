@@ -27,7 +27,7 @@ from tinyserve.build import price_drafts
 from tinyserve.spec import PROBE_EVERY, DepthControl, StepCost
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-SPEC = {"algorithm": "nextn", "max_running": 0}          # speculate at any load
+SPEC = {"num_steps": 3, "max_running": 0}          # speculate at any load
 COLD = {"enabled": False}
 FAMILIES = {"qwen3_5": make_qwen3_5_text, "qwen3_next": make_qwen3_next}
 
@@ -254,18 +254,11 @@ def test_seeded_requests_are_reproducible(model):
 def test_a_checkpoint_without_mtp_fails_naming_the_key(hybrid_model):
     with pytest.raises(ConfigError) as e:
         spec_engine(hybrid_model)
-    assert e.value.key == "speculative.algorithm"
-
-
-def test_num_draft_tokens_must_be_num_steps_plus_one(model):
-    with pytest.raises(ConfigError) as e:
-        spec_engine(model, speculative={"num_steps": 3, "num_draft_tokens": 6})
-    assert e.value.key == "speculative.num_draft_tokens"
+    assert e.value.key == "speculative.num_steps"
 
 
 def test_the_plan_counts_the_nextn_kv_and_verify_slots(model):
-    eng = spec_engine(model, engine={"max_running_requests": 3}, speculative={"num_steps": 2,
-                                                                              "num_draft_tokens": 3})
+    eng = spec_engine(model, engine={"max_running_requests": 3}, speculative={"num_steps": 2})
     plain = engine_for(model, engine={"page_size": 16, "max_running_requests": 3})
     assert eng.kv_pool.num_layers == plain.kv_pool.num_layers + 1
     assert eng.plan.verify_slots == 3 * 2 and eng.state_pool.num_slots == plain.state_pool.num_slots + 6
@@ -318,7 +311,7 @@ def test_server_reports_speculation_and_keeps_the_text(xdg, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(ensure_demo_checkpoint(), folder)
     make_agreeing_head(folder, mix=0.0)
-    cfg = server_config(free_port(), {"model": {"path": str(folder)}, "speculative": {"algorithm": "nextn"}})
+    cfg = server_config(free_port(), {"model": {"path": str(folder)}, "speculative": {"num_steps": 3}})
     with ServerProcess(tmp_path, cfg) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
 

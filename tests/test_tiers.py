@@ -55,12 +55,13 @@ def cold(model):
     return {name: eng.generate([p], GREEDY)[0] for name, p in SESSIONS.items()}
 
 
-def small_engine(model, page_size: int = 16, host: dict | None = None, file: dict | None = None) -> Engine:
+def small_engine(model, page_size: int = 16, host: dict | None = None, file: dict | None = None,
+                 host_state_share: float | None = None) -> Engine:
     """A device pool too small for two sessions, one request at a time; `host` and `file` are the [cache.host]
     and [cache.file] tables."""
     file = {"prefetch_policy": "wait_complete", **(file or {})}   # run_requests steps at once: wait for the read
     return engine_for(model, engine={"page_size": page_size, "kv_cache_tokens": 400, "max_running_requests": 1},
-                      cache={"host": host or {}, "file": file})
+                      cache={"host": host or {}, "file": file}, host_state_share=host_state_share)
 
 
 def host_tier(eng: Engine):
@@ -332,9 +333,9 @@ def test_concurrent_sessions_with_host_evictions_match_uncached(model, tmp_path)
     page_bytes = probe.kv_pool.bytes_per_page
     host_gb = 16 * page_bytes / GIB
     cache = {"state_slots": 4, "state_track_interval": 64,
-             "host": {"size_gb": host_gb, "state_share": 0.3, "write_policy": "write_through"},
+             "host": {"size_gb": host_gb, "write_policy": "write_through"},
              "file": {"dir": str(tmp_path), "size_gb": 1.0}}
-    eng = engine_for(model, engine=dict(kw, kv_cache_tokens=512), cache=cache)
+    eng = engine_for(model, engine=dict(kw, kv_cache_tokens=512), cache=cache, host_state_share=0.3)
     assert 0 < host_tier(eng).num_pages < 20 and host_tier(eng).num_snapshots >= 1
 
     async def scenario(ps):
@@ -366,14 +367,14 @@ def test_sequential_sessions_through_a_tiny_host_tier(model, cold, tmp_path):
     for policy in ("write_through", "write_back"):
         probe = small_engine(model)
         host_gb = 8 * probe.kv_pool.bytes_per_page / GIB
-        eng = small_engine(model, host={"size_gb": host_gb, "state_share": 0.5, "write_policy": policy})
+        eng = small_engine(model, host={"size_gb": host_gb, "write_policy": policy}, host_state_share=0.5)
         for name in "ABCABCA":
             assert run(eng, name).output_ids == cold[name]
         assert_all_free(eng)
 
 
 def host_gb_for(eng: Engine, pages: int, snapshots: int) -> tuple[float, float]:
-    """host_cache_gb and host_state_share giving exactly `pages` host pages and `snapshots` host snapshots."""
+    """cache.host.size_gb and host_state_share giving exactly `pages` host pages and `snapshots` host snapshots."""
     page, snap = eng.kv_pool.bytes_per_page, eng.state_pool.bytes_per_slot
     size = pages * page + snapshots * snap
     return size / GIB, (snapshots * snap + 0.5) / size
@@ -384,7 +385,7 @@ def test_promoting_from_a_full_host_tier_under_write_back(model, cold):
     A's copy holds: A's copy is pinned while it is read (it was freed and then read: a crash), B is not backed up."""
     probe = small_engine(model)
     gb, share = host_gb_for(probe, pages=(SESSION - 1) // 16 + 1, snapshots=1)
-    eng = small_engine(model, host={"size_gb": gb, "state_share": share, "write_policy": "write_back"})
+    eng = small_engine(model, host={"size_gb": gb, "write_policy": "write_back"}, host_state_share=share)
     assert host_tier(eng).num_pages == (SESSION - 1) // 16 + 1 and host_tier(eng).num_snapshots == 1
     for name in "ABA":
         r = run(eng, name)

@@ -362,7 +362,7 @@ def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
     for name in ("torch", "triton"):
         with backend("auto"):                          # restored after: the engine sets it from engine.kernels
             eng = engine_for(model, engine={"page_size": 16, "kernels": name}, cache={"enabled": False},
-                             speculative={"algorithm": "nextn", "max_running": 0})
+                             speculative={"num_steps": 3, "max_running": 0})
             assert kernels.backend() == name
             eng.nextn.step_cost = PinnedCost()
             out[name] = eng.generate(prompts, params)

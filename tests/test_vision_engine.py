@@ -215,8 +215,7 @@ def test_file_tier_hit_with_an_image_after_a_restart(vl, tmp_path):
 def test_nextn_with_images_gives_the_cold_unspeculated_tokens(vl):
     folder, oracle, model, tok = vl
     pool = {"page_size": PS, "kv_cache_tokens": 4096}
-    spec = engine_for(model, tok, engine=pool, speculative={"algorithm": "nextn", "num_steps": 2,
-                                                            "num_draft_tokens": 3})
+    spec = engine_for(model, tok, engine=pool, speculative={"num_steps": 2})
     cold = engine_for(model, tok, engine=pool, cache={"enabled": False})
     ids, images = prepare(spec, tok, user_turn("Two: " + MARK + MARK + "go"), [png(40, 24, 41), png(32, 48, 42)])
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -231,7 +230,7 @@ def nextn_kv(vl, chunk: int, ids, images) -> torch.Tensor:
     """The NEXTN layer's KV at the prompt's positions after its prefill (chunked at `chunk`)."""
     folder, oracle, model, tok = vl
     eng = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048, "chunked_prefill_size": chunk},
-                     speculative={"algorithm": "nextn", "num_steps": 2, "num_draft_tokens": 3})
+                     speculative={"num_steps": 2})
     (r,) = eng.run_requests([ids], SamplingParams(max_tokens=1, temperature=0), [images])
     m = eng.cache.tree.match(r.cache_ids[:len(ids)])     # the prompt's pages, kept by the prefix cache
     layer = eng.kv_pool.layer(eng.nextn.kv_layer)        # [pages, 2 (k, v), page_size, heads, head_dim]
@@ -266,7 +265,7 @@ def test_each_image_is_encoded_once_per_prefill_and_let_go_after_it(vl, chunk):
     and its output is the cold run's."""
     folder, oracle, model, tok = vl
     eng = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048, "chunked_prefill_size": chunk},
-                     speculative={"algorithm": "nextn", "num_steps": 2, "num_draft_tokens": 3})
+                     speculative={"num_steps": 2})
     eng.runner.images.cache.max_bytes = 0                      # nothing is kept across requests
     ids, images = prepare(eng, tok, user_turn("Two: " + MARK + MARK + "go"), [png(40, 24, 61), png(32, 48, 62)])
     req = eng.intake.make_request(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), None, images)

@@ -6,8 +6,8 @@ reasoning and qwen3_coder tool parsers (chat.ChatFormat) and written as Anthropi
 
 Mapping (request):
   system (string or text blocks)   -> one system message first; a text block starting with
-                                      "x-anthropic-billing-header:" (Claude Code's per-request hash) is dropped
-                                      unless server.keep_billing_header: it would change every prompt's prefix
+                                      "x-anthropic-billing-header:" (Claude Code's per-request hash) is dropped:
+                                      it would change every prompt's prefix
   text blocks                      -> content (joined with "\\n", as the chat route joins text parts)
   image blocks (user, and inside   -> the image marker in place (tokenizer.ContentJoiner), the image in
   tool_result content)                request.images: source base64 (media_type png | jpeg | webp | gif) or url
@@ -99,11 +99,11 @@ def _join(blocks: list[dict[str, Any]]) -> str:
     return "\n".join(b["text"] for b in blocks)
 
 
-def _system(value: Any, keep_billing_header: bool) -> str | None:
+def _system(value: Any) -> str | None:
     if value is None:
         return None
     blocks = _text_blocks(value, "system")
-    if isinstance(value, list) and not keep_billing_header:
+    if isinstance(value, list):
         blocks = [b for b in blocks if not b["text"].lstrip().startswith(BILLING_HEADER_PREFIX)]
     text = _join(blocks)
     return text if blocks else None
@@ -249,13 +249,12 @@ def _thinking(body: dict) -> dict[str, Any]:
     return {"enable_thinking": kind != "disabled"}
 
 
-def parse_messages_request(body: dict, keep_billing_header: bool = False, count_only: bool = False,
-                           fetch_image_urls: bool = False) -> MessagesRequest:
+def parse_messages_request(body: dict, count_only: bool = False, fetch_image_urls: bool = False) -> MessagesRequest:
     """count_only (count_tokens): no max_tokens, no sampling fields. fetch_image_urls (server.fetch_image_urls):
     http(s) image sources become RemoteImages instead of a 400."""
     images: list[ImageInput] = []
     messages = _messages(body.get("messages"), images, fetch_image_urls)
-    system = _system(body.get("system"), keep_billing_header)
+    system = _system(body.get("system"))
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
     tools, tool_choice = _tools(body)
@@ -313,18 +312,15 @@ class Messages(Endpoint[MessagesRequest]):
     # context instead (stop_reason max_tokens), as on Anthropic's own API, rather than a 400 on a small context.
     clamp_max_tokens = True
 
-    def __init__(self, reasoning_parser: str = "", tool_parser: str = "", keep_billing_header: bool = False,
-                 fetch_image_urls: bool = False) -> None:
+    def __init__(self, reasoning_parser: str = "", tool_parser: str = "", fetch_image_urls: bool = False) -> None:
         self.format = ChatFormat(reasoning_parser, tool_parser)
-        self.keep_billing_header = keep_billing_header
         self.fetch_image_urls = fetch_image_urls
 
     def parse(self, body: dict, served_name: str) -> MessagesRequest:
-        return parse_messages_request(body, self.keep_billing_header, fetch_image_urls=self.fetch_image_urls)
+        return parse_messages_request(body, fetch_image_urls=self.fetch_image_urls)
 
     def parse_count(self, body: dict) -> MessagesRequest:
-        return parse_messages_request(body, self.keep_billing_header, count_only=True,
-                                      fetch_image_urls=self.fetch_image_urls)
+        return parse_messages_request(body, count_only=True, fetch_image_urls=self.fetch_image_urls)
 
     def prompt_ids(self, req: MessagesRequest, tokenizer: Tokenizer) -> list[int]:
         return self.format.prompt_ids(req.chat, tokenizer)

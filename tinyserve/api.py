@@ -75,7 +75,7 @@ class ServerState:
 
     cfg: Config
     engine: Engine | None = None
-    metrics: Metrics | None = None
+    metrics: Metrics = field(default_factory=Metrics)
     draining: bool = False
     endpoints: dict[str, Endpoint[Any]] = field(default_factory=dict)   # generation routes by path
     _token_text: dict[int, str] = field(default_factory=dict)
@@ -106,7 +106,6 @@ def create_app(engine: Engine | None, cfg: Config) -> web.Application:
     max_body = int(cfg.server.max_request_body_mb * 1024 * 1024)
     app = web.Application(client_max_size=max_body, middlewares=[_error_middleware, _auth_middleware])
     state = ServerState(cfg=cfg, engine=engine, endpoints=_endpoints(cfg))
-    state.metrics = Metrics() if cfg.metrics.enabled else None
     app[STATE] = state
     for path, endpoint in state.endpoints.items():
         app.router.add_post(path, _generation_handler(endpoint))
@@ -123,8 +122,7 @@ def _endpoints(cfg: Config) -> dict[str, Endpoint[Any]]:
     fetch = cfg.server.fetch_image_urls
     return {"/v1/chat/completions": Chat(cfg.parsers.reasoning, cfg.parsers.tool_call, fetch),
             "/v1/completions": Completions(),
-            "/v1/messages": anthropic.Messages(cfg.parsers.reasoning, cfg.parsers.tool_call,
-                                               cfg.server.keep_billing_header, fetch),
+            "/v1/messages": anthropic.Messages(cfg.parsers.reasoning, cfg.parsers.tool_call, fetch),
             "/v1/responses": responses.Responses(cfg.parsers.reasoning, cfg.parsers.tool_call, fetch)}
 
 
@@ -191,7 +189,7 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         response = error_response(APIError(500, "internal server error (logged on the server)"), request.path)
-    if state.metrics is not None and request.path in state.endpoints:
+    if request.path in state.endpoints:
         state.metrics.on_response(response.status)
     return response
 
@@ -222,7 +220,6 @@ class Generation:
                  stop: list[str], request_id: str, arrival: float, images: Sequence[Any] = ()) -> None:
         self.engine = engine
         self.metrics = state.metrics
-        self.cache_report = state.cfg.metrics.cache_report
         self.prompt_ids = prompt_ids
         self.stop = stop
         self.arrival = arrival
@@ -254,9 +251,7 @@ class Generation:
         log.info("%s: %s, prompt %d tokens, %d from the prefix cache (device %d, host %d, file %d), %d generated",
                  r.request_id, reason, r.prompt_tokens, r.cached_tokens, tiers.get("device", 0), tiers.get("host", 0),
                  tiers.get("file", 0), r.completion_tokens)
-        if self.metrics is not None:
-            self.metrics.on_finished(reason, r.prompt_tokens, r.cached_tokens_by_tier,
-                                     time.monotonic() - self.arrival)
+        self.metrics.on_finished(reason, r.prompt_tokens, r.cached_tokens_by_tier, time.monotonic() - self.arrival)
 
     async def deltas(self, index: int) -> AsyncIterator[Delta]:
         """One choice's deltas; the last one carries finish_reason."""
@@ -265,10 +260,9 @@ class Generation:
         last = None
         async for events in stream:
             now = time.monotonic()
-            if self.metrics is not None:
-                if last is None:
-                    self.metrics.on_first_token(now - self.arrival)
-                self.metrics.on_tokens(len(events), None if last is None else now - last)
+            if last is None:
+                self.metrics.on_first_token(now - self.arrival)
+            self.metrics.on_tokens(len(events), None if last is None else now - last)
             last = now
             ids = [e.token_id for e in events]
             if len(ids) == 1:
@@ -336,11 +330,9 @@ class Generation:
         return results
 
     def usage(self) -> Usage:
-        usage = Usage(len(self.prompt_ids), self.completion_tokens)
-        if self.cache_report:
-            first = self.streams[0].result    # the other choices share the prompt (and hit what the first wrote)
-            usage.cached_tokens = first.cached_tokens
-            usage.cached_tokens_by_tier = dict(first.cached_tokens_by_tier)
+        first = self.streams[0].result    # the other choices share the prompt (and hit what the first wrote)
+        usage = Usage(len(self.prompt_ids), self.completion_tokens, first.cached_tokens,
+                      dict(first.cached_tokens_by_tier))
         if self.engine.nextn is not None:
             results = [s.result for s in self.streams]
             usage.accepted_prediction_tokens = sum(r.accepted_draft_tokens for r in results)
@@ -537,8 +529,6 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.metrics is None:
-        raise APIError(404, "metrics are off (metrics.enabled = false)")
     engine = state.engine
     stats = await engine.call(engine.stats) if engine is not None else None   # the engine thread owns its state
     body = state.metrics.render(stats)

@@ -50,7 +50,6 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 DEVICES = ("auto", "cuda", "cpu")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-SPEC_ALGORITHMS = ("", "nextn")
 REASONING_PARSERS = ("", "qwen3")
 TOOL_CALL_PARSERS = ("", "qwen3_coder")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -92,7 +91,6 @@ class ServerSection(_Section):
     max_queued_requests: int = _opt(64, ge=0)   # waiting beyond max_running_requests; more gets 503
     max_request_body_mb: float = _opt(32.0, gt=0)
     drain_timeout_s: float = _opt(30.0, ge=0)   # SIGTERM: time running requests get to finish
-    keep_billing_header: bool = False           # keep Claude Code's per-request system block (breaks the cache)
     fetch_image_urls: bool = False              # fetch http(s) image URLs; off: the server never fetches addresses
 
 
@@ -104,7 +102,6 @@ class EngineSection(_Section):
     page_size: int = _opt(16, ge=1)
     mem_fraction_static: float = _opt(0.90, gt=0, lt=1)
     kv_cache_tokens: int = _opt(0, ge=0)        # 0: derive from memory
-    sleep_on_idle: bool = True
     idle_release_s: float = _opt(0.0, ge=0)     # 0: off
     kernels: str = _opt("auto", choices=KERNELS)  # auto: Triton on CUDA, the torch reference on CPU
     cuda_graphs: bool = True                    # CUDA: decode steps replay graphs captured at start (CPU: ignored)
@@ -115,10 +112,6 @@ class HostCacheSection(_Section):
     TABLE: ClassVar[str] = "cache.host"
     size_gb: float = _opt(0.0, ge=0)            # 0: off
     write_policy: str = _opt("write_through", choices=WRITE_POLICIES)
-    # Share of the host tier kept for recurrent-state snapshots; 0: the same ratio as on the device. A separate
-    # budget because too few host state slots strand host KV (a page without a state above it is no hit); 0.25
-    # is what bench/simulate.py chose for agent traces (docs/cache-sizing.md).
-    state_share: float = _opt(0.25, ge=0, lt=1)
     # The host tier gives memory back (evicts, frees segments) while the machine has less than this available,
     # and does not grow past it. 0: no floor.
     min_free_gb: float = _opt(4.0, ge=0)
@@ -148,9 +141,7 @@ class CacheSection(_Section):
 @dataclass
 class SpeculativeSection(_Section):
     TABLE: ClassVar[str] = "speculative"
-    algorithm: str = _opt("", choices=SPEC_ALGORITHMS)
-    num_steps: int = _opt(3, ge=1)
-    num_draft_tokens: int = _opt(4, ge=1)
+    num_steps: int = _opt(0, ge=0)              # > 0: NEXTN with up to this many drafts per step; 0: off
     max_running: int = _opt(4, ge=0)
 
 
@@ -159,13 +150,6 @@ class ParsersSection(_Section):
     TABLE: ClassVar[str] = "parsers"
     reasoning: str = _opt("", choices=REASONING_PARSERS)
     tool_call: str = _opt("", choices=TOOL_CALL_PARSERS)
-
-
-@dataclass
-class MetricsSection(_Section):
-    TABLE: ClassVar[str] = "metrics"
-    enabled: bool = True        # GET /metrics on the API server
-    cache_report: bool = True   # usage.prompt_tokens_details.cached_tokens
 
 
 @dataclass
@@ -183,7 +167,6 @@ class Config(_Section):
     cache: CacheSection = field(default_factory=CacheSection)
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     parsers: ParsersSection = field(default_factory=ParsersSection)
-    metrics: MetricsSection = field(default_factory=MetricsSection)
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self) -> None:
@@ -204,13 +187,6 @@ class Config(_Section):
                 f"cache.state_track_interval must be a multiple of engine.page_size ({page}) and at least "
                 f"that large, found {interval}",
                 "cache.state_track_interval",
-            )
-        spec = self.speculative
-        if spec.algorithm == "nextn" and spec.num_draft_tokens != spec.num_steps + 1:
-            raise ConfigError(
-                f"speculative.num_draft_tokens must be speculative.num_steps + 1 = {spec.num_steps + 1} for nextn "
-                f"(chain drafting verifies the drafts plus one token), found {spec.num_draft_tokens}",
-                "speculative.num_draft_tokens",
             )
         if self.cache.file.dir and self.cache.file.size_gb == 0:
             raise ConfigError(
@@ -361,6 +337,19 @@ def all_tables() -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 # dict -> Config
 
+# Keys an older config file may still hold, with what replaced them.
+REMOVED = {
+    "speculative.algorithm": 'NEXTN is on when speculative.num_steps > 0 (algorithm = "nextn" with num_steps = 3 '
+                             'is now num_steps = 3; algorithm = "" is num_steps = 0)',
+    "speculative.num_draft_tokens": "it is always speculative.num_steps + 1 (the drafts and the token before them)",
+    "engine.sleep_on_idle": "an idle server always sleeps until a request wakes it",
+    "cache.host.state_share": "the host tier keeps a fixed 25% of cache.host.size_gb for state snapshots "
+                              "(chosen by bench/simulate.py on agent traces; docs/cache-sizing.md)",
+    "server.keep_billing_header": "Claude Code's per-request x-anthropic-billing-header system block is always "
+                                  "dropped (it would defeat the prefix cache)",
+    "metrics": "GET /metrics is always served (behind server.api_key), and usage always reports cached tokens",
+}
+
 def _unknown(name: str, table: str, cls: type, wrote_table: bool) -> ConfigError:
     key = f"{table}.{name}" if table else name
     where = f"in table [{table}]" if table else "at the top level"
@@ -395,6 +384,9 @@ def _build(cls: type, data: Any, table: str) -> Any:
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         key = f"{table}.{name}" if table else name
+        if key in REMOVED:
+            what = f"[{key}]" if isinstance(value, Mapping) else key
+            raise ConfigError(f"{what} was removed: {REMOVED[key]}; delete it from the file", key)
         if name not in names:
             raise _unknown(name, table, cls, wrote_table=isinstance(value, Mapping))
         expected = hints[name]

@@ -24,6 +24,10 @@ DTYPE_TABLE: dict[str, tuple[str, int]] = {"bfloat16": ("bfloat16", 2), "float16
 assert set(DTYPES + KV_CACHE_DTYPES) - {"auto"} == set(DTYPE_TABLE), "config.py's dtype names and this table"
 CPU_DEFAULT_KV_TOKENS = 32768       # engine.kv_cache_tokens = 0 on the CPU: a modest pool
 SNAPSHOTS_PER_RUNNING_REQUEST = 4   # cache.state_slots = 0: device snapshots per engine.max_running_requests
+# Share of the host tier kept for recurrent-state snapshots (hybrid models): a budget of their own, because too few
+# host state slots strand host KV (a page without a state above it is no hit). bench/simulate.py chose 0.25 on agent
+# traces (docs/cache-sizing.md).
+HOST_STATE_SHARE = 0.25
 CUDA_CONTEXT_BYTES = 600 << 20     # --gpu-memory-gb: what the CUDA context and torch take before anything is ours
 GIB = 1 << 30
 
@@ -73,7 +77,7 @@ def activation_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
     logits of every row that samples. The GDN chunk kernel's fp32 intermediates (heads expanded to the value heads,
     the WY factors, the 64-wide triangular blocks, the state before each chunk) dominate the hybrid layers."""
     e = cfg.engine
-    rows_per_request = cfg.speculative.num_draft_tokens if cfg.speculative.algorithm == "nextn" else 1
+    rows_per_request = 1 + cfg.speculative.num_steps
     tokens = e.chunked_prefill_size + e.max_running_requests * rows_per_request
     logits = e.max_running_requests * rows_per_request * mc.vocab_size * 4 * 2
     return tokens * layer_bytes_per_token(mc, dtype) + logits
@@ -109,7 +113,7 @@ def cuda_graph_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
     largest first, so it is about the intermediates of the largest step, engine.max_running_requests sequences of
     1 + speculative.num_steps tokens with NEXTN (else 1) (the layer intermediates, the split-K attention's partial
     outputs), the static output rows, and a margin."""
-    tokens = 1 + cfg.speculative.num_steps if cfg.speculative.algorithm == "nextn" else 1
+    tokens = 1 + cfg.speculative.num_steps
     rows, b = cfg.engine.max_running_requests * tokens, element_size(dtype)
     splits = rows * mc.num_attention_heads * ATTENTION_MAX_SPLITS * (mc.head_dim + 1) * 4
     return rows * (layer_bytes_per_token(mc, dtype) + mc.hidden_size * b) + splits + CUDA_GRAPH_MARGIN
@@ -181,12 +185,11 @@ class MemoryPlan:
         e, c = cfg.engine, cfg.cache
         hybrid = bool(mc.gdn_layer_ids)
         nextn_layers = verify_slots = 0
-        if cfg.speculative.algorithm == "nextn":
+        if cfg.speculative.num_steps:
             if mc.num_mtp_layers == 0:
-                raise ConfigError('speculative.algorithm = "nextn" needs the checkpoint\'s NEXTN head, but model.path '
-                                  'has no mtp.* tensors (some quantized releases drop them); set '
-                                  'speculative.algorithm = "" or use a checkpoint with mtp.* weights',
-                                  "speculative.algorithm")
+                raise ConfigError("speculative.num_steps > 0 needs the checkpoint's NEXTN head, but model.path has no "
+                                  "mtp.* tensors (some quantized releases drop them); set speculative.num_steps = 0 "
+                                  "or use a checkpoint with mtp.* weights", "speculative.num_steps")
             nextn_layers = mc.num_mtp_layers
             verify_slots = e.max_running_requests * cfg.speculative.num_steps if hybrid else 0
         if kv_dtype == "fp8_e4m3" and device == "cuda" and cuda_capability is not None and \
@@ -224,11 +227,8 @@ class MemoryPlan:
                                   f"{available / GIB:.1f} GiB available; lower cache.host.size_gb",
                                   "cache.host.size_gb")
             page_bytes = per_token * e.page_size
-            share = 0.0
-            if hybrid:   # cache.host.state_share, or the device's own ratio of snapshot to KV + snapshot memory
-                dev_snap = snapshots * per_slot
-                share = c.host.state_share or dev_snap / max(1, dev_snap + kv_pages * page_bytes)
-                host_snapshots = int(host_bytes * share // per_slot)
+            if hybrid:
+                host_snapshots = int(host_bytes * HOST_STATE_SHARE // per_slot)
             host_pages = int((host_bytes - host_snapshots * per_slot) // page_bytes)
         file_on = c.enabled and bool(c.file.dir)
         return cls(device=device, dtype=dtype, kv_dtype=kv_dtype, weights_bytes=weights,

@@ -331,7 +331,7 @@ class ChoiceResult:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int | None = None                  # None: not reported (metrics.cache_report = false)
+    cached_tokens: int | None = None                  # None: not known yet (a stream's first event)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     accepted_prediction_tokens: int | None = None     # NEXTN drafts accepted / rejected; None: speculation off
     rejected_prediction_tokens: int | None = None
