@@ -1,5 +1,5 @@
 """The engine on a GPU with a random Qwen3.5-27B-shaped block-FP8 model (the seed's model at its real size), in one
-run of a few minutes, for a session with a lent GPU (tests/gpu.sh runs it after the tests):
+run of a few minutes on a CUDA machine (tests/gpu.sh runs it after the tests):
 
     python3 bench/gpu.py                  # from the repository root, tinyserve installed (-e . is enough)
     .venv/bin/python bench/gpu.py --dry-run   # no GPU: the same script on a tiny model on the CPU (checks it)

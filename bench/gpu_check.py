@@ -1,4 +1,4 @@
-"""The one script a session with a lent GPU runs (a few minutes; needs CUDA, torch and triton, nothing else of
+"""The GPU check to run first on a CUDA machine (a few minutes; needs CUDA, torch and triton, nothing else of
 tinyserve's dependencies, and no install of tinyserve):
 
     python3 bench/gpu_check.py            # from the repository root; PYTHONUNBUFFERED=1 to watch it live
@@ -13,7 +13,7 @@ tinyserve's dependencies, and no install of tinyserve):
    each kernel's max error against the reference computed in fp32 and its effective bandwidth. One table.
 4. The Qwen3.5-27B vision tower on one 1024x1024 image in bf16 (random weights): time and peak memory.
 
-Everything printed also goes to $OUT/gpu_check.txt when OUT is set (the device tool brings $OUT back).
+Everything printed also goes to $OUT/gpu_check.txt when OUT is set (tests/gpu.sh sets it).
 
 Without a GPU:
     .venv/bin/python bench/gpu_check.py --compile   # every kernel variant of section 3 compiled for sm_90/89/120

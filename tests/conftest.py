@@ -40,7 +40,7 @@ def engine_for(loaded_model, tokenizer=None, host_state_share: float | None = No
     host_state_share: the share of cache.host.size_gb its plan gives state snapshots (plan.HOST_STATE_SHARE, a
     constant, not a key), for tests that need exact host page and snapshot counts.
     On CUDA (tests/gpu.sh) CUDA graphs are off unless a test asks for them: capturing them for every engine
-    of the suite would take most of a lent GPU's minutes (tests/test_cuda_graphs.py tests them)."""
+    of the suite would take most of tests/gpu.sh's minutes (tests/test_cuda_graphs.py tests them)."""
     tables = merge({"engine": {"cuda_graphs": False}}, tables)
     if host_state_share is None:
         return engine_for_model(from_dict(tables), loaded_model, tokenizer)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a session with a lent GPU runs, in one go (budget: under 8 minutes on an H200), from the repository
+# The GPU checks, in one go on a CUDA machine (under 8 minutes on an H200), from the repository
 # root:   bash tests/gpu.sh        (logs in $OUT, default /tmp/tinyserve-gpu)
 #   1. the Triton kernel tests compiled on the device, their `gpu` tier included (bf16, Qwen3.5-27B shapes);
 #   2. the engine's parity (against transformers), engine, NEXTN and cache-path tests with the model on the GPU

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Wheels of what the lent GPU machine's image lacks (it has no network): run here, then carry .gpu-wheels with the
-# device tool's `run` (carry: [".gpu-wheels"]); tests/gpu.sh installs them. The image runs Python 3.12 on x86-64.
+# Wheels of what a CUDA machine without network access lacks next to its own torch / triton / transformers: run
+# this where pip can download, copy .gpu-wheels into the checkout on the CUDA machine, and tests/gpu.sh installs
+# them. Built for Python 3.12 on x86-64.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu-wheels

@@ -4,7 +4,7 @@ public functions with the backend forced (kernels.set_backend), so the dispatch 
 Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before any kernel module is
 imported, see triton_setup.py) on tiny ragged shapes in fp32 and fp16: the interpreter computes bf16 on raw bits, so bf16 is left to the
 GPU. With CUDA the same tests run compiled on the device, and the `gpu` tier adds bf16 and Qwen3.5-27B shapes
-(bench/gpu_check.py runs this file on a lent GPU). The whole file skips when triton is not installed.
+(bench/gpu_check.py runs this file on a CUDA machine). The whole file skips when triton is not installed.
 """
 from __future__ import annotations
 
