@@ -430,5 +430,5 @@ def engine_for(model, **tables):
     """An engine around a loaded model, configured by TOML tables with the TOML's key names
     (engine_for(model, engine={"page_size": 16}, cache={"enabled": False}))."""
     from tinyserve.config import from_dict
-    from tinyserve.engine import Engine
-    return Engine.for_model(from_dict(tables), model)
+    from tinyserve.build import engine_for_model
+    return engine_for_model(from_dict(tables), model)

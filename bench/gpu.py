@@ -16,7 +16,7 @@ Printed, one table: decode tokens/s at batch 1 and 8 with and without NEXTN, and
 bound (weight bytes per token over the bandwidth measured by a device copy; target >= 70%); prefill tokens/s at 8K
 and 32K; TTFT of a 170K-token prompt; the chunked GDN kernel against flash-linear-attention's (`fla`, when it
 imports; target >= 0.8x) and the block-FP8 GEMM against torch._scaled_mm with row-wise scales (target >= 0.8x).
-In-process through the engine (Engine.for_model, offline generate): the HTTP server adds the same per-request costs
+In-process through the engine (engine_for_model, offline generate): the HTTP server adds the same per-request costs
 as on the CPU (bench/serve.py), not per-token ones. Everything printed also goes to $OUT/gpu.txt.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def random_model(folder: Path, device, dtype):
     """The model the plan lays out for `folder`, FP8 where it keeps FP8, random values, the NEXTN head agreeing."""
     import torch
 
-    from tinyserve.kernels.fp8 import Fp8Weight
+    from tinyserve.kernels.fp8_weight import Fp8Weight
     from tinyserve.loader import read_checkpoint
     from tinyserve.models.qwen3_next import Fp8Weights, Qwen3NextForCausalLM
     mc, weights = read_checkpoint(folder, keep_fp8=device.type == "cuda")
@@ -94,7 +94,7 @@ def random_model(folder: Path, device, dtype):
 
 def engine(model, nextn: bool, context: int, dry: bool):
     from tinyserve.config import from_dict
-    from tinyserve.engine import Engine
+    from tinyserve.build import engine_for_model, price_drafts
     tables = {"model": {"dtype": "float32" if dry else "bfloat16", "kv_cache_dtype": "auto" if dry else "fp8_e4m3",
                         "context_length": context},
               "engine": {"max_running_requests": 8, "chunked_prefill_size": 512 if dry else 8192, "page_size": 64,
@@ -102,9 +102,9 @@ def engine(model, nextn: bool, context: int, dry: bool):
               "cache": {"enabled": False}}
     if nextn:
         tables["speculative"] = {"algorithm": "nextn", "num_steps": 3, "num_draft_tokens": 4, "max_running": 8}
-    eng = Engine.for_model(from_dict(tables), model)
+    eng = engine_for_model(from_dict(tables), model)
     if nextn:
-        eng.price_drafts()
+        price_drafts(eng)
     return eng
 
 
@@ -167,7 +167,8 @@ def kernel_peers(device, dry: bool) -> None:
     from triton.testing import do_bench
 
     from tinyserve.kernels import backend_set_to
-    from tinyserve.kernels.fp8 import Fp8Weight, fp8_linear
+    from tinyserve.kernels.fp8 import fp8_linear
+    from tinyserve.kernels.fp8_weight import Fp8Weight
     from tinyserve.kernels.gdn import chunk_gated_delta_rule
     g = torch.Generator(device=device).manual_seed(1)
     T, H, HV, D = 8192, 16, 48, 128
@@ -236,14 +237,14 @@ def main() -> None:
         eng = engine(model, nextn, context, dry)
         for batch in (1, 8):
             if nextn:
-                eng.spec_stats = type(eng.spec_stats)()
+                eng.nextn.stats = type(eng.nextn.stats)()
             rate = decode_rate(eng, batch, new, mc.vocab_size, device)
             note = ""
             if batch == 1 and not nextn and bw == bw:
                 bound = bw / per_token
                 note = f"HBM bound {bound:.0f} tok/s: {rate / bound:.0%} (target >= 70%)"
             if nextn:
-                st = eng.spec_stats
+                st = eng.nextn.stats
                 note = (f"{st.num_drafts} rounds, {st.num_accepted_tokens} of {st.num_draft_tokens} drafts accepted"
                         if st.num_drafts else "no drafting (the measured step costs chose depth 0)")
             rows.append((f"decode batch {batch}{' NEXTN' if nextn else ''}", f"{rate:.1f} tok/s", note))

@@ -155,9 +155,11 @@ def cases(dev):
     from tinyserve.kernels.activation import silu_and_mul
     from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill
     from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill, causal_conv1d_verify
-    from tinyserve.kernels.fp8 import Fp8Weight, fp8_linear
+    from tinyserve.kernels.fp8 import fp8_linear
+    from tinyserve.kernels.fp8_weight import Fp8Weight
     from tinyserve.kernels.gdn import (chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
-                                       recurrent_gated_delta_rule_verify, verify_layout)
+                                       recurrent_gated_delta_rule_verify)
+    from tinyserve.kernels.verify_layout import verify_layout
     from tinyserve.kernels.norm import gated_rms_norm, rms_norm
     from tinyserve.kernels.rotary import apply_rotary
     bf = ACT or torch.bfloat16

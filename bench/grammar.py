@@ -1,5 +1,5 @@
 """Cost of grammar-constrained decoding (grammar.py): per-step decode time with JSON-schema masks at 1 and 8 running
-requests, against unconstrained decoding of the same batch in the same run, in-process (Engine.from_config on the
+requests, against unconstrained decoding of the same batch in the same run, in-process (build_engine on the
 ~31M-parameter bench checkpoint, CPU, fp32; its tokenizer has 4096 ids).
 
 A step is timed only while every request of the batch decodes (no prefill in it, nobody finished), so both sides
@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_checkpoint, fmt_table, make_prompts  # noqa: E402
+from common import bench_checkpoint, fmt_table, make_prompts    # noqa: E402
 
-from tinyserve.config import from_dict  # noqa: E402
+from tinyserve.config import from_dict    # noqa: E402
 from tinyserve.engine import Engine  # noqa: E402
-from tinyserve.grammar import Constraint  # noqa: E402
-from tinyserve.request import Status  # noqa: E402
-from tinyserve.sampling import SamplingParams  # noqa: E402
+from tinyserve.build import build_engine  # noqa: E402
+from tinyserve.grammar import Constraint    # noqa: E402
+from tinyserve.request import Status    # noqa: E402
+from tinyserve.sampling import SamplingParams    # noqa: E402
 
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 48,
           "maxItems": 48}
@@ -32,7 +33,7 @@ SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum":
 
 def decode_steps(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], steps: int) -> list[float]:
     """Seconds of each step in which all requests decoded; stops after `steps` of them."""
-    reqs = [engine._make_request(p, sp, None) for p, sp in zip(prompts, params)]
+    reqs = [engine.intake.make_request(p, sp) for p, sp in zip(prompts, params)]
     for r in reqs:
         engine.scheduler.add(r)
     times: list[float] = []
@@ -59,7 +60,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     folder = bench_checkpoint(args.dir)
-    engine = Engine.from_config(from_dict({
+    engine = build_engine(from_dict({
         "model": {"path": str(folder), "device": "cpu", "context_length": 1024},
         "engine": {"max_running_requests": 8, "page_size": 16, "kv_cache_tokens": 16384},
         "cache": {"enabled": False}}))

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 INDEX_NEW = """
 import sys, time, torch
 from pathlib import Path
-from tinyserve.tiers import FileTier
+from tinyserve.file_tier import FileTier
 t0 = time.perf_counter()
 tier = FileTier(Path(sys.argv[1]), 1 << 40, b"\\0" * 32, (1,), torch.float32, (1,), torch.float32, (1,))
 t1 = time.perf_counter()

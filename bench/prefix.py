@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_checkpoint, fmt_table, make_prompts, engine_for  # noqa: E402
+from common import bench_checkpoint, fmt_table, make_prompts, engine_for    # noqa: E402
 
 from tinyserve.engine import Engine  # noqa: E402
-from tinyserve.loader import load_model  # noqa: E402
-from tinyserve.sampling import SamplingParams  # noqa: E402
+from tinyserve.loader import load_model    # noqa: E402
+from tinyserve.sampling import SamplingParams    # noqa: E402
 
 NEW8 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

@@ -7,7 +7,7 @@
 Systems (each one a separate process that runs nothing else; all load first, then they take turns):
   tinyserve HTTP        `tinyserve CONFIG` (the console script); streaming POST /v1/completions with token-id
                         prompts, ignore_eos, temperature 0, fixed max_tokens, from an aiohttp client in this process
-  tinyserve in-process  a fresh Python subprocess: Engine.from_config(cfg), then engine.generate(prompts, params)
+  tinyserve in-process  a fresh Python subprocess: build_engine(cfg), then engine.generate(prompts, params)
   llama-server          with --llama-server and --gguf: `llama-server -m GGUF -np 8 -t THREADS -c ...`; the same
                         token-id prompts through streaming POST /completion (n_predict, ignore_eos, temperature 0)
   transformers          a fresh Python subprocess: model.generate on the same prompts, one after the other, greedy,
@@ -196,10 +196,10 @@ def worker_main(kind: str, spec: dict) -> None:
 
     if kind == "tinyserve":
         from tinyserve import config as config_mod
-        from tinyserve.engine import Engine
+        from tinyserve.build import build_engine
         from tinyserve.sampling import SamplingParams
 
-        engine = Engine.from_config(config_mod.load(spec["config"]))
+        engine = build_engine(config_mod.load(spec["config"]))
 
         def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
             return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))

@@ -7,8 +7,8 @@ tiers with the byte sizes of a Qwen3.5-27B-shaped model, and a stand-in for the 
 
 What is real and what stands in
 -------------------------------
-Real: `Engine._step` (the one step loop), `Scheduler`, `PrefixCache`, `RadixCache`, `Tiers`, `HostTier`,
-`FileTier`, `PageAllocator`, `StatePool`, `KVPool`, built by `Engine.__init__` / `Engine._build_cache` from the
+Real: `Engine._step` (the one step loop), `Scheduler`, `PrefixCache`, `RadixCache`, `HostTier`, `FileTier`,
+`PageAllocator`, `StatePool`, `KVPool`, built by build.assemble / build.prefix_cache from the
 TOML config and a `MemoryPlan` that `MemoryPlan.resolve` makes for a header-only Qwen3.5-27B folder (what
 `tinyserve --check` prints): KV pages, device snapshot slots, NEXTN verify slots, host pages and host snapshots, file
 bytes. Every eviction, promotion, backup and file read is the engine's own code.
@@ -69,7 +69,7 @@ Per request the report has the TTFT (arrival to first token, queueing included) 
 then admission to first token: its copies and prefill, without the wait behind other requests).
 
 The small-scale check (tests/test_simulate.py): the same traces, shrunk, through a real Engine on the CPU (a tiny
-checkpoint, the real runner) and through SimEngine with the same plan sizes, both by `replay` on the same clock:
+checkpoint, the real runner) and through sim_engine with the same plan sizes, both by `replay` on the same clock:
 per-request cached tokens and their device / host / file split, the tree's counters, what each tier holds and the
 file tier's byte accounting must be equal.
 """
@@ -97,9 +97,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 import tinyserve.plan as planmod  # noqa: E402
-from tinyserve.cache import PrefixCache  # noqa: E402
+from tinyserve.blob import HEADER  # noqa: E402
+from tinyserve.build import assemble  # noqa: E402
+from tinyserve.cache import Admission, PrefixCache  # noqa: E402
 from tinyserve.config import Config, from_dict, load, to_dict  # noqa: E402
 from tinyserve.engine import Engine, RequestError  # noqa: E402
+from tinyserve.file_tier import FileTier  # noqa: E402
 from tinyserve.models.config import ModelConfig  # noqa: E402
 from tinyserve.plan import GIB, MemoryPlan  # noqa: E402
 from tinyserve.radix import Node, RadixCache  # noqa: E402
@@ -107,7 +110,6 @@ from tinyserve.request import Request, Status  # noqa: E402
 from tinyserve.runner import SeqOutput, StepResult  # noqa: E402
 from tinyserve.sampling import SamplingParams  # noqa: E402
 from tinyserve.scheduler import ScheduledSeq  # noqa: E402
-from tinyserve.tiers import HEADER, FileTier, Tiers  # noqa: E402
 
 GB = 1e9
 SEED_KV_TOKENS = 270336          # the seed's device pool (~270K tokens, fp8 KV, 48 GB card): 4224 pages of 64
@@ -260,8 +262,9 @@ def _count_calls(obj: Any, name: str, bump: Any) -> None:
 
 class SimFileTier(FileTier):
     """The file tier, sized at real scale: a blob counts as the bytes it would have with real pages and state
-    (its size accounting, and so its eviction against cache.file.size_gb, is the real one)."""
-    hooks = ("write", "_add")
+    (its size accounting, and so its eviction against cache.file.size_gb, is the real one), and the real bytes of
+    the blobs uploaded to the device are counted."""
+    hooks = ("write", "_add", "load")
     sizes: Sizes
     counters: Counters
     meta: dict                             # (start, end) -> (real bytes, has a snapshot)
@@ -282,22 +285,15 @@ class SimFileTier(FileTier):
         entry.size = self.meta.get((start, end), (entry.size, False))[0]
         super()._add(start, end, entry)
 
-    def snapshots_held(self) -> int:
-        with self._lock:
-            return sum(self.meta.get(k, (0, False))[1] for k in self._lru)
-
-
-class SimTiers(Tiers):
-    """Counts the real bytes of file-tier blobs uploaded to the device."""
-    hooks = ("load_blob",)
-    sizes: Sizes
-    counters: Counters
-
-    def load_blob(self, blob, pages: list[int], snapshot: int | None, *args: Any, **kwargs: Any) -> None:
+    def load(self, blob, pages: list[int], snapshot: int | None, *args: Any, **kwargs: Any) -> None:
         self.counters.file_to_device_bytes += len(pages) * self.sizes.page_bytes + \
             (self.sizes.snap_bytes if snapshot is not None else 0)
         self.counters.file_snapshots_loaded += snapshot is not None
-        super().load_blob(blob, pages, snapshot, *args, **kwargs)
+        super().load(blob, pages, snapshot, *args, **kwargs)
+
+    def snapshots_held(self) -> int:
+        with self._lock:
+            return sum(self.meta.get(k, (0, False))[1] for k in self._lru)
 
 
 POLICIES = ("engine", "lru", "pinned")
@@ -341,7 +337,7 @@ class SimRadix(RadixCache):
             return None
         victim = min(held, key=lambda n: n.last_use)
         if self.host is not None and victim.host_snapshot is None and \
-                (self.tiers.backup_due("evict", victim.hits) or victim.host_pages is not None):
+                (self._backup_due("evict", victim.hits) or victim.host_pages is not None):
             hs = self._host_alloc_snapshot(protect=victim)
             if hs is not None:
                 self.host.save_snapshot(victim.snapshot, hs)
@@ -385,7 +381,7 @@ class SimPrefixCache(PrefixCache):
 
     def on_arrival(self, req: Request) -> None:
         super().on_arrival(req)
-        run = req.cache_run
+        run = self.runs.get(req.request_id)
         if run is None or run.read is None:
             return
         concurrent.futures.wait([run.read])             # the tiny blobs are read at once; time is modelled
@@ -404,14 +400,14 @@ class SimPrefixCache(PrefixCache):
         later = [t for t in self.read_ready.values() if t > self.clock.now]
         return min(later) if later else None
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> Admission:
         self.read_ready.pop(req.request_id, None)
-        super().admit(req)
+        return super().admit(req)
 
 
 # -------------------------------------------------------------------------------------------- model stand-ins
 class StandInModel:
-    """What Engine.__init__ reads of a model: its config, device and dtype (no parameters, no vision tower)."""
+    """What build.assemble reads of a model: its config, device and dtype (no parameters, no vision tower)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg, self.device, self.dtype = cfg, torch.device("cpu"), torch.float32
@@ -486,46 +482,46 @@ class ClockedRunner:
 
 
 # ------------------------------------------------------------------------------------------- the simulated engine
-class SimEngine(Engine):
-    """Engine with the stand-in model and runner, pools of the plan's counts with tiny tensors, and counters.
+def sim_engine(cfg: Config, plan: MemoryPlan, mc: ModelConfig, cost: CostModel, clock: Clock,
+               policy: str = "engine") -> Engine:
+    """An Engine with the stand-in model and runner, pools of the plan's counts with tiny tensors, and counters
+    (engine.counters). `plan` is the real plan (sizes, reports); the engine is built from a copy whose KV pool has
+    one layer of fp32 (the counts stay)."""
+    assert policy in POLICIES, policy
+    sim_plan = dataclasses.replace(plan, device="sim", dtype="float32", kv_dtype="float32",
+                                   kv_layers=1 if plan.kv_layers else 0)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
+    engine = assemble(cfg, StandInModel(stand_in_config(mc)), None, sim_plan)
+    engine.sizes, engine.cost, engine.clock, engine.policy = Sizes.of(plan), cost, clock, policy
+    engine.counters = c = Counters()
+    engine.plan = plan
+    engine.runner = StandInRunner(mc.vocab_size, engine.eos_token_ids)
+    _count_calls(engine.state_pool, "copy", lambda *a: setattr(c, "device_snapshot_copies",
+                                                               c.device_snapshot_copies + 1))
+    if isinstance(engine.cache, PrefixCache):
+        _adopt_cache(engine)
+    return engine
 
-    `plan` is the real plan (sizes, reports); the engine is built from a copy whose KV pool has one layer of fp32
-    (the counts stay)."""
 
-    def __init__(self, cfg: Config, plan: MemoryPlan, mc: ModelConfig, cost: CostModel, clock: Clock,
-                 policy: str = "engine") -> None:
-        assert policy in POLICIES, policy
-        self.sizes, self.cost, self.clock, self.policy = Sizes.of(plan), cost, clock, policy
-        self.counters = Counters()
-        sim_plan = dataclasses.replace(plan, device="sim", dtype="float32", kv_dtype="float32",
-                                       kv_layers=1 if plan.kv_layers else 0)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
-        super().__init__(cfg, StandInModel(stand_in_config(mc)), None, sim_plan)
-        self.plan = plan
-        self.runner = StandInRunner(mc.vocab_size, self.eos_token_ids)
-        c = self.counters
-        _count_calls(self.state_pool, "copy", lambda *a: setattr(c, "device_snapshot_copies",
-                                                                  c.device_snapshot_copies + 1))
-
-    def _build_cache(self, cfg: Config, plan: MemoryPlan):
-        cache = super()._build_cache(cfg, plan)
-        tree, tiers = cache.tree, cache.tree.tiers
-        c = self.counters
-        common = dict(sizes=self.sizes, counters=c)
-        if tiers.host is not None:                           # every copy between the device and the host tier
-            tiers.host.min_free_bytes = 0                    # no memory pressure: a 64 GB box runs nothing else
-            def bump(field: str, pages: bool):
-                return lambda *a: setattr(c, field, getattr(c, field) + (len(a[0]) if pages else 1))
-            _count_calls(tiers.host, "save_pages", bump("host_pages_saved", True))
-            _count_calls(tiers.host, "load_pages", bump("host_pages_loaded", True))
-            _count_calls(tiers.host, "save_snapshot", bump("host_snapshots_saved", False))
-            _count_calls(tiers.host, "load_snapshot", bump("host_snapshots_loaded", False))
-        if tiers.file is not None:
-            _adopt(tiers.file, SimFileTier, meta={}, **common)
-        _adopt(tiers, SimTiers, **common)
-        _adopt(tree, SimRadix, counters=c, policy=self.policy)
-        return _adopt(cache, SimPrefixCache, clock=self.clock, cost=self.cost, read_ready={}, read_time={},
-                      reader_free=0.0, **common)
+def _adopt_cache(engine: Engine) -> None:
+    """The engine's prefix cache, tree and tiers switched to their simulator subclasses, in place (the scheduler
+    holds the same objects)."""
+    cache, c = engine.cache, engine.counters
+    host, file = cache.host, cache.file
+    common = dict(sizes=engine.sizes, counters=c)
+    if host is not None:                                 # every copy between the device and the host tier
+        host.min_free_bytes = 0                          # no memory pressure: a 64 GB box runs nothing else
+        def bump(field: str, pages: bool):
+            return lambda *a: setattr(c, field, getattr(c, field) + (len(a[0]) if pages else 1))
+        _count_calls(host, "save_pages", bump("host_pages_saved", True))
+        _count_calls(host, "load_pages", bump("host_pages_loaded", True))
+        _count_calls(host, "save_snapshot", bump("host_snapshots_saved", False))
+        _count_calls(host, "load_snapshot", bump("host_snapshots_loaded", False))
+    if file is not None:
+        _adopt(file, SimFileTier, meta={}, **common)
+    _adopt(cache.tree, SimRadix, counters=c, policy=engine.policy)
+    _adopt(cache, SimPrefixCache, clock=engine.clock, cost=engine.cost, read_ready={}, read_time={},
+           reader_free=0.0, **common)
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
@@ -781,8 +777,7 @@ class Result:
 
 def _occupancy(engine: Engine) -> dict[str, float]:
     """What each tier holds now, in pages / snapshots / blobs and real bytes."""
-    tree = engine.cache.tree
-    host, file = tree.tiers.host, tree.tiers.file
+    tree, host, file = engine.cache.tree, engine.cache.host, engine.cache.file
     sz = Sizes.of(engine.plan)
     occ = {"device_pages": tree.num_pages, "device_snapshots": tree.num_snapshots}
     occ["device_bytes"] = occ["device_pages"] * sz.page_bytes + occ["device_snapshots"] * sz.snap_bytes
@@ -810,19 +805,19 @@ def _transfer_seconds(engine: Engine, cost: CostModel, d: dict[str, float]) -> f
     write gathers (from the host tier when there is one, else from the device), device snapshot copies."""
     if not d:
         return 0.0
-    host = engine.cache.tree.tiers.host is not None
+    host = engine.cache.host is not None
     return d["pcie"] / cost.pcie_bw + d["file_write"] / (cost.host_copy_bw if host else cost.pcie_bw) \
         + d["snap_copies"] * 2 * cost.state_bytes / cost.mem_bw
 
 
 def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Result:
     """Play the trace through engine._step, the engine's own step, on the virtual clock. Works for a real Engine
-    (its runner is wrapped to advance the clock; its tier copies are not timed) and for a SimEngine. A request's
+    (its runner is wrapped to advance the clock; its tier copies are not timed) and for a sim_engine. A request's
     file-tier read is waited for when it arrives, and file writes are flushed after every step, so the order of
     events never depends on the reader and writer threads."""
     assert hasattr(engine.cache, "tree"), "replay needs the prefix cache (cache.enabled = true)"
     runner = engine.runner = ClockedRunner(engine.runner, cost, clock)
-    file = engine.cache.tree.tiers.file
+    file = engine.cache.file
     waiting_on: dict[tuple[str, int], list[Turn]] = defaultdict(list)
     heap: list[tuple[float, int, Turn]] = []
     order = 0
@@ -848,11 +843,11 @@ def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Resul
             arrival, _, turn = heapq.heappop(heap)
             prompt = (history[turn.base] if turn.base is not None else []) + turn.message
             params = SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
-            req = engine._make_request(prompt, params, f"{turn.session}/{turn.index}")
+            req = engine.intake.make_request(prompt, params, f"{turn.session}/{turn.index}")
             rec = Record(req.request_id, turn.session, turn.index, len(prompt), arrival)
             records.append(rec)
             sched.add(req)
-            run = req.cache_run
+            run = engine.cache.runs.get(req.request_id)
             if run is not None and run.read is not None:
                 concurrent.futures.wait([run.read])
             live[id(req)] = (req, rec, turn)
@@ -907,15 +902,14 @@ def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Resul
                     heapq.heappush(heap, (clock.now + nxt_turn.delay, order, nxt_turn))
                     order += 1
                 del live[key]
-    tree = engine.cache.tree
-    tiers = tree.tiers
+    tree, host, file = engine.cache.tree, engine.cache.host, engine.cache.file
     end = _occupancy(engine)
-    if isinstance(tiers.file, SimFileTier):
-        end["file_snapshots"] = tiers.file.snapshots_held()
+    if isinstance(file, SimFileTier):
+        end["file_snapshots"] = file.snapshots_held()
     tree_stats = {"hit_tokens": tree.hit_tokens, "query_tokens": tree.query_tokens,
                   "snapshots_evicted": tree.snapshots_evicted,
-                  "host_hit_tokens": tiers.host.stats.hit_tokens if tiers.host else 0,
-                  "file_hit_tokens": tiers.file.stats.hit_tokens if tiers.file else 0,
+                  "host_hit_tokens": host.stats.hit_tokens if host else 0,
+                  "file_hit_tokens": file.stats.hit_tokens if file else 0,
                   "preemptions": sched.num_preemptions}
     engine.runner = runner.inner
     return Result(trace.name, records, clock.now, runner.prefill_s, runner.decode_s, transfer_s, dict(peak),
@@ -925,12 +919,12 @@ def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Resul
 def simulate(trace: Trace, config: Path = ROOT / "systemd" / "production.toml",
              overrides: dict[str, Any] | None = None, cost_kw: dict[str, Any] | None = None,
              kv_tokens: int = SEED_KV_TOKENS, policy: str = "engine") -> Result:
-    """One trace through a SimEngine for the 27B plan of `config` (+ overrides)."""
+    """One trace through a sim_engine for the 27B plan of `config` (+ overrides)."""
     with tempfile.TemporaryDirectory(prefix="tinyserve-sim-file-") as tmp:
         cfg, mc, values, plan = plan_27b(config, Path(tmp), overrides, kv_tokens)
         cost = CostModel.for_model(mc, values, plan, **(cost_kw or {}))
         clock = Clock()
-        engine = SimEngine(cfg, plan, mc, cost, clock, policy)
+        engine = sim_engine(cfg, plan, mc, cost, clock, policy)
         try:
             return replay(engine, trace, cost, clock)
         finally:

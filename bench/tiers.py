@@ -31,10 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import bench_checkpoint, fmt_table, make_prompts, engine_for  # noqa: E402
 
+from tinyserve.blob import Blob, chain_hashes  # noqa: E402
 from tinyserve.engine import Engine  # noqa: E402
+from tinyserve.file_tier import FileTier  # noqa: E402
+from tinyserve.host_tier import HostTier  # noqa: E402
 from tinyserve.loader import load_model  # noqa: E402
 from tinyserve.sampling import SamplingParams  # noqa: E402
-from tinyserve.tiers import Blob, FileTier, HostTier, chain_hashes  # noqa: E402
 
 FIRST = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)    # the request time is the TTFT
 GB = 1e9
@@ -148,7 +150,7 @@ def host_bandwidth(model, ps: int, reps: int, rows: list) -> None:
     nbytes = n * pool.bytes_per_page
     t_save = best_of(lambda: host.save_pages(dev_pages, host_pages), reps)
     t_load = best_of(lambda: host.load_pages(host_pages, dev_pages), reps)
-    assert torch.equal(host.kv[:n], pool.buffer), "host round trip changed the pages"
+    assert torch.equal(host.kv[:n], pool.buffer[:n]), "host round trip changed the pages"
     src, dst = pool.buffer, torch.empty_like(pool.buffer)
     t_plain = best_of(lambda: dst.copy_(src), reps)
     # the same page set scattered (every other page): the general case of _copy_rows, same bytes / 2
@@ -228,7 +230,7 @@ def file_bandwidth(model, ps: int, reps: int, rows: list, breakdown: list) -> No
         rows.append(("file write + flush", desc, f"{w / GB:.2f}", f"{pw / GB:.2f}", f"{w / pw:.2f}", ">= 0.70"))
         rows.append(("file read_chain", "same (plain: read_bytes, kept)", f"{r / GB:.2f}", f"{pr / GB:.2f}", f"{r / pr:.2f}", ">= 0.70"))
 
-        # where the file path's time goes: each stage of _encode / _read on one blob, as GB/s of the blob size
+        # where the file path's time goes: each stage of encode / FileTier._read on one blob, as GB/s of the blob size
         blob, size = blobs[0], sizes[0]
         kv = blob.kv.contiguous().view(torch.uint8).numpy()
         tok = struct.pack(f"<{len(blob.tokens)}i", *blob.tokens)

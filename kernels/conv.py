@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.kernels import use_triton
-from tinyserve.kernels.gdn import VerifyLayout, pad_to_layout, slot_run
+from tinyserve.kernels.gdn import slot_run
+from tinyserve.kernels.verify_layout import VerifyLayout, pad_to_layout
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -54,7 +55,7 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                          lay: VerifyLayout) -> torch.Tensor:
     """Speculative verify: the decode conv (the same per-token sum) over each sequence's 1 + k tokens at once,
-    keeping the history after every token in its own slot (lay: kernels.gdn.VerifyLayout). x [T, C]."""
+    keeping the history after every token in its own slot (lay: kernels.verify_layout.VerifyLayout). x [T, C]."""
     if use_triton(x):
         from tinyserve.kernels import conv_triton
         return conv_triton.causal_conv1d_verify(x, weight, conv_state, lay)

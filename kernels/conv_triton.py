@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.gdn import VerifyLayout
+from tinyserve.kernels.verify_layout import VerifyLayout
 from tinyserve.kernels.tiles import prefill_tiles
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.fp8 import ACT_GROUP, AMAX_FLOOR, FP8_MAX, Fp8Weight
+from tinyserve.kernels.fp8_weight import ACT_GROUP, AMAX_FLOOR, FP8_MAX, Fp8Weight
 
 _FP8_MAX = tl.constexpr(FP8_MAX)              # a compiled kernel reads module globals only as constexprs
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.gdn import VerifyLayout
+from tinyserve.kernels.verify_layout import VerifyLayout
 
 
 @triton.jit

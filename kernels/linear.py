@@ -15,7 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels.fp8 import Fp8Weight, fp8_linear
+from tinyserve.kernels.fp8 import fp8_linear
+from tinyserve.kernels.fp8_weight import Fp8Weight
 
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
     else None

@@ -17,7 +17,7 @@ import torch
 
 from tinyserve.kernels import use_triton
 from tinyserve.kernels.activation import silu_and_mul
-from tinyserve.kernels.fp8 import Fp8Weight
+from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.linear import linear
 
 

@@ -14,7 +14,7 @@ expert, with no host sync (CUDA-graph safe).
 3. gate_up GEMM -> silu_and_mul (kernels/activation.py) -> down GEMM with the routing weights -> the top_k rows of
    each token summed in fp32 (a fixed-order reshape + sum: no atomics, so results do not depend on scheduling).
 
-Experts kept FP8 (a stacked kernels/fp8.Fp8Weight) go through _moe_fp8_gemm_kernel, the same grouped GEMM with
+Experts kept FP8 (a stacked kernels/fp8_weight.Fp8Weight) go through _moe_fp8_gemm_kernel, the same grouped GEMM with
 the K loop of kernels/fp8_triton.py: BK = ACT_GROUP (128), one activation group and one scale column per step, the
 expert's block scales indexed by expert. w8a8: the gathered A rows are quantized per row and 128-group in the
 kernel (amax / 448, clamped to +-448, rounded to e4m3) and the FP8 x FP8 dot is scaled by both scales; w8a16: the
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels.activation import silu_and_mul
-from tinyserve.kernels.fp8 import ACT_GROUP, Fp8Weight
+from tinyserve.kernels.fp8_weight import ACT_GROUP, Fp8Weight
 from tinyserve.kernels.fp8_triton import fp8_group_product
 
 BK = 64                       # K step of every tile shape (fixed: see the module docstring)

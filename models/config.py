@@ -1,5 +1,5 @@
-"""The text model's hyper-parameters (no torch here: the memory plan and `tinyserve --check` read them without
-importing torch)."""
+"""The text model's hyper-parameters and the count of its weights (no torch here: the memory plan and `tinyserve
+--check` read them without importing torch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelConfig:
-    """The text model's hyper-parameters, read from a checkpoint's config.json by tinyserve.loader."""
+    """The text model's hyper-parameters, read from a checkpoint's config.json by tinyserve.model_config."""
 
     model_type: str                      # qwen3_next | qwen3_5_text | qwen3_5_moe_text
     vocab_size: int
@@ -83,3 +83,17 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
+
+
+@dataclass(frozen=True)
+class WeightCount:
+    """The weight values a model will hold and how they are stored (loader.read_checkpoint counts them from the
+    safetensors headers alone)."""
+
+    values: int              # every weight value (the vision tower's too, unless model.vision = false)
+    fp8_values: int = 0      # of those, the values kept as FP8 (1 byte each) ...
+    fp8_scales: int = 0      # ... and their block scales (fp32, not in `values`)
+
+    def bytes(self, element_size: int) -> int:
+        """Bytes on the device when the other weights are held in a dtype of `element_size` bytes."""
+        return (self.values - self.fp8_values) * element_size + self.fp8_values + 4 * self.fp8_scales

@@ -7,7 +7,7 @@ per-key-head-group rows are reordered once at load time.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,13 +18,16 @@ from tinyserve.kernels.activation import silu_and_mul
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv
 from tinyserve.kernels.rotary import apply_rotary
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill, causal_conv1d_verify
-from tinyserve.kernels.fp8 import Fp8Weight
-from tinyserve.kernels.gdn import (VerifyLayout, chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
+from tinyserve.kernels.fp8_weight import Fp8Weight
+from tinyserve.kernels.gdn import (chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
                                    recurrent_gated_delta_rule_verify)
 from tinyserve.kernels.linear import linear
 from tinyserve.kernels.moe import fused_experts, route
 from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm
+from tinyserve.kernels.verify_layout import VerifyLayout
 from tinyserve.models.config import ModelConfig  # noqa: F401 - re-exported
+from tinyserve.models.qwen_vision import VisionConfig, VisionTower, mrope_cos_sin
+from tinyserve.models.weights import WeightLoaders, empty_param
 
 
 @dataclass
@@ -33,9 +36,10 @@ class ForwardBatch:
 
     The first `num_decode` sequences contribute exactly one token each (decode); the next `num_verify` are
     speculative verifies (the last accepted token plus the drafts), whose GDN layers run the decode recurrence token
-    by token and keep the state after each token (`verify`, a kernels.gdn.VerifyLayout, token rows counted from the
-    first verify token); the rest are prefill chunks. For attention each verify token is a decode row whose context
-    ends at its own position (split-K over a long context, where a prefill tile would be one program per KV head).
+    by token and keep the state after each token (`verify`, a kernels.verify_layout.VerifyLayout, token rows counted
+    from the first verify token); the rest are prefill chunks. For attention each verify token is a decode row whose
+    context ends at its own position (split-K over a long context, where a prefill tile would be one program per KV
+    head).
     Tensors are laid out for the GPU path too (int32 page table, int64 slot mapping, int32 state slots).
     """
 
@@ -81,14 +85,10 @@ class Rotary:
         return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)           # [T, 1, rd]
 
 
-def _empty(shape, dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
 def _linear_weight(shape, dtype, device) -> nn.Parameter:
     """A weight that only kernels.linear reads ([N, K]), or a MoE layer's stacked experts that only the fused MoE
     reads ([E, N, K]): it may be kept as FP8 instead (Fp8Weights)."""
-    p = _empty(shape, dtype, device)
+    p = empty_param(shape, dtype, device)
     p.is_linear_weight = True
     return p
 
@@ -99,60 +99,6 @@ class Fp8Weights:
 
     blocks: dict[str, tuple[int, int]]
     act_quant: bool                  # w8a8 (activations quantized per 128-group) or w8a16 (see kernels/fp8.py)
-
-
-class WeightLoaders:
-    """Maps canonical checkpoint tensor names to (expected shape, copy function) for one module tree.
-
-    `parts` records the tensors copied as they are into rows of a parameter (name -> (parameter, first row); for
-    stacked experts [E, N, K] the first row within its expert): the loader keeps a checkpoint's FP8 tensors FP8 only
-    where whole parameters are filled that way. A loader of an Fp8Weight's rows takes the FP8 values and their
-    scales, already in the weight's block layout."""
-
-    def __init__(self) -> None:
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.loaders: dict[str, Callable[..., None]] = {}
-        self.parts: dict[str, tuple[nn.Parameter | Fp8Weight, int]] = {}
-
-    def add(self, name: str, shape: tuple[int, ...], target: torch.Tensor | Fp8Weight,
-            transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        if isinstance(target, Fp8Weight):
-            assert transform is None, name        # rows reordered at load never stay FP8 (the loader's rule)
-            return self.add_rows(name, shape, target, 0)
-        self.shapes[name] = tuple(shape)
-        if transform is None and isinstance(target, nn.Parameter):
-            self.parts[name] = (target, 0)
-
-        def load(t: torch.Tensor) -> None:
-            with torch.no_grad():
-                target.copy_((transform(t) if transform else t).reshape(target.shape))
-        self.loaders[name] = load
-
-    def add_rows(self, name: str, shape: tuple[int, ...], param: nn.Parameter | Fp8Weight, start: int,
-                 expert: int | None = None) -> None:
-        """A checkpoint tensor that fills rows start:start+shape[0] of a fused parameter (of expert `expert` of
-        stacked experts [E, N, K])."""
-        rows = shape[0]
-        if isinstance(param, Fp8Weight):
-            self.shapes[name] = tuple(shape)
-            weight, scale_rows = (param.weight, param.scale) if expert is None else \
-                (param.weight[expert], param.scale[expert])
-
-            def load(t: torch.Tensor, scale: torch.Tensor) -> None:
-                b0 = param.block[0]
-                weight[start:start + rows].copy_(t)
-                scale_rows[start // b0:start // b0 + scale.shape[0]].copy_(scale)
-            self.loaders[name] = load
-        else:
-            self.add(name, shape, (param if expert is None else param[expert])[start:start + rows])
-        self.parts[name] = (param, start)
-
-    def merge(self, prefix: str, other: "WeightLoaders") -> None:
-        for n, s in other.shapes.items():
-            self.shapes[prefix + n] = s
-            self.loaders[prefix + n] = other.loaders[n]
-            if n in other.parts:
-                self.parts[prefix + n] = other.parts[n]
 
 
 class GatedDeltaNet(nn.Module):
@@ -167,10 +113,10 @@ class GatedDeltaNet(nn.Module):
         K = cfg.linear_conv_kernel_dim
         self.in_proj_qkvz = _linear_weight((2 * self.kd + 2 * self.vd, H), dtype, device)
         self.in_proj_ba = _linear_weight((2 * nv, H), dtype, device)
-        self.conv_weight = _empty((cfg.conv_dim, K), dtype, device)
-        self.A_log = _empty((nv,), torch.float32, device)
-        self.dt_bias = _empty((nv,), torch.float32, device)
-        self.norm_weight = _empty((self.dv,), dtype, device)
+        self.conv_weight = empty_param((cfg.conv_dim, K), dtype, device)
+        self.A_log = empty_param((nv,), torch.float32, device)
+        self.dt_bias = empty_param((nv,), torch.float32, device)
+        self.norm_weight = empty_param((self.dv,), dtype, device)
         self.out_proj = _linear_weight((H, self.vd), dtype, device)
 
     def weight_loaders(self) -> WeightLoaders:
@@ -255,8 +201,8 @@ class GatedAttention(nn.Module):
         self.q_rows, self.kv_rows = self.nh * 2 * self.hd, self.nkv * self.hd
         self.qkv_proj = _linear_weight((self.q_rows + 2 * self.kv_rows, cfg.hidden_size), dtype, device)
         self.o_proj = _linear_weight((cfg.hidden_size, self.nh * self.hd), dtype, device)
-        self.q_norm = _empty((self.hd,), dtype, device)
-        self.k_norm = _empty((self.hd,), dtype, device)
+        self.q_norm = empty_param((self.hd,), dtype, device)
+        self.k_norm = empty_param((self.hd,), dtype, device)
 
     def weight_loaders(self) -> WeightLoaders:
         w, H = WeightLoaders(), self.cfg.hidden_size
@@ -358,8 +304,8 @@ class DecoderLayer(nn.Module):
         self.kind = kind
         H = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
-        self.input_layernorm = _empty((H,), dtype, device)
-        self.post_attention_layernorm = _empty((H,), dtype, device)
+        self.input_layernorm = empty_param((H,), dtype, device)
+        self.post_attention_layernorm = empty_param((H,), dtype, device)
         self.mixer = (GatedDeltaNet(cfg, dtype, device) if kind == "linear_attention"
                       else GatedAttention(cfg, dtype, device))
         self.mlp = SparseMoE(cfg, dtype, device) if moe else DenseMLP(H, cfg.intermediate_size, dtype, device)
@@ -389,11 +335,11 @@ class NextNHead(nn.Module):
         H = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
         self.fc = _linear_weight((H, 2 * H), dtype, device)
-        self.pre_fc_norm_embedding = _empty((H,), dtype, device)
-        self.pre_fc_norm_hidden = _empty((H,), dtype, device)
+        self.pre_fc_norm_embedding = empty_param((H,), dtype, device)
+        self.pre_fc_norm_hidden = empty_param((H,), dtype, device)
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0, "full_attention", cfg.num_experts > 0, dtype, device)
                                      for _ in range(cfg.num_mtp_layers)])
-        self.norm = _empty((H,), dtype, device)
+        self.norm = empty_param((H,), dtype, device)
 
     def weight_loaders(self) -> WeightLoaders:
         w, H = WeightLoaders(), self.norm.shape[0]
@@ -417,17 +363,16 @@ class Qwen3NextForCausalLM(nn.Module):
         # With FP8 weights the text model's parameters are laid out on "meta" first and allocated once it is known
         # which of them are FP8 (a bf16 copy of a 27B model would not fit the card it is meant for).
         where = "meta" if fp8 else device
-        self.embed_tokens = _empty((V, H), dtype, where)
+        self.embed_tokens = empty_param((V, H), dtype, where)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i, t, cfg.is_moe_layer(i), dtype, where)
                                      for i, t in enumerate(cfg.layer_types)])
-        self.norm = _empty((H,), dtype, where)
+        self.norm = empty_param((H,), dtype, where)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _linear_weight((V, H), dtype, where)
         self.mtp = NextNHead(cfg, dtype, where) if cfg.num_mtp_layers > 0 else None
         if fp8:
             self._allocate(fp8)
         self.visual = None
         if cfg.vision_config is not None:
-            from tinyserve.models.qwen_vision import VisionConfig, VisionTower   # imports this module's loaders
             self.visual = VisionTower(VisionConfig.from_dict(cfg.vision_config), dtype, device)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, device)
         # index of each layer inside its pool: attention layers -> KV pool layer, GDN layers -> state pool layer
@@ -451,7 +396,7 @@ class Qwen3NextForCausalLM(nn.Module):
                 setattr(owner, attr, Fp8Weight(p.shape[-2], p.shape[-1], fp8.blocks[name], self.device,
                                                fp8.act_quant, experts))
             else:
-                setattr(owner, attr, _empty(p.shape, p.dtype, self.device))
+                setattr(owner, attr, empty_param(p.shape, p.dtype, self.device))
         if self.cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
 
@@ -531,7 +476,6 @@ class Qwen3NextForCausalLM(nn.Module):
         rows are equal and M-RoPE is exactly 1-D RoPE."""
         if batch.mrope_positions is None:
             return self.rotary.cos_sin(batch.positions)
-        from tinyserve.models.qwen_vision import mrope_cos_sin
         return mrope_cos_sin(batch.mrope_positions, self.rotary.inv_freq, self.cfg.mrope_section,
                              self.cfg.mrope_interleaved)
 

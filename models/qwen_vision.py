@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.models.qwen3_next import WeightLoaders
+from tinyserve.models.weights import WeightLoaders, empty_param
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,10 +125,6 @@ class VisionConfig:
 # tower
 # ---------------------------------------------------------------------------------------------------------------
 
-def _empty(shape, dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
 def _block_order(grid: torch.Tensor, merge: int) -> torch.Tensor:
     """[h, w, ...] patch grid -> [h*w, ...] rows in the processor's order (2x2 blocks, each block in raster order)."""
     h, w = grid.shape[:2]
@@ -155,12 +151,12 @@ class VisionBlock(nn.Module):
         super().__init__()
         D, I = cfg.hidden_size, cfg.intermediate_size
         self.cfg = cfg
-        self.norm1_weight, self.norm1_bias = _empty((D,), dtype, device), _empty((D,), dtype, device)
-        self.norm2_weight, self.norm2_bias = _empty((D,), dtype, device), _empty((D,), dtype, device)
-        self.qkv_weight, self.qkv_bias = _empty((3 * D, D), dtype, device), _empty((3 * D,), dtype, device)
-        self.proj_weight, self.proj_bias = _empty((D, D), dtype, device), _empty((D,), dtype, device)
-        self.fc1_weight, self.fc1_bias = _empty((I, D), dtype, device), _empty((I,), dtype, device)
-        self.fc2_weight, self.fc2_bias = _empty((D, I), dtype, device), _empty((D,), dtype, device)
+        self.norm1_weight, self.norm1_bias = empty_param((D,), dtype, device), empty_param((D,), dtype, device)
+        self.norm2_weight, self.norm2_bias = empty_param((D,), dtype, device), empty_param((D,), dtype, device)
+        self.qkv_weight, self.qkv_bias = empty_param((3 * D, D), dtype, device), empty_param((3 * D,), dtype, device)
+        self.proj_weight, self.proj_bias = empty_param((D, D), dtype, device), empty_param((D,), dtype, device)
+        self.fc1_weight, self.fc1_bias = empty_param((I, D), dtype, device), empty_param((I,), dtype, device)
+        self.fc2_weight, self.fc2_bias = empty_param((D, I), dtype, device), empty_param((D,), dtype, device)
 
     def weight_loaders(self) -> WeightLoaders:
         w, D, I = WeightLoaders(), self.cfg.hidden_size, self.cfg.intermediate_size
@@ -209,14 +205,16 @@ class VisionTower(nn.Module):
         cfg.validate()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         D, M = cfg.hidden_size, cfg.merge_unit * cfg.hidden_size
-        self.patch_weight = _empty((D, cfg.patch_dim), dtype, device)   # the Conv3d kernel, flattened
-        self.patch_bias = _empty((D,), dtype, device)
-        self.pos_table = _empty((cfg.num_position_embeddings, D), dtype, device)
+        self.patch_weight = empty_param((D, cfg.patch_dim), dtype, device)   # the Conv3d kernel, flattened
+        self.patch_bias = empty_param((D,), dtype, device)
+        self.pos_table = empty_param((cfg.num_position_embeddings, D), dtype, device)
         self.blocks = nn.ModuleList([VisionBlock(cfg, dtype, device) for _ in range(cfg.depth)])
-        self.merger_norm_weight, self.merger_norm_bias = _empty((D,), dtype, device), _empty((D,), dtype, device)
-        self.merger_fc1_weight, self.merger_fc1_bias = _empty((M, M), dtype, device), _empty((M,), dtype, device)
-        self.merger_fc2_weight = _empty((cfg.out_hidden_size, M), dtype, device)
-        self.merger_fc2_bias = _empty((cfg.out_hidden_size,), dtype, device)
+        self.merger_norm_weight = empty_param((D,), dtype, device)
+        self.merger_norm_bias = empty_param((D,), dtype, device)
+        self.merger_fc1_weight = empty_param((M, M), dtype, device)
+        self.merger_fc1_bias = empty_param((M,), dtype, device)
+        self.merger_fc2_weight = empty_param((cfg.out_hidden_size, M), dtype, device)
+        self.merger_fc2_bias = empty_param((cfg.out_hidden_size,), dtype, device)
         # per axis: head_dim/4 frequencies; rows and columns share them
         half = cfg.head_dim // 2
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32,

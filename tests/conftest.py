@@ -12,15 +12,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # cache-path tests again with TINYSERVE_TEST_DEVICE=cuda on a machine with a GPU (same tests, same oracles).
 TEST_DEVICE = os.environ.get("TINYSERVE_TEST_DEVICE", "cpu")
 
-from typing import Any  # noqa: E402
+from typing import Any    # noqa: E402
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest    # noqa: E402
+import torch    # noqa: E402
 
-from checkpoints import make_qwen3_5_text  # noqa: E402
-from tinyserve.config import from_dict  # noqa: E402
+from checkpoints import make_qwen3_5_text    # noqa: E402
+from tinyserve.config import from_dict    # noqa: E402
 from tinyserve.engine import Engine  # noqa: E402
-from tinyserve.loader import load_model  # noqa: E402
+from tinyserve.build import engine_for_model  # noqa: E402
+from tinyserve.loader import load_model    # noqa: E402
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -37,7 +38,7 @@ def engine_for(loaded_model, tokenizer=None, **tables: dict[str, Any]) -> Engine
     On CUDA (tests/gpu.sh) CUDA graphs are off unless a test asks for them: capturing them for every engine
     of the suite would take most of a lent GPU's minutes (tests/test_cuda_graphs.py tests them)."""
     tables = merge({"engine": {"cuda_graphs": False}}, tables)
-    return Engine.for_model(from_dict(tables), loaded_model, tokenizer)
+    return engine_for_model(from_dict(tables), loaded_model, tokenizer)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -45,8 +46,10 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def assert_no_leaks(engine: Engine) -> None:
-    """The prefix cache keeps its invariants; once emptied, every page, state slot and snapshot slot is free."""
+    """The prefix cache keeps its invariants; once emptied, every page, state slot and snapshot slot is free, and
+    the cache keeps no request's bookkeeping."""
     engine.cache.check()
+    assert not getattr(engine.cache, "runs", {}), "bookkeeping of requests that are gone"
     assert engine.flush_cache()
     engine.cache.check()
     assert engine.allocator.num_free == engine.allocator.num_pages

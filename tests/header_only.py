@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tinyserve.loader import _build_config
+from tinyserve.model_config import parse_config
 from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
 
 QWEN3_5_27B = {   # text_config of Qwen3.5-27B (shared/reference/qwen-hybrid.md)
@@ -40,7 +40,7 @@ def make_header_only(path: str | Path, config: dict, dtype_tag: str = "BF16",
             "modules_to_not_convert": ["lm_head", "re:.*linear_attn\\.in_proj_[ab]$", "mtp.fc"]}}
     (folder / "config.json").write_text(json.dumps(config))
     mtp = ["mtp.layers.0.x"] if config.get("mtp_num_hidden_layers") else []
-    cfg = _build_config(folder, config, mtp)
+    cfg = parse_config(folder, config, mtp)
     expected = Qwen3NextForCausalLM(cfg, torch.bfloat16, torch.device("meta")).expected_tensors()
     size = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
     header, offset = {}, 0

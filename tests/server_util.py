@@ -156,9 +156,10 @@ class InProcessServer:
         from aiohttp import web
 
         from tinyserve.api import create_app
-        from tinyserve.engine import Engine, compute_thread
+        from tinyserve.build import build_engine
+        from tinyserve.engine import compute_thread
 
-        self.engine = await asyncio.wrap_future(compute_thread().submit(Engine.from_config, self.cfg))
+        self.engine = await asyncio.wrap_future(compute_thread().submit(build_engine, self.cfg))
         await self.engine.start()
         self.app = create_app(self.engine, self.cfg)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=2.0)

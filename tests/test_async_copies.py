@@ -14,6 +14,7 @@ import torch
 from conftest import assert_no_leaks, engine_for, tokens
 from tinyserve.copies import CopyStream, DeferredCopyStream, copy_stream_for
 from tinyserve.engine import Engine
+from tinyserve.build import engine_for_model
 from tinyserve.config import from_dict
 from tinyserve.sampling import SamplingParams
 
@@ -28,7 +29,7 @@ def tiered(model, stream, file_dir=None) -> Engine:
         cache["file"] = {"dir": str(file_dir), "size_gb": 1.0, "prefetch_policy": "wait_complete"}
     cfg = from_dict({"engine": {"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1},
                      "cache": cache})
-    return Engine.for_model(cfg, model, copy_stream=stream)
+    return engine_for_model(cfg, model, copy_stream=stream)
 
 
 def play(eng: Engine) -> list[tuple[list[int], int]]:
@@ -108,7 +109,7 @@ def test_the_cpu_copies_at_once():
 def pools(stream):
     from tinyserve.kv import KVPool, PageAllocator
     from tinyserve.state import StatePool
-    from tinyserve.tiers import HostTier
+    from tinyserve.host_tier import HostTier
     kv = KVPool(8, 4, 2, 2, 8, torch.float32, "cpu")
     alloc = PageAllocator(8)
     state = StatePool(2, 2, 12, 4, 2, 8, 8, torch.float32, "cpu", num_snapshot_slots=2)

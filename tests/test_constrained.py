@@ -49,10 +49,10 @@ def tokenizer(demo_folder):
 
 def demo_engine(**engine):
     from tinyserve import config as config_mod
-    from tinyserve.engine import Engine
+    from tinyserve.build import build_engine
     eng = {"max_running_requests": 8, "page_size": 16, "kv_cache_tokens": 8192, "chunked_prefill_size": 512,
            **engine}
-    return Engine.from_config(config_mod.from_dict({"model": {"path": "demo", "device": "cpu",
+    return build_engine(config_mod.from_dict({"model": {"path": "demo", "device": "cpu",
                                                               "context_length": 1024},
                                                     "engine": eng, "cache": {"enabled": False}}))
 
@@ -213,6 +213,7 @@ def test_engine_constraint_starts_after_think_end(engine, tokenizer, monkeypatch
 
 def test_engine_rejects_bad_constraints(engine, tokenizer):
     from tinyserve.engine import RequestError
+    from tinyserve.build import build_engine
     prompt = tokenizer.encode("x")
     for params in (SamplingParams(constraint=Constraint.json_schema({"type": "objectx"})),
                    SamplingParams(constraint=Constraint("json_object"), ignore_eos=True),
@@ -223,7 +224,7 @@ def test_engine_rejects_bad_constraints(engine, tokenizer):
 
 
 def test_chat_prompt_opening_think_sets_start_after(tokenizer):
-    from tinyserve.protocol import Chat, parse_chat_request
+    from tinyserve.openai_api import Chat, parse_chat_request
     from tinyserve.tokenizer import Tokenizer
     thinking = Tokenizer(hf=tokenizer.hf, chat_template="{{ messages[0].content }}<think>\n",
                          eos_token_ids=tokenizer.eos_token_ids)
@@ -449,7 +450,7 @@ def test_bad_tool_schemas_raise_value_error(tokenizer, parameters):
 
 
 def test_chat_sets_the_tool_call_constraint(tokenizer):
-    from tinyserve.protocol import Chat, parse_chat_request
+    from tinyserve.openai_api import Chat, parse_chat_request
     from tinyserve.tokenizer import Tokenizer
     thinking = Tokenizer(hf=tokenizer.hf, chat_template="{{ messages[0].content }}<think>\n",
                          eos_token_ids=tokenizer.eos_token_ids)

@@ -18,10 +18,11 @@ from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
 from conftest import TEST_DEVICE, PinnedCost, assert_no_leaks, engine_for, merge, tokens
 from tinyserve.config import from_dict
 from tinyserve.engine import Engine
-from tinyserve.loader import WeightCount, load_model
+from tinyserve.loader import load_model
+from tinyserve.models.config import WeightCount
 from tinyserve.plan import MemoryPlan
 from tinyserve.request import Status
-from tinyserve.runner import StaticStep, graph_batch_sizes
+from tinyserve.static import StaticStep, graph_batch_sizes
 from tinyserve.sampling import SamplingParams
 
 CTX = 512
@@ -107,7 +108,7 @@ def drive(eng: Engine, schedule: list[tuple[int, list[int], int]]) -> list[list[
     while pending or any(r.status != Status.FINISHED for r in reqs):
         while pending and pending[0][0] <= step:
             _, prompt, n = pending.pop(0)
-            req = eng._make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), None)
+            req = eng.intake.make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), None)
             eng.scheduler.add(req)
             reqs.append(req)
         eng._step()
@@ -195,21 +196,21 @@ def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
     want = drive(make_engine(model, page_size, cache={"enabled": False}), schedule)
     spec = {"algorithm": "nextn", "max_running": 3}
     eager = make_engine(model, page_size, speculative=spec)
-    eager.runner.step_cost = PinnedCost()           # depths by acceptance alone, not by timing
+    eager.nextn.step_cost = PinnedCost()           # depths by acceptance alone, not by timing
     assert drive(eager, schedule) == want
     eng = make_engine(model, page_size, speculative=spec)
-    eng.runner.step_cost = PinnedCost()
+    eng.nextn.step_cost = PinnedCost()
     eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
     rec = Recorder(eng.runner.static)
     assert drive(eng, schedule) == want
     # the same drafts as the eager head's (a wrong draft costs acceptance, not tokens: so compare the counts)
-    assert dataclasses.asdict(eng.spec_stats) == dataclasses.asdict(eager.spec_stats)
+    assert dataclasses.asdict(eng.nextn.stats) == dataclasses.asdict(eager.nextn.stats)
     assert eng.runner.static.max_tokens == 1 + eng.nextn.num_steps
     shapes = {(B, T) for _, B, T in rec.steps}
     assert any(T == 1 for _, T in shapes) and any(T > 1 for _, T in shapes), shapes
     assert any(n < B and T > 1 for n, B, T in rec.steps), "a verify batch with padding sequences"
     assert rec.short > 0, "a verify batch with sequences of different lengths"
-    assert eng.spec_stats.num_accepted_tokens > 0
+    assert eng.nextn.stats.num_accepted_tokens > 0
     # the NEXTN head ran static too: over the tokens each step committed (1 .. 1 + drafts), then chain steps
     assert any(T > 1 for _, _, T in rec.drafts) and any(T == 1 for _, _, T in rec.drafts)
     assert any(n < B for n, B, _ in rec.drafts)
@@ -256,7 +257,7 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
     assert out["static"] == out["triton"] == drive(make_engine(model, 16), schedule)       # and the references'
     assert eng.runner.static.padding_slot == -1
     if nextn:
-        assert any(T > 1 for _, _, T in rec.steps) and eng.spec_stats.num_accepted_tokens > 0
+        assert any(T > 1 for _, _, T in rec.steps) and eng.nextn.stats.num_accepted_tokens > 0
     else:
         assert (3, 4, 1) in rec.steps and attention_triton.num_splits(CTX, 4, 2, torch.device(DEV)) == 8
 

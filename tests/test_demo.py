@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tinyserve.demo import DEMO_VERSION, SPECIAL_TOKENS, ensure_demo_checkpoint
-from tinyserve.loader import load_model, read_model_config
+from tinyserve.loader import load_model
+from tinyserve.model_config import read_model_config
 from tinyserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FILES = ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

@@ -107,7 +107,7 @@ def test_batch_invariance(any_model, page_size):
 
 def generate_bounded(eng: Engine, prompts: list[list[int]], params: SamplingParams, max_steps: int = 3000):
     """Engine.generate with a step cap, so a scheduler that stops making progress fails instead of hanging."""
-    reqs = [eng._make_request(p, params, None) for p in prompts]
+    reqs = [eng.intake.make_request(p, params) for p in prompts]
     for r in reqs:
         eng.scheduler.add(r)
     for _ in range(max_steps):

@@ -16,10 +16,10 @@ import torch
 
 from checkpoints import make_qwen3_5_text
 from conftest import engine_for, tokens
+from tinyserve.blob import HEADER, STATE_SUFFIX, SUFFIX
 from tinyserve.engine import Engine
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
-from tinyserve.tiers import HEADER, STATE_SUFFIX, SUFFIX
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PS = 16
@@ -88,12 +88,12 @@ def test_branching_conversations_store_each_page_once(model, cold, tmp_path, pol
     folder = tmp_path / "kv"
     eng = file_engine(model, folder, policy, kv_tokens)
     conversation(eng, cold)
-    tree = eng.cache.tree
-    fingerprint = tree.tiers.file.fingerprint
+    tree, file = eng.cache.tree, eng.cache.file
+    fingerprint = file.fingerprint
     nodes = [n for n in tree._nodes() if n is not tree.root]
     cached_pages = {h for n in nodes for h in page_hashes(fingerprint, tree._path_tokens(n))[n.start // PS:]}
     eng.cache.make_room(eng.allocator.num_pages)                      # evict everything (write_back writes now)
-    tree.tiers.file.flush(30)
+    file.flush(30)
     runs, states = stored(folder)
     pages = [h for start, toks in runs for h in page_hashes(start, toks)]
     assert len(pages) == len(set(pages)), "a page stored twice"
@@ -102,7 +102,7 @@ def test_branching_conversations_store_each_page_once(model, cold, tmp_path, pol
     assert len(runs) == len({n.file_run for n in nodes})
     if policy == "write_through":          # 5 prompts, 5 runs; the branch points' states inside S1's and S2's runs
         assert len(runs) == 5 and len(states) == 3
-    assert tree.tiers.file.num_blobs == len(runs) + len(states)
+    assert file.num_blobs == len(runs) + len(states)
     eng.close()
 
 
@@ -115,7 +115,7 @@ def test_after_a_restart_prompts_branching_off_older_sessions_hit_the_file_tier(
     assert len(runs) == 5 and len(states) == 3
 
     restarted = file_engine(model, folder)
-    file = restarted.cache.tree.tiers.file
+    file = restarted.cache.file
     S5 = S1[:128] + tokens(90, 75)                      # a new branch at S2's branch point
     S6 = S4[:192] + tokens(40, 76)                      # at S4's, two branches deep
     S7 = S1[:100] + tokens(90, 77)                      # inside S1's run, where no state was ever taken
@@ -149,7 +149,7 @@ def test_a_prompt_inside_a_stored_run_reads_only_what_it_can_use(model, cold, tm
     run(eng, cold, S1)
     eng.close()
     restarted = file_engine(model, folder)
-    file = restarted.cache.tree.tiers.file
+    file = restarted.cache.file
     r = run(restarted, cold, S1[:150] + tokens(40, 78))
     assert r.cached_tokens == 0 and file.stats.bytes_out == 0
     r = run(restarted, cold, tokens(200, 79))

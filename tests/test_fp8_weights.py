@@ -13,11 +13,11 @@ import torch
 
 from checkpoints import fp8_checkpoint, make_qwen3_5_conditional, make_qwen3_5_moe, make_qwen3_5_text, make_qwen3_next
 from conftest import engine_for, tokens
-from tinyserve.kernels.fp8 import Fp8Weight
+from tinyserve.blob import weights_digest
+from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.linear import linear
 from tinyserve.loader import load_model, read_checkpoint
 from tinyserve.sampling import SamplingParams
-from tinyserve.tiers import weights_digest
 
 QWEN_IGNORE = ["lm_head", "re:.*linear_attn\\.in_proj_[ab]$"]       # what Qwen3.5 FP8 releases leave in bf16
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leaks, engine_for, tokens
-from tinyserve import cli, tiers
+from tinyserve import cli, engine as engine_mod, host_tier
 from tinyserve.config import ConfigError, from_dict
 from tinyserve.engine import Engine
 from tinyserve.metrics import Metrics
@@ -57,12 +57,12 @@ def engine_with_host(model, pages: int = 48, snapshots: int = 8, floor: int = 0,
     probe = engine_for(model, engine={"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1})
     page, snap = probe.kv_pool.bytes_per_page, probe.state_pool.bytes_per_slot
     assert snap < PAGES_PER_SEGMENT * page < 2 * snap, "snapshots: 3 to a segment of twice the size"
-    monkeypatch.setattr(tiers, "SEGMENT_BYTES", PAGES_PER_SEGMENT * page)
+    monkeypatch.setattr(host_tier, "SEGMENT_BYTES", PAGES_PER_SEGMENT * page)
     size = pages * page + snapshots * snap
     eng = engine_for(model, engine={"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1},
                      cache={"host": {"size_gb": size / GIB, "state_share": (snapshots * snap + 0.5) / size,
                                      "min_free_gb": floor / GIB}})
-    host = eng.cache.tree.tiers.host
+    host = eng.cache.host
     assert (host.max_pages, host.max_snapshots) == (pages, snapshots)
     assert (host._pages.per_segment, host._snaps.per_segment) == (PAGES_PER_SEGMENT, 3)
     mem = FakeMemory(total)
@@ -72,7 +72,7 @@ def engine_with_host(model, pages: int = 48, snapshots: int = 8, floor: int = 0,
 
 
 def host_of(eng: Engine):
-    return eng.cache.tree.tiers.host
+    return eng.cache.host
 
 
 def run(eng: Engine, name: str):
@@ -103,7 +103,7 @@ def segments_needed(rows, used: int) -> int:
 def test_rows_survive_random_alloc_free_and_shrink():
     """The segment store alone: logical ids keep their contents through growth, frees and compaction."""
     rng = random.Random(0)
-    rows = tiers._Rows([((3,), torch.float32), ((2, 2), torch.float64)], total=37, per_segment=5, pin=False)
+    rows = host_tier._Rows([((3,), torch.float32), ((2, 2), torch.float64)], total=37, per_segment=5, pin=False)
     content: dict[int, float] = {}
     counter = 0.0
     for step in range(400):
@@ -269,7 +269,7 @@ def test_pressure_while_a_request_runs(model, cold, monkeypatch):
     host, tree = host_of(eng), eng.cache.tree
     fill(eng, cold)
     eng.cache.make_room(eng.allocator.num_pages)             # everything host-only: A resumes from the host
-    req = eng._make_request(SESSIONS["A"], GREEDY, None)
+    req = eng.intake.make_request(SESSIONS["A"], GREEDY)
     eng.scheduler.add(req)
     eng._step()                                               # admitted (its path locked), prefilling
     assert req.status == Status.RUNNING and req.cached_by_tier["host"] > 0
@@ -306,6 +306,8 @@ def test_no_floor_never_probes(model, cold, monkeypatch):
 # Serving: the watcher gives memory back on the engine thread; config, plan and metrics
 
 def test_the_serving_watcher_relieves_on_the_engine_thread(model, cold, monkeypatch):
+    """A serving engine watches the host's memory itself (started by Engine.start, stopped by Engine.stop)."""
+    monkeypatch.setattr(engine_mod, "HOST_MEMORY_CHECK_S", 0.01)
     floor = 1 << 30
     eng, mem = engine_with_host(model, floor=floor, total=8 << 30, monkeypatch=monkeypatch)
     host = host_of(eng)
@@ -320,7 +322,6 @@ def test_the_serving_watcher_relieves_on_the_engine_thread(model, cold, monkeypa
 
     async def scenario():
         await eng.start()
-        watcher = asyncio.ensure_future(cli.watch_host_memory(eng, interval=0.01))
         try:
             for name in "ABC":
                 s = eng.submit(SESSIONS[name], GREEDY)
@@ -336,7 +337,6 @@ def test_the_serving_watcher_relieves_on_the_engine_thread(model, cold, monkeypa
             assert [e.token_id async for events in s for e in events] == cold["A"]
             return await eng.call(eng.stats)
         finally:
-            watcher.cancel()
             await eng.stop()
 
     stats = asyncio.run(scenario())

@@ -27,7 +27,8 @@ from server_util import ServerProcess, free_port, http, server_config
 
 from tinyserve.anthropic import parse_messages_request
 from tinyserve.images import ImageProcessorConfig, ImageSource, image_token_count
-from tinyserve.protocol import APIError, RemoteImage, parse_chat_request
+from tinyserve.openai_api import parse_chat_request
+from tinyserve.protocol import APIError, RemoteImage
 from tinyserve.responses import parse_responses_request
 from tinyserve.tokenizer import IMAGE_MARKER, MessageError, Tokenizer, content_text
 
@@ -120,7 +121,7 @@ def test_prompt_is_the_official_rendering(vl_tokenizer):
 
 def test_every_protocol_renders_the_same_prompt(vl_tokenizer):
     """The same text and image sent through chat, Responses and Anthropic Messages: one prompt, one image."""
-    from tinyserve.protocol import Chat
+    from tinyserve.chat import ChatFormat
     chat = parse_chat_request({"messages": [{"role": "user", "content": [
         text_part("Look:"), image_part(PNG_URL), text_part("what is it?")]}]}, "tinyserve")
     resp = parse_responses_request({"input": [{"role": "user", "content": [
@@ -128,7 +129,7 @@ def test_every_protocol_renders_the_same_prompt(vl_tokenizer):
         {"type": "input_text", "text": "what is it?"}]}]})
     msgs = parse_messages_request({"max_tokens": 4, "messages": [{"role": "user", "content": [
         text_part("Look:"), anthropic_image(PNG), text_part("what is it?")]}]})
-    prompts = [Chat().prompt_ids(r, vl_tokenizer) for r in (chat, resp.chat, msgs.chat)]
+    prompts = [ChatFormat().prompt_ids(r, vl_tokenizer) for r in (chat, resp.chat, msgs.chat)]
     assert prompts[0] == prompts[1] == prompts[2]
     assert vl_tokenizer.decode(prompts[0], skip_special_tokens=False).startswith(
         f"<|im_start|>user\nLook:{IMAGE_MARKER}what is it?<|im_end|>")

@@ -2,8 +2,13 @@
 - kernels/ imports the standard library, torch and triton, and itself: nothing else of ours;
 - models/ imports, of ours, only kernels/;
 - the cache, the scheduler and the tiers know nothing of the API (HTTP, protocols, tokenizer, parsers, metrics);
+- the tiers are reached only through the cache: no module but the cache side imports them (build.py, which
+  makes the engine, builds them);
 - the API reaches the model only through the engine: it imports none of the engine's parts, and touches no private
-  part of an engine object (model, scheduler, cache, pools, runner).
+  part of an engine object (model, scheduler, cache, pools, runner);
+- no import cycle among our modules, counting the imports inside functions (they run when the function does) but
+  not those under `if TYPE_CHECKING:` (they never run);
+- the cli talks to the engine, the config and the API only.
 """
 from __future__ import annotations
 
@@ -15,9 +20,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("tinyserve", "models", "kernels")
-API_MODULES = ("api", "protocol", "anthropic", "responses", "tokenizer", "parsers", "metrics", "cli")
-ENGINE_PARTS = ("models", "kernels", "loader", "runner", "scheduler", "cache", "radix", "tiers", "kv", "state",
+API_MODULES = ("api", "protocol", "chat", "openai_api", "anthropic", "responses", "tokenizer", "parsers", "metrics",
+               "cli")
+ENGINE_PARTS = ("models", "kernels", "build", "loader", "model_config", "fp8_scheme", "runner", "static", "spec",
+                "scheduler", "cache", "radix", "host_tier", "file_tier", "blob", "copies", "idle", "kv", "state",
                 "request", "plan")
+TIERS = ("host_tier", "file_tier", "blob")
+CACHE_SIDE = ("cache", "radix") + TIERS
 ENGINE_PRIVATE = ("model", "model_config", "scheduler", "cache", "runner", "kv_pool", "state_pool", "allocator",
                   "plan")
 
@@ -75,19 +84,138 @@ def test_models_import_only_kernels_of_ours(path):
         assert part in (None, "kernels", "models"), f"{path.name} imports {module}"
 
 
-@pytest.mark.parametrize("name", ["cache", "radix", "scheduler", "tiers", "kv", "state", "request", "runner"])
+@pytest.mark.parametrize("name", ["scheduler", "kv", "state", "request", "runner", *CACHE_SIDE])
 def test_cache_and_scheduler_know_nothing_of_the_api(name):
     for module in imports(ROOT / "tinyserve" / f"{name}.py"):
         assert ours(module) not in API_MODULES, f"{name}.py imports {module}"
 
 
-@pytest.mark.parametrize("name", ["api", "protocol", "metrics"])
+@pytest.mark.parametrize("name", ["api", "protocol", "chat", "openai_api", "anthropic", "responses", "metrics"])
 def test_the_api_reaches_the_model_only_through_the_engine(name):
     path = ROOT / "tinyserve" / f"{name}.py"
     for module in imports(path):
         assert ours(module) not in ENGINE_PARTS, f"{name}.py imports {module}"
+    for attr, line in engine_attributes(path):
+        assert attr not in ENGINE_PRIVATE, f"{name}.py reaches engine.{attr} (line {line})"
+
+
+def engine_attributes(path: Path) -> list[tuple[str, int]]:
+    """(attribute, line) of every `engine.<attribute>` in a file."""
+    out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PRIVATE:
+        if isinstance(node, ast.Attribute):
             owner = node.value
             name_of = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
-            assert name_of != "engine", f"{name}.py reaches engine.{node.attr} (line {node.lineno})"
+            if name_of == "engine":
+                out.append((node.attr, node.lineno))
+    return out
+
+
+@pytest.mark.parametrize("path", files("tinyserve"), ids=lambda p: p.name)
+def test_the_tiers_are_reached_only_through_the_cache(path):
+    name = path.stem
+    for module in imports(path):
+        if ours(module) in TIERS:
+            assert name in CACHE_SIDE or name == "build", f"{path.name} imports {module}"
+
+
+def test_the_cli_talks_to_the_engine_config_and_api_only():
+    # build: makes the engine; plan and model_config: --check prints the memory plan from the checkpoint's headers,
+    # and reports its errors, without importing torch (the engine does)
+    path = ROOT / "tinyserve" / "cli.py"
+    for module in imports(path):
+        assert ours(module) in (None, "tinyserve", "engine", "build", "config", "api", "plan", "model_config"), \
+            f"cli.py imports {module}"
+    for attr, line in engine_attributes(path):
+        assert attr not in ENGINE_PRIVATE or attr == "plan", f"cli.py reaches engine.{attr} (line {line})"
+
+
+def module_name(path: Path) -> str:
+    """The import name of one of our files (models/qwen3_next.py -> tinyserve.models.qwen3_next)."""
+    package = {"kernels": "tinyserve.kernels", "models": "tinyserve.models"}.get(path.parent.name, "tinyserve")
+    return package if path.stem == "__init__" else f"{package}.{path.stem}"
+
+
+def runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """Our modules a file imports when it runs: at the top, in functions and classes, anywhere but under
+    `if TYPE_CHECKING:`. `from package import name` counts as importing the module package.name when it is one."""
+    package = module_name(path).rsplit(".", 1)[0] if path.stem != "__init__" else module_name(path)
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return {m for m in found if m in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = files("tinyserve") + files("models") + files("kernels")
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): runtime_imports(p, modules) - {module_name(p)} for p in paths}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles as paths m -> ... -> m: one through each module on a cycle that no cycle found before passes."""
+    def reach(start: str) -> dict[str, str | None]:
+        """Every module reachable from start, with the module it was first reached from (a BFS tree)."""
+        parent: dict[str, str | None] = {start: None}
+        queue = [start]
+        for m in queue:
+            for n in sorted(graph[m]):
+                if n not in parent:
+                    parent[n] = m
+                    queue.append(n)
+        return parent
+
+    found, seen = [], set()
+    for m in sorted(graph):
+        if m in seen:
+            continue
+        back = [n for n in sorted(graph) if m in graph[n]]       # modules that import m
+        reached = reach(m)
+        closing = next((n for n in back if n in reached), None)
+        if closing is None:
+            continue
+        path = [closing]
+        while reached[path[-1]] is not None:
+            path.append(reached[path[-1]])
+        cycle = path[::-1] + [m]
+        seen.update(cycle)
+        found.append(cycle)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path):
+    (tmp_path / "a.py").write_text("import tinyserve.b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from tinyserve import c\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tinyserve.b\n"
+                                   "else:\n    from . import a\n")
+    (tmp_path / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tinyserve.a\n")
+    modules = {f"tinyserve.{n}" for n in "abcd"}
+    graph = {f"tinyserve.{n}": runtime_imports(tmp_path / f"{n}.py", modules) for n in "abcd"}
+    assert graph["tinyserve.d"] == set()
+    assert cycles(graph) == [["tinyserve.a", "tinyserve.b", "tinyserve.c", "tinyserve.a"]]
+
+
+def test_no_import_cycle_among_our_modules():
+    graph = import_graph()
+    assert "tinyserve.kernels.gdn_triton" in graph["tinyserve.kernels.gdn"]      # imports in functions count
+    found = cycles(graph)
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)

@@ -1,4 +1,5 @@
-"""tinyserve.loader: config parsing, streaming load (single file / sharded / fused experts), FP8, errors."""
+"""tinyserve.model_config, fp8_scheme and loader: config parsing, streaming load (single file / sharded / fused
+experts), FP8, errors."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,8 @@ from checkpoints import (
     update_config,
     write_tensors,
 )
-from tinyserve.loader import LoaderError, load_model, read_model_config
+from tinyserve.loader import load_model
+from tinyserve.model_config import LoaderError, read_model_config
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -226,11 +226,11 @@ def test_the_graph_estimate_knows_the_attention_kernels_split_limit():
 def test_running_out_of_memory_at_start_names_the_key(xdg):
     """A pool the machine cannot allocate (here 10^13 tokens of KV on the CPU; on CUDA a plan the estimate got
     wrong) fails at start as a ConfigError naming the key to lower, not a traceback from the allocator."""
-    from tinyserve.engine import Engine
+    from tinyserve.build import build_engine
     cfg = from_dict({"model": {"path": "demo", "device": "cpu"}, "engine": {"kv_cache_tokens": 10 ** 13},
                      "cache": {"enabled": False}})
     with pytest.raises(ConfigError, match="out of memory.*lower engine.kv_cache_tokens") as e:
-        Engine.from_config(cfg)
+        build_engine(cfg)
     assert e.value.key == "engine.kv_cache_tokens"
 
 

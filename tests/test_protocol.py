@@ -1,13 +1,13 @@
-"""tinyserve.protocol without a server: request parsing (each error names its field), the engine-error mapping,
-response bodies and stream chunks."""
+"""The OpenAI endpoints (tinyserve.openai_api) and the shared layer (tinyserve.protocol) without a server: request
+parsing (each error names its field), the engine-error mapping, response bodies and stream chunks."""
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 
-from tinyserve.protocol import (APIError, Chat, ChoiceResult, Completions, Delta, Meta, Usage, parse_chat_request,
-                                parse_completion_request, sampling_params)
+from tinyserve.openai_api import Chat, Completions, parse_chat_request, parse_completion_request
+from tinyserve.protocol import APIError, ChoiceResult, Delta, Meta, Usage, sampling_params
 
 USER = [{"role": "user", "content": "x"}]
 
@@ -96,6 +96,63 @@ def test_completion_parse_errors_name_the_field(case):
     with pytest.raises(APIError) as e:
         parse_completion_request(body, "tinyserve")
     assert (e.value.status, e.value.param) == (400, param)
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+CHAT_TOOL = {"type": "function", "function": {"name": "weather", "description": "d", "parameters": SCHEMA}}
+MESSAGES_TOOL = {"name": "weather", "description": "d", "input_schema": SCHEMA}
+RESPONSES_TOOL = {"type": "function", "name": "weather", "description": "d", "parameters": SCHEMA}
+
+
+def parse_tools(protocol: str, tools: Any, tool_choice: Any = None) -> Any:
+    """The chat request each protocol's parser builds from these tools (and tool_choice)."""
+    from tinyserve.anthropic import parse_messages_request
+    from tinyserve.responses import parse_responses_request
+    body = {"tools": tools, **({"tool_choice": tool_choice} if tool_choice is not None else {})}
+    if protocol == "chat":
+        return parse_chat_request({"messages": USER, **body}, "tinyserve")
+    if protocol == "messages":
+        return parse_messages_request({"messages": USER, "max_tokens": 4, **body}).chat
+    return parse_responses_request({"input": "x", **body}).chat
+
+
+def test_every_protocol_maps_its_tools_onto_one_function_tool():
+    """The same tool and named tool_choice in each protocol's shape reach the template and the parsers as one OpenAI
+    function tool (chat's as it was sent)."""
+    chat = parse_tools("chat", [CHAT_TOOL], {"type": "function", "function": {"name": "weather"}})
+    messages = parse_tools("messages", [MESSAGES_TOOL], {"type": "tool", "name": "weather"})
+    responses = parse_tools("responses", [RESPONSES_TOOL], {"type": "function", "name": "weather"})
+    assert chat.tools == messages.tools == responses.tools == [CHAT_TOOL]
+    named = {"type": "function", "function": {"name": "weather"}}
+    assert chat.tool_choice == messages.tool_choice == responses.tool_choice == named
+
+
+TOOL_ERRORS = [
+    # protocol, tools, tool_choice, the field the 400 names
+    ("chat", "x", None, "tools"),
+    ("chat", [3], None, "tools[0]"),
+    ("chat", [{"type": "function", "function": {"parameters": SCHEMA}}], None, "tools[0].function.name"),
+    ("chat", [{"type": "function", "function": {"name": "f", "parameters": 3}}], None, "tools[0].function.parameters"),
+    ("chat", [CHAT_TOOL], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    ("messages", "x", None, "tools"),
+    ("messages", [3], None, "tools[0]"),
+    ("messages", [{"input_schema": SCHEMA}], None, "tools[0].name"),
+    ("messages", [{"name": "f"}], None, "tools[0].input_schema"),
+    ("messages", [MESSAGES_TOOL], {"type": "tool", "name": "nope"}, "tool_choice.name"),
+    ("responses", "x", None, "tools"),
+    ("responses", [3], None, "tools[0]"),
+    ("responses", [{"type": "function", "parameters": SCHEMA}], None, "tools[0].name"),
+    ("responses", [{"type": "function", "name": "f", "parameters": 3}], None, "tools[0].parameters"),
+    ("responses", [RESPONSES_TOOL], {"type": "function", "name": "nope"}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("case", TOOL_ERRORS, ids=[f"{c[0]}-{c[3]}" for c in TOOL_ERRORS])
+def test_tool_errors_name_each_protocols_field(case):
+    protocol, tools, tool_choice, param = case
+    with pytest.raises(APIError) as e:
+        parse_tools(protocol, tools, tool_choice)
+    assert e.value.status == 400 and e.value.param == param and param.split(".")[0] in e.value.message
 
 
 def test_ranges_are_the_engines():

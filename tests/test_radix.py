@@ -4,6 +4,7 @@ and it never leaks: after flush every page and snapshot slot is free again."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from checkpoints import make_qwen3_5_text
 from conftest import assert_no_leaks, engine_for, tokens
-from tinyserve.cache import NullCache
+from tinyserve.cache import Cache, NullCache, PrefixCache
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
 
@@ -81,6 +82,19 @@ def test_disabled_cache_reuses_nothing(hybrid_model):
     eng = engine_for(hybrid_model, engine={"page_size": 16, "kv_cache_tokens": 2048}, cache=COLD)
     a, b = eng.run_requests([tokens(100, 9)] * 1, GREEDY) + eng.run_requests([tokens(100, 9)], GREEDY)
     assert a.cached_tokens == b.cached_tokens == 0 and isinstance(eng.cache, NullCache)
+
+
+@pytest.mark.parametrize("cls", [NullCache, PrefixCache])
+def test_both_caches_offer_the_cache_protocol(cls):
+    """The scheduler and the engine hold either cache as a `Cache`: each offers every member, with its signature."""
+    members = [n for n in vars(Cache) if not n.startswith("_")]
+    assert "admit" in members and "skips_unready" in members
+    for name in members:
+        assert hasattr(cls, name), f"{cls.__name__} lacks {name}"
+        want = getattr(Cache, name)
+        if callable(want):
+            assert list(inspect.signature(getattr(cls, name)).parameters) == \
+                list(inspect.signature(want).parameters), f"{cls.__name__}.{name}"
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

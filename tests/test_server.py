@@ -532,10 +532,12 @@ def test_check_prints_config_and_plan(tmp_path, xdg):
 # Parser plumbing without the model (its output never holds a tool call): the same functions the handlers use
 
 def test_tool_call_and_reasoning_plumbing():
-    from tinyserve.protocol import Chat, ChatStreamChoice, ChoiceResult, parse_chat_request
+    from tinyserve.chat import ChatFormat, ChatStreamChoice
+    from tinyserve.openai_api import parse_chat_request
+    from tinyserve.protocol import ChoiceResult
 
     parsers = config_mod.from_dict(PARSERS).parsers
-    chat = Chat(parsers.reasoning, parsers.tool_call)
+    chat = ChatFormat(parsers.reasoning, parsers.tool_call)
     req = parse_chat_request({"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER_TOOL]},
                              "tinyserve")
     text = ("<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n"

@@ -1,7 +1,7 @@
 """The cache simulator (bench/simulate.py) against the real engine.
 
 The same traces, shrunk to a tiny checkpoint's context, go through a real Engine on the CPU (the real runner, real
-forwards) and through SimEngine (the stand-in runner, pools of the same plan's counts with tiny tensors), both driven
+forwards) and through sim_engine (the stand-in runner, pools of the same plan's counts with tiny tensors), both driven
 by simulate.replay on the same virtual clock. The stand-in only replaces compute, so every request's cached tokens
 and their device / host / file split, the tree's counters and the file tier's size accounting must be equal. Then
 the 27B-shaped simulation itself: the plan's counts with pools of a few MB, bytes reported at real scale.
@@ -50,7 +50,7 @@ def replay_both(model, tmp_path: Path, trace: simulate.Trace):
     r_real = simulate.replay(real, trace, cost, simulate.Clock())
     plan = dataclasses.replace(real.plan, file_dir=str(tmp_path / "sim"))
     clock = simulate.Clock()
-    sim = simulate.SimEngine(real.cfg, plan, mc, cost, clock)
+    sim = simulate.sim_engine(real.cfg, plan, mc, cost, clock)
     r_sim = simulate.replay(sim, trace, cost, clock)
     sim.cache.check()
     real.cache.check()
@@ -75,7 +75,7 @@ def test_simulator_reproduces_the_engine(hybrid_model, tmp_path, name):
     real, sim, r_real, r_sim = replay_both(hybrid_model, tmp_path, trace)
     assert per_request(r_sim) == per_request(r_real)
     assert r_sim.tree == r_real.tree
-    f_real, f_sim = real.cache.tree.tiers.file, sim.cache.tree.tiers.file
+    f_real, f_sim = real.cache.file, sim.cache.file
     assert (f_sim.num_blobs, f_sim.used_bytes) == (f_real.num_blobs, f_real.used_bytes), \
         "the simulated file tier sizes blobs as the real one writes them"
     for k, v in r_real.end.items():                             # pages, snapshots, blobs held by each tier
@@ -98,13 +98,13 @@ def test_27b_plan_with_tiny_pools(tmp_path):
     assert plan.state_bytes_per_slot == 153944064                  # 48 x (48 x 128 x 128 x 4 + conv state)
     cost, clock = simulate.CostModel.for_model(mc, values, plan), simulate.Clock()
     assert abs(cost.prefill_seconds(0, 50_000) - 7.73) < 0.01      # the calibration anchor
-    engine = simulate.SimEngine(cfg, plan, mc, cost, clock)
+    engine = simulate.sim_engine(cfg, plan, mc, cost, clock)
     try:
         pools = engine.kv_pool.buffer.nbytes + engine.state_pool.conv.nbytes + engine.state_pool.ssm.nbytes
         assert engine.allocator.num_pages == 4224 and pools < 8 << 20
         r = simulate.replay(engine, simulate.seed_trace(turns=5), cost, clock)
         engine.cache.check()
-        assert engine.cache.tree.tiers.host._pages.allocated_bytes < 8 << 20
+        assert engine.cache.host._pages.allocated_bytes < 8 << 20
     finally:
         engine.close()
     sizes = simulate.Sizes.of(plan)

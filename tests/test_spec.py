@@ -23,6 +23,7 @@ from server_util import ServerProcess, free_port, http, server_config
 from tinyserve.config import ConfigError
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
+from tinyserve.build import price_drafts
 from tinyserve.spec import PROBE_EVERY, DepthControl, StepCost
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -51,7 +52,7 @@ def exact_model(tmp_path_factory):
 def spec_engine(model, engine: dict | None = None, cache: dict | None = None, speculative: dict | None = None):
     eng = engine_for(model, engine={"page_size": 16, **(engine or {})}, cache=cache or {},
                      speculative={**SPEC, **(speculative or {})})
-    eng.runner.step_cost = PinnedCost()
+    eng.nextn.step_cost = PinnedCost()
     return eng
 
 
@@ -64,7 +65,7 @@ def mixed_prompts(seed: int = 0) -> list[list[int]]:
 
 
 def assert_both_paths_ran(eng) -> None:
-    st = eng.spec_stats
+    st = eng.nextn.stats
     assert st.num_accepted_tokens > 0, "no draft was accepted"
     assert st.num_accepted_tokens < st.num_draft_tokens, "no draft was rejected"
 
@@ -111,7 +112,7 @@ def test_max_tokens_and_stop_ids_inside_an_accepted_run(exact_model):
         p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop])
         (req,) = eng.run_requests([prompt], p)
         assert req.output_ids == full[:k + 1] and req.finish_reason == "stop"
-    st = eng.spec_stats
+    st = eng.nextn.stats
     assert st.num_accepted_tokens == st.num_draft_tokens > 0
     assert st.mean_accept_length > 2.5 and st.accepted_per_pos[1] > 0      # runs of 3 and more were committed
     assert_no_leaks(eng)
@@ -126,7 +127,7 @@ def test_depth_falls_on_a_random_head(tmp_path):
     out = eng.generate(prompts, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
     assert out == cold_engine(model).generate(prompts, SamplingParams(max_tokens=120, temperature=0,
                                                                        ignore_eos=True))
-    st = eng.spec_stats
+    st = eng.nextn.stats
     assert st.num_drafts < 0.35 * 2 * 120, st          # most steps decode plainly
     assert_no_leaks(eng)
 
@@ -225,7 +226,7 @@ def test_sampled_tokens_keep_their_distribution(tmp_path):
         spec = spec_engine(model, engine={"max_running_requests": 64}, cache=COLD)
         a = plain.generate([prompt] * n, params)
         b = spec.generate([prompt] * n, [SamplingParams(**{**p.__dict__, "seed": p.seed + 10 ** 6}) for p in params])
-        assert spec.spec_stats.num_accepted_tokens > 0
+        assert spec.nextn.stats.num_accepted_tokens > 0
         for pos in (1, 2, 3):
             ca = torch.bincount(torch.tensor([o[pos] for o in a]), minlength=12).float()
             cb = torch.bincount(torch.tensor([o[pos] for o in b]), minlength=12).float()
@@ -355,9 +356,9 @@ def test_server_reports_speculation_and_keeps_the_text(xdg, tmp_path):
 
 def test_price_drafts_times_every_depth_and_keeps_nothing(model):
     eng = engine_for(model, engine={"page_size": 16}, speculative=SPEC)
-    eng.price_drafts()
-    seconds = eng.runner.step_cost.seconds
+    price_drafts(eng)
+    seconds = eng.nextn.step_cost.seconds
     assert len(seconds) == 4 and all(t > 0 for t in seconds), seconds
-    assert eng.spec_stats.num_drafts == 0 and eng.cache.stats().cached_pages == 0
+    assert eng.nextn.stats.num_drafts == 0 and eng.cache.stats().cached_pages == 0
     assert not eng.scheduler.running and not eng.scheduler.waiting
     assert_no_leaks(eng)

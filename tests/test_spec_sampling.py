@@ -10,16 +10,8 @@ from __future__ import annotations
 import torch
 import pytest
 
-from tinyserve.sampling import (
-    ACCEPT_SALT,
-    DRAFT_SALT,
-    SamplingBatch,
-    SamplingParams,
-    VerifyResult,
-    draw_drafts,
-    sample,
-    verify_drafts,
-)
+from tinyserve.sampling import SamplingBatch, SamplingParams, sample
+from tinyserve.spec import ACCEPT_SALT, DRAFT_SALT, VerifyResult, draw_drafts, verify_drafts
 
 V = 32
 

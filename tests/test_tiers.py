@@ -21,10 +21,12 @@ import torch
 from checkpoints import make_qwen3_5_text
 from conftest import TEST_DEVICE, engine_for, merge, tokens
 from server_util import ServerProcess, free_port, http, server_config
+from tinyserve.blob import SUFFIX, chain_hashes, model_fingerprint
 from tinyserve.engine import Engine
+from tinyserve.build import engine_for_model
+from tinyserve.file_tier import FileTier
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
-from tinyserve.tiers import SUFFIX, FileTier, chain_hashes, model_fingerprint
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 GIB = 1 << 30
@@ -62,11 +64,11 @@ def small_engine(model, page_size: int = 16, host: dict | None = None, file: dic
 
 
 def host_tier(eng: Engine):
-    return eng.cache.tree.tiers.host
+    return eng.cache.host
 
 
 def file_tier(eng: Engine):
-    return eng.cache.tree.tiers.file
+    return eng.cache.file
 
 
 def run(eng: Engine, name: str):
@@ -397,7 +399,8 @@ def test_promoting_from_a_full_host_tier_under_write_back(model, cold):
 WRITER = r"""
 import sys, torch
 from pathlib import Path
-from tinyserve.tiers import Blob, FileTier, chain_hashes
+from tinyserve.blob import Blob, chain_hashes
+from tinyserve.file_tier import FileTier
 folder, fp = Path(sys.argv[1]), bytes.fromhex(sys.argv[2])
 tier = FileTier(folder, 1 << 30, fp, (64, 32), torch.float32, (8, 3), torch.float32, (4, 16))
 i = 0
@@ -447,19 +450,19 @@ def test_kill_9_while_writing_leaves_a_consistent_folder(tmp_path):
 ENGINE_WRITER = r"""
 import sys, torch
 from tinyserve.config import from_dict
-from tinyserve.engine import Engine
+from tinyserve.build import engine_for_model
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
 cfg = from_dict({"engine": {"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1},
                  "cache": {"file": {"dir": sys.argv[2], "size_gb": 1.0}}})
-eng = Engine.for_model(cfg, load_model(sys.argv[1], torch.float32))
+eng = engine_for_model(cfg, load_model(sys.argv[1], torch.float32))
 p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 i = 0
 while True:
     g = torch.Generator().manual_seed(1000 + i)
     eng.generate([torch.randint(3, 256, (200,), generator=g).tolist()], p)
     if i == 3:
-        eng.cache.tree.tiers.file.flush(10)
+        eng.cache.file.flush(10)
         print("ready", flush=True)
     i += 1
 """

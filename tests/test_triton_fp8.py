@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from triton_setup import DEV, ON_GPU, both, gen_, gpu, needs_gpu, tol  # noqa: F401  (first: the interpreter)
-from tinyserve.kernels.fp8 import ACT_GROUP, FP8, FP8_MAX, Fp8Weight, fp8_linear, quantize_activations  # noqa: E402
+from tinyserve.kernels.fp8 import fp8_linear, quantize_activations  # noqa: E402
+from tinyserve.kernels.fp8_weight import ACT_GROUP, FP8, FP8_MAX, Fp8Weight  # noqa: E402
 from tinyserve.kernels.linear import linear  # noqa: E402
 
 

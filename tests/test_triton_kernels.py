@@ -17,10 +17,10 @@ from tinyserve.kernels import attention_triton  # noqa: E402
 from tinyserve.kernels.activation import silu_and_mul  # noqa: E402
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill  # noqa: E402
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_verify  # noqa: E402
-from tinyserve.kernels.gdn import (recurrent_gated_delta_rule_decode, recurrent_gated_delta_rule_verify,  # noqa: E402
-                                   verify_layout)
+from tinyserve.kernels.gdn import recurrent_gated_delta_rule_decode, recurrent_gated_delta_rule_verify  # noqa: E402
 from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm  # noqa: E402
 from tinyserve.kernels.rotary import apply_rotary  # noqa: E402
+from tinyserve.kernels.verify_layout import verify_layout  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -364,7 +364,7 @@ def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
             eng = engine_for(model, engine={"page_size": 16, "kernels": name}, cache={"enabled": False},
                              speculative={"algorithm": "nextn", "max_running": 0})
             assert kernels.backend() == name
-            eng.runner.step_cost = PinnedCost()
+            eng.nextn.step_cost = PinnedCost()
             out[name] = eng.generate(prompts, params)
     assert out["triton"] == out["torch"]
     assert set(calls) == {n for names in kernels_used.values() for n in names}, calls

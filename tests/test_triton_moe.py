@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from triton_setup import DEV, ON_GPU, backend, both, gen_, gpu, needs_gpu, rnd, tol  # noqa: F401  (first)
-from tinyserve.kernels.fp8 import ACT_GROUP, FP8, FP8_MAX, Fp8Weight, quantize_activations  # noqa: E402
+from tinyserve.kernels.fp8 import quantize_activations  # noqa: E402
+from tinyserve.kernels.fp8_weight import ACT_GROUP, FP8, FP8_MAX, Fp8Weight  # noqa: E402
 from tinyserve.kernels.moe import fused_experts, route  # noqa: E402
 
 

@@ -535,7 +535,7 @@ def test_vl_checkpoint_tokens_and_template(vl):
 
 
 def test_vl_checkpoint_loads_in_tinyserve(vl):
-    from tinyserve.loader import read_model_config
+    from tinyserve.model_config import read_model_config
     from tinyserve.tokenizer import Tokenizer
 
     folder, oracle, raw = vl

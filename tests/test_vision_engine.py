@@ -49,7 +49,7 @@ def user_turn(text: str) -> str:
 
 def prepare(eng, tok, text: str, pictures: list[bytes]):
     ids = tok.encode(text)
-    return eng.prepare_images(ids, [ImageSource(f"img{i}", p, "image/png") for i, p in enumerate(pictures)])
+    return eng.intake.prepare_images(ids, [ImageSource(f"img{i}", p, "image/png") for i, p in enumerate(pictures)])
 
 
 def hf_inputs(vl, ids: list[int], images) -> dict:
@@ -64,7 +64,7 @@ def hf_inputs(vl, ids: list[int], images) -> dict:
 
 def engine_logits(eng, ids, images) -> torch.Tensor:
     """Logits of every prompt position through the scheduler's chunked prefill and the runner."""
-    req = eng._make_request(ids, SamplingParams(max_tokens=1), None, images)
+    req = eng.intake.make_request(ids, SamplingParams(max_tokens=1), None, images)
     eng.scheduler.add(req)
     hidden = []
     while req.num_computed < len(ids):
@@ -118,16 +118,16 @@ def test_bad_image_inputs_are_request_errors_naming_the_part(vl):
                      model={"max_images": 1, "max_image_pixels": 4000})
     ids = tok.encode(user_turn(MARK + MARK))
     with pytest.raises(RequestError, match=r"model\.max_images") as e:
-        eng.prepare_images(ids, [ImageSource("a", png(40, 24, 1)), ImageSource("b", png(40, 24, 2))])
+        eng.intake.prepare_images(ids, [ImageSource("a", png(40, 24, 1)), ImageSource("b", png(40, 24, 2))])
     assert e.value.field == "b"
     with pytest.raises(RequestError, match=r"model\.max_image_pixels") as e:
-        eng.prepare_images(tok.encode(user_turn(MARK)), [ImageSource("big", png(100, 50, 1))])
+        eng.intake.prepare_images(tok.encode(user_turn(MARK)), [ImageSource("big", png(100, 50, 1))])
     assert e.value.field == "big"
     with pytest.raises(RequestError, match="cannot decode") as e:
-        eng.prepare_images(tok.encode(user_turn(MARK)), [ImageSource("junk", b"not an image", "image/png")])
+        eng.intake.prepare_images(tok.encode(user_turn(MARK)), [ImageSource("junk", b"not an image", "image/png")])
     assert e.value.field == "junk"
     with pytest.raises(RequestError, match="placeholder") as e:       # a literal pad typed in the text
-        eng.prepare_images(tok.encode(user_turn(MARK + " <|image_pad|>")), [ImageSource("x", png(40, 24, 1))])
+        eng.intake.prepare_images(tok.encode(user_turn(MARK + " <|image_pad|>")), [ImageSource("x", png(40, 24, 1))])
     assert e.value.field == "prompt"
     text = tok.encode(user_turn("a pad typed as text: " + MARK))      # no images: served as the text it is
     (r,) = eng.run_requests([text], GREEDY)
@@ -167,7 +167,7 @@ def test_cache_hits_with_images_equal_cold_runs(vl, page_size):
     assert warm.stats().images_encoded == 2                 # a and b; 1 and 3 took a's features from the cache
     # a later turn adds an image: it resumes from the end of the previous turn (the request's end)
     prev = done[0]
-    tail, tail_images = warm.prepare_images(tok.encode("<|im_end|>\n" + user_turn("And " + MARK + "?")),
+    tail, tail_images = warm.intake.prepare_images(tok.encode("<|im_end|>\n" + user_turn("And " + MARK + "?")),
                                             [ImageSource("t2", b, "image/png")])
     turn2, images2 = prev.prompt_ids + prev.output_ids + tail, prompts[0][1] + tail_images
     (r,) = warm.run_requests([turn2], GREEDY, [images2])
@@ -267,9 +267,9 @@ def test_each_image_is_encoded_once_per_prefill_and_let_go_after_it(vl, chunk):
     folder, oracle, model, tok = vl
     eng = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048, "chunked_prefill_size": chunk},
                      speculative={"algorithm": "nextn", "num_steps": 2, "num_draft_tokens": 3})
-    eng.runner.features.max_bytes = 0                      # nothing is kept across requests
+    eng.runner.images.cache.max_bytes = 0                      # nothing is kept across requests
     ids, images = prepare(eng, tok, user_turn("Two: " + MARK + MARK + "go"), [png(40, 24, 61), png(32, 48, 62)])
-    req = eng._make_request(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), None, images)
+    req = eng.intake.make_request(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), None, images)
     eng.scheduler.add(req)
     while req.num_computed < len(ids):
         eng._step()
@@ -281,7 +281,7 @@ def test_each_image_is_encoded_once_per_prefill_and_let_go_after_it(vl, chunk):
     while req.num_computed < len(ids):
         eng._step()
     assert eng.stats().images_encoded == 2
-    other = eng._make_request(ids, SamplingParams(max_tokens=4), None, images)
+    other = eng.intake.make_request(ids, SamplingParams(max_tokens=4), None, images)
     eng.scheduler.add(other)
     eng._step()                                            # part of the prompt (and an image's features) held
     eng.scheduler.abort(other)
@@ -295,10 +295,10 @@ def test_each_image_is_encoded_once_per_prefill_and_let_go_after_it(vl, chunk):
 
 def test_the_file_tiers_fingerprint_ignores_the_folder_and_the_vision_tower(vl, tmp_path):
     """Moving a checkpoint or turning model.vision off changes no text page, so the file tier keeps serving; image
-    tokens are keyed on the tower's weights instead (Engine.vision_fingerprint)."""
+    tokens are keyed on the tower's weights instead (Intake.vision_fingerprint)."""
     import shutil
 
-    from tinyserve.tiers import model_fingerprint
+    from tinyserve.blob import model_fingerprint
     folder, oracle, model, tok = vl
     moved = shutil.copytree(folder, tmp_path / "moved")
     prints = {model_fingerprint(m, torch.float32, PS) for m in (model, load_model(moved, torch.float32),
@@ -337,4 +337,4 @@ def test_an_image_processor_that_cuts_other_patches_than_the_tower_is_a_config_e
         engine_for(load_model(bad, torch.float32), tok)
     assert e.value.key == "model.path"
     (bad / "preprocessor_config.json").unlink()
-    assert engine_for(load_model(bad, torch.float32), tok).image_processor.patch_size == 4
+    assert engine_for(load_model(bad, torch.float32), tok).intake.image_processor.patch_size == 4

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from conftest import engine_for, tokens
+from tinyserve.blob import HEADER, SUFFIX, chain_hashes
 from tinyserve.engine import Engine
+from tinyserve.file_tier import FileTier
 from tinyserve.sampling import SamplingParams
-from tinyserve.tiers import HEADER, SUFFIX, FileTier, chain_hashes
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 SESSION = 250
@@ -51,7 +52,7 @@ def blob_files(folder: Path) -> list[Path]:
 
 
 def file_tier(eng: Engine) -> FileTier:
-    return eng.cache.tree.tiers.file
+    return eng.cache.file
 
 
 class Calls:

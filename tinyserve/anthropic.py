@@ -1,8 +1,8 @@
 """Anthropic's Messages API without HTTP: POST /v1/messages (and /v1/messages/count_tokens) as an Endpoint.
 
-A Messages request is translated into the chat request the OpenAI route builds (protocol.ChatRequest), so both
-protocols render the same prompt through the same template and share the prefix cache; the answer is split by the
-same qwen3 reasoning and qwen3_coder tool parsers (protocol.Chat) and written as Anthropic content blocks.
+A Messages request is translated into the chat request the OpenAI route builds (chat.ChatRequest), so all protocols
+render the same prompt through the same template and share the prefix cache; the answer is split by the same qwen3
+reasoning and qwen3_coder tool parsers (chat.ChatFormat) and written as Anthropic content blocks.
 
 Mapping (request):
   system (string or text blocks)   -> one system message first; a text block starting with
@@ -37,11 +37,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .protocol import (MAX_STOP_STRINGS, APIError, Chat, ChatRequest, ChatStreamChoice, ChoiceResult, Delta,
-                       Endpoint, EndpointStream, GenerationOptions, ImageInput, Meta, Usage, _boolean, _integer,
-                       _number, bad_request, dumps, image_bytes, image_from_url)
+from .chat import (ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest, chat_tools, function_tool,
+                   function_tools, named_tool)
+from .protocol import (APIError, ChoiceResult, Delta, Endpoint, GenerationOptions, ImageInput, Meta, NamedEventStream,
+                       Usage, bad_request, boolean_field, image_bytes, image_from_url, integer_field, number_field,
+                       stop_strings)
 from .sampling import SamplingParams
-from .tokenizer import SYSTEM_IMAGE_ERROR, ContentJoiner
+from .tokenizer import SYSTEM_IMAGE_ERROR, ContentJoiner, Tokenizer
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 
@@ -69,16 +71,8 @@ def error_body(err: APIError) -> dict[str, Any]:
 # Requests
 
 @dataclass
-class MessagesRequest:
-    chat: ChatRequest                 # what the chat template and the parsers take
-
-    @property
-    def options(self) -> GenerationOptions:
-        return self.chat.options
-
-    @property
-    def images(self) -> list[ImageInput]:
-        return self.chat.images
+class MessagesRequest(TranslatedRequest):
+    """A Messages request, as the chat request it renders as."""
 
 
 def _text_blocks(value: Any, param: str, allowed: tuple[str, ...] = ("text",)) -> list[dict[str, Any]]:
@@ -220,47 +214,27 @@ def _messages(value: Any, images: list[ImageInput], fetch: bool = False) -> list
     return out
 
 
+def _tool(tool: dict[str, Any], p: str) -> dict[str, Any]:
+    """{"name", "description", "input_schema"} (a custom tool) -> an OpenAI function tool."""
+    if tool.get("type", "custom") != "custom":
+        raise bad_request(f"{p}: server tool {tool.get('type')!r} is not supported (custom tools only)", f"{p}.type")
+    return function_tool(tool, p, "input_schema", schema_required=True)
+
+
 def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any]:
     """Anthropic tools + tool_choice -> OpenAI function tools + tool_choice (what the template and parser take)."""
-    tools = body.get("tools")
-    converted: list[dict[str, Any]] = []
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise bad_request("tools must be a list", "tools")
-        for i, tool in enumerate(tools):
-            p = f"tools[{i}]"
-            if not isinstance(tool, dict):
-                raise bad_request(f"{p} must be an object", p)
-            if tool.get("type", "custom") != "custom":
-                raise bad_request(f"{p}: server tool {tool.get('type')!r} is not supported (custom tools only)",
-                                  f"{p}.type")
-            name, schema = tool.get("name"), tool.get("input_schema")
-            if not isinstance(name, str) or not name:
-                raise bad_request(f"{p}.name must be a non-empty string", f"{p}.name")
-            if not isinstance(schema, dict):
-                raise bad_request(f"{p}.input_schema must be a JSON schema object", f"{p}.input_schema")
-            fn: dict[str, Any] = {"name": name}
-            if isinstance(tool.get("description"), str):
-                fn["description"] = tool["description"]
-            fn["parameters"] = schema
-            converted.append({"type": "function", "function": fn})
+    tools = function_tools(body.get("tools"), _tool)
     choice = body.get("tool_choice")
-    if choice is None:
-        return converted or None, "auto"
     kind = choice.get("type") if isinstance(choice, dict) else None
+    if choice is None or kind == "auto":
+        return chat_tools(tools, "auto")
     if kind == "none":
-        return None, "none"                           # no tools offered at all
-    if kind == "auto":
-        return converted or None, "auto"
-    # any / tool: like OpenAI's "required" / a named function: decoding is constrained to one call (Chat.prompt_ids)
-    # and a named tool also limits what is parsed as a call.
+        return chat_tools([], "none")                 # no tools offered at all
+    # any / tool: like OpenAI's "required" / a named function: decoding is constrained to one call (ChatFormat)
     if kind == "any":
-        return converted or None, "required"
+        return chat_tools(tools, "required")
     if kind == "tool":
-        name = choice.get("name")
-        if not isinstance(name, str) or name not in {t["function"]["name"] for t in converted}:
-            raise bad_request(f"tool_choice names tool {name!r}, which is not in tools", "tool_choice.name")
-        return converted, {"type": "function", "function": {"name": name}}
+        return chat_tools(tools, named_tool(tools, choice.get("name"), "tool_choice.name", noun="tool"))
     raise bad_request('tool_choice.type must be "auto", "any", "tool" or "none"', "tool_choice.type")
 
 
@@ -271,20 +245,8 @@ def _thinking(body: dict) -> dict[str, Any]:
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "disabled", "adaptive"):
         raise bad_request('thinking.type must be "enabled" or "disabled"', "thinking.type")
-    _integer(thinking, "budget_tokens", None)         # type-checked; not enforced
+    integer_field(thinking, "budget_tokens", None)  # type-checked; not enforced
     return {"enable_thinking": kind != "disabled"}
-
-
-def _stop_sequences(body: dict) -> list[str]:
-    value = body.get("stop_sequences")
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise bad_request("stop_sequences must be a list of strings", "stop_sequences")
-    if len(value) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop_sequences takes at most {MAX_STOP_STRINGS} strings, got {len(value)}",
-                          "stop_sequences")
-    return [s for s in value if s]
 
 
 def parse_messages_request(body: dict, keep_billing_header: bool = False, count_only: bool = False,
@@ -297,17 +259,16 @@ def parse_messages_request(body: dict, keep_billing_header: bool = False, count_
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
     tools, tool_choice = _tools(body)
-    max_tokens = _integer(body, "max_tokens", None, lo=1)
+    max_tokens = integer_field(body, "max_tokens", None, lo=1)
     if max_tokens is None and not count_only:
         raise bad_request("max_tokens is required", "max_tokens")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad_request(f"stream must be a boolean, got {stream!r}", "stream")
-    params = SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-                            top_k=_integer(body, "top_k", 0), speculative=_boolean(body, "speculative", True))
+    stream = boolean_field(body, "stream", False)
+    params = SamplingParams(temperature=number_field(body, "temperature", 1.0),
+                            top_p=number_field(body, "top_p", 1.0), top_k=integer_field(body, "top_k", 0),
+                            speculative=boolean_field(body, "speculative", True))
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_tokens",
-                                stop=_stop_sequences(body), n=1, stream=bool(stream), include_usage=True,
-                                return_token_ids=False)
+                                stop=stop_strings(body, "stop_sequences", one_string=False), n=1, stream=stream,
+                                include_usage=True, return_token_ids=False)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=_thinking(body),
                        logprobs=False, top_logprobs=0, options=options, images=images)
     return MessagesRequest(chat)
@@ -343,7 +304,7 @@ def stop_reason(finish_reason: str | None, stop_string: str | None, called_tools
     return ("tool_use" if called_tools else "end_turn"), None
 
 
-class Messages(Endpoint):
+class Messages(Endpoint[MessagesRequest]):
     """POST /v1/messages. The parsers come from the config's [parsers] table, as for /v1/chat/completions."""
 
     id_prefix = "msg_"
@@ -354,7 +315,7 @@ class Messages(Endpoint):
 
     def __init__(self, reasoning_parser: str = "", tool_parser: str = "", keep_billing_header: bool = False,
                  fetch_image_urls: bool = False) -> None:
-        self.chat = Chat(reasoning_parser, tool_parser, fetch_image_urls)
+        self.format = ChatFormat(reasoning_parser, tool_parser)
         self.keep_billing_header = keep_billing_header
         self.fetch_image_urls = fetch_image_urls
 
@@ -365,13 +326,13 @@ class Messages(Endpoint):
         return parse_messages_request(body, self.keep_billing_header, count_only=True,
                                       fetch_image_urls=self.fetch_image_urls)
 
-    def prompt_ids(self, req: MessagesRequest, tokenizer: Any) -> list[int]:
-        return self.chat.prompt_ids(req.chat, tokenizer)
+    def prompt_ids(self, req: MessagesRequest, tokenizer: Tokenizer) -> list[int]:
+        return self.format.prompt_ids(req.chat, tokenizer)
 
     def response(self, req: MessagesRequest, meta: Meta, results: list[ChoiceResult], usage: Usage
                  ) -> dict[str, Any]:
         (r,) = results
-        message, _ = self.chat.message(req.chat, r)
+        message, _ = self.format.message(req.chat, r)
         content: list[dict[str, Any]] = []
         if message.get("reasoning_content"):
             content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
@@ -389,24 +350,19 @@ class Messages(Endpoint):
         return MessagesStream(self, req, meta)
 
 
-class MessagesStream(EndpointStream):
+class MessagesStream(NamedEventStream):
     """message_start, ping, then content_block_start / _delta / _stop per block, message_delta, message_stop.
 
     message_start waits for the first delta: by then the prefill has run and the cached prompt tokens are known, so
     its usage is already the final split of the input (message_delta repeats it with output_tokens)."""
 
-    done = b""                                        # message_stop ends the stream; no [DONE]
-
     def __init__(self, endpoint: Messages, req: MessagesRequest, meta: Meta) -> None:
         self.meta = meta
-        self.choice = ChatStreamChoice(endpoint.chat, req.chat)
+        self.choice = ChatStreamChoice(endpoint.format, req.chat)
         self.started = False
         self.block: str | None = None                 # type of the open block
         self.index = -1                               # its index
         self.reason: tuple[str, str | None] = ("end_turn", None)
-
-    def frame(self, obj: dict[str, Any]) -> bytes:
-        return f"event: {obj['type']}\ndata: ".encode() + dumps(obj).encode() + b"\n\n"
 
     def error(self, err: APIError) -> dict[str, Any]:
         return error_body(err)
@@ -460,9 +416,6 @@ class MessagesStream(EndpointStream):
                 out.append({"type": "content_block_delta", "index": self.index,
                             "delta": {"type": "input_json_delta", "partial_json": fragment}})
         return out
-
-    def start(self) -> list[dict[str, Any]]:
-        return []
 
     def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
         out = self._start()

@@ -7,14 +7,15 @@
 
 This module is the HTTP layer only: routes, middlewares (errors, auth), reading JSON, SSE, disconnects, and the
 Generation (the n engine requests behind one HTTP request). What a body means and what a response looks like is
-protocol.py's. Every generation route runs one skeleton, `generate`: parse (protocol) -> prompt ids (protocol, in
-a worker thread: templates and long prompts would stall every stream) -> the engine fits max_tokens and validates
-the sampling parameters -> Generation -> stream or collect -> body (protocol). The engine stays the only owner of
-pages and state; this module only submits, iterates and cancels.
+the protocol modules' (an Endpoint each: openai_api.py, anthropic.py, responses.py; their shared layer protocol.py).
+Every generation route runs one skeleton, `generate`: parse (protocol) -> prompt ids (protocol, in a worker thread:
+templates and long prompts would stall every stream) -> the engine fits max_tokens and validates the sampling
+parameters -> Generation -> stream or collect -> body (protocol). The engine stays the only owner of pages and
+state; this module only submits, iterates and cancels.
 
 Images: a request's image parts are parsed (protocol) into their bytes, or, with server.fetch_image_urls, into http(s)
 URLs this module fetches (aiohttp, FETCH_TIMEOUT_S, at most server.max_request_body_mb each). After the prompt ids,
-the engine decodes them and widens each image's one pad to its token count (engine.prepare_images, in a worker
+the engine decodes them and widens each image's one pad to its token count (engine.intake.prepare_images, in a worker
 thread); the widened ids are the prompt from then on (max_tokens fitting, usage, return_token_ids).
 
 Why the bounded queue: SGLang and vLLM queue without limit, so a burst piles up minutes of waiting requests that
@@ -38,12 +39,14 @@ import aiohttp
 from aiohttp import web
 
 from . import anthropic, responses
-from .engine import RequestError
+from .config import Config
+from .engine import Engine, RequestError
 from .images import SUPPORTED_MEDIA_TYPES, ImageSource
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
-from .protocol import (APIError, Chat, ChoiceResult, Completions, Delta, Endpoint, EndpointStream, ImageInput, Meta,
-                       RemoteImage, Usage, bad_request, dumps, error_body, sampling_params)
+from .openai_api import Chat, Completions
+from .protocol import (APIError, ChoiceResult, Delta, Endpoint, EndpointStream, ImageInput, Meta, RemoteImage, Req,
+                       Usage, bad_request, dumps, error_body, sampling_params)
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer
 
@@ -70,11 +73,11 @@ IMAGE_WORKERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name
 class ServerState:
     """What the handlers share. `engine` is None while the model loads (/health answers 503 then)."""
 
-    cfg: Any
-    engine: Any = None
+    cfg: Config
+    engine: Engine | None = None
     metrics: Metrics | None = None
     draining: bool = False
-    endpoints: dict[str, Endpoint] = field(default_factory=dict)   # generation routes by path
+    endpoints: dict[str, Endpoint[Any]] = field(default_factory=dict)   # generation routes by path
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def token_text(self, token_id: int) -> str:
@@ -93,12 +96,12 @@ def get_state(app: web.Application) -> ServerState:
     return app[STATE]
 
 
-def set_engine(app: web.Application, engine: Any) -> None:
+def set_engine(app: web.Application, engine: Engine) -> None:
     """Attach the engine once it has loaded: the server can listen (and answer /health 503) before."""
     app[STATE].engine = engine
 
 
-def create_app(engine: Any, cfg: Any) -> web.Application:
+def create_app(engine: Engine | None, cfg: Config) -> web.Application:
     """The aiohttp application. `engine` may be None and set later with set_engine (loading)."""
     max_body = int(cfg.server.max_request_body_mb * 1024 * 1024)
     app = web.Application(client_max_size=max_body, middlewares=[_error_middleware, _auth_middleware])
@@ -115,7 +118,7 @@ def create_app(engine: Any, cfg: Any) -> web.Application:
     return app
 
 
-def _endpoints(cfg: Any) -> dict[str, Endpoint]:
+def _endpoints(cfg: Config) -> dict[str, Endpoint[Any]]:
     """The generation routes: one protocol Endpoint each, all served by `generate`."""
     fetch = cfg.server.fetch_image_urls
     return {"/v1/chat/completions": Chat(cfg.parsers.reasoning, cfg.parsers.tool_call, fetch),
@@ -213,11 +216,11 @@ class Generation:
     """Submits n requests for one prompt, turns their token events into text deltas (stop strings applied),
     records metrics, and cancels whatever is unfinished on close(): client gone, stop string, or shutdown.
     Raises the engine's RequestError before submitting anything when the parameters are out of range. `images`:
-    what engine.prepare_images returned for these prompt ids; every choice sees the same ones."""
+    what engine.intake.prepare_images returned for these prompt ids; every choice sees the same ones."""
 
-    def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams, n: int, stop: list[str],
-                 request_id: str, arrival: float, images: Sequence[Any] = ()) -> None:
-        self.engine = state.engine
+    def __init__(self, state: ServerState, engine: Engine, prompt_ids: list[int], params: SamplingParams, n: int,
+                 stop: list[str], request_id: str, arrival: float, images: Sequence[Any] = ()) -> None:
+        self.engine = engine
         self.metrics = state.metrics
         self.cache_report = state.cfg.metrics.cache_report
         self.prompt_ids = prompt_ids
@@ -348,17 +351,18 @@ class Generation:
 # ---------------------------------------------------------------------------------------------------------------
 # The generation skeleton, shared by every protocol
 
-def _check_serving(state: ServerState) -> None:
+def _serving_engine(state: ServerState) -> Engine:
+    """The engine, for a request: 503 while the model loads or the server shuts down."""
     if state.engine is None:
         raise APIError(503, "the model is still loading", headers={"Retry-After": str(RETRY_AFTER_S)})
     if state.draining:
         raise APIError(503, "the server is shutting down")
+    return state.engine
 
 
-def _check_capacity(state: ServerState, n: int) -> None:
-    cfg = state.cfg
+def _check_capacity(engine: Engine, cfg: Config, n: int) -> None:
     limit = cfg.engine.max_running_requests + cfg.server.max_queued_requests
-    unfinished = state.engine.num_unfinished
+    unfinished = engine.num_unfinished
     if unfinished + n > limit:
         raise APIError(503, f"the server is full ({unfinished} requests running or queued, limit {limit}); "
                             "retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -423,45 +427,43 @@ async def fetch_images(images: list[ImageInput], max_bytes: int) -> list[ImageSo
     return [fetched[im.param] if isinstance(im, RemoteImage) else im for im in images]
 
 
-async def prepare_images(state: ServerState, endpoint: Endpoint, req: Any, prompt_ids: list[int]
+async def prepare_images(engine: Engine, cfg: Config, endpoint: Endpoint[Req], req: Req, prompt_ids: list[int]
                          ) -> tuple[list[int], list[Any]]:
     """A request with images: (the prompt ids with each image's pad widened to its tokens, the processed images
     for engine.submit). 400 naming the part when the model takes no images or an image cannot be used."""
-    engine, cfg = state.engine, state.cfg
     try:
-        engine.check_images([im.param for im in req.images])        # before fetching what cannot be used
+        engine.intake.check_images([im.param for im in req.images])        # before fetching what cannot be used
         sources = await fetch_images(req.images, int(cfg.server.max_request_body_mb * 1024 * 1024))
-        return await asyncio.get_running_loop().run_in_executor(IMAGE_WORKERS, engine.prepare_images, prompt_ids,
+        return await asyncio.get_running_loop().run_in_executor(IMAGE_WORKERS, engine.intake.prepare_images, prompt_ids,
                                                                 sources)
     except RequestError as e:
         raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
 
 
-def _generation_handler(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+def _generation_handler(endpoint: Endpoint[Any]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handle(request: web.Request) -> web.StreamResponse:
         return await generate(request, endpoint)
     return handle
 
 
-async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+async def generate(request: web.Request, endpoint: Endpoint[Req]) -> web.StreamResponse:
     state = request.app[STATE]
     arrival = time.monotonic()
-    _check_serving(state)
+    engine = _serving_engine(state)
     body = await _read_json(request)
-    engine = state.engine
     req = endpoint.parse(body, engine.served_name)
     options = req.options
-    _check_capacity(state, options.n)
+    _check_capacity(engine, state.cfg, options.n)
     prompt_ids = await _in_thread(endpoint.prompt_ids, req, engine.tokenizer)
     images: list[Any] = []
     if req.images:                                    # the ids grow by each image's tokens
-        prompt_ids, images = await prepare_images(state, endpoint, req, prompt_ids)
+        prompt_ids, images = await prepare_images(engine, state.cfg, endpoint, req, prompt_ids)
     meta = Meta(endpoint.id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompt_ids,
                 state.token_text)
     try:                                              # the engine decides what fits and what is in range
-        fitted = engine.fit_max_tokens(len(prompt_ids), options.max_tokens, endpoint.clamp_max_tokens)
+        fitted = engine.intake.fit_max_tokens(len(prompt_ids), options.max_tokens, endpoint.clamp_max_tokens)
         params = sampling_params(options, fitted)
-        gen = Generation(state, prompt_ids, params, options.n, options.stop, meta.request_id, arrival, images)
+        gen = Generation(state, engine, prompt_ids, params, options.n, options.stop, meta.request_id, arrival, images)
     except RequestError as e:
         raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
     images = []                                       # the requests hold them now (and drop their pixels once encoded)
@@ -507,20 +509,18 @@ async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the length of the prompt a Messages request renders to, images included (each
     counts its tokens, as in the generation's usage)."""
     state = request.app[STATE]
-    _check_serving(state)
+    engine = _serving_engine(state)
     endpoint = state.endpoints["/v1/messages"]
     assert isinstance(endpoint, anthropic.Messages)
     req = endpoint.parse_count(await _read_json(request))
-    ids = await _in_thread(endpoint.prompt_ids, req, state.engine.tokenizer)
+    ids = await _in_thread(endpoint.prompt_ids, req, engine.tokenizer)
     if req.images:
-        ids, _ = await prepare_images(state, endpoint, req, ids)
+        ids, _ = await prepare_images(engine, state.cfg, endpoint, req, ids)
     return web.json_response({"input_tokens": len(ids)}, dumps=dumps)
 
 
 async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    _check_serving(state)
-    engine = state.engine
+    engine = _serving_engine(request.app[STATE])
     return web.json_response({"object": "list", "data": [{
         "id": engine.served_name, "object": "model", "created": int(time.time()), "owned_by": "tinyserve",
         "max_model_len": engine.context_length}]})
@@ -546,14 +546,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    _check_serving(state)
+    engine = _serving_engine(request.app[STATE])
     tiers = [t for t in request.query.get("tiers", "").split(",") if t]
     unknown = sorted(set(tiers) - {"device", "host", "file"})
     if unknown:
         raise bad_request(f"unknown tier {unknown[0]!r} in ?tiers= (device, host, file)", "tiers")
     include_file = "file" in tiers                   # the persistent tier is emptied only when asked
-    engine = state.engine
     if await engine.call(engine.flush_cache, include_file):   # on the compute thread, between two steps
         flushed = "device and host tiers" + (" and the file tier" if include_file else "")
         return web.json_response({"message": f"prefix cache flushed ({flushed})"})

@@ -1,30 +1,33 @@
-"""The prefix cache as the scheduler sees it: a few calls, and a null cache when it is off.
+"""The prefix cache as the scheduler sees it: a few calls (the `Cache` protocol), and a null cache when it is off.
 
     arrival:    on_arrival(req)     start reading the prompt's file-tier blobs in the background
                 ready(req)          may req be admitted now? (the prefetch policy)
     admission:  admit(req)          promote host / file copies onto the device, match, share the matched pages,
-                                    copy the state snapshot, lock the path
+                                    copy the state snapshot, lock the path; returns the Admission to apply
     each step:  advance(req, pos, is_decode, slot)   take the state snapshots that fall due (from `slot`, the
                                     state at pos: a speculative verify keeps one per verified token)
     end:        finish(req)         cache what the request computed;  release(req): unlock (also on preemption)
     room:       make_room(pages)    evict unlocked cached pages until `pages` are free
+    memory:     relief_due(), relieve_host_memory()   the host tier gives memory back when the machine runs short
 
-A request's cache bookkeeping lives in one CacheRun. The tree itself and its invariants are in radix.py; every copy
-between the device, the host tier and the file tier is in tiers.py.
+The cache keeps each request's bookkeeping (a CacheRun) by request id, from arrival to release. The tree itself and
+its invariants are in radix.py; the tiers and their copies in host_tier.py and file_tier.py.
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
+from tinyserve.blob import Blob
 from tinyserve.config import Config
+from tinyserve.file_tier import FileStats, FileTier
+from tinyserve.host_tier import HostStats, HostTier
 from tinyserve.kv import PageAllocator
 from tinyserve.radix import Node, RadixCache
-from tinyserve.request import Request
+from tinyserve.request import TIERS, Request
 from tinyserve.state import StatePool
-from tinyserve.tiers import Blob, TierStats
 
 
 @dataclass(eq=False)
@@ -42,20 +45,50 @@ class CacheRun:
 
 
 @dataclass
+class Admission:
+    """Where an admitted request starts: what admit() found cached, for the scheduler to apply to the request."""
+    pages: list[int]                     # device pages holding the cached prefix (the request holds a reference)
+    num_computed: int                    # tokens those pages hold: prefill starts here
+    cached_tokens: int                   # prompt tokens taken from the cache
+    cached_by_tier: dict[str, int]       # split of cached_tokens over the tiers they were loaded from
+
+
+@dataclass
 class CacheStats:
     query_tokens: int = 0
     hit_tokens: int = 0
     cached_pages: int = 0
     snapshots_held: int = 0
     snapshots_evicted: int = 0
-    host: TierStats | None = None
-    file: TierStats | None = None
+    host: HostStats | None = None
+    file: FileStats | None = None
 
 
 def read_deadline(prompt_tokens: int) -> float:
     """How long a request waits for its file-tier read before it is computed instead: SGLang's timeout rule,
     1 s plus 0.25 s per 1000 prompt tokens."""
     return time.monotonic() + 1.0 + 0.25 * prompt_tokens / 1000
+
+
+class Cache(Protocol):
+    """What the scheduler and the engine ask of a prefix cache (see the module docstring)."""
+
+    @property
+    def skips_unready(self) -> bool: ...     # the scheduler passes over a request not ready instead of waiting
+    def on_arrival(self, req: Request) -> None: ...
+    def ready(self, req: Request) -> bool: ...
+    def admit(self, req: Request) -> Admission: ...
+    def next_snapshot(self, req: Request) -> int | None: ...
+    def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None: ...
+    def finish(self, req: Request) -> None: ...
+    def release(self, req: Request) -> None: ...
+    def make_room(self, pages: int) -> None: ...
+    def relief_due(self) -> bool: ...
+    def relieve_host_memory(self) -> int: ...
+    def flush(self, include_file: bool = False) -> bool: ...
+    def close(self, timeout: float = 10.0) -> None: ...
+    def stats(self) -> CacheStats: ...
+    def check(self) -> None: ...
 
 
 class NullCache:
@@ -75,8 +108,9 @@ class NullCache:
     def next_snapshot(self, req: Request) -> int | None:
         return None
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> Admission:
         self.state_pool.zero(req.state_slot)
+        return Admission([], 0, 0, dict.fromkeys(TIERS, 0))
 
     def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None:
         pass
@@ -89,6 +123,12 @@ class NullCache:
 
     def make_room(self, pages: int) -> None:
         pass
+
+    def relief_due(self) -> bool:
+        return False
+
+    def relieve_host_memory(self) -> int:
+        return 0
 
     def flush(self, include_file: bool = False) -> bool:
         return True
@@ -106,13 +146,16 @@ class NullCache:
 class PrefixCache:
     """The radix tree with its tiers, state snapshots and prefetch policy, behind the scheduler's calls."""
 
-    def __init__(self, cfg: Config, tree: RadixCache, allocator: PageAllocator, state_pool: StatePool,
+    def __init__(self, cfg: Config, allocator: PageAllocator, state_pool: StatePool, page_size: int, hybrid: bool,
+                 host: HostTier | None = None, file: FileTier | None = None,
                  wake: Callable[[], None] = lambda: None) -> None:
-        self.tree, self.allocator, self.state_pool = tree, allocator, state_pool
-        self.page_size = tree.page_size
+        self.tree = RadixCache(allocator, state_pool, page_size, hybrid, host, file, cfg.cache.host.write_policy)
+        self.allocator, self.state_pool, self.host, self.file = allocator, state_pool, host, file
+        self.page_size = page_size
         self.track_interval = cfg.cache.state_track_interval
         self.prefetch_policy = cfg.cache.file.prefetch_policy
         self.wake = wake                     # called from the reader thread when a read lands
+        self.runs: dict[str, CacheRun] = {}  # request id -> its bookkeeping, from arrival to release
 
     @property
     def hybrid(self) -> bool:
@@ -121,12 +164,11 @@ class PrefixCache:
     # ---- arrival: file-tier prefetch ----
     def on_arrival(self, req: Request) -> None:
         """Start reading the file-tier blobs that continue what the tree already holds of this prompt."""
-        run = req.cache_run = CacheRun()
-        file = self.tree.tiers.file
-        if file is None or len(req.cache_ids) <= self.page_size:
+        run = self.runs[req.request_id] = CacheRun()
+        if self.file is None or len(req.cache_ids) <= self.page_size:
             return
         first = self.tree.coverage(req.cache_ids) // self.page_size
-        run.read, run.read_first_page = file.prefetch(req.cache_ids, first, self.page_size), first
+        run.read, run.read_first_page = self.file.prefetch(req.cache_ids, first, self.page_size), first
         run.read_deadline = read_deadline(len(req.cache_ids))
         run.read.add_done_callback(lambda _: self.wake())
 
@@ -137,7 +179,7 @@ class PrefixCache:
         - timeout: up to the deadline (1 s + 0.25 s per 1000 tokens), then compute;
         - best_effort: like timeout, but the scheduler admits requests queued behind it meanwhile (the caller
           passes over a request that is not ready instead of waiting in line)."""
-        run = req.cache_run
+        run = self.runs.get(req.request_id)
         if run is None or run.read is None or run.read.done():
             return True
         return self.prefetch_policy != "wait_complete" and time.monotonic() >= run.read_deadline
@@ -147,10 +189,9 @@ class PrefixCache:
         return self.prefetch_policy == "best_effort"
 
     # ---- admission ----
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> Admission:
         """Resume from the longest usable cached prefix: share its pages, copy its state, skip its prefill."""
-        run = req.cache_run or CacheRun()
-        req.cache_run = run
+        run = self.runs.setdefault(req.request_id, CacheRun())
         blobs: list[Blob] = []
         if run.read is not None and run.read.done() and run.read.exception() is None:
             blobs = run.read.result()
@@ -162,12 +203,8 @@ class PrefixCache:
         else:
             self.state_pool.zero(req.state_slot)
         self.allocator.retain(m.pages)
-        req.pages = list(m.pages)
-        req.num_computed = m.length
-        req.cached_tokens = min(m.length, len(req.prompt_ids))
-        by_tier = {t: max(0, min(end, req.cached_tokens) - start) for t, (start, end) in loaded.items()}
-        req.cached_by_tier = {"device": req.cached_tokens - sum(by_tier.values()), "host": by_tier.get("host", 0),
-                              "file": by_tier.get("file", 0)}
+        cached = min(m.length, len(req.prompt_ids))
+        by_tier = {t: max(0, min(end, cached) - start) for t, (start, end) in loaded.items()}
         self.tree.lock(m.node, +1)
         run.node = m.node
         ps, end = self.page_size, req.num_tokens
@@ -179,11 +216,14 @@ class PrefixCache:
             edges = req.images.boundaries()                # picture resumes there) and after the last one (other
             run.resume_points |= {edges[0][0] // ps * ps, edges[-1][1] // ps * ps}   # text after the same ones)
             run.resume_points = {p for p in run.resume_points if 0 < p < end}
-        run.snapshot_points = sorted(p for p in points | run.resume_points if p > req.num_computed)
+        run.snapshot_points = sorted(p for p in points | run.resume_points if p > m.length)
+        return Admission(list(m.pages), m.length, cached, {"device": cached - sum(by_tier.values()),
+                                                           "host": by_tier.get("host", 0),
+                                                           "file": by_tier.get("file", 0)})
 
     def next_snapshot(self, req: Request) -> int | None:
         """The next prefill position where a snapshot is due (a prefill chunk ends there)."""
-        run = req.cache_run
+        run = self.runs.get(req.request_id)
         later = [p for p in run.snapshot_points if p > req.num_computed] if run else []
         return min(later) if later else None
 
@@ -191,7 +231,7 @@ class PrefixCache:
     def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None:
         """req has computed up to pos, and `slot` (default: its state slot) holds its state there: take the
         snapshots that fall due at pos."""
-        run, ps = req.cache_run, self.page_size
+        run, ps = self.runs[req.request_id], self.page_size
         slot = req.state_slot if slot is None else slot
         if pos in run.snapshot_points or (is_decode and pos % self.track_interval == 0):
             self._snapshot(req, pos, slot, resume=pos in run.resume_points)
@@ -217,7 +257,7 @@ class PrefixCache:
     # ---- end ----
     def finish(self, req: Request) -> None:
         """Cache what a finished request computed, up to its last page boundary, with the state there."""
-        run, ps = req.cache_run, self.page_size
+        run, ps = self.runs[req.request_id], self.page_size
         end = req.num_computed // ps * ps
         if end == 0:
             return
@@ -231,7 +271,7 @@ class PrefixCache:
 
     def release(self, req: Request) -> None:
         """Unlock the resume node and give back the tracking slot (finish, abort, preemption)."""
-        run = req.cache_run
+        run = self.runs.pop(req.request_id, None)
         if run is None:
             return
         if run.node is not None:
@@ -240,10 +280,18 @@ class PrefixCache:
             self.state_pool.free_snapshot(run.track_slot)
         if run.read is not None:
             run.read.cancel()
-        req.cache_run = None
 
     def make_room(self, pages: int) -> None:
         self.tree.evict_pages(pages)
+
+    # ---- host memory (cache.host.min_free_gb) ----
+    def relief_due(self) -> bool:
+        """Must the host tier give memory back (or may an episode end)? Cheap (one probe), any thread."""
+        return self.host is not None and self.host.relief_due()
+
+    def relieve_host_memory(self) -> int:
+        """Engine thread: the host tier gives memory back, evicting through the tree; returns the bytes freed."""
+        return self.host.relieve(self.tree) if self.host is not None else 0
 
     # ---- whole cache ----
     def flush(self, include_file: bool = False) -> bool:
@@ -251,21 +299,21 @@ class PrefixCache:
         part of the tree (nothing is freed then)."""
         if not self.tree.flush():
             return False
-        if include_file and self.tree.tiers.file is not None:
-            self.tree.tiers.file.clear()
+        if include_file and self.file is not None:
+            self.file.clear()
         return True
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush pending file-tier writes (bounded) so a restart finds them."""
-        if self.tree.tiers.file is not None:
-            self.tree.tiers.file.close(timeout)
+        if self.file is not None:
+            self.file.close(timeout)
 
     def stats(self) -> CacheStats:
         t = self.tree
         return CacheStats(query_tokens=t.query_tokens, hit_tokens=t.hit_tokens, cached_pages=t.num_pages,
                           snapshots_held=t.num_snapshots, snapshots_evicted=t.snapshots_evicted,
-                          host=t.tiers.host.report() if t.tiers.host else None,
-                          file=t.tiers.file.report() if t.tiers.file else None)
+                          host=self.host.report() if self.host else None,
+                          file=self.file.report() if self.file else None)
 
     def check(self) -> None:
         self.tree.check()

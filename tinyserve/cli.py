@@ -101,33 +101,6 @@ def host_tier_line(cfg: Any, plan: Any, this_machine: bool = True) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Serving
 
-HOST_MEMORY_CHECK_S = 1.0      # how often a serving process compares the host's available memory with the floor
-
-
-def _host_tier(engine: Any) -> tuple[Any, Any]:
-    """(radix tree, host tier) of an engine with a host tier, else (None, None). The composition root wires the host
-    tier's floor and its watcher; the engine owns both and touches them on its thread only."""
-    tree = getattr(engine.cache, "tree", None)
-    host = tree.tiers.host if tree is not None else None
-    return (tree, host) if host is not None else (None, None)
-
-
-async def watch_host_memory(engine: Any, interval: float = HOST_MEMORY_CHECK_S) -> None:
-    """While serving: every `interval`, probe the host's available memory (a read of /proc/meminfo) and, when it is
-    below cache.host.min_free_gb (or an episode can end), have the engine thread give host memory back between two
-    steps (HostTier.relieve). Runs until cancelled."""
-    tree, host = _host_tier(engine)
-    if host is None or not host.min_free_bytes:
-        return
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            if host.relief_due():
-                await engine.call(host.relieve, tree)
-        except Exception:                             # noqa: BLE001 - serving goes on; the next check retries
-            log.exception("host tier: giving memory back failed")
-
-
 async def _drain(engine: Any, timeout_s: float) -> None:
     """Let running requests finish up to timeout_s, then cancel the rest and give handlers a moment to close."""
     deadline = time.monotonic() + timeout_s
@@ -171,8 +144,9 @@ async def serve(cfg: Any) -> int:
     log.info("listening on http://%s:%d, loading %s", host, port, cfg.model.path)
 
     # Load on the compute thread, which then runs every step: one OpenMP team for the whole life of the process.
-    from .engine import Engine, compute_thread
-    load = asyncio.wrap_future(compute_thread().submit(Engine.from_config, cfg))
+    from .build import build_engine
+    from .engine import compute_thread
+    load = asyncio.wrap_future(compute_thread().submit(build_engine, cfg))
     stop_wait = asyncio.ensure_future(stop.wait())
     await asyncio.wait([load, stop_wait], return_when=asyncio.FIRST_COMPLETED)
     if not load.done():                               # stopped while loading (the daemon thread dies with us)
@@ -190,12 +164,10 @@ async def serve(cfg: Any) -> int:
     log.info("plan: %s", engine.plan)
     if host_tier_line(cfg, engine.plan):
         log.info("%s", host_tier_line(cfg, engine.plan))
-    watcher = asyncio.ensure_future(watch_host_memory(engine))
     log.info("ready on http://%s:%d (model %s)", host, port, engine.served_name)
     sd_notify(f"READY=1\nSTATUS=serving {engine.served_name} on http://{host}:{port}")
 
     await stop_wait
-    watcher.cancel()
     log.info("shutting down")
     state.draining = True                             # before STOPPING=1: whoever hears it sees /health 503
     sd_notify("STOPPING=1")
@@ -230,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:                          # before importing torch: a typo fails in a blink
         return _fail(e)
     _setup_logging(cfg.log.level)
-    from .loader import LoaderError
+    from .model_config import LoaderError
 
     try:
         if args.check:

@@ -282,7 +282,7 @@ def _write_weights(folder: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from tinyserve.loader import read_model_config
+    from tinyserve.model_config import read_model_config
     from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
 
     # The loader counts MTP layers from the tensors it finds; none exist yet, so say what config.json declares.

@@ -78,8 +78,8 @@ class _EngineCollector(Collector):
         counter("images_encoded", "Images run through the vision tower (the others came from its feature cache).",
                 st.images_encoded)
         counter("vision_encoder_seconds", "Time spent in the vision tower.", st.image_encode_seconds)
-        if st.spec is not None:                   # NEXTN, with vLLM's counters and definitions
-            sp = st.spec
+        if st.nextn is not None:                   # NEXTN, with vLLM's counters and definitions
+            sp = st.nextn
             counter("spec_decode_num_drafts", "Verify rounds of speculating requests.", sp.num_drafts)
             counter("spec_decode_num_draft_tokens", "Draft tokens verified.", sp.num_draft_tokens)
             counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", sp.num_accepted_tokens)
@@ -105,7 +105,7 @@ class _EngineCollector(Collector):
             metric = "tier_transfer_seconds" if name == "seconds" else f"tier_{name}"
             family = family_type(f"tinyserve:{metric}", doc, labels=["tier"])
             for tier, t in tiers.items():
-                family.add_metric([tier], float(getattr(t, name)))
+                family.add_metric([tier], float(getattr(t, name, 0)))      # errors: the file tier's only
             out.append(family)
         if c.host is not None:
             h = c.host

@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from tinyserve.images import ProcessedImage
 from tinyserve.models.qwen_vision import ImageSpan, mrope_delta, mrope_positions_range
+
+if TYPE_CHECKING:
+    from tinyserve.request import Request
+    from tinyserve.scheduler import ScheduledSeq
 
 KEY_LIMIT = 1 << 31                  # cache key values stay below this (int32 in the file tier's hashes)
 FEATURE_CACHE_BYTES = 256 << 20      # vision features kept by digest (a 1024x1024 image on a 27B: 10 MiB)
@@ -150,3 +156,77 @@ class FeatureCache:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class VisionFeatures:
+    """The vision features a step's image tokens take: held by the request while its image is being prefilled, else
+    from the feature cache (kept on the host), else encoded by the tower (which attends over the whole image, so a
+    chunk never encodes only its part)."""
+
+    def __init__(self, encode: Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor],
+                 device: torch.device) -> None:
+        self.encode, self.device = encode, device
+        self.cache = FeatureCache()
+        self.images_encoded = 0
+        self.encode_seconds = 0.0
+
+    def of(self, item: PromptImage) -> torch.Tensor:
+        """The features of a whole image on the model's device."""
+        if item.features is not None:
+            return item.features
+        host = item.encoded if item.encoded is not None else self.cache.get(item.image.digest)
+        if host is None:
+            start = time.perf_counter()
+            item.features = self.encode(item.image.pixel_values, [item.image.grid_thw])
+            self.encode_seconds += time.perf_counter() - start
+            self.images_encoded += 1
+            host = item.features.cpu()
+            self.cache.put(item.image.digest, host)
+        else:
+            item.features = host.to(self.device)
+        if item.encoded is None:                       # the request needs its pixels no more
+            item.encoded = host
+            item.image = replace(item.image, pixel_values=None)
+        return item.features
+
+    def encode_for(self, seqs: list[ScheduledSeq]) -> dict[Request, Exception]:
+        """Before a step: the features of every image its prefill chunks (and the NEXTN head, one token further)
+        will read, so that an image the tower cannot encode (out of memory, a malformed input) fails its own
+        request and not the step. Returns the failed requests with their errors."""
+        failed: dict[Request, Exception] = {}
+        for s in seqs:
+            req = s.req
+            if req.images is None or s.is_decode:
+                continue
+            for item in req.images.overlapping(s.start, s.start + s.num_tokens + 1):
+                try:
+                    self.of(item)
+                except (RuntimeError, ValueError) as e:   # torch.OutOfMemoryError is a RuntimeError
+                    failed[req] = e
+                    item.features = None
+                    break
+        if failed and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return failed
+
+    def slices(self, images: RequestImages, start: int, end: int, offset: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The image tokens among sequence indices [start, end) of a request packed from row `offset`: their rows
+        and feature slices."""
+        rows: list[int] = []
+        embeds: list[torch.Tensor] = []
+        for item in images.overlapping(start, end):
+            lo, hi = max(item.span.start, start), min(item.span.end, end)
+            rows += range(offset + lo - start, offset + hi - start)
+            embeds.append(self.of(item)[lo - item.span.start:hi - item.span.start])
+        return rows, embeds
+
+    @staticmethod
+    def let_go(seqs: list[ScheduledSeq]) -> None:
+        """After a step (the target's rows and the NEXTN head's, which embeds the token after each row): the
+        features of images whose last token is computed are not needed again (a recompute after preemption takes
+        them from the feature cache or encodes again)."""
+        for s in seqs:
+            if s.req.images is not None:
+                for item in s.req.images.items:
+                    if item.span.end <= s.start + s.num_tokens:
+                        item.features = None

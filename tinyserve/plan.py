@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tinyserve.config import DTYPES, KV_CACHE_DTYPES, Config, ConfigError
-from tinyserve.loader import WeightCount
-from tinyserve.models.config import ModelConfig
+from tinyserve.models.config import ModelConfig, WeightCount
 
 # The one table of dtypes: the config's name -> (torch's name, bytes per value). Plans carry the config's names, so
 # planning (and `tinyserve --check` on a CPU) never imports torch; the engine turns them into torch dtypes.
@@ -117,7 +116,7 @@ def cuda_graph_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
 
 
 def fp8_weights_for(device: str, cuda_capability: tuple[int, int] | None, kernels: str = "auto") -> str:
-    """How an FP8 checkpoint's weights are held (loader.FP8_WEIGHTS): kept FP8 on GPUs with FP8 tensor cores
+    """How an FP8 checkpoint's weights are held (fp8_scheme.FP8_WEIGHTS): kept FP8 on GPUs with FP8 tensor cores
     (sm_89 and later; None: a card planned with --gpu-memory-gb, taken to be one), activations quantized on the
     fly (w8a8). Dequantized at load on older GPUs, where Triton has no e4m3 type, and on the CPU, which has no FP8
     arithmetic and room for bf16 or fp32 weights."""
@@ -147,7 +146,7 @@ class MemoryPlan:
     file_dir: str = ""           # file tier (L3): "" = off
     file_bytes: int = 0
     vision_bytes: int = 0        # the vision tower's share of weights_bytes (image input)
-    fp8_weights: str = "dequantize"  # how FP8 checkpoint weights are held (loader.FP8_WEIGHTS)
+    fp8_weights: str = "dequantize"  # how FP8 checkpoint weights are held (fp8_scheme.FP8_WEIGHTS)
     fp8_bytes: int = 0           # the weights kept FP8 (values and scales), a share of weights_bytes
     activation_bytes: int = 0    # estimated peak of one step's intermediates (CUDA plans)
     graph_bytes: int = 0         # estimated memory the CUDA graphs hold (CUDA plans, engine.cuda_graphs)

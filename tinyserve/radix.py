@@ -1,5 +1,6 @@
 """Radix prefix cache for hybrid models: KV pages plus recurrent-state snapshots, at page granularity, with an
-optional host tier (L2) and file tier (L3) behind it (tinyserve/tiers.py).
+optional host tier (L2, host_tier.py) and file tier (L3, file_tier.py) behind it. The tree decides what goes to a
+tier and when (`cache.host.write_policy`); the tiers do the copies.
 
 A node holds a run of tokens (a multiple of page_size), where its KV lives (device pages, host pages, or both) and
 optionally one state snapshot (conv + SSM state of every GDN layer *at the node's end*; on the device, on the host,
@@ -36,11 +37,17 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from tinyserve.blob import Blob, chain_hashes
+from tinyserve.config import WRITE_POLICIES
+from tinyserve.file_tier import FileTier
+from tinyserve.host_tier import HostTier
 from tinyserve.kv import PageAllocator
 from tinyserve.state import StatePool
-from tinyserve.tiers import Blob, Tiers, chain_hashes
 
 _clock = itertools.count()
+# The one table of write policies (cache.host.write_policy, in config.py's order): at which event a device node is
+# backed up to the host tier (and from there, or straight from the device without a host tier, to the file tier).
+BACKUP_EVENT = dict(zip(WRITE_POLICIES, ("insert", "hit", "evict")))
 
 
 @dataclass(eq=False)
@@ -80,13 +87,13 @@ class Match:
 
 class RadixCache:
     def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, hybrid: bool,
-                 tiers: Tiers) -> None:
+                 host: HostTier | None = None, file: FileTier | None = None,
+                 write_policy: str = "write_through") -> None:
+        assert write_policy in BACKUP_EVENT, write_policy
+        assert file is None or file.needs_state == hybrid, "a prefix of a stored run is usable only up to a state"
         self.allocator, self.state_pool = allocator, state_pool
         self.page_size, self.hybrid = page_size, hybrid
-        self.tiers = tiers
-        self.host, self.file = tiers.host, tiers.file
-        if self.file is not None:
-            self.file.needs_state = hybrid       # a prefix of a stored run is usable only up to a state
+        self.host, self.file, self.write_policy = host, file, write_policy
         self.root = Node([], [])
         self.root.lock = 1                   # never evicted
         self.pinned: set[Node] = set()       # nodes whose snapshots an admission is loading (promote): never taken
@@ -155,7 +162,7 @@ class RadixCache:
         for node in on_device:
             node.touch()
             node.hits += 1
-            if self.tiers.backup_due("hit", node.hits):
+            if self._backup_due("hit", node.hits):
                 self._backup(node)
             if not self.hybrid or node.snapshot is not None:
                 usable = node
@@ -180,7 +187,7 @@ class RadixCache:
         end, a branch point, a request end), so it is kept longer than interval snapshots. Returns the node
         ending at tokens' end (the root for no tokens)."""
         node = self._insert(tokens, pages, snapshot, resume)
-        if node is not self.root and self.tiers.backup_due("insert", node.hits):
+        if node is not self.root and self._backup_due("insert", node.hits):
             self._backup(node)
         return node
 
@@ -212,6 +219,12 @@ class RadixCache:
         return node
 
     # ---- tiers: backup, promotion ----
+    def _backup_due(self, event: str, hits: int) -> bool:
+        """Is a node backed up now? event: "insert" (cached), "hit" (matched again; hits counts its matches),
+        "evict" (leaving the device)."""
+        due = BACKUP_EVENT[self.write_policy]
+        return event == due and (due != "hit" or hits >= 2)
+
     def _path_tokens(self, node: Node) -> list[int]:
         parts = []
         while node is not self.root:
@@ -224,8 +237,8 @@ class RadixCache:
         if node.pages is None:
             return
         if self.host is not None:
-            if node.host_pages is None:
-                hp = self._host_alloc_pages(len(node.pages), protect=node)
+            if node.host_pages is None and self._evict_host_pages(len(node.pages), protect=node):
+                hp = self.host.alloc_pages(len(node.pages))
                 if hp is not None:
                     self.host.save_pages(node.pages, hp)
                     node.host_pages = hp
@@ -258,12 +271,12 @@ class RadixCache:
             if k < len(node.pages):
                 run, start = (hashes[node.start // ps + k], end), hashes[node.start // ps + k]
                 if not self.file.has(*run):
-                    self.tiers.write_file(start, end, node.tokens[k * ps:], node.pages[k:],
-                                          node.host_pages[k:] if node.host_pages is not None else None,
-                                          node.snapshot, node.host_snapshot)
+                    self.file.save_run(start, end, node.tokens[k * ps:], node.pages[k:], node.snapshot,
+                                       node.host_pages[k:] if node.host_pages is not None else None,
+                                       node.host_snapshot)
             node.file_run, node.file_state = run, run if state else None    # a run holds the state at its end
         if state and (node.file_state is None or not self.file.has(*node.file_state)):
-            self.tiers.write_state(end, node.snapshot, node.host_snapshot)
+            self.file.save_state(end, node.snapshot, node.host_snapshot)
             node.file_state = (end, end)
 
     def promote(self, tokens: list[int], blobs: list[Blob], first_page: int) -> dict[str, tuple[int, int]]:
@@ -352,7 +365,7 @@ class RadixCache:
                         held.snapshot is not None:     # the deeper state resumes more: it takes the slot of the
                     slot, held.snapshot = held.snapshot, None   # one loaded just above it
                     self.num_snapshots -= 1
-                self.tiers.load_blob(blob, pages, slot)
+                self.file.load(blob, pages, slot)
                 end = pos + n * ps
                 node = self._insert(tokens[:end], prefix_pages + pages, slot, resume=False)
                 self.lock(node, +1)
@@ -365,7 +378,7 @@ class RadixCache:
                 while run is not self.root and run.start >= pos:
                     run.file_run = blob.stored_run or (blob.start_hash, blob.end_hash)
                     run = run.parent
-                if self.tiers.backup_due("insert", node.hits):
+                if self._backup_due("insert", node.hits):
                     self._backup(node)
                 self.allocator.release(pages)          # the tree holds its own reference now
                 prefix_pages += pages
@@ -419,7 +432,7 @@ class RadixCache:
             if not cands:
                 return
             victim = min(cands, key=lambda n: n.last_use)
-            if self.tiers.backup_due("evict", victim.hits):
+            if self._backup_due("evict", victim.hits):
                 self._backup(victim)
             if victim.host_pages is not None:
                 if victim.snapshot is not None and victim.host_snapshot is None:
@@ -485,29 +498,49 @@ class RadixCache:
             node = parent
 
     # ---- host eviction ----
-    def _host_alloc_pages(self, n: int, protect: Node) -> list[int] | None:
+    def evict_host(self, pages: int = 0, snapshots: int = 0) -> None:
+        """Evict host copies until the host tier has `pages` pages and `snapshots` snapshot slots free (its relief
+        under memory pressure lowers its capacity first: then fewer than none are free): LRU host pages, and the
+        host snapshots least worth keeping, by the rules that make room for a backup. What cannot go (the path of
+        a running request or of an admission in progress) stays."""
+        self._evict_host_pages(pages, protect=None)
+        while self.host.num_free_snapshots < snapshots:
+            victim = self._host_snapshot_victim(protect=None)
+            if victim is None:
+                return
+            self.host.free_snapshot(self._take_host_snapshot(victim))
+
+    def _evict_host_pages(self, n: int, protect: Node | None) -> bool:
+        """Evict LRU host copies without host-backed children until n host pages are free (a host-only node goes
+        with its copy); False when what is left cannot go."""
         while self.host.num_free_pages < n:
             # a locked host-only node is being promoted (its copy is about to be read): pinned
             cands = [x for x in self._nodes() if x.host_pages is not None and x is not protect
                      and all(c.host_pages is None for c in x.children.values())
                      and (x.pages is not None or (not x.children and x.lock == 0))]
             if not cands:
-                return None
+                return False
             victim = min(cands, key=lambda x: x.last_use)
             if victim.pages is None:
                 self._remove_subtree(victim)            # host-only leaf: nothing else holds it
             else:
                 self._drop_host(victim)
-        return self.host.alloc_pages(n)
+        return True
 
     def _host_alloc_snapshot(self, protect: Node | None, copy_of: Node | None = None, copied: bool = False) \
             -> int | None:
-        """A host snapshot slot, taking the one least worth keeping (see _worth) when the tier is full. With
-        copy_of (the node whose snapshot goes there; copied: it stays on the device too), only a copy worth less
-        than that one is displaced: a copy never pushes out a better one."""
+        """A host snapshot slot, taking the one least worth keeping when the tier is full (_host_snapshot_victim)."""
         slot = self.host.alloc_snapshot()
         if slot is not None:
             return slot
+        victim = self._host_snapshot_victim(protect, copy_of, copied)
+        return self._take_host_snapshot(victim) if victim is not None else None
+
+    def _host_snapshot_victim(self, protect: Node | None, copy_of: Node | None = None, copied: bool = False) \
+            -> Node | None:
+        """The node whose host snapshot is least worth keeping (see _worth). With copy_of (the node whose snapshot
+        would take its place; copied: it stays on the device too), only one worth less than that: a copy never
+        pushes out a better one."""
         # a node of an admission in progress without a device snapshot may be about to load this one: pinned
         held = [x for x in self._nodes() if x.host_snapshot is not None and x is not protect
                 and (x.snapshot is not None or x not in self.pinned)]
@@ -518,6 +551,10 @@ class RadixCache:
         if copy_of is not None and self._worth(victim, interior, victim.snapshot is not None) >= \
                 self._worth(copy_of, interior, copied):
             return None
+        return victim
+
+    def _take_host_snapshot(self, victim: Node) -> int:
+        """Take victim's host snapshot slot; a host-only leaf left with no state anywhere goes."""
         slot, victim.host_snapshot = victim.host_snapshot, None
         if victim.pages is None:
             self._drop_stateless_leaves(victim)

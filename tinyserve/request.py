@@ -11,7 +11,6 @@ from tinyserve.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from tinyserve.cache import CacheRun
     from tinyserve.grammar import GrammarState
     from tinyserve.multimodal import RequestImages
     from tinyserve.spec import DepthControl
@@ -42,7 +41,6 @@ class Request:
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     admit_order: int = 0                               # larger = admitted later (preempted first)
-    cache_run: CacheRun | None = None                  # the prefix cache's bookkeeping of this request
     grammar: GrammarState | None = None                # params.constraint's matcher: has consumed output_ids
     # NEXTN: the drafts to verify after the last output token, the distribution each sampled draft was drawn from
     # ([len(draft), V], None for greedy requests), and how deep this request drafts (None: never speculates)

@@ -3,9 +3,9 @@
 
 Stateless: nothing is stored, so `previous_response_id` and `store: true` get a 400 telling the client to resend
 the whole history in `input` (Codex sends `store: false` and the full history every turn). A Responses request is
-translated into the chat request the chat route builds (protocol.ChatRequest), so all protocols render the same
-prompt through the same template and share the prefix cache; the answer is split by the same qwen3 reasoning and
-qwen3_coder tool parsers (protocol.Chat) and written as Responses output items.
+translated into the chat request the chat route builds (chat.ChatRequest), so all protocols render the same prompt
+through the same template and share the prefix cache; the answer is split by the same qwen3 reasoning and
+qwen3_coder tool parsers (chat.ChatFormat) and written as Responses output items.
 
 Mapping (request):
   instructions (string)              -> a system message first; it and the system / developer messages that open
@@ -50,11 +50,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .parsers import THINK_END
-from .protocol import (APIError, Chat, ChatRequest, ChatStreamChoice, ChoiceResult, Delta, Endpoint,
-                       EndpointStream, GenerationOptions, ImageInput, Meta, Usage, _boolean, _integer, _number,
-                       bad_request, dumps, image_from_url, parse_response_format)
+from .chat import (ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest, chat_tools, function_tool,
+                   function_tools, named_tool)
+from .protocol import (APIError, ChoiceResult, Delta, Endpoint, GenerationOptions, ImageInput, Meta, NamedEventStream,
+                       Usage, bad_request, boolean_field, image_from_url, integer_field, number_field,
+                       parse_response_format)
 from .sampling import SamplingParams
-from .tokenizer import SYSTEM_IMAGE_ERROR, SYSTEM_ROLES, ContentJoiner, MessageError, tool_call_arguments
+from .tokenizer import SYSTEM_IMAGE_ERROR, SYSTEM_ROLES, ContentJoiner, MessageError, Tokenizer, tool_call_arguments
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
@@ -69,23 +71,14 @@ STATELESS = ("this server is stateless: it stores no responses, so send the whol
 # Requests
 
 @dataclass
-class ResponsesRequest:
-    chat: ChatRequest                 # what the chat template and the parsers take
+class ResponsesRequest(TranslatedRequest):
     echo: dict[str, Any]              # request fields the response object repeats
 
-    @property
-    def options(self) -> GenerationOptions:
-        return self.chat.options
 
-    @property
-    def images(self) -> list[ImageInput]:
-        return self.chat.images
-
-
-def _string(item: dict, name: str, p: str, non_empty: bool = False) -> str:
+def _string(item: dict, name: str, p: str) -> str:
     value = item.get(name)
-    if not isinstance(value, str) or (non_empty and not value):
-        raise bad_request(f"{p}.{name} must be a{' non-empty' if non_empty else ''} string", f"{p}.{name}")
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{p}.{name} must be a non-empty string", f"{p}.{name}")
     return value
 
 
@@ -141,7 +134,7 @@ def _reasoning_text(item: dict, p: str) -> str:
 
 
 def _function_call(item: dict, p: str) -> dict[str, Any]:
-    call_id, name = _string(item, "call_id", p, True), _string(item, "name", p, True)
+    call_id, name = _string(item, "call_id", p), _string(item, "name", p)
     try:
         args = tool_call_arguments(item.get("arguments"), f"{p}.arguments")
     except MessageError as e:
@@ -187,7 +180,7 @@ def _input(value: Any, images: list[ImageInput], fetch: bool = False) -> list[di
         elif kind == "function_call":
             assistant().setdefault("tool_calls", []).append(_function_call(item, p))
         elif kind == "function_call_output":
-            call_id = _string(item, "call_id", p, True)
+            call_id = _string(item, "call_id", p)
             if "output" not in item:
                 raise bad_request(f"{p}.output is required", f"{p}.output")
             text = _parts_text(item["output"], f"{p}.output", TEXT_PARTS, images=images, fetch=fetch)
@@ -215,31 +208,20 @@ def _merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     return [{"role": "system", "content": text}] + messages[k:]
 
 
+def _tool(tool: dict[str, Any], p: str) -> dict[str, Any]:
+    """{"type": "function", "name", "description", "parameters", "strict"} -> an OpenAI chat function tool."""
+    if tool.get("type") != "function":
+        raise bad_request(f"{p}.type must be \"function\" (this server runs no built-in tools); got "
+                          f"{tool.get('type')!r}", f"{p}.type")
+    return function_tool(tool, p)
+
+
 def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any, list[dict[str, Any]], Any]:
     """Responses function tools + tool_choice -> chat tools + tool_choice, and both as the response echoes them."""
-    tools = body.get("tools")
-    converted: list[dict[str, Any]] = []
-    echoed: list[dict[str, Any]] = []
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise bad_request("tools must be a list", "tools")
-        for i, tool in enumerate(tools):
-            p = f"tools[{i}]"
-            if not isinstance(tool, dict):
-                raise bad_request(f"{p} must be an object", p)
-            if tool.get("type") != "function":
-                raise bad_request(f"{p}.type must be \"function\" (this server runs no built-in tools); got "
-                                  f"{tool.get('type')!r}", f"{p}.type")
-            name, params = _string(tool, "name", p, True), tool.get("parameters")
-            if params is not None and not isinstance(params, dict):
-                raise bad_request(f"{p}.parameters must be a JSON schema object", f"{p}.parameters")
-            fn: dict[str, Any] = {"name": name}
-            if isinstance(tool.get("description"), str):
-                fn["description"] = tool["description"]
-            fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
-            converted.append({"type": "function", "function": fn})
-            echoed.append({"type": "function", "name": name, "description": fn.get("description"),
-                           "parameters": fn["parameters"], "strict": tool.get("strict")})
+    tools = function_tools(body.get("tools"), _tool)
+    echoed = [{"type": "function", "name": t["function"]["name"], "description": t["function"].get("description"),
+               "parameters": t["function"]["parameters"], "strict": sent.get("strict")}
+              for sent, t in zip(body.get("tools") or [], tools)]
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"
@@ -248,15 +230,12 @@ def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any, list[dict[str,
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
             raise bad_request('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
                               "tool_choice")
-        if choice["name"] not in {t["function"]["name"] for t in converted}:
-            raise bad_request(f"tool_choice names function {choice['name']!r}, which is not in tools", "tool_choice")
-        chat_choice = {"type": "function", "function": {"name": choice["name"]}}
+        chat_choice = named_tool(tools, choice["name"], "tool_choice")
     elif choice not in ("auto", "none", "required"):
         raise bad_request(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "name": ...}}; '
                           f"got {choice!r}", "tool_choice")
-    # required and a named function force one call (grammar-constrained, as on the chat route); a named function also
-    # limits what is parsed as a call.
-    return converted or None, chat_choice, echoed, choice
+    offered, chat_choice = chat_tools(tools, chat_choice)
+    return offered, chat_choice, echoed, choice
 
 
 def _reasoning(body: dict) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -291,7 +270,7 @@ def _text(body: dict) -> dict[str, Any]:
 def _check_stateless(body: dict) -> None:
     if body.get("previous_response_id") is not None:
         raise bad_request(f"{STATELESS} previous_response_id", "previous_response_id")
-    store = _boolean(body, "store", False)
+    store = boolean_field(body, "store", False)
     if store:
         raise bad_request(f"{STATELESS} store: true", "store")
     if body.get("conversation") is not None:
@@ -326,17 +305,17 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("user must be a string", "user")
-    max_tokens = _integer(body, "max_output_tokens", None, lo=1)
-    params = SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+    max_tokens = integer_field(body, "max_output_tokens", None, lo=1)
+    params = SamplingParams(temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
                             constraint=parse_response_format(text["format"], "text.format", nested=False),
-                            speculative=_boolean(body, "speculative", True))
+                            speculative=boolean_field(body, "speculative", True))
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_output_tokens", stop=[],
-                                n=1, stream=_boolean(body, "stream", False), include_usage=True,
+                                n=1, stream=boolean_field(body, "stream", False), include_usage=True,
                                 return_token_ids=False)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
                        logprobs=False, top_logprobs=0, options=options, images=images)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata or {},
-            "parallel_tool_calls": _boolean(body, "parallel_tool_calls", True), "previous_response_id": None,
+            "parallel_tool_calls": boolean_field(body, "parallel_tool_calls", True), "previous_response_id": None,
             "reasoning": reasoning, "store": False, "temperature": params.temperature, "text": text,
             "tool_choice": echoed_choice, "tools": echoed_tools, "top_p": params.top_p,
             "truncation": truncation or "disabled", "user": user}
@@ -399,14 +378,14 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-class Responses(Endpoint):
+class Responses(Endpoint[ResponsesRequest]):
     """POST /v1/responses. The parsers come from the config's [parsers] table, as for /v1/chat/completions."""
 
     id_prefix = "resp_"
     prompt_field = "input"
 
     def __init__(self, reasoning_parser: str = "", tool_parser: str = "", fetch_image_urls: bool = False) -> None:
-        self.chat = Chat(reasoning_parser, tool_parser, fetch_image_urls)
+        self.format = ChatFormat(reasoning_parser, tool_parser)
         self.fetch_image_urls = fetch_image_urls
 
     def parse(self, body: dict, served_name: str) -> ResponsesRequest:
@@ -417,9 +396,9 @@ class Responses(Endpoint):
             return "text.format"
         return super().error_param(req, engine_field)
 
-    def prompt_ids(self, req: ResponsesRequest, tokenizer: Any) -> list[int]:
+    def prompt_ids(self, req: ResponsesRequest, tokenizer: Tokenizer) -> list[int]:
         try:
-            return self.chat.prompt_ids(req.chat, tokenizer)
+            return self.format.prompt_ids(req.chat, tokenizer)
         except APIError as e:                         # the template rejected the history: it came from `input`
             if e.param == "messages":
                 e.param = "input"
@@ -429,7 +408,7 @@ class Responses(Endpoint):
     def response(self, req: ResponsesRequest, meta: Meta, results: list[ChoiceResult], usage: Usage
                  ) -> dict[str, Any]:
         (r,) = results
-        message, _ = self.chat.message(req.chat, r)
+        message, _ = self.format.message(req.chat, r)
         output: list[dict[str, Any]] = []
         reasoning = message.get("reasoning_content")
         if reasoning:
@@ -449,25 +428,20 @@ class Responses(Endpoint):
         return ResponsesStream(self, req, meta)
 
 
-class ResponsesStream(EndpointStream):
+class ResponsesStream(NamedEventStream):
     """response.created, response.in_progress; per output item output_item.added, (content_part.added, text deltas,
     text done, content_part.done | argument deltas, arguments done), output_item.done; response.completed with the
     whole response. Every event carries a sequence_number."""
 
-    done = b""                                        # response.completed ends the stream; no [DONE]
-
     def __init__(self, endpoint: Responses, req: ResponsesRequest, meta: Meta) -> None:
         self.req, self.meta = req, meta
-        self.choice = ChatStreamChoice(endpoint.chat, req.chat)
+        self.choice = ChatStreamChoice(endpoint.format, req.chat)
         self.seq = 0
         self.output: list[dict[str, Any]] = []        # items so far; the last one is open while `open`
         self.open = False
         self.token_ids: list[int] = []
         self.reasoning = ""
         self.finish_reason: str | None = None
-
-    def frame(self, obj: dict[str, Any]) -> bytes:
-        return f"event: {obj['type']}\ndata: ".encode() + dumps(obj).encode() + b"\n\n"
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.seq, **fields}

@@ -33,12 +33,6 @@ _GOLDEN = _i64(0x9E3779B97F4A7C15)
 _MIX1 = _i64(0xBF58476D1CE4E5B9)
 _MIX2 = _i64(0x94D049BB133111EB)
 
-# Speculative decoding (NEXTN): XORed into a request's seed so the draft's draw and the accept coin at an output
-# position are independent of the target's own Gumbel noise there (which the bonus / corrected token uses).
-DRAFT_SALT = _i64(0x6A09E667F3BCC908)
-ACCEPT_SALT = _i64(0xBB67AE8584CAA73B)
-
-
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -333,7 +327,7 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 _TOP_P_PROBE = 256
 
 
-def _candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+def candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Temperature, top-k, top-p, min-p for the sampled rows ([S, V] logits after penalties).
 
     Returns (values, ids): ids is None when values cover the whole vocab ([S, V]); otherwise values / ids are
@@ -400,7 +394,7 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
     softmax of the result is the distribution `sample` draws from. logits: [S, V] after penalties.
     """
-    vals, ids = _candidates(logits.to(torch.float32), batch)
+    vals, ids = candidates(logits.to(torch.float32), batch)
     if ids is None:
         return vals
     return torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(1, ids, vals)
@@ -408,19 +402,19 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row. logits: [B, V], any float dtype; not modified."""
-    B, V = _check_logits(logits, batch, "sample")
+    B, V = check_logits(logits, batch, "sample")
     raw = logits.to(torch.float32)
-    x = _process(raw, batch)
+    x = process_logits(raw, batch)
 
     if batch.all_greedy:
         tokens = torch.argmax(x, dim=-1)
     else:
         xs = x if batch.sample_rows is None else x.index_select(0, batch.sample_rows)
-        vals, ids = _candidates(xs, batch)
+        vals, ids = candidates(xs, batch)
         # The noise of token v depends only on (seed, position, v), so drawing among candidates is the same
         # draw as over the full vocab with the excluded tokens at -inf.
         noise = gumbel_noise(batch.seeds, batch.positions, V if ids is None else ids)
-        drawn = _pick(vals + noise, ids)
+        drawn = pick(vals + noise, ids)
         if batch.sample_rows is None:
             tokens = drawn
         else:
@@ -428,11 +422,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
             tokens[batch.sample_rows] = drawn
             tokens[batch.greedy_rows] = torch.argmax(x.index_select(0, batch.greedy_rows), dim=-1)
 
-    chosen, top_ids, top_lp = _logprobs(raw, tokens, batch)
+    chosen, top_ids, top_lp = token_logprobs(raw, tokens, batch)
     return SampleResult(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
 
 
-def _check_logits(logits: torch.Tensor, batch: SamplingBatch, who: str) -> tuple[int, int]:
+def check_logits(logits: torch.Tensor, batch: SamplingBatch, who: str) -> tuple[int, int]:
     """(rows, vocab) of logits after checking them against the batch."""
     B, V = logits.shape
     if B != batch.batch_size:
@@ -442,7 +436,7 @@ def _check_logits(logits: torch.Tensor, batch: SamplingBatch, who: str) -> tuple
     return B, V
 
 
-def _process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def process_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Penalties, min_tokens and the grammar mask on float32 [B, V] logits: what greedy takes the argmax of."""
     x = apply_penalties(raw, batch) if batch.has_penalties else raw
     x = apply_min_tokens(x, batch)
@@ -451,13 +445,13 @@ def _process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return x
 
 
-def _pick(scores: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+def pick(scores: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     """Vocab id of each row's largest score; scores are over the candidates `ids` ([S, K]) or the full vocab."""
     best = torch.argmax(scores, dim=-1)
     return best if ids is None else ids.gather(1, best[:, None]).squeeze(1)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(logprob of each row's token, top-n ids, top-n logprobs) under the raw model distribution (vLLM's default
     "raw_logprobs"); the top-n pair is None when no row asks for it."""
@@ -474,157 +468,9 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
 # Speculative decoding (NEXTN / MTP): draft draws and the accept walk (Leviathan et al. 2023, Chen et al. 2023)
 
 
-def _to_probs(vals: torch.Tensor, ids: torch.Tensor | None, V: int) -> torch.Tensor:
-    """softmax of `_candidates`' output as full-vocab float32 probabilities [S, V], zero outside the kept set."""
+def to_probs(vals: torch.Tensor, ids: torch.Tensor | None, V: int) -> torch.Tensor:
+    """softmax of `candidates`' output as full-vocab float32 probabilities [S, V], zero outside the kept set."""
     probs = torch.softmax(vals, dim=-1)
     if ids is None:
         return probs
     return torch.zeros(vals.shape[0], V, dtype=torch.float32, device=vals.device).scatter_(1, ids, probs)
-
-
-def draw_drafts(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One draft token per row and the draft distribution q it was drawn from.
-
-    logits: [B, V] of the draft (NEXTN) head, any float dtype; batch: one row per drafting request, its
-    output_ids = committed outputs + the drafts drawn so far (so penalties / min_tokens / position match).
-    Greedy rows (temperature 0): argmax of the processed logits (penalties, min_tokens, grammar mask as `sample`).
-    Sampled rows: drawn from q = softmax of the processed logits after `sample`'s filters (temperature, top-k,
-    top-p, min-p), with Gumbel noise keyed by (seed ^ DRAFT_SALT, position).
-    Returns (tokens [B] int64, q [B, V] float32 full-vocab probabilities, zero outside the kept set; rows of
-    greedy requests are zero) - q is None when all rows are greedy.
-    """
-    B, V = _check_logits(logits, batch, "draw_drafts")
-    x = _process(logits.to(torch.float32), batch)
-    if batch.all_greedy:
-        return torch.argmax(x, dim=-1), None
-    xs = x if batch.sample_rows is None else x.index_select(0, batch.sample_rows)
-    vals, ids = _candidates(xs, batch)
-    # Not the target's noise at this position: that one draws the bonus / corrected token in verify_drafts, and
-    # the accept test is only unbiased when the draft is independent of it.
-    noise = gumbel_noise(batch.seeds ^ DRAFT_SALT, batch.positions, V if ids is None else ids)
-    drawn = _pick(vals + noise, ids)
-    q = _to_probs(vals, ids, V)  # exactly the distribution of `drawn` (Gumbel-max over the same vals)
-    if batch.sample_rows is None:
-        return drawn, q
-    tokens = torch.argmax(x, dim=-1)
-    tokens[batch.sample_rows] = drawn
-    full_q = torch.zeros(B, V, dtype=torch.float32, device=x.device)
-    full_q[batch.sample_rows] = q
-    return tokens, full_q
-
-
-@dataclass
-class VerifyResult:
-    """What one verify step commits, per request (in the order of `drafts`)."""
-
-    tokens: list[list[int]]       # the accepted drafts, then the bonus / corrected token: accepted[i] + 1 tokens
-    accepted: list[int]           # a_i: drafts accepted
-    logprobs: list[list[float]]   # raw target log_softmax of each committed token (as SampleResult.logprobs)
-    top: list[list[list[tuple[int, float]]]] | None = None  # per committed token its top-n (id, logprob) of the
-    # raw target, n = that row's params.logprobs ([] where 0 / None); None when no row asks for a top-n list
-
-
-def verify_drafts(target_logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
-                  draft_q: torch.Tensor | None = None) -> VerifyResult:
-    """Decide which drafts to keep and the token that follows them, without changing the output distribution.
-
-    target_logits: [R, V], rows packed per request: k_i + 1 rows each (k_i = len(drafts[i]), may be 0), row j
-    scoring output position len(outputs_i) + j. batch: built over the same R rows, row j of request i with
-    output_ids = outputs_i + drafts[i][:j] and the request's params and seed.
-    draft_q: [sum k_i, V] float, the q each draft was drawn from (draw_drafts' rows, request-major: request 0's
-    d_1..d_k, then request 1's, ...); rows of greedy requests are ignored. None: every draft counts as drawn
-    deterministically (one-hot q, e.g. the draft head's argmax): still exact, at a lower acceptance rate.
-
-    Greedy rows: accept d_j while it equals the argmax of processed row j-1; the first mismatch commits that
-    argmax; all accepted: the bonus is row k's argmax (exactly what plain greedy decoding gives).
-    Sampled rows: accept d_j with probability min(1, p(d_j) / q(d_j)), p = row j-1's distribution as `sample`
-    draws it, coin keyed by (seed ^ ACCEPT_SALT, position); the first rejection commits a draw from
-    norm(max(0, p - q)) with `sample`'s Gumbel noise at that position; all accepted: the bonus is `sample`'s draw
-    at row k (so k = 0 equals `sample` token for token).
-    """
-    R, V = _check_logits(target_logits, batch, "verify_drafts")
-    ks = [len(d) for d in drafts]
-    n_drafts = sum(ks)
-    if n_drafts + len(ks) != R:
-        raise ValueError(f"verify_drafts: {len(ks)} requests with {n_drafts} drafts need {n_drafts + len(ks)} "
-                         f"rows, the logits have {R}")
-    if draft_q is not None and tuple(draft_q.shape) != (n_drafts, V):
-        raise ValueError(f"verify_drafts: draft_q must be [{n_drafts}, {V}], got {list(draft_q.shape)}")
-    device = target_logits.device
-
-    # Row r checks the draft that sits at its output position, unless it is its request's last row. Request i's
-    # d_j (row start_i + j - 1) is draft_q row start_i - i + j - 1 = r - i: one extra row per earlier request.
-    next_draft: list[int] = []
-    q_index: list[int] = []
-    for i, d in enumerate(drafts):
-        r = len(next_draft)
-        next_draft += [*d, 0]
-        q_index += [r + j - i for j in range(len(d))] + [0]
-    has_draft_host = [j < k for k in ks for j in range(k + 1)]
-    nd = torch.tensor(next_draft, dtype=torch.int64).to(device)
-    has_draft = torch.tensor(has_draft_host, dtype=torch.bool).to(device)
-
-    raw = target_logits.to(torch.float32)
-    x = _process(raw, batch)
-    # Greedy rows: the argmax is both the test and the correction / bonus.
-    fix = torch.argmax(x, dim=-1)
-    accept = fix == nd
-    if not batch.all_greedy:
-        rows = batch.sample_rows
-        xs, d, hd = (x, nd, has_draft) if rows is None else (x[rows], nd[rows], has_draft[rows])
-        vals, ids = _candidates(xs, batch)
-        noise = gumbel_noise(batch.seeds, batch.positions, V if ids is None else ids)
-        bonus = _pick(vals + noise, ids)  # `sample`'s draw, same noise
-        if n_drafts == 0:
-            fix_s, acc_s = bonus, torch.zeros_like(hd)
-        else:
-            p = torch.softmax(vals, dim=-1)  # over the candidates (the whole vocab when ids is None)
-            cand = ids if ids is not None else torch.arange(V, device=device)[None, :]
-            is_d = cand == d[:, None]
-            p_d = (p * is_d).sum(dim=-1)
-            if draft_q is None:
-                q, q_d = is_d.to(torch.float32), torch.ones_like(p_d)
-            else:
-                qi = torch.tensor(q_index, dtype=torch.int64).to(device)
-                qi = qi if rows is None else qi[rows]
-                dq = draft_q.to(device=device, dtype=torch.float32)
-                q = dq[qi] if ids is None else dq[qi[:, None], ids]
-                q_d = dq[qi, d]
-            coin = random_uniform(batch.seeds ^ ACCEPT_SALT, batch.positions,
-                                  torch.zeros(d.shape[0], 1, dtype=torch.int64, device=device)).squeeze(1)
-            # u < p / q, multiplied out: q(d) = 0 (the draft can't have drawn d) accepts iff p(d) > 0.
-            acc_s = coin * q_d.to(torch.float64) < p_d.to(torch.float64)
-            resid = (p - q).clamp_(min=0.0)
-            # Gumbel-max over log of the unnormalised residual draws from norm(max(0, p - q)).
-            corrected = _pick(torch.log(resid) + noise, ids)
-            # No residual mass means p == q, where rejection has probability 0; draw from p then, as the bonus.
-            fix_s = torch.where(hd & (resid.sum(dim=-1) > 0), corrected, bonus)
-        if rows is None:
-            fix, accept = fix_s, acc_s
-        else:
-            fix[rows] = fix_s
-            accept[rows] = acc_s
-    accept &= has_draft
-    # On the accepted path each row commits its draft; the row that stops the walk commits its `fix`.
-    committed = torch.where(accept, nd, fix)
-    chosen, top_ids, top_lp = _logprobs(raw, committed, batch)
-
-    acc_host, tok_host = torch.stack([accept.to(torch.int64), committed]).tolist()
-    lp_host = chosen.tolist()
-    tid_host = top_ids.tolist() if top_ids is not None else None
-    tlp_host = top_lp.tolist() if top_lp is not None else None
-    result = VerifyResult(tokens=[], accepted=[], logprobs=[], top=[] if tid_host is not None else None)
-    r = 0
-    for k in ks:
-        a = 0
-        while a < k and acc_host[r + a]:
-            a += 1
-        end = r + a + 1
-        result.tokens.append(tok_host[r:end])
-        result.accepted.append(a)
-        result.logprobs.append(lp_host[r:end])
-        if result.top is not None:
-            n = batch.top_n[r] if batch.top_n is not None else batch.max_logprobs
-            result.top.append([list(zip(tid_host[j][:n], tlp_host[j][:n])) for j in range(r, end)])
-        r += k + 1
-    return result

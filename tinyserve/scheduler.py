@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tinyserve.cache import NullCache, PrefixCache
+from tinyserve.cache import Cache
 from tinyserve.kv import PageAllocator
 from tinyserve.request import Request, Status
 from tinyserve.state import StatePool
@@ -40,7 +40,7 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, max_running: int,
-                 chunked_prefill_size: int, cache: PrefixCache | NullCache, lookahead: int = 0) -> None:
+                 chunked_prefill_size: int, cache: Cache, lookahead: int = 0) -> None:
         self.allocator, self.state_pool, self.cache = allocator, state_pool, cache
         self.lookahead = lookahead            # NEXTN: tokens of pages a decode takes ahead for its draft chain
         self.page_size, self.max_running = page_size, max_running
@@ -140,7 +140,9 @@ class Scheduler:
             if slot is None:
                 break
             req.state_slot = slot
-            self.cache.admit(req)
+            start = self.cache.admit(req)              # the cached prefix it resumes from
+            req.pages, req.num_computed = start.pages, start.num_computed
+            req.cached_tokens, req.cached_by_tier = start.cached_tokens, start.cached_by_tier
             n = self._prefill_chunk(req, budget)
             if n == 0:                                     # not even one page free: wait for room
                 self.release(req)

@@ -1,4 +1,4 @@
-"""NEXTN (MTP) speculative decoding: the per-request draft state, how deep to draft, and the counters.
+"""NEXTN (MTP) speculative decoding: drafting, the draft / verify maths, how deep to draft, and the counters.
 
 One round for a speculating request (the runner does the tensor work; this module decides and counts):
   1. the step verifies [x0, d1..dk] (x0: the last committed token, not yet computed; d: the drafts) in the packed
@@ -22,6 +22,17 @@ while probes keep failing, so a head that never agrees costs almost nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tinyserve.sampling import (SamplingBatch, candidates, check_logits, gumbel_noise, pick, process_logits,
+                                random_uniform, to_probs, token_logprobs)
+
+if TYPE_CHECKING:
+    from tinyserve.request import Request
+    from tinyserve.runner import ModelRunner, SeqOutput
+    from tinyserve.scheduler import ScheduledSeq
 
 PROBE_EVERY = 16           # plain decode steps between probes of a request whose depth fell to 0 ...
 PROBE_EVERY_MAX = 256      # ... doubled after each failed probe, up to this
@@ -32,7 +43,7 @@ ALPHA_START = 0.8          # a new request starts by drafting deep (its estimate
 
 
 @dataclass
-class SpecStats:
+class NextNStats:
     """Engine-wide counters, with vLLM's definitions (mean accept length = 1 + accepted / drafts)."""
     num_drafts: int = 0                      # verify rounds
     num_draft_tokens: int = 0                # draft tokens verified
@@ -125,12 +136,268 @@ class StepCost:
         return t_d / plain
 
 
-@dataclass(frozen=True)
-class NextNSetup:
-    """What the runner needs to draft: from [speculative] and the model."""
-    num_steps: int                 # most drafts per round
-    max_running: int               # nobody drafts while more requests run (0: no limit)
-    kv_layer: int                  # the NEXTN layer's index in the KV pool (after the target's attention layers)
+# ---------------------------------------------------------------------------------------------------------------
+# The draft and verify maths: lossless in distribution
+
+# Speculative decoding (NEXTN): XORed into a request's seed so the draft's draw and the accept coin at an output
+# position are independent of the target's own Gumbel noise there (which the bonus / corrected token uses).
+DRAFT_SALT = 0x6A09E667F3BCC908
+ACCEPT_SALT = 0xBB67AE8584CAA73B - (1 << 64)        # as the signed int64 torch stores
+
+
+def draw_drafts(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row and the draft distribution q it was drawn from.
+
+    logits: [B, V] of the draft (NEXTN) head, any float dtype; batch: one row per drafting request, its
+    output_ids = committed outputs + the drafts drawn so far (so penalties / min_tokens / position match).
+    Greedy rows (temperature 0): argmax of the processed logits (penalties, min_tokens, grammar mask as `sample`).
+    Sampled rows: drawn from q = softmax of the processed logits after `sample`'s filters (temperature, top-k,
+    top-p, min-p), with Gumbel noise keyed by (seed ^ DRAFT_SALT, position).
+    Returns (tokens [B] int64, q [B, V] float32 full-vocab probabilities, zero outside the kept set; rows of
+    greedy requests are zero) - q is None when all rows are greedy.
+    """
+    B, V = check_logits(logits, batch, "draw_drafts")
+    x = process_logits(logits.to(torch.float32), batch)
+    if batch.all_greedy:
+        return torch.argmax(x, dim=-1), None
+    xs = x if batch.sample_rows is None else x.index_select(0, batch.sample_rows)
+    vals, ids = candidates(xs, batch)
+    # Not the target's noise at this position: that one draws the bonus / corrected token in verify_drafts, and
+    # the accept test is only unbiased when the draft is independent of it.
+    noise = gumbel_noise(batch.seeds ^ DRAFT_SALT, batch.positions, V if ids is None else ids)
+    drawn = pick(vals + noise, ids)
+    q = to_probs(vals, ids, V)  # exactly the distribution of `drawn` (Gumbel-max over the same vals)
+    if batch.sample_rows is None:
+        return drawn, q
+    tokens = torch.argmax(x, dim=-1)
+    tokens[batch.sample_rows] = drawn
+    full_q = torch.zeros(B, V, dtype=torch.float32, device=x.device)
+    full_q[batch.sample_rows] = q
+    return tokens, full_q
+
+
+@dataclass
+class VerifyResult:
+    """What one verify step commits, per request (in the order of `drafts`)."""
+
+    tokens: list[list[int]]       # the accepted drafts, then the bonus / corrected token: accepted[i] + 1 tokens
+    accepted: list[int]           # a_i: drafts accepted
+    logprobs: list[list[float]]   # raw target log_softmax of each committed token (as SampleResult.logprobs)
+    top: list[list[list[tuple[int, float]]]] | None = None  # per committed token its top-n (id, logprob) of the
+    # raw target, n = that row's params.logprobs ([] where 0 / None); None when no row asks for a top-n list
+
+
+def verify_drafts(target_logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]],
+                  draft_q: torch.Tensor | None = None) -> VerifyResult:
+    """Decide which drafts to keep and the token that follows them, without changing the output distribution.
+
+    target_logits: [R, V], rows packed per request: k_i + 1 rows each (k_i = len(drafts[i]), may be 0), row j
+    scoring output position len(outputs_i) + j. batch: built over the same R rows, row j of request i with
+    output_ids = outputs_i + drafts[i][:j] and the request's params and seed.
+    draft_q: [sum k_i, V] float, the q each draft was drawn from (draw_drafts' rows, request-major: request 0's
+    d_1..d_k, then request 1's, ...); rows of greedy requests are ignored. None: every draft counts as drawn
+    deterministically (one-hot q, e.g. the draft head's argmax): still exact, at a lower acceptance rate.
+
+    Greedy rows: accept d_j while it equals the argmax of processed row j-1; the first mismatch commits that
+    argmax; all accepted: the bonus is row k's argmax (exactly what plain greedy decoding gives).
+    Sampled rows: accept d_j with probability min(1, p(d_j) / q(d_j)), p = row j-1's distribution as `sample`
+    draws it, coin keyed by (seed ^ ACCEPT_SALT, position); the first rejection commits a draw from
+    norm(max(0, p - q)) with `sample`'s Gumbel noise at that position; all accepted: the bonus is `sample`'s draw
+    at row k (so k = 0 equals `sample` token for token).
+    """
+    R, V = check_logits(target_logits, batch, "verify_drafts")
+    ks = [len(d) for d in drafts]
+    n_drafts = sum(ks)
+    if n_drafts + len(ks) != R:
+        raise ValueError(f"verify_drafts: {len(ks)} requests with {n_drafts} drafts need {n_drafts + len(ks)} "
+                         f"rows, the logits have {R}")
+    if draft_q is not None and tuple(draft_q.shape) != (n_drafts, V):
+        raise ValueError(f"verify_drafts: draft_q must be [{n_drafts}, {V}], got {list(draft_q.shape)}")
+    device = target_logits.device
+
+    # Row r checks the draft that sits at its output position, unless it is its request's last row. Request i's
+    # d_j (row start_i + j - 1) is draft_q row start_i - i + j - 1 = r - i: one extra row per earlier request.
+    next_draft: list[int] = []
+    q_index: list[int] = []
+    for i, d in enumerate(drafts):
+        r = len(next_draft)
+        next_draft += [*d, 0]
+        q_index += [r + j - i for j in range(len(d))] + [0]
+    has_draft_host = [j < k for k in ks for j in range(k + 1)]
+    nd = torch.tensor(next_draft, dtype=torch.int64).to(device)
+    has_draft = torch.tensor(has_draft_host, dtype=torch.bool).to(device)
+
+    raw = target_logits.to(torch.float32)
+    x = process_logits(raw, batch)
+    # Greedy rows: the argmax is both the test and the correction / bonus.
+    fix = torch.argmax(x, dim=-1)
+    accept = fix == nd
+    if not batch.all_greedy:
+        rows = batch.sample_rows
+        xs, d, hd = (x, nd, has_draft) if rows is None else (x[rows], nd[rows], has_draft[rows])
+        vals, ids = candidates(xs, batch)
+        noise = gumbel_noise(batch.seeds, batch.positions, V if ids is None else ids)
+        bonus = pick(vals + noise, ids)  # `sample`'s draw, same noise
+        if n_drafts == 0:
+            fix_s, acc_s = bonus, torch.zeros_like(hd)
+        else:
+            p = torch.softmax(vals, dim=-1)  # over the candidates (the whole vocab when ids is None)
+            cand = ids if ids is not None else torch.arange(V, device=device)[None, :]
+            is_d = cand == d[:, None]
+            p_d = (p * is_d).sum(dim=-1)
+            if draft_q is None:
+                q, q_d = is_d.to(torch.float32), torch.ones_like(p_d)
+            else:
+                qi = torch.tensor(q_index, dtype=torch.int64).to(device)
+                qi = qi if rows is None else qi[rows]
+                dq = draft_q.to(device=device, dtype=torch.float32)
+                q = dq[qi] if ids is None else dq[qi[:, None], ids]
+                q_d = dq[qi, d]
+            coin = random_uniform(batch.seeds ^ ACCEPT_SALT, batch.positions,
+                                  torch.zeros(d.shape[0], 1, dtype=torch.int64, device=device)).squeeze(1)
+            # u < p / q, multiplied out: q(d) = 0 (the draft can't have drawn d) accepts iff p(d) > 0.
+            acc_s = coin * q_d.to(torch.float64) < p_d.to(torch.float64)
+            resid = (p - q).clamp_(min=0.0)
+            # Gumbel-max over log of the unnormalised residual draws from norm(max(0, p - q)).
+            corrected = pick(torch.log(resid) + noise, ids)
+            # No residual mass means p == q, where rejection has probability 0; draw from p then, as the bonus.
+            fix_s = torch.where(hd & (resid.sum(dim=-1) > 0), corrected, bonus)
+        if rows is None:
+            fix, accept = fix_s, acc_s
+        else:
+            fix[rows] = fix_s
+            accept[rows] = acc_s
+    accept &= has_draft
+    # On the accepted path each row commits its draft; the row that stops the walk commits its `fix`.
+    committed = torch.where(accept, nd, fix)
+    chosen, top_ids, top_lp = token_logprobs(raw, committed, batch)
+
+    acc_host, tok_host = torch.stack([accept.to(torch.int64), committed]).tolist()
+    lp_host = chosen.tolist()
+    tid_host = top_ids.tolist() if top_ids is not None else None
+    tlp_host = top_lp.tolist() if top_lp is not None else None
+    result = VerifyResult(tokens=[], accepted=[], logprobs=[], top=[] if tid_host is not None else None)
+    r = 0
+    for k in ks:
+        a = 0
+        while a < k and acc_host[r + a]:
+            a += 1
+        end = r + a + 1
+        result.tokens.append(tok_host[r:end])
+        result.accepted.append(a)
+        result.logprobs.append(lp_host[r:end])
+        if result.top is not None:
+            n = batch.top_n[r] if batch.top_n is not None else batch.max_logprobs
+            result.top.append([list(zip(tid_host[j][:n], tlp_host[j][:n])) for j in range(r, end)])
+        r += k + 1
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drafting: after each step, the NEXTN head over the positions the step committed, then the chained draft steps
+
+@dataclass
+class _Segment:
+    """NEXTN positions pos .. pos+len(next_ids)-1 of one request, fed the target's hidden rows `rows`."""
+    req: Request
+    rows: list[int]
+    pos: int
+    next_ids: list[int]
+    depth: int = 0                     # drafts to make from its last position (0: only its KV is written)
+    outputs: list[int] | None = None   # the request's outputs once this step's tokens are committed
+
+
+class NextN:
+    """NEXTN for one engine: the [speculative] settings, the measured step prices, the counters, and drafting."""
+
+    def __init__(self, num_steps: int, max_running: int, kv_layer: int) -> None:
+        self.num_steps = num_steps         # most drafts per round
+        self.max_running = max_running     # nobody drafts while more requests run (0: no limit)
+        self.kv_layer = kv_layer           # the NEXTN layer's index in the KV pool (after the target's attention)
+        self.step_cost = StepCost()        # what a draft costs here, for the draft depth
+        self.stats = NextNStats()
 
     def allows(self, num_running: int) -> bool:
         return self.max_running == 0 or num_running <= self.max_running
+
+    @staticmethod
+    def speculates(req: Request) -> bool:
+        return req.params.speculative and req.params.constraint is None
+
+    def _depth(self, runner: ModelRunner, req: Request, outputs: list[int], next_pos: int) -> int:
+        """How many drafts req makes for its next round: its DepthControl's choice, cut to what max_tokens, the
+        context and its pages leave room for. next_pos: its first position not computed yet."""
+        if outputs[-1] in runner.eos_token_ids or outputs[-1] in req.params.stop_token_ids:
+            return 0                                   # it is about to finish
+        if req.depth is None:
+            req.depth = DepthControl(self.num_steps)
+        depth = req.depth.next_depth(self.step_cost)
+        room_pages = len(req.pages) * runner.page_size - next_pos + 1   # draft step j writes KV at next_pos + j-2
+        return max(0, min(depth, req.params.max_tokens - len(outputs) - 1,
+                          runner.context_length - next_pos - 1, room_pages))
+
+    def draft(self, runner: ModelRunner, seqs: list[ScheduledSeq], cu_seqlens: list[int], hidden: torch.Tensor,
+              outputs: dict[int, SeqOutput], num_running: int) -> None:
+        """After a step: the head over the positions each speculating request computed (its KV; a prefill chunk
+        that samples nothing writes only that), then up to `depth` chained draft steps into `req.draft` (and
+        `req.draft_q`, the distributions sampled drafts were drawn from). outputs: by id(seq), what it committed."""
+        allowed = self.allows(num_running)
+        segments: list[_Segment] = []
+        for i, s in enumerate(seqs):
+            req = s.req
+            req.draft, req.draft_q = [], None
+            if not self.speculates(req):
+                continue
+            start, end_row = cu_seqlens[i], cu_seqlens[i + 1]
+            if not s.samples:                          # a prefill chunk that is not the last: KV only
+                end = s.start + s.num_tokens
+                segments.append(_Segment(req, list(range(start, end_row)), s.start, req.all_ids[s.start + 1:end + 1]))
+                continue
+            toks = outputs[id(s)].tokens
+            after = req.output_ids + toks
+            if s.is_decode:                            # the last accepted token, then the accepted drafts
+                seg = _Segment(req, list(range(start, start + len(toks))), s.start, toks, outputs=after)
+            else:                                      # the prompt's (or a recompute's) last chunk
+                end = s.start + s.num_tokens
+                seg = _Segment(req, list(range(start, end_row)), s.start, req.all_ids[s.start + 1:end] + toks,
+                               outputs=after)
+            seg.depth = self._depth(runner, req, after, seg.pos + len(seg.rows)) if allowed else 0
+            if s.is_decode and seg.depth == 0:
+                continue                               # decoding plainly: no NEXTN work (its KV there stays stale)
+            segments.append(seg)
+        if not segments:
+            return
+        dev = hidden.device
+        segments.sort(key=lambda g: len(g.rows) != 1)   # one-row segments first: they use the decode attention
+        g = runner.nextn_head([(seg.req, seg.pos, len(seg.rows)) for seg in segments],
+                              [t for seg in segments for t in seg.next_ids],
+                              hidden[torch.tensor([r for seg in segments for r in seg.rows], device=dev)])
+        ends = torch.tensor([len(seg.rows) for seg in segments], device=dev).cumsum(0) - 1
+        drafting = [k for k, seg in enumerate(segments) if seg.depth > 0]
+        if not drafting:
+            return
+        live = [segments[k] for k in drafting]
+        h = g[ends[torch.tensor(drafting, device=dev)]]
+        qs: dict[int, list[torch.Tensor]] = {id(seg.req): [] for seg in live}
+        for step in range(max(seg.depth for seg in live)):
+            if step:                                   # a chain step: the last draft and the head's own hidden
+                h = runner.nextn_head([(seg.req, seg.pos + len(seg.rows) + step - 1, 1) for seg in live],
+                                      [seg.req.draft[-1] for seg in live], h)
+            reqs = [seg.req for seg in live]
+            sb = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
+                                     [seg.outputs + seg.req.draft for seg in live], [r.seed for r in reqs],
+                                     runner.eos_token_ids, runner.vocab_size, dev)
+            tokens, q = draw_drafts(runner.model.compute_logits(h).float(), sb)
+            for j, (seg, t) in enumerate(zip(live, tokens.tolist())):
+                seg.req.draft.append(t)
+                if q is not None and not seg.req.params.is_greedy:
+                    qs[id(seg.req)].append(q[j])
+            keep = [j for j, seg in enumerate(live) if seg.depth > step + 1]
+            live = [live[j] for j in keep]
+            if not live:
+                break
+            h = h[torch.tensor(keep, device=dev)]
+        for seg in segments:
+            rows = qs.get(id(seg.req))
+            if rows:
+                seg.req.draft_q = torch.stack(rows)

@@ -1,0 +1,68 @@
+"""What the text model and the vision tower share: parameters laid out empty, and the weight loaders that map a
+checkpoint's tensor names to them."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tinyserve.kernels.fp8_weight import Fp8Weight
+
+
+def empty_param(shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class WeightLoaders:
+    """Maps canonical checkpoint tensor names to (expected shape, copy function) for one module tree.
+
+    `parts` records the tensors copied as they are into rows of a parameter (name -> (parameter, first row); for
+    stacked experts [E, N, K] the first row within its expert): the loader keeps a checkpoint's FP8 tensors FP8 only
+    where whole parameters are filled that way. A loader of an Fp8Weight's rows takes the FP8 values and their
+    scales, already in the weight's block layout."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.loaders: dict[str, Callable[..., None]] = {}
+        self.parts: dict[str, tuple[nn.Parameter | Fp8Weight, int]] = {}
+
+    def add(self, name: str, shape: tuple[int, ...], target: torch.Tensor | Fp8Weight,
+            transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        if isinstance(target, Fp8Weight):
+            assert transform is None, name        # rows reordered at load never stay FP8 (the loader's rule)
+            return self.add_rows(name, shape, target, 0)
+        self.shapes[name] = tuple(shape)
+        if transform is None and isinstance(target, nn.Parameter):
+            self.parts[name] = (target, 0)
+
+        def load(t: torch.Tensor) -> None:
+            with torch.no_grad():
+                target.copy_((transform(t) if transform else t).reshape(target.shape))
+        self.loaders[name] = load
+
+    def add_rows(self, name: str, shape: tuple[int, ...], param: nn.Parameter | Fp8Weight, start: int,
+                 expert: int | None = None) -> None:
+        """A checkpoint tensor that fills rows start:start+shape[0] of a fused parameter (of expert `expert` of
+        stacked experts [E, N, K])."""
+        rows = shape[0]
+        if isinstance(param, Fp8Weight):
+            self.shapes[name] = tuple(shape)
+            weight, scale_rows = (param.weight, param.scale) if expert is None else \
+                (param.weight[expert], param.scale[expert])
+
+            def load(t: torch.Tensor, scale: torch.Tensor) -> None:
+                b0 = param.block[0]
+                weight[start:start + rows].copy_(t)
+                scale_rows[start // b0:start // b0 + scale.shape[0]].copy_(scale)
+            self.loaders[name] = load
+        else:
+            self.add(name, shape, (param if expert is None else param[expert])[start:start + rows])
+        self.parts[name] = (param, start)
+
+    def merge(self, prefix: str, other: "WeightLoaders") -> None:
+        for n, s in other.shapes.items():
+            self.shapes[prefix + n] = s
+            self.loaders[prefix + n] = other.loaders[n]
+            if n in other.parts:
+                self.parts[prefix + n] = other.parts[n]

@@ -1,0 +1,175 @@
+"""Building an engine: plan the memory, load the model, allocate the pools, wire the prefix cache and its tiers, the
+scheduler, the runner and the request intake, capture the CUDA graphs, and price NEXTN's drafts. Everything here
+runs once, at start, on the thread that will run the steps (a server's compute thread)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from tinyserve.blob import model_fingerprint, weights_digest
+from tinyserve.cache import NullCache, PrefixCache
+from tinyserve.config import Config, ConfigError
+from tinyserve.copies import CopyStream, copy_stream_for
+from tinyserve.file_tier import FileTier
+from tinyserve.host_tier import HostTier
+from tinyserve.engine import Engine
+from tinyserve.intake import Intake, RequestError, image_processor_for
+from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
+from tinyserve.kernels.fp8_weight import Fp8Weight
+from tinyserve.kernels.linear import calibrate as calibrate_linear
+from tinyserve.kv import KVPool, PageAllocator
+from tinyserve.loader import load_model
+from tinyserve.models.config import WeightCount
+from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
+from tinyserve.request import Status
+from tinyserve.runner import ModelRunner
+from tinyserve.sampling import SamplingParams
+from tinyserve.scheduler import Scheduler
+from tinyserve.spec import FixedDepth, NextN, NextNStats
+from tinyserve.state import StatePool
+from tinyserve.tokenizer import Tokenizer
+
+log = logging.getLogger("tinyserve.build")
+
+
+def build_engine(cfg: Config) -> Engine:
+    """Plan from the checkpoint's headers, then load the weights and build the pools, on the calling thread (a
+    server calls this on the compute thread)."""
+    folder, _, plan = plan_for(cfg)
+    try:
+        model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision,
+                           fp8_weights=plan.fp8_weights)
+        engine = assemble(cfg, model, Tokenizer.from_folder(folder), plan)
+        price_drafts(engine)                   # NEXTN: the first forwards, before serving
+    except RuntimeError as e:                  # torch.OutOfMemoryError (CUDA) or the CPU allocator's failure
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        key = "engine.mem_fraction_static" if plan.device == "cuda" else "engine.kv_cache_tokens"
+        raise ConfigError(f"out of memory while loading the model, allocating the pools the plan sized "
+                          f"({plan}) or running the first steps; lower {key}", key) from None
+    return engine
+
+
+def engine_for_model(cfg: Config, model, tokenizer=None, copy_stream: CopyStream | None = None) -> Engine:
+    """An engine around a model already loaded (tests, notebooks): the plan from cfg and the model's sizes, in the
+    model's own dtype."""
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype_name(model.dtype)))
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Weight)]
+    fp8_values = sum(m.weight.numel() for m in fp8)
+    weights = WeightCount(sum(p.numel() for p in model.parameters()) + fp8_values, fp8_values,
+                          sum(m.scale.numel() for m in fp8))
+    free = None
+    if model.device.type == "cuda":            # free memory as if the weights, loaded already, were not
+        free = torch.cuda.mem_get_info(model.device)[0] + weights.bytes(torch.empty((), dtype=model.dtype)
+                                                                       .element_size())
+    plan = MemoryPlan.resolve(cfg, model.cfg, model.device.type, weights, gpu_free_bytes=free,
+                              cuda_capability=torch.cuda.get_device_capability(model.device) if free else None)
+    return assemble(cfg, model, tokenizer, plan, copy_stream)
+
+
+def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyStream | None = None) -> Engine:
+    """The engine's parts, sized by the plan. copy_stream: where tier copies run (copies.py); by default the
+    device's own (CUDA: a stream of its own, the CPU: at once)."""
+    mc, device = model.cfg, model.device
+    eos_token_ids = sorted(set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
+    kv_pool = KVPool(plan.kv_pages, plan.page_size, plan.kv_layers, mc.num_key_value_heads, mc.head_dim,
+                     torch_dtype(plan.kv_dtype), device)
+    allocator = PageAllocator(plan.kv_pages)
+    state_pool = StatePool(plan.state_slots + plan.verify_slots, len(mc.gdn_layer_ids), mc.conv_dim,
+                           mc.linear_conv_kernel_dim, mc.linear_num_value_heads, mc.linear_key_head_dim,
+                           mc.linear_value_head_dim, model.dtype, device, num_snapshot_slots=plan.snapshot_slots)
+    # tier copies on a stream of their own (CUDA); pages and slots handed out again wait for their saves
+    copies = copy_stream or copy_stream_for(device)
+    allocator.fence, state_pool.fence = copies.fence_pages, copies.fence_slots
+    work = threading.Event()                   # set when the engine thread has something to do
+    cache = prefix_cache(cfg, plan, model, kv_pool, allocator, state_pool, copies, work.set) \
+        if cfg.cache.enabled else NullCache(state_pool)
+    nextn = None
+    if plan.nextn_layers:
+        nextn = NextN(cfg.speculative.num_steps, cfg.speculative.max_running, kv_layer=len(mc.attn_layer_ids))
+    scheduler = Scheduler(allocator, state_pool, plan.page_size, cfg.engine.max_running_requests,
+                          cfg.engine.chunked_prefill_size, cache, lookahead=nextn.num_steps if nextn else 0)
+    runner = ModelRunner(model, kv_pool, state_pool, eos_token_ids, nextn, plan.context_length)
+    vision = model.visual is not None
+    intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, eos_token_ids, tokenizer,
+                    mc.image_token_id, image_processor_for(model) if vision else None,
+                    weights_digest(model.visual) if vision else b"")
+    try:                                       # engine.kernels: the Triton kernels or the torch references
+        set_kernel_backend(cfg.engine.kernels)
+    except RuntimeError as e:
+        raise ConfigError(str(e), "engine.kernels") from None
+    if plan.device == "cpu":                   # pick this CPU's faster GEMM route on the model's own shapes
+        shapes = {tuple(p.shape): p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
+        log.info("CPU GEMM route: %s", calibrate_linear(list(shapes.values())))
+    capture_graphs(cfg, plan, runner, kv_pool)
+    return Engine(cfg, plan, model, tokenizer, kv_pool=kv_pool, allocator=allocator, state_pool=state_pool,
+                  copies=copies, cache=cache, scheduler=scheduler, runner=runner, intake=intake, nextn=nextn,
+                  work=work)
+
+
+def prefix_cache(cfg: Config, plan: MemoryPlan, model, kv_pool: KVPool, allocator: PageAllocator,
+                 state_pool: StatePool, copies: CopyStream, wake) -> PrefixCache:
+    """The radix tree with the host and file tiers the plan sized. wake: called when a file-tier read lands."""
+    host = file = None
+    if plan.host_pages or plan.host_snapshots:
+        host = HostTier(kv_pool, state_pool, plan.host_pages, plan.host_snapshots,
+                        min_free_bytes=int(cfg.cache.host.min_free_gb * GIB), copies=copies)
+    if plan.file_dir:
+        file = FileTier.for_pools(Path(plan.file_dir), plan.file_bytes,
+                                  model_fingerprint(model, kv_pool.dtype, plan.page_size), kv_pool, state_pool,
+                                  copies, host, needs_state=plan.hybrid)
+        log.info("file tier %s: %d blobs found", plan.file_dir, file.num_blobs)
+    return PrefixCache(cfg, allocator, state_pool, plan.page_size, plan.hybrid, host, file, wake=wake)
+
+
+def capture_graphs(cfg: Config, plan: MemoryPlan, runner: ModelRunner, kv_pool: KVPool) -> None:
+    """engine.cuda_graphs on CUDA: decode and NEXTN verify steps go through the runner's static path, whose CUDA
+    graphs are captured here, at start (a server is not ready before), one per batch size up to
+    engine.max_running_requests and tokens per sequence (1 + the draft steps). They need the Triton kernels (the
+    torch references read values on the host)."""
+    if plan.device != "cuda" or not cfg.engine.cuda_graphs:
+        return
+    if not use_triton(kv_pool.buffer):
+        why = triton_problem() if cfg.engine.kernels == "auto" else ""
+        log.log(logging.WARNING if why else logging.INFO, "CUDA graphs are off: engine.kernels = %r runs the "
+                "torch references on CUDA%s", cfg.engine.kernels, f" ({why})" if why else "")
+        return
+    runner.enable_static_steps(cfg.engine.max_running_requests, capture=True)
+
+
+def price_drafts(engine: Engine, steps: int = 3) -> None:
+    """NEXTN: time single-request decode steps at each draft depth on this machine and model (the StepCost that
+    chooses how deep requests draft), with a throw-away request on a scheduler of its own with no prefix cache
+    (nothing of it is kept), before serving."""
+    nextn = engine.nextn
+    if nextn is None:
+        return
+    prompt = [(7 * i + 3) % engine.model.cfg.vocab_size for i in range(64)]
+    k = nextn.num_steps
+    try:
+        req = engine.intake.make_request(prompt, SamplingParams(max_tokens=(k + 1) * (steps + 2) * (k + 2),
+                                                                temperature=0, ignore_eos=True), "price-drafts")
+    except RequestError as e:                  # a tiny context or pool: price drafts as they run
+        log.info("NEXTN: draft depths not timed at start (%s)", e)
+        return
+    plan, cfg = engine.plan, engine.cfg
+    sched = Scheduler(engine.allocator, engine.state_pool, plan.page_size, 1, cfg.engine.chunked_prefill_size,
+                      NullCache(engine.state_pool), lookahead=k)
+    sched.add(req)
+    while not req.output_ids:                  # the prompt
+        engine.run_step(sched)
+    for depth in range(k + 1):
+        req.depth = FixedDepth(depth)
+        for _ in range(steps + 1):             # the first step at a new depth is not steady yet
+            if req.status != Status.RUNNING:
+                break
+            engine.run_step(sched)
+    if req.status != Status.FINISHED:
+        sched.abort(req)
+    nextn.stats = NextNStats()
+    log.info("NEXTN: a decode step with 0..%d drafts takes %s ms here", k,
+             ", ".join(f"{t * 1000:.1f}" for t in nextn.step_cost.seconds))

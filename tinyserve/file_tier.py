@@ -1,0 +1,575 @@
+"""File tier (L3) behind the radix tree: a persistent folder of blobs (blob.py), state snapshots included.
+
+Blobs are written to a temporary name and renamed, by one background writer thread; the folder is indexed from its
+listing at start (temporary files of a killed writer are deleted), the blobs' sizes and ages read in the background,
+and the least recently used go beyond `cache.file.size_gb`; a truncated, corrupt or foreign blob is a miss: counted,
+logged once, deleted.
+
+A page is stored once: when a cached run is split (a prompt branched off inside it), both halves keep the blob that
+holds them, and a later read uses the matching prefix of a blob that leaves the prompt's path (`read_chain`). A
+blob holds a state snapshot at its end only, so the state at such a cut (a branch point) is a state blob of its
+own.
+
+The engine thread hands the writer CPU copies (`save_run`, `save_state`: from the host tier's copy where there is
+one, else from the device) and uploads what the reader thread read into device pages and a snapshot slot (`load`,
+on the copy stream). The radix tree decides what is written and when.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import heapq
+import logging
+import math
+import os
+import struct
+import threading
+import time
+import uuid
+import zlib
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tinyserve.blob import FORMAT_VERSION, HEADER, MAGIC, STATE_SUFFIX, SUFFIX, Blob, blob_name, chain_hashes, encode
+from tinyserve.copies import CopyStream
+from tinyserve.host_tier import HostTier
+from tinyserve.kv import KVPool
+from tinyserve.plan import GIB
+from tinyserve.state import StatePool
+
+log = logging.getLogger("tinyserve.tiers")
+
+PROBE_LIMIT = 256          # blobs whose first page one read_chain call looks up (for a prefix)
+STAT_BATCH = 2000          # blobs updated per hold of the index lock by the start-up stat job
+
+
+def _unlink(path: Path) -> None:
+    """Delete a cache file; a folder we may not change (read-only, or a stray directory by that name) is left as
+    it is: the index no longer lists it, and serving goes on."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("file tier: could not delete %s (%s)", path, e)
+
+
+@dataclass(slots=True)
+class _Entry:
+    name: str                   # file name in the folder (a Path per blob would cost more than the listing)
+    size: int = -1              # bytes; -1 until read (blobs found at start are stat'ed in the background)
+    last_use: float = 0.0       # time.time() of the last write or read; a found blob's mtime
+    next_hash: bytes | None = None   # chain hash after the blob's first page (None: not looked up yet)
+
+
+@dataclass
+class FileStats:
+    """The file tier's counters and occupancy, as /metrics shows them."""
+    hit_tokens: int = 0          # prompt tokens loaded from blobs
+    bytes_in: int = 0            # blob bytes written
+    bytes_out: int = 0           # blob bytes read
+    seconds: float = 0.0         # time spent reading and writing
+    errors: int = 0              # corrupt, truncated or foreign blobs (each deleted)
+    used: int = 0                # bytes held
+    capacity: int = 0            # bytes it may hold (cache.file.size_gb)
+    blobs: int = 0
+    writable: bool = True        # False once a write failed (serving goes on)
+
+
+@dataclass
+class FileTier:
+    """The folder, its index, the writer and reader threads, and the copies between blobs and the device pools."""
+    folder: Path
+    size_bytes: int
+    fingerprint: bytes
+    page_shape: tuple[int, ...]
+    kv_dtype: torch.dtype
+    conv_shape: tuple[int, ...]
+    conv_dtype: torch.dtype
+    ssm_shape: tuple[int, ...]
+    writable: bool = True
+    stats: FileStats = field(default_factory=FileStats)
+    needs_state: bool = False    # a hybrid model's runs: usable only up to a state snapshot
+    # the device side: the pools blobs are saved from and loaded into, the stream loads run on, and the host tier
+    # whose copies are read in the device's place (no pools: a tier that only stores and reads blobs)
+    kv_pool: KVPool | None = field(default=None, repr=False)
+    state_pool: StatePool | None = field(default=None, repr=False)
+    copies: CopyStream = field(default_factory=CopyStream, repr=False)
+    host: HostTier | None = field(default=None, repr=False)
+
+    @classmethod
+    def for_pools(cls, folder: Path, size_bytes: int, fingerprint: bytes, kv_pool: KVPool, state_pool: StatePool,
+                  copies: CopyStream | None = None, host: HostTier | None = None,
+                  needs_state: bool = False) -> FileTier:
+        """A file tier whose blobs hold these pools' pages and snapshots."""
+        buf, conv, ssm = kv_pool.buffer, state_pool.conv, state_pool.ssm
+        return cls(folder, size_bytes, fingerprint, tuple(buf.shape[1:]), buf.dtype, tuple(conv.shape[1:]),
+                   conv.dtype, tuple(ssm.shape[1:]), needs_state=needs_state, kv_pool=kv_pool,
+                   state_pool=state_pool, copies=copies or CopyStream(), host=host)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._index: dict[bytes, dict[bytes, _Entry]] = {}      # start hash -> end hash -> blob
+        self._lru: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()   # least recently used first
+        self._count = 0
+        self._total = 0                                          # bytes of the blobs whose size is known
+        self._warned: set[str] = set()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-file-write")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-file-read")
+        self._pending: list[Future] = []
+        self._queued: set[tuple[bytes, bytes]] = set()          # blobs queued for writing, not yet in the index
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe = self.folder / f".tmp-probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            self._disable_writes(f"cache.file.dir {self.folder} is not writable ({e})")
+        self._scan()
+
+    # ---- index ----
+    def _scan(self) -> None:
+        """Index the folder from its names alone (one listing, no per-file stat or open), so a restart with 100,000
+        blobs serves hits at once; their sizes and ages are read by the writer thread before its first write
+        (`_stat_found`), which is all eviction needs them for."""
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return
+        name_len, fromhex, index = 2 * 64 + 1 + len(SUFFIX), bytes.fromhex, self._index
+        state_len = 64 + len(STATE_SUFFIX)
+        found: list[tuple[bytes, bytes]] = []
+        collecting = gc.isenabled()
+        gc.disable()            # 100,000 new objects would run the collector over them again and again (~40% here)
+        try:
+            for name in names:
+                try:
+                    if len(name) == name_len and name[64] == "-" and name.endswith(SUFFIX):
+                        start, end = fromhex(name[:64]), fromhex(name[65:129])
+                    elif len(name) == state_len and name.endswith(STATE_SUFFIX):
+                        start = end = fromhex(name[:64])
+                    else:
+                        if name.startswith(".tmp-"):     # left by a writer that was killed mid-write
+                            _unlink(self.folder / name)
+                        continue
+                except ValueError:
+                    continue
+                ends = index.get(start)
+                if ends is None:
+                    index[start] = {end: _Entry(name)}
+                else:
+                    ends[end] = _Entry(name)
+                found.append((start, end))
+            self._lru = OrderedDict.fromkeys(found)
+            self._count = len(self._lru)
+        finally:
+            if collecting:
+                gc.enable()
+        log.info("file tier %s: %d blobs indexed", self.folder, self._count)
+        if found:
+            self._pending.append(self._writer.submit(self._stat_found, found))
+
+    def _stat_found(self, found: list[tuple[bytes, bytes]]) -> None:
+        """Writer thread, first job: the sizes and ages of the blobs found at start, LRU order by age (blobs read or
+        rewritten since the scan stay the most recent), then evict down to size_gb. The index lock is taken in short
+        batches, so the engine thread's lookups never wait long. A blob that went away meanwhile leaves the index."""
+        stats: list[tuple[float, int, bytes, bytes]] = []
+        gone: list[tuple[bytes, bytes]] = []
+        fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            for start, end in found:
+                try:
+                    st = os.stat(blob_name(start, end), dir_fd=fd)
+                    stats.append((st.st_mtime, st.st_size, start, end))
+                except OSError:
+                    gone.append((start, end))
+        finally:
+            os.close(fd)
+        stats.sort(key=lambda t: t[0], reverse=True)   # newest first: each goes to the front, the oldest ends first
+        for i in range(0, len(stats), STAT_BATCH):
+            with self._lock:
+                for mtime, size, start, end in stats[i:i + STAT_BATCH]:
+                    entry = self._index.get(start, {}).get(end)
+                    if entry is None or entry.size >= 0:         # removed, or rewritten since the scan
+                        continue
+                    entry.size = size
+                    self._total += size
+                    if entry.last_use == 0.0:                     # not read since the scan
+                        entry.last_use = mtime
+                        self._lru.move_to_end((start, end), last=False)
+        with self._lock:
+            for start, end in gone:
+                entry = self._index.get(start, {}).get(end)
+                if entry is not None and entry.size < 0:
+                    self._forget(start, end)
+        while True:
+            with self._lock:
+                if not self._evict_to_limit(STAT_BATCH):
+                    break
+        log.info("file tier %s: %d blobs, %.2f GiB", self.folder, self.num_blobs, self._total / GIB)
+
+    def _add(self, start: bytes, end: bytes, entry: _Entry) -> None:
+        old = self._index.setdefault(start, {}).get(end)
+        if old is not None:
+            self._total -= max(0, old.size)
+        else:
+            self._count += 1
+        self._index[start][end] = entry
+        self._lru[(start, end)] = None
+        self._lru.move_to_end((start, end))
+        self._total += max(0, entry.size)
+
+    def _forget(self, start: bytes, end: bytes) -> _Entry | None:
+        entry = self._index.get(start, {}).pop(end, None)
+        if entry is None:
+            return None
+        if not self._index[start]:
+            del self._index[start]
+        del self._lru[(start, end)]
+        self._count -= 1
+        self._total -= max(0, entry.size)
+        return entry
+
+    def _remove(self, start: bytes, end: bytes) -> None:
+        entry = self._forget(start, end)
+        if entry is not None:
+            _unlink(self.folder / entry.name)
+
+    @property
+    def num_blobs(self) -> int:
+        return self._count
+
+    def report(self) -> FileStats:
+        return dataclasses.replace(self.stats, used=self.used_bytes, capacity=self.size_bytes, blobs=self.num_blobs,
+                                   writable=self.writable)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._total
+
+    def has(self, start: bytes, end: bytes) -> bool:
+        """Is this blob stored, or queued for writing?"""
+        with self._lock:
+            return end in self._index.get(start, {}) or (start, end) in self._queued
+
+    # ---- writing (background thread) ----
+    def _disable_writes(self, why: str) -> None:
+        if self.writable:
+            log.warning("%s: file-tier writes disabled, serving goes on", why)
+        self.writable = False
+
+    def write(self, blob: Blob) -> None:
+        """Queue a blob for writing (tensors must be CPU copies the caller no longer changes)."""
+        key = (blob.start_hash, blob.end_hash)
+        with self._lock:
+            if not self.writable or blob.end_hash in self._index.get(blob.start_hash, {}) or key in self._queued:
+                return
+            self._queued.add(key)
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._writer.submit(self._write_now, blob))
+
+    def _write_now(self, blob: Blob) -> None:
+        try:
+            self._write_blob(blob)
+        finally:
+            with self._lock:
+                self._queued.discard((blob.start_hash, blob.end_hash))
+
+    def _write_blob(self, blob: Blob) -> None:
+        t0 = time.perf_counter()
+        parts = encode(blob, self.fingerprint)
+        size = sum(p.nbytes for p in parts)
+        if size > self.size_bytes:
+            self._warn_once("size", f"a cached run of {size} bytes exceeds cache.file.size_gb; not written")
+            return
+        name = blob_name(blob.start_hash, blob.end_hash)
+        tmp = self.folder / f".tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                for part in parts:
+                    f.write(part)
+            os.replace(tmp, self.folder / name)
+        except OSError as e:
+            self._disable_writes(f"writing {self.folder / name} failed ({e})")
+            _unlink(tmp)          # raises nothing, also when the folder itself is gone or is not a folder
+            return
+        n_pages = blob.kv.shape[0]
+        first = struct.pack(f"<{len(blob.tokens) // n_pages}i", *blob.tokens[:len(blob.tokens) // n_pages]) \
+            if n_pages else None
+        with self._lock:
+            self._add(blob.start_hash, blob.end_hash, _Entry(name, size, time.time(), first and hashlib.sha256(
+                blob.start_hash + first).digest()))
+            self._evict_to_limit()
+            self.stats.bytes_in += size
+            self.stats.seconds += time.perf_counter() - t0
+
+    def _evict_to_limit(self, most: int | None = None) -> bool:
+        """Remove least recently used blobs while over size_gb (at most `most` of them); True if more remain to go."""
+        n = 0
+        while self._total > self.size_bytes and self._lru:
+            if most is not None and n >= most:
+                return True
+            start, end = next(iter(self._lru))
+            self._remove(start, end)
+            n += 1
+        return False
+
+    def flush(self, timeout: float) -> bool:
+        """Wait (bounded) for queued writes; True when all of them completed."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            pending = list(self._pending)
+        for f in pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                f.result(timeout=left)
+            except Exception:       # noqa: BLE001 - a failed write was already logged and disabled writes
+                pass
+        return all(f.done() for f in pending)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if not self.flush(timeout):
+            log.warning("file tier: pending writes did not finish within %.0f s", timeout)
+        self._writer.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown(wait=False, cancel_futures=True)
+
+    def clear(self) -> None:
+        self.flush(30.0)
+        with self._lock:
+            for start in list(self._index):
+                for end in list(self._index.get(start, {})):
+                    self._remove(start, end)
+
+    # ---- the device side (engine thread: nothing it reads is freed or rewritten meanwhile) ----
+    def save_run(self, start: bytes, end: bytes, tokens: list[int], pages: list[int], snapshot: int | None,
+                 host_pages: list[int] | None = None, host_snapshot: int | None = None) -> None:
+        """Queue a run of pages and the state at its end (if any) for writing, copied from the host tier where it
+        has a copy, else from the device; the writer thread owns the copies."""
+        if host_pages is not None:
+            kv = self.host.read_pages(host_pages)
+        else:
+            kv = self.kv_pool.buffer[torch.tensor(pages, device=self.kv_pool.buffer.device)].to("cpu")
+        self.write(Blob(start, end, list(tokens), kv, *self._state(snapshot, host_snapshot)))
+
+    def save_state(self, at: bytes, snapshot: int | None, host_snapshot: int | None) -> None:
+        """Queue a state blob (no pages): the state at chain hash `at`, a point inside a longer stored run."""
+        empty = torch.empty((0,) + self.page_shape, dtype=self.kv_dtype)
+        self.write(Blob(at, at, [], empty, *self._state(snapshot, host_snapshot)))
+
+    def _state(self, snapshot: int | None, host_snapshot: int | None) -> tuple[torch.Tensor | None, ...]:
+        """CPU copies (conv, ssm) of a snapshot, from the host tier where it has a copy; (None, None) for none."""
+        if host_snapshot is not None:
+            return self.host.read_snapshot(host_snapshot)
+        if snapshot is None:
+            return None, None
+        return (self.state_pool.conv[snapshot].to("cpu", copy=True),
+                self.state_pool.ssm[snapshot].to("cpu", copy=True))
+
+    def load(self, blob: Blob, pages: list[int], snapshot: int | None) -> None:
+        """Copy a blob read back into device pages (and its state into a snapshot slot), on the copy stream through
+        pinned staging (after any save still reading a slot handed over; the next forward waits for it)."""
+        buf = self.kv_pool.buffer
+        assert blob.kv.shape[0] == len(pages) and blob.kv.shape[1:] == buf.shape[1:], "blob and pages disagree"
+        with self.copies.loading():
+            self.copies.upload_rows(buf, pages, blob.kv)
+            if snapshot is not None:
+                self.copies.upload(self.state_pool.conv[snapshot], blob.conv)
+                self.copies.upload(self.state_pool.ssm[snapshot], blob.ssm)
+
+    # ---- reading ----
+    def _warn_once(self, kind: str, msg: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("%s", msg)
+
+    def _bad(self, start: bytes, end: bytes, why: str) -> None:
+        self.stats.errors += 1
+        self._warn_once(why, f"file tier: {why} blob {start.hex()[:12]}-{end.hex()[:12]}: treated as a miss "
+                        "and deleted (further ones are counted, not logged)")
+        with self._lock:
+            self._remove(start, end)
+
+    def prefetch(self, tokens: list[int], first_page: int, page_size: int) -> Future:
+        """Read, in the background, the blobs that continue tokens' chain from page first_page."""
+        n_pages = (len(tokens) - 1) // page_size
+        hashes = chain_hashes(self.fingerprint, tokens[:n_pages * page_size], page_size)
+        return self._reader.submit(self.read_chain, hashes, tokens, first_page, page_size)
+
+    def read_chain(self, hashes: list[bytes], tokens: list[int], first_page: int, page_size: int) -> list[Blob]:
+        """Blobs continuing the chain from page `first_page` of tokens, in order, each verified; stops at the
+        first gap or bad blob. hashes = chain_hashes(...) of tokens.
+
+        Each page is stored once, so where no blob runs along the chain from a page, the matching prefix of one
+        that leaves it (a run another prompt branched off inside, or that this prompt ends inside) is used, cut
+        where another blob or a state blob starts on the chain (a point the tree split at before) or, for a model
+        without state, as far as it matches (`_read_prefix`). A blob's state is the one at its end, so a run that
+        ends without one (a cut, or a run stored before its state existed) takes the state blob there, if any."""
+        where = {h: i for i, h in enumerate(hashes)}
+        out: list[Blob] = []
+        page = first_page
+        while page < len(hashes) - 1:
+            with self._lock:
+                ends = dict(self._index.get(hashes[page], {}))
+            candidates = [(where[e], e, en) for e, en in ends.items() if e in where and where[e] > page]
+            if candidates:
+                end_page, end, entry = max(candidates, key=lambda c: c[0])
+                try:
+                    blob = self._read(hashes[page], end, entry, tokens[page * page_size:end_page * page_size])
+                except Exception as e:            # noqa: BLE001 - whatever is wrong with a file, it is only a miss
+                    self._bad(hashes[page], end, f"unreadable ({type(e).__name__})")
+                    blob = None
+                if blob is not None and blob.kv.shape[0] != end_page - page:
+                    self._bad(hashes[page], end, "mismatched")
+                    blob = None
+                if blob is None:
+                    continue                      # the bad blob is gone from the index: try another candidate
+            else:
+                parts = self._read_prefix(hashes, tokens, page, page_size, ends, where)
+                if not parts:
+                    break
+                for blob in parts:
+                    self._attach_state(blob)
+                out += parts
+                page += sum(blob.kv.shape[0] for blob in parts)
+                continue
+            if blob.conv is None:
+                self._attach_state(blob)
+            out.append(blob)
+            page = end_page
+        return out
+
+    def _read_prefix(self, hashes: list[bytes], tokens: list[int], page: int, page_size: int,
+                     ends: dict[bytes, _Entry], where: dict[bytes, int]) -> list[Blob]:
+        """The matching prefix of a blob starting at hashes[page] that leaves the chain; only blobs whose first page
+        is the chain's are read (looked up from the header, once per blob, the PROBE_LIMIT most recently used).
+        Without needs_state, the whole match. needs_state (a hybrid model resumes only where a state exists):
+        looked for only when the chain passes a point where another blob or a state blob starts (a branch point
+        cached before: its state or its continuation starts there), nothing unless one lies within the match, and
+        the match comes as two runs: up to the deepest such point, and the rest (KV without a state: the radix
+        tree takes the branch point's state there, and knows those pages are stored)."""
+        last = len(hashes) - 1
+        with self._lock:
+            cuts = [q for q in range(page + 1, last + 1) if hashes[q] in self._index]
+        if self.needs_state and not cuts:
+            return []
+        start = hashes[page]
+        off_chain = heapq.nlargest(PROBE_LIMIT, ((en.last_use, e, en) for e, en in ends.items() if e not in where),
+                                   key=lambda c: c[0])
+        for _, end, entry in off_chain:
+            if self._next_hash(start, end, entry) != hashes[page + 1]:
+                continue
+            try:
+                blob = self._read(start, end, entry, None)
+            except Exception as e:                # noqa: BLE001 - whatever is wrong with a file, it is only a miss
+                self._bad(start, end, f"unreadable ({type(e).__name__})")
+                blob = None
+            if blob is None:
+                continue
+            ps, k = page_size, 0
+            most = min(blob.kv.shape[0], last - page)
+            while k < most and blob.tokens[k * ps:(k + 1) * ps] == tokens[(page + k) * ps:(page + k + 1) * ps]:
+                k += 1
+            cut = max((q for q in cuts if q <= page + k), default=page) if self.needs_state else page + k
+            if cut == page:
+                continue
+            bounds = [page, cut] + ([page + k] if page + k > cut else [])
+            return [Blob(hashes[a], hashes[b], blob.tokens[(a - page) * ps:(b - page) * ps],
+                         blob.kv[a - page:b - page], stored_run=(start, end)) for a, b in zip(bounds, bounds[1:])]
+        return []
+
+    def _next_hash(self, start: bytes, end: bytes, entry: _Entry) -> bytes | None:
+        """The chain hash after a blob's first page, from its header and first page (read once, then kept)."""
+        if entry.next_hash is None:
+            try:
+                with open(self.folder / entry.name, "rb") as f:
+                    head = f.read(HEADER.size)
+                    magic, version, fp, s, e, n_tok, n_pages, *_ = HEADER.unpack(head)
+                    if magic != MAGIC or version != FORMAT_VERSION or fp != self.fingerprint or (s, e) != (start, end) \
+                            or not n_pages or n_tok % n_pages:
+                        return None                 # a full read would find it bad; this one only looks
+                    first = f.read(4 * (n_tok // n_pages))
+            except (OSError, struct.error):
+                return None
+            if len(first) != 4 * (n_tok // n_pages):
+                return None
+            entry.next_hash = hashlib.sha256(start + first).digest()
+        return entry.next_hash
+
+    def _attach_state(self, blob: Blob) -> None:
+        """Give a run that ends without a state the state blob stored at its end, if there is one."""
+        at = blob.end_hash
+        with self._lock:
+            entry = self._index.get(at, {}).get(at)
+        if entry is None:
+            return
+        try:
+            state = self._read(at, at, entry, [])
+        except Exception as e:                    # noqa: BLE001 - whatever is wrong with a file, it is only a miss
+            self._bad(at, at, f"unreadable ({type(e).__name__})")
+            return
+        if state is not None and state.conv is not None:
+            blob.conv, blob.ssm, blob.stored_state = state.conv, state.ssm, (at, at)
+
+    def _read(self, start: bytes, end: bytes, entry: _Entry, expect_tokens: list[int] | None) -> Blob | None:
+        """Read and verify one blob (expect_tokens: its tokens, None: any)."""
+        t0 = time.perf_counter()
+        try:
+            data = (self.folder / entry.name).read_bytes()
+        except OSError:
+            self._bad(start, end, "unreadable")
+            return None
+        if len(data) < HEADER.size:
+            self._bad(start, end, "truncated")
+            return None
+        magic, version, fp, s, e, n_tok, n_pages, kv_len, conv_len, ssm_len, crc = HEADER.unpack_from(data)
+        payload = memoryview(data)[HEADER.size:]
+        if magic != MAGIC or version != FORMAT_VERSION or fp != self.fingerprint or s != start or e != end:
+            self._bad(start, end, "foreign")
+            return None
+        if len(payload) != 4 * n_tok + kv_len + conv_len + ssm_len:
+            self._bad(start, end, "truncated")
+            return None
+        if zlib.crc32(payload) != crc:
+            self._bad(start, end, "corrupt")
+            return None
+        tokens = list(struct.unpack_from(f"<{n_tok}i", payload))
+        page_numel = math.prod(self.page_shape)
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        conv_bytes = math.prod(self.conv_shape) * torch.empty((), dtype=self.conv_dtype).element_size()
+        ssm_bytes = math.prod(self.ssm_shape) * 4
+        if (expect_tokens is not None and tokens != expect_tokens) or kv_len != n_pages * page_numel * elem or \
+                (conv_len, ssm_len) not in ((0, 0), (conv_bytes, ssm_bytes)):
+            self._bad(start, end, "mismatched")
+            return None
+        off = 4 * n_tok
+
+        def tensor(nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            if not nbytes:                  # a state blob's pages
+                return torch.empty(shape, dtype=dtype)
+            raw = torch.frombuffer(bytearray(payload[off:off + nbytes]), dtype=torch.uint8)
+            return raw.view(dtype).reshape(shape)
+        kv = tensor(kv_len, self.kv_dtype, (n_pages,) + self.page_shape)
+        off += kv_len
+        conv = ssm = None
+        if conv_len:
+            conv = tensor(conv_len, self.conv_dtype, self.conv_shape)
+            off += conv_len
+            ssm = tensor(ssm_len, torch.float32, self.ssm_shape)
+        now = time.time()
+        with self._lock:
+            entry.last_use = now
+            if (start, end) in self._lru:
+                self._lru.move_to_end((start, end))
+        try:
+            os.utime(self.folder / entry.name, (now, now))
+        except OSError:
+            pass
+        self.stats.bytes_out += len(data)
+        self.stats.seconds += time.perf_counter() - t0
+        return Blob(start, end, tokens, kv, conv, ssm, stored_run=(start, end),
+                    stored_state=(start, end) if conv is not None else None)

@@ -1,0 +1,194 @@
+"""Requests on their way in: every check a request passes before it reaches the scheduler, and the Request it
+becomes. The API calls these on the event loop or a worker thread (none runs torch compute); a request that fails
+one gets a RequestError naming its field, never a traceback."""
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from pathlib import Path
+
+from tinyserve.config import Config, ConfigError
+from tinyserve.grammar import GrammarCompiler, GrammarState
+from tinyserve.images import ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, preprocess
+from tinyserve.multimodal import expand_image_pads, image_keys, request_images
+from tinyserve.request import Request
+from tinyserve.sampling import SamplingParams
+
+log = logging.getLogger("tinyserve.intake")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take. `field` names what is wrong: a SamplingParams field, "prompt" or
+    "max_tokens" (the API maps it to the request's own field name)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class Intake:
+    """Fits max_tokens to the context and the KV pool, validates sampling parameters and prompts, prepares images
+    and the grammar state of a constrained request, and makes the Request."""
+
+    def __init__(self, cfg: Config, context_length: int, kv_tokens: int, vocab_size: int, eos_token_ids: list[int],
+                 tokenizer, image_token_id: int | None = None, image_processor: ImageProcessorConfig | None = None,
+                 vision_fingerprint: bytes = b"") -> None:
+        self.cfg, self.context_length, self.kv_tokens = cfg, context_length, kv_tokens
+        self.vocab_size = vocab_size
+        self.image_token_id, self.image_processor = image_token_id, image_processor
+        # image tokens' cache keys depend on the tower that makes their features (the file tier's fingerprint
+        # leaves the tower out, so text pages are shared whether model.vision is on or off)
+        self.vision_fingerprint = vision_fingerprint
+        self.images_received = 0             # images in requests made
+        # llguidance's view of the tokenizer, built once here (~1 s for a 250k vocabulary: not on the event loop)
+        self._grammar: GrammarCompiler | None = None
+        self._grammar_error = "the engine has no tokenizer"
+        if tokenizer is not None:
+            try:
+                self._grammar = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+            except Exception as e:                       # noqa: BLE001 - serve without constrained decoding
+                self._grammar_error = f"llguidance cannot use this tokenizer ({e})"
+                log.warning("constrained decoding (response_format) is off: %s", self._grammar_error)
+
+    # ---- lengths and parameters ----
+    def fit_max_tokens(self, prompt_len: int, max_tokens: int | None, clamp: bool = False) -> int:
+        """The max_tokens a request with this prompt gets: None means up to the end of the context (vLLM's
+        default), but never past what the KV pool holds, which on a small card or the CPU can be less. With clamp,
+        a larger max_tokens is cut to what fits instead of refused (Anthropic's clients send one large
+        max_tokens whatever the server's context)."""
+        context, pool = self.context_length, self.kv_tokens
+        if prompt_len >= context:
+            raise RequestError(f"the prompt is {prompt_len} tokens long, but the context is {context} tokens "
+                               "(there must be room for at least one generated token)", "prompt")
+        if prompt_len >= pool:
+            raise RequestError(f"the prompt is {prompt_len} tokens long, but the KV cache holds {pool} tokens; "
+                               "raise engine.kv_cache_tokens", "prompt")
+        fits = min(context, pool) - prompt_len
+        if max_tokens is None:
+            return fits
+        if clamp:
+            return min(max_tokens, fits)
+        room = context - prompt_len
+        if max_tokens > room:
+            raise RequestError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) is longer than the "
+                               f"context ({context} tokens); at most {room} tokens fit", "max_tokens")
+        if prompt_len + max_tokens > pool:
+            raise RequestError(f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}, which is more "
+                               f"than the KV cache holds ({pool} tokens); raise engine.kv_cache_tokens",
+                               "max_tokens")
+        return max_tokens
+
+    def validate(self, params: SamplingParams) -> None:
+        """The one validation of sampling parameters; raises RequestError naming the field."""
+        try:
+            params.validate()
+        except ValueError as e:                          # its messages start with the field name
+            raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               "stop_token_ids")
+
+    # ---- images ----
+    @property
+    def vision(self) -> bool:
+        """Whether requests may carry images (a vision tower is loaded)."""
+        return self.image_processor is not None
+
+    def check_images(self, params: list[str]) -> None:
+        """May a request carry images from these request fields? RequestError naming the first one that may not
+        (the API asks before it fetches any)."""
+        if params and not self.vision:
+            raise RequestError(f"{params[0]}: this model takes no image input (the checkpoint has no vision tower, "
+                               "or model.vision = false)", params[0])
+        limit = self.cfg.model.max_images
+        if len(params) > limit:
+            raise RequestError(f"{len(params)} images in one request; at most {limit} (model.max_images)",
+                               params[limit])
+
+    def prepare_images(self, prompt_ids: list[int], sources: list[ImageSource]
+                       ) -> tuple[list[int], list[ProcessedImage]]:
+        """Decode and preprocess a request's images (in prompt order) and widen the template's one pad per image
+        to its token count. Runs on a worker thread (PIL and numpy, no torch compute). RequestError names the
+        image's request field, or "prompt" when the pads do not match the images."""
+        self.check_images([src.param for src in sources])
+        images = []
+        for src in sources:
+            try:
+                image = decode_image(src.data, src.media_type, self.cfg.model.max_image_pixels)
+                images.append(preprocess(image, self.image_processor))
+            except ImageError as e:
+                hint = " (model.max_image_pixels)" if "too large" in str(e) else ""
+                raise RequestError(f"{src.param}: {e}{hint}", src.param) from None
+        try:
+            ids = expand_image_pads(prompt_ids, images, self.image_token_id, self.image_processor.merge_size)
+        except ValueError as e:
+            raise RequestError(str(e), "prompt") from None
+        for image in images:                     # hashed here, on this worker thread, not on the event loop
+            image_keys(image.digest + self.vision_fingerprint, image.num_tokens, self.vocab_size)
+        return ids, images
+
+    # ---- the request ----
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                     images: list[ProcessedImage] = ()) -> Request:
+        """images: what prepare_images returned for these (expanded) prompt ids."""
+        self.validate(params)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", "prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               "prompt")
+        self.fit_max_tokens(len(prompt_ids), params.max_tokens)
+        located = None
+        if images:
+            self.check_images(["prompt"] * len(images))
+            try:
+                located = request_images(prompt_ids, list(images), self.image_token_id,
+                                         self.image_processor.merge_size, self.vocab_size, self.vision_fingerprint)
+            except ValueError as e:
+                raise RequestError(str(e), "prompt") from None
+            self.images_received += len(images)
+        grammar = self._grammar_state(params) if params.constraint is not None else None
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, grammar=grammar,
+                       images=located)
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState:
+        """The request's matcher (grammar.py); RequestError(field="response_format", or "tool_choice" / "tools" for a
+        forced tool call) on a constraint it cannot take. Compiling a schema runs here, on the caller's thread
+        (milliseconds for API-sized schemas; cached)."""
+        tool_call = params.constraint.kind == "tool_call"
+        what = "a forced tool call (tool_choice)" if tool_call else "a constrained response_format"
+        if params.ignore_eos or params.min_tokens:
+            raise RequestError(f"{what} cannot be combined with ignore_eos or min_tokens "
+                               "(the grammar decides where the output ends)",
+                               "tool_choice" if tool_call else "response_format")
+        field = "tools" if tool_call else "response_format"
+        if self._grammar is None:
+            raise RequestError(f"{field}: constrained decoding is not available: {self._grammar_error}", field)
+        try:
+            return self._grammar.state(params.constraint)
+        except ValueError as e:
+            raise RequestError(f"{field}: {e}", field) from None
+
+
+def image_processor_for(model) -> ImageProcessorConfig:
+    """The checkpoint's image processor settings, which must cut patches the way its vision tower takes them."""
+    folder, vc = Path(model.cfg.folder), model.visual.cfg
+    want = (vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+    if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+        log.info("%s has no preprocessor_config.json: the image processor takes Qwen3.5's released settings "
+                 "with the vision tower's patch sizes", folder)
+        return ImageProcessorConfig(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
+                                    temporal_patch_size=vc.temporal_patch_size)
+    try:
+        proc = ImageProcessorConfig.from_folder(folder)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{folder}: cannot read the image processor config: {e}", "model.path") from None
+    if (proc.patch_size, proc.merge_size, proc.temporal_patch_size) != want:
+        raise ConfigError(f"{folder}: the image processor cuts patch_size / merge_size / temporal_patch_size "
+                          f"{(proc.patch_size, proc.merge_size, proc.temporal_patch_size)}, the vision tower "
+                          f"(config.json vision_config) takes {want}", "model.path")
+    return proc
