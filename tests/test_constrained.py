@@ -165,6 +165,7 @@ def _parses(text: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_engine_preemption_keeps_the_matcher_right(xdg, tokenizer):
     schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 12, "maxItems": 12,
                                                      "items": {"type": "integer", "minimum": 0, "maximum": 9}}},
@@ -275,6 +276,7 @@ def chat_json(client, seed: int, stream: bool, response_format=SCHEMA_FORMAT,
     return text, finish
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_json_schema_alone(client, stream):
     for seed in SEEDS:
@@ -301,6 +303,7 @@ def in_batches_of_8(run, jobs: list[tuple]) -> None:
             t.join()
 
 
+@pytest.mark.slow
 def test_chat_json_schema_batched_with_free_requests(client):
     results: dict[tuple[int, bool, bool], tuple[str, str]] = {}
 
@@ -318,6 +321,7 @@ def test_chat_json_schema_batched_with_free_requests(client):
     assert not any(_parses(t) for (_, _, c), (t, _) in results.items() if not c)
 
 
+@pytest.mark.slow
 def test_chat_json_object(client):
     """Any JSON object: the random model may fill strings for long (no bound), so only the outputs that finished
     must parse; some do."""
@@ -350,6 +354,7 @@ def test_chat_bad_response_format_is_400(server, fmt, param):
     assert json.loads(body)["error"]["param"] == param
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_text_format_json_schema(client, stream):
     fmt = {"format": {"type": "json_schema", "name": "pick", "schema": SCHEMA, "strict": True}}
@@ -502,6 +507,7 @@ def chat_tools(client, seed: int, stream: bool, tool_choice: Any) -> tuple[list[
     return [(n, a) for n, a in calls.values()], content, finish
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_chat_forced_tool_call(client, stream, choice):
@@ -512,6 +518,7 @@ def test_chat_forced_tool_call(client, stream, choice):
         _check_call(*calls[0], allowed)
 
 
+@pytest.mark.slow
 def test_chat_forced_tool_calls_batched_with_free_requests(client):
     results: dict[tuple[int, bool, Any], tuple] = {}
     choices = ("required", "auto", json.dumps(NAMED))
@@ -550,6 +557,7 @@ ANTHROPIC_TOOLS = [{"name": name, "description": f"{name}.", "input_schema": sch
                    for name, schema in TOOL_SCHEMAS.items()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_forced_tool_use(server, stream):
     import anthropic
@@ -575,6 +583,7 @@ RESPONSES_TOOLS = [{"type": "function", "name": name, "description": f"{name}.",
                    for name, schema in TOOL_SCHEMAS.items()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_forced_function_call(client, stream):
     def one(seed: int):

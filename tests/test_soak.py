@@ -590,6 +590,7 @@ def assert_clean_log(text: str, which: str) -> None:
     assert not bad, f"{which} log has errors:\n" + "\n".join(bad[:20]) + "\n...\n" + text[-6000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(int(SOAK_S) + 600)
 def test_soak_sessions_disconnects_bad_bodies_flushes_and_a_restart(xdg, tmp_path):
     cfg = server_config(free_port(), {

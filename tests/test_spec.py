@@ -120,6 +120,7 @@ def test_max_tokens_and_stop_ids_inside_an_accepted_run(exact_model):
     assert_no_leaks(eng)
 
 
+@pytest.mark.slow
 def test_depth_falls_on_a_random_head(tmp_path):
     """A random head accepts almost nothing: requests stop drafting after a few rounds (and probe now and then)."""
     folder, _ = make_qwen3_5_text(tmp_path, with_mtp=True, max_position_embeddings=2048)
@@ -137,6 +138,7 @@ def test_depth_falls_on_a_random_head(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # With the prefix cache: every tier gives the cold tokens and the same cached_tokens as without speculation
 
+@pytest.mark.slow
 def test_device_host_and_file_hits(model, tmp_path):
     sessions = [tokens(250, 100 + i) for i in range(3)]
     turn2 = [s + tokens(20, 200 + i) for i, s in enumerate(sessions)]
@@ -171,6 +173,7 @@ def test_device_host_and_file_hits(model, tmp_path):
     assert_no_leaks(restarted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 def test_random_streams_with_evictions_and_cancellation_match_uncached(model, seed):
     """Shared prefixes, a tiny page pool and snapshot pool (evictions, preemptions), page size 1 or 16, speculating

@@ -69,6 +69,7 @@ def test_head_dims_over_64(dk):
     check([70, 3], [1, 0], 2, 1, 2, dk, 16, seed=dk)
 
 
+@pytest.mark.slow
 def test_split_dots_path(monkeypatch):
     """The GPU's plan for bf16 activations (w stored as hi + lo, the state kernel's dots on hi + lo pairs, h and the
     stored v_new in the 16-bit dtype) with fp16 as that dtype, which the interpreter computes right. The state is
