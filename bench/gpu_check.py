@@ -77,8 +77,8 @@ def pytest_main() -> int:
     import pytest
     import_kernels_from_the_tree()
     files = sorted(str(f) for f in (ROOT / "tests").glob("test_triton_*.py"))
-    return pytest.main(["-q", "-rfEs", "--noconftest", "-p", "no:cacheprovider", "-x", "--timeout", "240",
-                        "-k", "not greedy_tokens", *files])
+    return pytest.main(["-q", "-rfEs", "--noconftest", "-p", "no:cacheprovider", "-o", "addopts=", "-x",
+                        "--timeout", "240", "-k", "not greedy_tokens", *files])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,13 @@ from tinyserve.engine import Engine  # noqa: E402
 from tinyserve.loader import load_model  # noqa: E402
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with a `slow` test first (the order within each group kept): the workers take whole modules in
+    collection order (pyproject's addopts), and a long module handed out last keeps one worker busy alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """Deep merge of TOML tables (extra wins)."""
     out = dict(base)

@@ -9,7 +9,9 @@
 #   4. bench/gpu.py: the engine on a random Qwen3.5-27B-shaped FP8 model (decode, prefill, TTFT, kernel peers).
 # The device image has torch, triton, transformers, aiohttp, safetensors, tokenizers, jinja2, pillow, pytest; what it
 # lacks is installed from .gpu-wheels when that folder was carried (tests/gpu_wheels.sh makes it, here).
-# Each stage has its own time limit and a failing stage does not stop the next; the exit status is 1 if any failed.
+# The pytest stages run in one process (-o addopts= drops pyproject's xdist workers: one GPU, and the device image
+# may lack pytest-xdist). Each stage has its own time limit and a failing stage does not stop the next; the exit
+# status is 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tinyserve-gpu}
@@ -30,9 +32,9 @@ stage() {   # name, seconds, command...
     echo "== $name: exit $rc in $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || status=1
 }
-stage kernels 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_triton_kernels.py \
+stage kernels 120 python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts= tests/test_triton_kernels.py \
     tests/test_triton_gdn_prefill.py tests/test_triton_prefill.py tests/test_triton_fp8.py tests/test_triton_moe.py
-stage engine 120 env TINYSERVE_TEST_DEVICE=cuda python3 -m pytest -q -rfEs -p no:cacheprovider -x \
+stage engine 120 env TINYSERVE_TEST_DEVICE=cuda python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts= -x \
     tests/test_parity.py tests/test_engine.py tests/test_spec.py tests/test_tiers.py tests/test_async_copies.py tests/test_cuda_graphs.py
 stage gpu_check 75 python3 bench/gpu_check.py --skip-tests
 stage gpu 150 python3 bench/gpu.py

@@ -282,6 +282,7 @@ def test_bad_requests(server, client, body, words):
     assert create(client, max_tokens=1).usage.output_tokens == 1
 
 
+@pytest.mark.slow
 def test_x_api_key(xdg, tmp_path):
     cfg = server_config(free_port(), {"server": {"api_key": API_KEY}})
     with ServerProcess(tmp_path, cfg, env={"XDG_CACHE_HOME": str(xdg)}) as srv:
@@ -300,6 +301,7 @@ def test_x_api_key(xdg, tmp_path):
                     headers={"Authorization": f"Bearer {API_KEY}"})[0] == 200
 
 
+@pytest.mark.slow
 def test_max_tokens_past_the_context_is_cut_to_what_fits(client):
     """Claude Code sends max_tokens 32000 whatever the server: it stops at the end of the context (2048 here)."""
     long = [{"role": "user", "content": "Hello there! " * 300}]   # most of the context: a short generation

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -164,6 +165,7 @@ def _parses(text: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_engine_preemption_keeps_the_matcher_right(xdg, tokenizer):
     schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 12, "maxItems": 12,
                                                      "items": {"type": "integer", "minimum": 0, "maximum": 9}}},
@@ -274,12 +276,21 @@ def chat_json(client, seed: int, stream: bool, response_format=SCHEMA_FORMAT,
     return text, finish
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_json_schema_alone(client, stream):
     for seed in SEEDS:
         text, finish = chat_json(client, seed, stream)
         assert finish == "stop", text
         valid(text)
+
+
+def concurrently(run, jobs: list[tuple]) -> list:
+    """[run(*job) for job in jobs], 8 requests in flight at a time (the server runs 8 at once): a seeded request's
+    output does not depend on what it is batched with (test_*_batched_with_free_requests checks it), so many seeds
+    cost a few batched steps instead of one request's steps after another. The first exception is raised."""
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda job: run(*job), jobs))
 
 
 def in_batches_of_8(run, jobs: list[tuple]) -> None:
@@ -292,6 +303,7 @@ def in_batches_of_8(run, jobs: list[tuple]) -> None:
             t.join()
 
 
+@pytest.mark.slow
 def test_chat_json_schema_batched_with_free_requests(client):
     results: dict[tuple[int, bool, bool], tuple[str, str]] = {}
 
@@ -309,12 +321,13 @@ def test_chat_json_schema_batched_with_free_requests(client):
     assert not any(_parses(t) for (_, _, c), (t, _) in results.items() if not c)
 
 
+@pytest.mark.slow
 def test_chat_json_object(client):
     """Any JSON object: the random model may fill strings for long (no bound), so only the outputs that finished
     must parse; some do."""
     finished = 0
-    for seed in range(10):
-        text, finish = chat_json(client, seed, seed % 2 == 1, {"type": "json_object"}, max_tokens=400)
+    jobs = [(client, seed, seed % 2 == 1, {"type": "json_object"}, 400) for seed in range(10)]
+    for text, finish in concurrently(chat_json, jobs):
         if finish == "stop":
             assert isinstance(json.loads(text), dict)
             finished += 1
@@ -341,10 +354,12 @@ def test_chat_bad_response_format_is_400(server, fmt, param):
     assert json.loads(body)["error"]["param"] == param
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_text_format_json_schema(client, stream):
     fmt = {"format": {"type": "json_schema", "name": "pick", "schema": SCHEMA, "strict": True}}
-    for _ in range(10):
+
+    def one() -> str:
         kw = dict(model="tinyserve", input="A color and a number.", max_output_tokens=MAX_TOKENS,
                   temperature=1.0, text=fmt)
         if stream:
@@ -352,10 +367,11 @@ def test_responses_text_format_json_schema(client, stream):
             for ev in client.responses.create(stream=True, **kw):
                 if ev.type == "response.output_text.delta":
                     text += ev.delta
-        else:
-            r = client.responses.create(**kw)
-            assert r.status == "completed"
-            text = r.output_text
+            return text
+        r = client.responses.create(**kw)
+        assert r.status == "completed"
+        return r.output_text
+    for text in concurrently(one, [()] * 10):
         valid(text)
 
 
@@ -491,16 +507,18 @@ def chat_tools(client, seed: int, stream: bool, tool_choice: Any) -> tuple[list[
     return [(n, a) for n, a in calls.values()], content, finish
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_chat_forced_tool_call(client, stream, choice):
     tool_choice, allowed = ("required", tuple(TOOL_SCHEMAS)) if choice == "required" else (NAMED, ("get_weather",))
-    for seed in TOOL_SEEDS:
-        calls, content, finish = chat_tools(client, seed, stream, tool_choice)
+    jobs = [(client, seed, stream, tool_choice) for seed in TOOL_SEEDS]
+    for calls, content, finish in concurrently(chat_tools, jobs):
         assert finish == "tool_calls" and len(calls) == 1 and not content, (calls, content, finish)
         _check_call(*calls[0], allowed)
 
 
+@pytest.mark.slow
 def test_chat_forced_tool_calls_batched_with_free_requests(client):
     results: dict[tuple[int, bool, Any], tuple] = {}
     choices = ("required", "auto", json.dumps(NAMED))
@@ -539,20 +557,22 @@ ANTHROPIC_TOOLS = [{"name": name, "description": f"{name}.", "input_schema": sch
                    for name, schema in TOOL_SCHEMAS.items()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_forced_tool_use(server, stream):
     import anthropic
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-    for seed in range(8):
+
+    def one(seed: int):
         choice = {"type": "any"} if seed % 2 else {"type": "tool", "name": "get_weather"}
-        allowed = tuple(TOOL_SCHEMAS) if seed % 2 else ("get_weather",)
         kw = dict(model="tinyserve", messages=TOOL_MESSAGES, tools=ANTHROPIC_TOOLS, tool_choice=choice,
                   max_tokens=TOOL_MAX_TOKENS, extra_body={"temperature": 1.0})
         if stream:
             with client.messages.stream(**kw) as s:
-                msg = s.get_final_message()
-        else:
-            msg = client.messages.create(**kw)
+                return s.get_final_message()
+        return client.messages.create(**kw)
+    for seed, msg in enumerate(concurrently(one, [(seed,) for seed in range(8)])):
+        allowed = tuple(TOOL_SCHEMAS) if seed % 2 else ("get_weather",)
         assert msg.stop_reason == "tool_use", msg
         uses = [b for b in msg.content if b.type == "tool_use"]
         assert len(uses) == 1 and not [b for b in msg.content if b.type == "text" and b.text], msg.content
@@ -563,20 +583,22 @@ RESPONSES_TOOLS = [{"type": "function", "name": name, "description": f"{name}.",
                    for name, schema in TOOL_SCHEMAS.items()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_forced_function_call(client, stream):
-    for seed in range(8):
+    def one(seed: int):
         choice = "required" if seed % 2 else {"type": "function", "name": "get_weather"}
-        allowed = tuple(TOOL_SCHEMAS) if seed % 2 else ("get_weather",)
         kw = dict(model="tinyserve", input="Weather in Paris?", tools=RESPONSES_TOOLS, tool_choice=choice,
                   max_output_tokens=TOOL_MAX_TOKENS, temperature=1.0, store=False)
-        if stream:
-            r = None
-            for ev in client.responses.create(stream=True, **kw):
-                if ev.type == "response.completed":
-                    r = ev.response
-        else:
-            r = client.responses.create(**kw)
+        if not stream:
+            return client.responses.create(**kw)
+        r = None
+        for ev in client.responses.create(stream=True, **kw):
+            if ev.type == "response.completed":
+                r = ev.response
+        return r
+    for seed, r in enumerate(concurrently(one, [(seed,) for seed in range(8)])):
+        allowed = tuple(TOOL_SCHEMAS) if seed % 2 else ("get_weather",)
         assert r is not None and r.status == "completed", r
         calls = [item for item in r.output if item.type == "function_call"]
         assert len(calls) == 1 and not [item for item in r.output if item.type == "message"], r.output

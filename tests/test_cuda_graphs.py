@@ -170,6 +170,7 @@ def test_static_decode_gives_the_eager_tokens(dense, page_size):
     check_scratch(eng)
 
 
+@pytest.mark.slow
 def test_static_decode_moe(moe):
     """Qwen3-Next (MoE): padding rows are routed to experts like any row and change nothing."""
     schedule = workload(3)[:5]
@@ -181,6 +182,7 @@ def test_static_decode_moe(moe):
     assert_no_leaks(eng)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
     """NEXTN speculating while at most 3 requests run: above that, plain decodes take the static path with one
@@ -218,6 +220,7 @@ def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
     check_scratch(eng)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nextn", [False, True], ids=["decode", "nextn"])
 def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
     """The Triton kernels (the interpreter on the CPU) on padded static batches: the conv and GDN decode kernels
@@ -262,6 +265,7 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
         assert (3, 4, 1) in rec.steps and attention_triton.num_splits(CTX, 4, 2, torch.device(DEV)) == 8
 
 
+@pytest.mark.slow
 def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, mtp, monkeypatch):
     """What a capture forbids, checked on the CPU as far as the CPU can: the forwards of a static batch (decode,
     verify and the NEXTN head's, as captured: every row padding) read no tensor value on the host (.item(),

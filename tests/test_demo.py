@@ -44,6 +44,7 @@ def test_deterministic(demo, tmp_path):
     assert _digests(ensure_demo_checkpoint(tmp_path)) == _digests(demo)
 
 
+@pytest.mark.slow
 def test_deterministic_across_processes_and_concurrent_writers(demo, tmp_path):
     """Other interpreters (other hash seeds, e.g. in Rust maps) write the very same bytes, and two of them racing
     for the same cache folder both end up with one complete checkpoint."""

@@ -93,6 +93,7 @@ def test_streaming_and_non_streaming_clients_that_leave_are_cancelled_and_freed(
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_while_queued_is_dropped(xdg, tmp_path):
     """One running slot: the second request waits in the queue; its client leaves; it never runs."""
     cfg = server_config(free_port(), {"engine": {"max_running_requests": 1}})

@@ -120,6 +120,7 @@ def generate_bounded(eng: Engine, prompts: list[list[int]], params: SamplingPara
                          f"{len(s.waiting)} waiting, {eng.allocator.num_free} free pages")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_preemption_keeps_outputs_and_frees_everything(any_model, prefix_cache):
     model = any_model

@@ -7,6 +7,8 @@ import asyncio
 import re
 import time
 
+import pytest
+
 from conftest import assert_no_leaks, engine_for, tokens
 from server_util import ServerProcess, free_port, http, server_config
 from tinyserve.sampling import SamplingParams
@@ -98,6 +100,7 @@ def metric(base_url: str, name: str) -> float:
     return float(m.group(1))
 
 
+@pytest.mark.slow
 def test_health_and_metrics_do_not_wake_a_released_server(xdg, tmp_path):
     cfg = server_config(free_port(), {"engine": {"idle_release_s": 0.5},
                                       "cache": {"host": {"size_gb": 0.05, "min_free_gb": 0}}})

@@ -567,6 +567,7 @@ def test_anthropic_refusals_name_the_part(server, aclient):
     assert_healthy(server)
 
 
+@pytest.mark.slow
 def test_vision_off_refuses_images(no_vision):
     """model.vision = false: image parts are a 400 naming the part on every route; http URLs are refused first
     (server.fetch_image_urls is off); text still works."""

@@ -66,6 +66,7 @@ def test_prompt_logits_match_transformers(family, length, page_size):
     assert (ours.cpu() - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_greedy_continuation_matches_transformers(family, page_size):
     folder, hf, model = family

@@ -337,6 +337,7 @@ def _split(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(text=_texts, cuts=st.lists(st.integers(0, 10_000), max_size=8), starts=st.booleans())
 def test_reasoning_property(text, cuts, starts):
@@ -349,6 +350,7 @@ def test_reasoning_property(text, cuts, starts):
     assert (r_out + r or None, c_out + c) == Qwen3ReasoningParser(starts_in_reasoning=starts).parse(text)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(text=_texts, cuts=st.lists(st.integers(0, 10_000), max_size=8))
 def test_tool_parser_never_raises(text, cuts):
@@ -364,6 +366,7 @@ _values = st.lists(st.sampled_from(list("ab <>/=\n{}\"'é🎉") + ["</", "<param
                    max_size=30).map("".join).filter(lambda v: "</parameter>" not in v and "</function>" not in v)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(prefix=st.text(alphabet="ab .\n<", max_size=10).filter(lambda s: "<tool_call>" not in s),
        calls=st.lists(st.tuples(_values, st.one_of(st.none(), st.integers(-5, 10**6))), min_size=1, max_size=3),

@@ -3,6 +3,8 @@ loaded; `tinyserve --check` prints it for a 27B-shaped folder that holds headers
 fit fails naming its key."""
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ import torch
 
 from checkpoints import QWEN3_5_27B, make_header_only
 from server_util import write_config
+from tinyserve import cli
 from tinyserve import plan as planmod
 from tinyserve.config import ConfigError, from_dict
 from tinyserve.loader import read_checkpoint
@@ -137,9 +140,15 @@ def _small(mc) -> int:
 
 
 def check_card(tmp_path, config: dict, gb: float) -> subprocess.CompletedProcess:
+    """`tinyserve --check CONFIG --gpu-memory-gb GB` through the CLI's own main() in this process: a card's plan
+    needs torch (FP8 placement builds the model on the meta device), whose import is most of a fresh process's
+    time; the command itself runs as a process in the tests above."""
     path = write_config(tmp_path, config)
-    return subprocess.run([sys.executable, "-m", "tinyserve.cli", "--check", str(path), "--gpu-memory-gb", str(gb)],
-                          capture_output=True, text=True, timeout=120)
+    args = [str(path), "--check", "--gpu-memory-gb", str(gb)]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(args)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def production(folder, tmp_path) -> dict:

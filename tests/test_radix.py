@@ -42,6 +42,7 @@ def run_both(model, prompts, page_size, interval):
     return warm, done
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interval_pages", [4, 8])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_cache_hits_equal_cold_runs(hybrid_model, page_size, interval_pages):
@@ -97,6 +98,7 @@ def test_both_caches_offer_the_cache_protocol(cls):
                 list(inspect.signature(want).parameters), f"{cls.__name__}.{name}"
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), page_size=st.sampled_from([1, 16]))
 def test_random_request_streams_match_uncached(hybrid_model, data, page_size):

@@ -438,6 +438,7 @@ def test_queue_full_and_disconnect_frees_pages(inproc):
 # ---------------------------------------------------------------------------------------------------------------
 # Process lifecycle: systemd notification, SIGTERM drain, config errors, --check
 
+@pytest.mark.slow
 def test_sigterm_drains_and_notifies_systemd(xdg, tmp_path):
     name = f"tinyserve-test-{uuid.uuid4().hex}"
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

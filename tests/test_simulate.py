@@ -66,6 +66,7 @@ def per_request(r: simulate.Result) -> list[tuple]:
             for x in r.records]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["seed", "coding"])
 def test_simulator_reproduces_the_engine(hybrid_model, tmp_path, name):
     if name == "seed":

@@ -95,6 +95,7 @@ MARKS = "resume" in inspect.signature(PrefixCache._snapshot).parameters
 needs_marks = pytest.mark.skipif(not MARKS, reason="cache.py does not mark resume points yet")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slots", [5, pytest.param(4, marks=needs_marks)])
 def test_resume_points_outlive_interval_snapshots_on_the_device(model, cold, roomy, slots):
     """A few device snapshot slots for three sessions of eight snapshots each: every later request still resumes
@@ -108,6 +109,7 @@ def test_resume_points_outlive_interval_snapshots_on_the_device(model, cold, roo
     assert_no_leaks(eng)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_snapshots", [4, pytest.param(2, marks=needs_marks)])
 def test_leaf_snapshots_are_demoted_to_the_host_not_dropped(model, cold, roomy, host_snapshots):
     """Two device snapshot slots and a small host tier (write_back): leaf snapshots are demoted to the host, not

@@ -370,6 +370,7 @@ def _targets():
     return target, draft
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params,prior,use_q", [
     (SamplingParams(temperature=1.0), (), True),
     (SamplingParams(temperature=0.7, top_k=3), (), True),

@@ -154,6 +154,7 @@ def test_write_through_selective_backs_up_on_the_second_hit(model, cold, tmp_pat
 # ---------------------------------------------------------------------------------------------------------------
 # 2. File hit after a real restart of the server process
 
+@pytest.mark.slow
 def test_file_hit_after_a_real_server_restart(xdg, tmp_path):
     """With the default prefetch policy: the first request after a restart is served from the file tier."""
     cache_dir = tmp_path / "kv"
@@ -322,6 +323,7 @@ def test_size_limit_below_one_session(model, cold, tmp_path, blobs_that_fit):
 # ---------------------------------------------------------------------------------------------------------------
 # 4. Load: many concurrent sessions, tiny device pool, tiny host tier, file tier on
 
+@pytest.mark.slow
 def test_concurrent_sessions_with_host_evictions_match_uncached(model, tmp_path):
     bases = [tokens(150, 300 + i) for i in range(3)]
     prompts = [bases[i % 3][:100 + 10 * i] + tokens(20 + 5 * i, 400 + i) for i in range(8)]
@@ -424,6 +426,7 @@ def _expected_blob(i: int, fp: bytes) -> tuple[list[int], list[bytes], torch.Ten
     return toks, chain_hashes(fp, toks, 16), torch.randn((8, 64, 32), generator=g)
 
 
+@pytest.mark.slow
 def test_kill_9_while_writing_leaves_a_consistent_folder(tmp_path):
     fp = bytes(range(32))
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), fp.hex()], stdout=subprocess.PIPE)
@@ -469,6 +472,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_kill_9_of_an_engine_then_restart_serves_what_was_complete(model, tmp_path):
     ckpt = tmp_path / "ckpt"
     make_qwen3_5_text(ckpt, max_position_embeddings=2048)

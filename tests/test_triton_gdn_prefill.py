@@ -45,11 +45,13 @@ def check(lens, slots, n_slots, H, HV, dk, dv, dtype=torch.float32, seed=0, stro
     assert not torch.equal(tri_state[slots], state[slots])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("H,HV,dk,dv", [(1, 1, 16, 32), (2, 4, 32, 16), (1, 3, 16, 24)],
-                         ids=["HV=H", "HV=2H", "HV=3H,dv=24"])
+@pytest.mark.parametrize("H,HV,dk,dv,dtype", [
+    (1, 1, 16, 32, torch.float32), (1, 1, 16, 32, torch.float16),
+    (2, 4, 32, 16, torch.float16), (1, 3, 16, 24, torch.float32),
+], ids=["HV=H-fp32", "HV=H-fp16", "HV=2H-fp16", "HV=3H,dv=24-fp32"])
 def test_ragged_batch(H, HV, dk, dv, dtype):
-    """Lengths 1, 5, 64, 65, 130 in one call (partial, exact and multi-chunk sequences), non-consecutive slots."""
+    """Lengths 1, 5, 64, 65, 130 in one call (partial, exact and multi-chunk sequences), non-consecutive slots.
+    Each head layout once and each dtype (the dtype only changes the loads and stores, not the head indexing)."""
     check([1, 5, 64, 65, 130], [7, 0, 3, 5, 2], 9, H, HV, dk, dv, dtype, seed=HV)
 
 
@@ -67,6 +69,7 @@ def test_head_dims_over_64(dk):
     check([70, 3], [1, 0], 2, 1, 2, dk, 16, seed=dk)
 
 
+@pytest.mark.slow
 def test_split_dots_path(monkeypatch):
     """The GPU's plan for bf16 activations (w stored as hi + lo, the state kernel's dots on hi + lo pairs, h and the
     stored v_new in the 16-bit dtype) with fp16 as that dtype, which the interpreter computes right. The state is

@@ -295,6 +295,7 @@ def test_paged_decode_low_precision_kv(kv_dtype, monkeypatch):
     torch.testing.assert_close(tri.float(), ref, **tol(q_dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_paged_verify_rows_equal_causal_prefill(page_size, monkeypatch):
     """A NEXTN verify through the decode kernels (each token a row of length position + 1 over its sequence's
@@ -324,6 +325,7 @@ def test_paged_verify_rows_equal_causal_prefill(page_size, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # The model through the kernels: the real call sites (strided views of fused projections, per-layer pool views)
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
     """A tiny hybrid model with a NEXTN head, its linear weights kept FP8 (w8a8: activations quantized per group),
     prefills, decodes and verifies drafts through every Triton kernel here and gives the greedy tokens of the torch

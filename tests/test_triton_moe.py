@@ -116,10 +116,17 @@ def test_alignment_layout(ids, E, BM):
 # --- Triton against the reference ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("top_k", [1, 2, 4])
-@pytest.mark.parametrize("E", [4, 8])
-@pytest.mark.parametrize("T", [1, 3, 17, 70])
+def dtype_id(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16"}[dtype]
+
+
+# Every T with every top_k (decode, a few rows, rows over one tile, several tiles per expert), and each of the four
+# factors paired with every value of each other one: E and the dtype alternate over the twelve (T, top_k) pairs.
+PAIRWISE = [(T, [4, 8][i % 2], top_k, [torch.float32, torch.float16][i // 2 % 2])
+            for i, (T, top_k) in enumerate((T, k) for T in (1, 3, 17, 70) for k in (1, 2, 4))]
+
+
+@pytest.mark.parametrize("T, E, top_k, dtype", PAIRWISE, ids=[f"{T}-{E}-{k}-{dtype_id(d)}" for T, E, k, d in PAIRWISE])
 def test_triton_against_reference(T, E, top_k, dtype):
     H, I = 72, 40                                          # partial K, N tiles in both GEMMs
     g = gen_(100 * T + 10 * E + top_k)
@@ -312,9 +319,13 @@ def test_triton_fp8_grouped_gemm(act_quant, dtype, rows_per_expert):
         assert_close_scaled(out, grouped_gemm_reference(a, w, div, rw, topk_ids), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("act_quant", [True, False], ids=["w8a8", "w8a16"])
-@pytest.mark.parametrize("T, E, top_k, H, I, block", FP8_CASES)
+# Each case w8a8 and w8a16, the two in different dtypes: each dtype meets every case and both schemes.
+FP8_RUNS = [(*case, act_quant, [torch.float32, torch.float16][(i + act_quant) % 2])
+            for i, case in enumerate(FP8_CASES) for act_quant in (True, False)]
+
+
+@pytest.mark.parametrize("T, E, top_k, H, I, block, act_quant, dtype", FP8_RUNS,
+                         ids=[f"{r[0]}-{'w8a8' if r[6] else 'w8a16'}-{dtype_id(r[7])}" for r in FP8_RUNS])
 def test_triton_fp8_against_reference(T, E, top_k, H, I, block, act_quant, dtype):
     g = gen_(3 * T + E + I)
     w_gate_up, w_down = fp8_pair(E, H, I, block, act_quant, g)
