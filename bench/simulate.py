@@ -318,7 +318,7 @@ class SimRadix(RadixCache):
     def _locks_pin(self, alloc: Any, *args: Any, **kwargs: Any) -> int | None:
         """Policy "pinned": run an allocation with every locked node pinned as if an admission were loading it."""
         saved = self.pinned
-        self.pinned = saved | {n for n in self._nodes() if n.lock}
+        self.pinned = saved | {n for n in self.nodes() if n.lock}
         try:
             return alloc(*args, **kwargs)
         finally:
@@ -332,7 +332,7 @@ class SimRadix(RadixCache):
         slot = self.state_pool.alloc_snapshot()         # cc0853a's RadixCache.alloc_snapshot
         if slot is not None:
             return slot
-        held = [n for n in self._nodes() if n.snapshot is not None and n.lock == 0]
+        held = [n for n in self.nodes() if n.snapshot is not None and n.lock == 0]
         if not held:
             return None
         victim = min(held, key=lambda n: n.last_use)
@@ -356,7 +356,7 @@ class SimRadix(RadixCache):
         slot = self.host.alloc_snapshot()               # cc0853a's RadixCache._host_alloc_snapshot
         if slot is not None:
             return slot
-        held = [x for x in self._nodes() if x.host_snapshot is not None and x is not protect
+        held = [x for x in self.nodes() if x.host_snapshot is not None and x is not protect
                 and (x.snapshot is not None or x.lock == 0)]
         if not held:
             return None

@@ -90,7 +90,7 @@ def test_branching_conversations_store_each_page_once(model, cold, tmp_path, pol
     conversation(eng, cold)
     tree, file = eng.cache.tree, eng.cache.file
     fingerprint = file.fingerprint
-    nodes = [n for n in tree._nodes() if n is not tree.root]
+    nodes = [n for n in tree.nodes() if n is not tree.root]
     cached_pages = {h for n in nodes for h in page_hashes(fingerprint, tree._path_tokens(n))[n.start // PS:]}
     eng.cache.make_room(eng.allocator.num_pages)                      # evict everything (write_back writes now)
     file.flush(30)

@@ -83,10 +83,10 @@ def run(eng: Engine, name: str):
 def check_host_rows(eng: Engine) -> None:
     """Every node with a device and a host copy holds the same KV in both (rows moved by compaction included)."""
     host, tree = host_of(eng), eng.cache.tree
-    both = [n for n in tree._nodes() if n.pages is not None and n.host_pages is not None]
+    both = [n for n in tree.nodes() if n.pages is not None and n.host_pages is not None]
     for n in both:
         assert torch.equal(host.read_pages(n.host_pages), eng.kv_pool.buffer[n.pages])
-    for n in tree._nodes():
+    for n in tree.nodes():
         if n.snapshot is not None and n.host_snapshot is not None:
             conv, ssm = host.read_snapshot(n.host_snapshot)
             assert torch.equal(conv, eng.state_pool.conv[n.snapshot])

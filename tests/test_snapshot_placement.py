@@ -138,7 +138,7 @@ def test_a_full_host_tier_keeps_leaves_over_interior_snapshots(model, cold, room
 
 def snapshot_ends(eng: Engine) -> dict[int, int]:
     """depth -> first token of every node holding a device snapshot."""
-    return {n.depth: n.tokens[0] for n in eng.cache.tree._nodes() if n.snapshot is not None}
+    return {n.depth: n.tokens[0] for n in eng.cache.tree.nodes() if n.snapshot is not None}
 
 
 def test_interior_interval_snapshots_go_first_and_intervals_never_push_out_resume_points(model, cold):
@@ -174,10 +174,10 @@ def test_a_running_requests_lock_pins_its_pages_not_its_snapshots(model, cold):
     assert len(snapshot_ends(eng)) == 2
     m = tree.match(x + tokens(20, 64))                   # a request resuming from X's deepest state, still running
     tree.lock(m.node, +1)
-    x_pages = [n.pages for n in tree._nodes() if n is not tree.root]
+    x_pages = [n.pages for n in tree.nodes() if n is not tree.root]
     first, again = play(eng, cold, [y, y])
     assert first.cached_tokens == 0 and again.cached_tokens == (len(y) - 1) // PS * PS
-    assert all(n.pages is not None for n in tree._nodes() if n.lock)       # the locked path kept its KV
+    assert all(n.pages is not None for n in tree.nodes() if n.lock)       # the locked path kept its KV
     assert x_pages[0] == tree.match(x).pages[:len(x_pages[0])]
     tree.lock(m.node, -1)
     assert_no_leaks(eng)

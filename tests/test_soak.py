@@ -130,7 +130,7 @@ def pools(engine):
             "snapshot_slots": sp.num_snapshot_slots, "snapshots_free": sp.num_free_snapshots,
             "tree_pages": tree.num_pages if tree is not None else 0,
             "tree_snapshots": tree.num_snapshots if tree is not None else 0,
-            "tree_nodes": len(tree._nodes()) if tree is not None else 0,
+            "tree_nodes": len(tree.nodes()) if tree is not None else 0,
             "host_pages_used": rep.used if rep else 0, "host_snapshots_used": rep.used_snapshots if rep else 0,
             "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting)}
 

@@ -9,7 +9,7 @@ that has a device snapshot (the root counts: the state at position 0 is all zero
 use the whole match. Before matching, `promote` brings host-only nodes on the prompt's path and blobs read from the
 file tier back onto the device.
 
-Invariants (tests check them):
+Invariants (radix_check.check_tree asserts them; tests call it after every scenario):
 - The tree owns one reference on each of its device pages (PageAllocator refcounts), one device snapshot slot per
   device snapshot and its host blocks. Running requests hold their own page references, so evicting a node never
   pulls KV from under a request.
@@ -42,6 +42,7 @@ from tinyserve.config import WRITE_POLICIES
 from tinyserve.file_tier import FileTier
 from tinyserve.host_tier import HostTier
 from tinyserve.kv import PageAllocator
+from tinyserve.radix_check import check_tree
 from tinyserve.state import StatePool
 
 _clock = itertools.count()
@@ -242,11 +243,7 @@ class RadixCache:
                 if hp is not None:
                     self.host.save_pages(node.pages, hp)
                     node.host_pages = hp
-            if node.snapshot is not None and node.host_snapshot is None:
-                hs = self._host_alloc_snapshot(protect=node, copy_of=node, copied=True)
-                if hs is not None:
-                    self.host.save_snapshot(node.snapshot, hs)
-                    node.host_snapshot = hs
+            self._snapshot_to_host(node, copied=True)
         if self.file is not None:
             self._write_file(node)
 
@@ -337,14 +334,15 @@ class RadixCache:
                 return None
             if node.host_snapshot is not None:
                 slot = self.alloc_snapshot()
-                if slot is not None and node.host_snapshot is None:   # defensive: never copy from no slot
+                if slot is None:
+                    return None
+                if node.host_snapshot is None:          # making room took this very copy
                     self.state_pool.free_snapshot(slot)
-                elif slot is not None:
-                    self.host.load_snapshot(node.host_snapshot, slot)
-                    node.snapshot = slot
-                    self.num_snapshots += 1
-                    return node.depth
-                return None
+                    return None
+                self.host.load_snapshot(node.host_snapshot, slot)
+                node.snapshot = slot
+                self.num_snapshots += 1
+                return node.depth
         return None
 
     def _load_blobs(self, tokens: list[int], blobs: list[Blob], path: list[Node]) -> int:
@@ -390,7 +388,8 @@ class RadixCache:
         return pos
 
     # ---- device eviction ----
-    def _nodes(self) -> list[Node]:
+    def nodes(self) -> list[Node]:
+        """Every node, the root included, parents before their children."""
         out, stack = [], [self.root]
         while stack:
             n = stack.pop()
@@ -427,7 +426,7 @@ class RadixCache:
         """Free device pages until the allocator has need_free free: unlocked nodes with no child on the device,
         least recently used first, are demoted to the host (backed up first under write_back) or removed."""
         while self.allocator.num_free < need_free:
-            cands = [n for n in self._nodes() if n is not self.root and n.pages is not None and n.lock == 0
+            cands = [n for n in self.nodes() if n is not self.root and n.pages is not None and n.lock == 0
                      and all(c.pages is None for c in n.children.values())]
             if not cands:
                 return
@@ -435,11 +434,7 @@ class RadixCache:
             if self._backup_due("evict", victim.hits):
                 self._backup(victim)
             if victim.host_pages is not None:
-                if victim.snapshot is not None and victim.host_snapshot is None:
-                    hs = self._host_alloc_snapshot(protect=victim, copy_of=victim)
-                    if hs is not None:
-                        self.host.save_snapshot(victim.snapshot, hs)
-                        victim.host_snapshot = hs
+                self._snapshot_to_host(victim)
                 self._drop_device(victim)                # demoted: host-only now
             else:
                 self._remove_subtree(victim)
@@ -449,7 +444,7 @@ class RadixCache:
         """Nodes with a state snapshot (device or host) somewhere below them: their own snapshot serves only the
         prompts that leave the path between them and the deeper one."""
         out: set[Node] = set()
-        for n in reversed(self._nodes()):                  # children before their parents
+        for n in reversed(self.nodes()):                  # children before their parents
             if n is not self.root and (n in out or n.snapshot is not None or n.host_snapshot is not None):
                 out.add(n.parent)
         return out
@@ -470,7 +465,7 @@ class RadixCache:
         slot = self.state_pool.alloc_snapshot()
         if slot is not None:
             return slot
-        held = [n for n in self._nodes() if n.snapshot is not None and n not in self.pinned]
+        held = [n for n in self.nodes() if n.snapshot is not None and n not in self.pinned]
         if not held:
             return None
         interior = self._interior()
@@ -478,11 +473,8 @@ class RadixCache:
         unique, leaf, kept, _ = self._worth(victim, interior, victim.host_snapshot is not None)
         if not resume and unique and (leaf or kept):
             return None
-        if self.host is not None and victim.host_snapshot is None:
-            hs = self._host_alloc_snapshot(protect=victim, copy_of=victim)
-            if hs is not None:
-                self.host.save_snapshot(victim.snapshot, hs)
-                victim.host_snapshot = hs
+        if self.host is not None:
+            self._snapshot_to_host(victim)
         slot, victim.snapshot = victim.snapshot, None
         self.num_snapshots -= 1
         self.snapshots_evicted += 1
@@ -515,7 +507,7 @@ class RadixCache:
         with its copy); False when what is left cannot go."""
         while self.host.num_free_pages < n:
             # a locked host-only node is being promoted (its copy is about to be read): pinned
-            cands = [x for x in self._nodes() if x.host_pages is not None and x is not protect
+            cands = [x for x in self.nodes() if x.host_pages is not None and x is not protect
                      and all(c.host_pages is None for c in x.children.values())
                      and (x.pages is not None or (not x.children and x.lock == 0))]
             if not cands:
@@ -526,6 +518,15 @@ class RadixCache:
             else:
                 self._drop_host(victim)
         return True
+
+    def _snapshot_to_host(self, node: Node, copied: bool = False) -> None:
+        """Copy node's device snapshot to the host tier if it has none there and the tier holds (or can make room
+        for) it without dropping a copy worth more; copied: the device keeps its snapshot too."""
+        if node.snapshot is not None and node.host_snapshot is None:
+            slot = self._host_alloc_snapshot(protect=node, copy_of=node, copied=copied)
+            if slot is not None:
+                self.host.save_snapshot(node.snapshot, slot)
+                node.host_snapshot = slot
 
     def _host_alloc_snapshot(self, protect: Node | None, copy_of: Node | None = None, copied: bool = False) \
             -> int | None:
@@ -542,7 +543,7 @@ class RadixCache:
         would take its place; copied: it stays on the device too), only one worth less than that: a copy never
         pushes out a better one."""
         # a node of an admission in progress without a device snapshot may be about to load this one: pinned
-        held = [x for x in self._nodes() if x.host_snapshot is not None and x is not protect
+        held = [x for x in self.nodes() if x.host_snapshot is not None and x is not protect
                 and (x.snapshot is not None or x not in self.pinned)]
         if not held:
             return None
@@ -560,62 +561,13 @@ class RadixCache:
             self._drop_stateless_leaves(victim)
         return slot
 
-    # ---- invariants ----
     def check(self) -> None:
-        """Assert the invariants at the top of this module (tests call it after every scenario)."""
-        ps, nodes = self.page_size, self._nodes()
-        dev_pages: list[int] = []
-        host_pages: list[int] = []
-        snaps: list[int] = []
-        host_snaps: list[int] = []
-        for n in nodes:
-            assert n.lock >= 0
-            if n is self.root:
-                continue
-            assert n.tokens and len(n.tokens) % ps == 0, "a node holds whole pages"
-            assert n.parent.children.get(self._key(n.tokens, 0)) is n, "a node is filed under its first page"
-            assert n.depth == n.parent.depth + len(n.tokens), "depth = parent's depth + own tokens"
-            assert n.parent is self.root or n.parent.lock >= n.lock, "a lock covers the whole path up to the root"
-            if n.pages is not None:
-                assert len(n.pages) == len(n.tokens) // ps
-                assert n.parent is self.root or n.parent.pages is not None, "device nodes form a subtree"
-                dev_pages += n.pages
-            else:
-                assert n.lock == 0, "a locked node is on the device"
-                assert n.snapshot is None, "a device snapshot needs device pages"
-                assert n.host_pages is not None, "a node lives on the device, the host, or both"
-            if n.host_pages is not None:
-                assert len(n.host_pages) == len(n.tokens) // ps
-                host_pages += n.host_pages
-            if n.snapshot is not None:
-                snaps.append(n.snapshot)
-            if n.host_snapshot is not None:
-                host_snaps.append(n.host_snapshot)
-        assert len(set(dev_pages)) == len(dev_pages) == self.num_pages, "each device page once, counted"
-        assert all(self.allocator.refcount[p] >= 1 for p in dev_pages), "the tree holds a reference on its pages"
-        assert len(set(snaps)) == len(snaps) == self.num_snapshots, "each snapshot slot once, counted"
-        assert all(s >= self.state_pool.num_slots for s in snaps), "snapshots live in snapshot slots"
-        assert not set(snaps) & set(self.state_pool._free_snapshots), "a held snapshot slot is not free"
-        # snapshot bytes: never more than the plan's counts (the pools are sized from it)
-        pool = self.state_pool
-        assert pool.conv.shape[0] == pool.ssm.shape[0] == pool.num_slots + pool.num_snapshot_slots, \
-            "device snapshot memory is what the plan says"
-        assert self.num_snapshots + pool.num_free_snapshots <= pool.num_snapshot_slots, \
-            "device snapshots held + free within the plan's slots (the rest track running requests)"
-        if self.host is not None:
-            assert len(set(host_pages)) == len(host_pages) == self.host.num_pages - self.host.num_free_pages
-            assert len(set(host_snaps)) == len(host_snaps) == \
-                self.host.num_snapshots - self.host.num_free_snapshots
-            assert self.host.num_snapshots <= self.host.max_snapshots, "host snapshot capacity within the plan"
-            assert len(host_snaps) * self.host.snap_bytes <= self.host._snaps.allocated_bytes \
-                <= self.host.max_snapshots * self.host.snap_bytes, "host snapshot bytes within the plan"
-        else:
-            assert not host_pages and not host_snaps
+        check_tree(self)
 
     # ---- flush ----
     def flush(self) -> bool:
         """Empty the device and host tiers; refuses (returns False) while a running request holds part of it."""
-        if any(n.lock for n in self._nodes() if n is not self.root):
+        if any(n.lock for n in self.nodes() if n is not self.root):
             return False
         for child in list(self.root.children.values()):
             self._remove_subtree(child)
