@@ -17,11 +17,12 @@ the request counts it (tinyserve:tools_left_out in /metrics).
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from .grammar import Constraint
+from .grammar import FORMAT_SYNTAXES, FREEFORM_INPUT, Constraint
 from .parsers import Qwen3ReasoningParser, prompt_opens_reasoning
 from .protocol import ChoiceResult, GenerationOptions, ImageInput, bad_request, constraint_after_reasoning
 from .tokenizer import Tokenizer
@@ -79,12 +80,13 @@ def left_out_tools(req: Any) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # Tools: every protocol's tool list and tool_choice, as the template, the tool parser and the grammar take them
 
-ToolReader = Callable[[dict[str, Any], str], dict[str, Any]]   # (one tool object, its param) -> a function tool
+ToolReader = Callable[[dict[str, Any], str], "dict[str, Any] | None"]   # (one tool, its param) -> a function tool
 
 
 def function_tools(value: Any, read: ToolReader, shape: str = "an object") -> list[dict[str, Any]]:
     """A protocol's `tools` -> OpenAI function tools. `read(tool, param)` checks one tool object of the protocol's
-    shape and returns its function tool (through function_tool); an entry that is no object must be `shape`."""
+    shape and returns its function tool (through function_tool), or None for a tool left out of the prompt
+    (leave_out); an entry that is no object must be `shape`."""
     if value is None:
         return []
     if not isinstance(value, list):
@@ -94,7 +96,9 @@ def function_tools(value: Any, read: ToolReader, shape: str = "an object") -> li
         p = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise bad_request(f"{p} must be {shape}", p)
-        out.append(read(tool, p))
+        fn = read(tool, p)
+        if fn is not None:
+            out.append(fn)
     return out
 
 
@@ -150,6 +154,50 @@ def forced_tool_call(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
         return Constraint.tool_call(tools, tool_choice["function"].get("name"), formats=formats)
     return None
+
+
+# A freeform tool (Responses `custom`: Codex's apply_patch) has no JSON arguments: its input is free text. The template
+# shows it as a function with one string parameter; the call's `input` is that parameter's text.
+FREEFORM_SCHEMA = {"type": "object", "properties": {FREEFORM_INPUT: {
+    "type": "string", "description": "The tool's input, as free text (not JSON)."}}, "required": [FREEFORM_INPUT]}
+
+
+def freeform_tool(tool: dict[str, Any], p: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A freeform tool {"name", "description", "format"} -> (the function tool the template shows, the format of its
+    input: {"type": "text"} or {"type": "grammar", "syntax": "lark" | "regex", "definition"})."""
+    fmt = tool.get("format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        fmt = {"type": "text"}
+    elif kind == "grammar" and fmt.get("syntax") in FORMAT_SYNTAXES and isinstance(fmt.get("definition"), str):
+        fmt = {"type": "grammar", "syntax": fmt["syntax"], "definition": fmt["definition"]}
+    else:
+        raise bad_request(f'{p}.format must be {{"type": "text"}} or {{"type": "grammar", "syntax": "lark" | '
+                          f'"regex", "definition": ...}}', f"{p}.format")
+    description = tool.get("description") if isinstance(tool.get("description"), str) else ""
+    note = f"Call it with one parameter, `{FREEFORM_INPUT}`: free text, not JSON."
+    if fmt["type"] == "grammar":
+        note += f" The text must match this {fmt['syntax']} grammar:\n{fmt['definition']}"
+    fields = {"name": tool.get("name"), "description": "\n\n".join(t for t in (description, note) if t),
+              "parameters": FREEFORM_SCHEMA}
+    return function_tool(fields, p), fmt
+
+
+def freeform_input(arguments: str) -> str:
+    """A freeform tool's input from the parsed call's JSON arguments: its `input`, else its one parameter's text
+    (a model may name it otherwise), else the arguments as they are."""
+    try:
+        args = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        return arguments
+    if not isinstance(args, dict):
+        return arguments
+    if isinstance(args.get(FREEFORM_INPUT), str):
+        return args[FREEFORM_INPUT]
+    if len(args) == 1:
+        (value,) = args.values()
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return json.dumps(args, ensure_ascii=False) if args else ""
 
 
 def chat_tools(tools: list[dict[str, Any]], choice: Any) -> tuple[list[dict[str, Any]] | None, Any]:
