@@ -171,13 +171,18 @@ def _convert_typed(text: str, kind: str) -> Any:
     return _NO_VALUE
 
 
+# Type names that are not JSON Schema's but that tool definitions use (vLLM reads them the same way).
+_TYPE_ALIASES = {"float": "number", "double": "number", "int": "integer", "long": "integer", "bool": "boolean",
+                 "dict": "object", "list": "array", "str": "string"}
+
+
 def convert_parameter(text: str, schema: dict | None) -> Any:
     """A parameter's text -> its JSON value, typed by the parameter's schema.
 
     Strings stay strings; integer/number/boolean/object/array/null are parsed; text that does not fit its declared
     type is kept as a string. Unknown parameters stay strings unless they parse as a JSON object or array.
     """
-    types = schema_types(schema)
+    types = [_TYPE_ALIASES.get(t, t) for t in schema_types(schema)]
     if not types:
         if text.strip()[:1] in ("{", "["):
             value = _parse_container(text.strip(), (dict, list))
