@@ -276,7 +276,9 @@ class Qwen3CoderToolParser:
     # ---- public API ----
     def feed(self, delta: str) -> list[dict]:
         self._buf += delta
-        if self._call is None or ">" in delta:      # inside a call every decision waits for a tag's '>'
+        # In a call, scanning again only when a tag can have closed (a '>') changes when a decision comes, not what
+        # it is, and keeps a long value from being rescanned at every token.
+        if self._call is None or ">" in delta:
             self._run(final=False)
         return self._take_deltas()
 
