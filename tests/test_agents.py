@@ -239,7 +239,8 @@ def test_the_apply_patch_grammar_is_enforced_on_a_forced_call(xdg):
                                   {"apply_patch": fmt})
 
     def call(patch: str) -> str:
-        return f"<tool_call>\n<function=apply_patch>\n<parameter=input>\n{patch}\n</parameter>\n</function>\n</tool_call>"
+        return (f"<tool_call>\n<function=apply_patch>\n<parameter=input>\n{patch}\n</parameter>\n</function>\n"
+                "</tool_call>")
 
     def accepts(text: str) -> bool:
         state = comp.state(constraint)
@@ -421,9 +422,9 @@ def test_forced_calls_on_a_tokenizer_that_flags_the_markers_special(special_flag
             assert finish == "tool_calls" and len(arguments) == 1, (arguments, finish)
             assert json.loads(arguments[0])["city"] in ("Paris", "Rome")
     messages = anthropic.Anthropic(base_url=proc.base_url, api_key="unused", max_retries=0, timeout=120)
+    weather = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
     r = messages.messages.create(model="claude", max_tokens=80, messages=[{"role": "user", "content": "Weather?"}],
-                                 tools=[{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}],
-                                 tool_choice={"type": "any"})
+                                 tools=[weather], tool_choice={"type": "any"})
     assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"]
     final, _ = responses(proc, {"model": "codex", "input": "Weather?", "max_output_tokens": 80, "store": False,
                                 "tools": [{"type": "function", "name": "get_weather",
@@ -454,3 +455,41 @@ def test_a_think_tag_in_the_conversation_does_not_start_reasoning(xdg):
                                       "chat_template_kwargs": kwargs}, "tinyserve")
             ChatFormat("qwen3", "qwen3_coder").prompt_ids(req, tokenizer)
             assert req.starts_in_reasoning is expected, (content, kwargs)
+
+
+def test_parsed_freeform_call_and_reasoning_ended_by_a_call():
+    """On the module (the random model writes no call when not forced): a call made from inside the think block
+    ends the reasoning, a call of the freeform tool is a custom_tool_call item, and the stream gives the same items
+    with the input in its own events; reasoning_tokens counts up to the call that ended the block."""
+    from tinyserve.protocol import ChoiceResult, Delta, Meta, Usage
+    from tinyserve.responses import Responses, parse_responses_request
+    endpoint = Responses("qwen3", "qwen3_coder")
+    req = parse_responses_request({"input": "Fix it", "tools": CODEX_TOOLS})
+    req.chat.starts_in_reasoning = True
+    patch = "*** Begin Patch\n*** Update File: a.py\n@@\n-x = 1\n+x = 2\n*** End Patch"
+    text = ("The constant is wrong.\n<tool_call>\n<function=apply_patch>\n<parameter=input>\n" + patch +
+            "\n</parameter>\n</function>\n</tool_call>")
+    chars = list(text)                                # one "token" per character: token_text is the identity
+    meta = Meta("resp_1", 0, "tinyserve", [1, 2, 3], lambda t: t)
+    usage = Usage(3, len(chars))
+    body = endpoint.response(req, meta, [ChoiceResult(0, text=text, token_ids=chars)], usage)
+    assert [i["type"] for i in body["output"]] == ["reasoning", "custom_tool_call"]
+    reasoning, call = body["output"]
+    assert reasoning["content"][0]["text"] == "The constant is wrong."
+    assert call["name"] == "apply_patch" and call["input"] == patch and call["id"].startswith("ctc_")
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == text.index("<tool_call>")
+    out = endpoint.stream(req, meta)
+    events = out.start()
+    for k in range(0, len(text), 5):
+        events += out.delta(0, Delta(text[k:k + 5], chars[k:k + 5], []))
+    events += out.delta(0, Delta("", [], [], "stop")) + out.end(usage)
+    final = events[-1]["response"]
+
+    def strip(items: list[dict]) -> list[dict]:
+        return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+    assert strip(final["output"]) == strip(body["output"]) and final["usage"] == body["usage"]
+    assert [e["input"] for e in events if e["type"] == "response.custom_tool_call_input.done"] == [patch]
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [a["type"] for a in added] == ["reasoning", "custom_tool_call"] and added[1]["input"] == ""
+    assert added[0]["content"][0]["text"] == ""

@@ -113,11 +113,12 @@ RECT = ("<tool_call>\n<function=calculate_area>\n<parameter=shape>\nrectangle\n<
         "{\"width\": 10, \n \"height\": 20}\n</parameter>\n<parameter=precision>\n2\n</parameter>\n</function>\n"
         "</tool_call>")
 MISSING_CLOSE = ("Let me check the weather for you:\n<tool_call>\n<function=get_current_weather>\n<parameter=city>\n"
-                 "Dallas\n<parameter=state>\nTX\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n</function>\n"
-                 "</tool_call>")
+                 "Dallas\n<parameter=state>\nTX\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n"
+                 "</function>\n</tool_call>")
 XML_TAGS = ('char_deltas = [\n    "<tool_call>\\n",\n    "<parameter=query>\\n",\n    "\\n</parameter>\\n",\n'
             '    "</function>\\n",\n]\n')
-PARAM_LINES = 'TOOL_CALL_TEMPLATE = """\n</parameter>\n<parameter=new_string>\n#!/usr/bin/env python3\n</parameter>\n"""\n'
+PARAM_LINES = ('TOOL_CALL_TEMPLATE = """\n</parameter>\n<parameter=new_string>\n#!/usr/bin/env python3\n'
+               '</parameter>\n"""\n')
 REAL_NAME = 'doc = """\n<parameter=path>\nliteral/value\n</parameter>\n"""\n'
 NESTED = ('doc = """\n<tool_call>\n<function=write_file>\n<parameter=path>\nliteral/value.txt\n</parameter>\n'
           '<parameter=content>\nhello\n</parameter>\n</function>\n</tool_call>\n"""\n')

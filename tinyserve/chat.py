@@ -242,11 +242,17 @@ class ChatFormat:
 
         try:
             text = render(True)
-            # The answer starts inside a think block only when the generation prompt opened it; a <think> in the
-            # conversation (a file a tool read) does not count. Rendered again only when a <think> is open at all.
-            req.starts_in_reasoning = prompt_opens_reasoning(text) and prompt_opens_reasoning(text, render(False))
         except ValueError as e:                       # e.g. the template's raise_exception on a bad history
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+        # The answer starts inside a think block only when the generation prompt opened it; a <think> in the
+        # conversation (a file a tool read) does not count. Rendered again only when a <think> is open at all.
+        req.starts_in_reasoning = False
+        if prompt_opens_reasoning(text):
+            try:
+                without = render(False)
+            except ValueError:                        # a template that insists on its generation prompt
+                without = ""                          # (then the whole prompt is judged)
+            req.starts_in_reasoning = prompt_opens_reasoning(text, without)
         if self.tool_parser == "qwen3_coder":
             constraint = forced_tool_call(req.tools, req.tool_choice, req.custom_tools)
             if constraint is not None:                # the answer is the call: it replaces any response_format

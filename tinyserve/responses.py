@@ -195,8 +195,9 @@ def _input(value: Any, images: list[ImageInput], fetch: bool = False) -> list[di
             call_id, name = _string(item, "call_id", p), _string(item, "name", p)
             if not isinstance(item.get("input"), str):
                 raise bad_request(f"{p}.input must be a string", f"{p}.input")
+            arguments = {FREEFORM_INPUT: item["input"]}       # rendered as the model writes such a call
             assistant().setdefault("tool_calls", []).append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": {FREEFORM_INPUT: item["input"]}}})
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _string(item, "call_id", p)
             if "output" not in item:
