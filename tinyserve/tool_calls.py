@@ -266,6 +266,7 @@ class Qwen3CoderToolParser:
         self._buf = ""
         self._call: _Call | None = None
         self._pos = 0                # in a call: where the next element of its body starts in _buf
+        self._closers_from = 0       # in a value: closing tags before this index are known not to end it
         self._line_start = True      # whether _buf[0] starts a line (a bare `<function=` may start a call there)
         self._pending_ws = ""        # trailing whitespace of content: dropped if a call follows
         self._after_call = False     # drop whitespace right after a call
@@ -448,13 +449,16 @@ class Qwen3CoderToolParser:
         """(end of the value, where the call goes on) for the value starting at `start`; CUT_VALUE when the end of
         output leaves it open; None: too early to say."""
         seen = {n for n, _ in self._call.params} | {name}
-        for m in _CLOSER.finditer(buf, start):
+        for m in _CLOSER.finditer(buf, max(start, self._closers_from)):
             verdict = self._confirmed(buf, m.start(), m.group(), seen, final)
             if verdict is None:
+                self._closers_from = m.start()
                 return None
             if verdict:
+                self._closers_from = 0
                 return m.start(), m.end() if m.group() == PARAMETER_END else m.start()
-        if not final:
+        if not final:                                # a "no" never turns "yes": look only at new text next time
+            self._closers_from = max(start, self._closers_from, len(buf) - len(TOOL_CALL_END) + 1)
             return None
         if self._truncated:
             return CUT_VALUE
@@ -567,7 +571,7 @@ class Qwen3CoderToolParser:
         assert call is not None and call.committed
         self._send(call, final=True)
         self._call = None
-        self._buf, self._pos = self._buf[end:], 0
+        self._buf, self._pos, self._closers_from = self._buf[end:], 0, 0
         self._after_call, self._line_start = True, True
 
 
