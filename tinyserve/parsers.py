@@ -205,9 +205,9 @@ class Qwen3ReasoningParser:
     def _first_call_after(self, start: int, final: bool) -> bool | None:
         """After the </think> that follows a call made while thinking: does another call come? None: can't tell
         yet (only when not final)."""
-        buf, pos = self._buf, start
-        while (i := buf.find("<", pos)) >= 0:
-            verdict, _, _ = call_start(buf, i, self.tool_names, True if i == start else False, final)
+        rest, pos = self._buf[start:], 0                # the answer starts a line there, as the tool parser sees it
+        while (i := rest.find("<", pos)) >= 0:
+            verdict, _, _ = call_start(rest, i, self.tool_names, True, final)
             if verdict in (YES, CUT):
                 return True
             if verdict == WAIT:
