@@ -294,6 +294,10 @@ def test_custom_tool_history_renders_as_calls(server):
 
     assert prompt(base + [call, output], CODEX_TOOLS) > prompt(base, CODEX_TOOLS)
     assert prompt(base, [SHELL, UPDATE_PLAN, APPLY_PATCH]) == prompt(base, CODEX_TOOLS)      # web_search left out
+    broken = {**APPLY_PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}
+    status, _, raw = http("POST", server.base_url + "/v1/responses", codex_body(
+        base, tools=[broken], stream=False, tool_choice={"type": "custom", "name": "apply_patch"}))
+    assert status == 400 and json.loads(raw)["error"]["param"] == "tools", raw     # forced: the grammar compiles
 
 
 # ---------------------------------------------------------------------------------------------------------------
