@@ -402,7 +402,7 @@ TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris for 3
 
 
 def test_tool_call_grammar_follows_the_parser(tokenizer):
-    from tinyserve.parsers import Qwen3CoderToolParser
+    from tinyserve.tool_calls import Qwen3CoderToolParser
     comp = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
     note = {**WEATHER, "properties": {**WEATHER["properties"], "note": {"type": "string"},
                                       "opts": {"type": "object", "properties": {"a": {"type": "integer"}},

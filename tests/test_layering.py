@@ -20,7 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("tinyserve", "models", "kernels")
-API_MODULES = ("api", "protocol", "chat", "openai_api", "anthropic", "responses", "tokenizer", "parsers", "metrics",
+API_MODULES = ("api", "protocol", "chat", "openai_api", "anthropic", "responses", "tokenizer", "parsers", "tool_calls",
+               "metrics",
                "cli")
 ENGINE_PARTS = ("models", "kernels", "build", "loader", "model_config", "fp8_scheme", "runner", "static", "spec",
                 "scheduler", "cache", "radix", "host_tier", "file_tier", "blob", "copies", "idle", "kv", "state",

@@ -7,13 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tinyserve.parsers import (
-    Qwen3CoderToolParser,
-    Qwen3ReasoningParser,
-    convert_parameter,
-    make_tool_parser,
-    prompt_opens_reasoning,
-)
+from tinyserve.parsers import Qwen3ReasoningParser, prompt_opens_reasoning
+from tinyserve.tool_calls import Qwen3CoderToolParser, convert_parameter, make_tool_parser
 
 
 def chunkings(text: str, seed: int = 0, n_random: int = 30) -> list[list[str]]:
@@ -139,20 +134,20 @@ def _collect(deltas: list[dict], calls: dict, content: list[str]) -> None:
             calls[tc["index"]]["arguments"] += tc["function"]["arguments"]
 
 
-def _stream(parser: Qwen3CoderToolParser, chunks: list[str], final_content: str | None = None
-            ) -> tuple[str, list[tuple[str, dict]]]:
+def _stream(parser: Qwen3CoderToolParser, chunks: list[str], final_content: str | None = None,
+            truncated: bool = False) -> tuple[str, list[tuple[str, dict]]]:
     calls: dict[int, dict] = {}
     content: list[str] = []
     for piece in chunks:
         _collect(parser.feed(piece), calls, content)
         if final_content is not None:   # content sent is never taken back (no partial tag leaked)
             assert final_content.startswith("".join(content)), chunks
-    _collect(parser.finish(), calls, content)
+    _collect(parser.finish(truncated), calls, content)
     return "".join(content), [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
 
 
-def _whole(parser: Qwen3CoderToolParser, text: str) -> tuple[str, list[tuple[str, dict]]]:
-    content, calls = parser.parse(text)
+def _whole(parser: Qwen3CoderToolParser, text: str, truncated: bool = False) -> tuple[str, list[tuple[str, dict]]]:
+    content, calls = parser.parse(text, truncated)
     for c in calls:
         assert c["type"] == "function" and c["id"].startswith("call_") and len(c["id"]) > 10
     return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
@@ -183,10 +178,13 @@ def test_tool_streaming_arguments_are_exactly_the_parsed_string():
     assert [args[i] for i in sorted(args)] == [c["function"]["arguments"] for c in calls]
     assert calls[0]["function"]["arguments"] == \
         '{"city": "Paris", "days": 3, "metric": true, "options": {"lang": "fr", "hourly": false}}'
-    # arguments arrive one complete parameter at a time: the name delta comes before any parameter is closed
+    # arguments arrive one complete parameter at a time, once the next tag confirms it ends: the name delta comes
+    # before any parameter is closed, the last parameter with the closing brace once the end of the call is sure
     kinds = ["content" if "content" in d else ("name" if "id" in d["tool_calls"][0] else "args") for d in deltas]
     assert [k for i, k in enumerate(kinds) if k != "content" or i == 0] == \
-        ["content", "name"] + ["args"] * 5 + ["name"] + ["args"] * 3
+        ["content", "name"] + ["args"] * 4 + ["name"] + ["args"] * 2
+    fragments = [d["tool_calls"][0]["function"]["arguments"] for d in deltas if "tool_calls" in d]
+    assert fragments[1] == '{"city": "Paris"' and fragments[4].endswith("false}}") and fragments[-1].endswith("null}")
 
 
 def test_tool_ids_unique():
@@ -195,20 +193,33 @@ def test_tool_ids_unique():
 
 
 @pytest.mark.parametrize("text", [
-    "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",                  # cut off in a value
-    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",  # cut off before </function>
-    "<tool_call>\n<function=get_weath",                                            # cut off in the name
     "<tool_call>\n<function=get_weather>\njunk between parameters\n</function>\n</tool_call>",
     "<tool_call>\n<function=get_weather>\n<parameter=city\nParis</parameter></function></tool_call>",
-    "<tool_call>",
-    "<tool_call><tool_call><function=get_weather></tool_call>",
 ])
 def test_malformed_calls_are_content(text):
     content, calls = Qwen3CoderToolParser(TOOLS).parse(text)
     assert calls == [] and content == text
-    # streaming never raises and every argument string it produces is valid JSON
     for chunks in chunkings(text, n_random=5):
-        _stream(Qwen3CoderToolParser(TOOLS), chunks)
+        assert _stream(Qwen3CoderToolParser(TOOLS), chunks) == (text, [])
+
+
+@pytest.mark.parametrize("text, expected", [
+    # cut off in a value: the value is dropped, the call stays a call
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", ("", [("get_weather", {})])),
+    # cut off before </function>: every parameter is whole
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",
+     ("", [("get_weather", {"city": "Paris"})])),
+    # cut off in the opener: markup, not an answer
+    ("Let me look.\n<tool_call>\n<function=get_weath", ("Let me look.", [])),
+    ("<tool_call>", ("", [])),
+    # a lone <tool_call> is text; the call after it lacks </function>
+    ("<tool_call><tool_call><function=get_weather></tool_call>", ("<tool_call>", [("get_weather", {})])),
+])
+def test_cut_and_unclosed_calls_are_recovered(text, expected):
+    for truncated in (False, True):
+        assert _whole(Qwen3CoderToolParser(TOOLS), text, truncated) == expected
+        for chunks in chunkings(text, n_random=5):
+            assert _stream(Qwen3CoderToolParser(TOOLS), chunks, truncated=truncated) == expected, chunks
 
 
 def test_streaming_truncated_call_is_closed():

@@ -216,7 +216,13 @@ BAD = [
         {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}, "input[0].content[0]"),
     ("image-file-id", {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
      "input[0].content[0]"),
-    ("non-function-tool", {"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ("tool-type-not-a-string", {"input": "Hi", "tools": [{"type": 5}]}, "tools[0].type"),
+    ("bad-custom-format", {"input": "Hi", "tools": [{"type": "custom", "name": "apply_patch", "format": {
+        "type": "grammar", "syntax": "ebnf", "definition": "start: x"}}]}, "tools[0].format"),
+    ("custom-call-without-input", {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "apply_patch"}]},
+     "input[0].input"),
+    ("hosted-tool-choice", {"input": "Hi", "tools": [{"type": "web_search"}], "tool_choice": {
+        "type": "web_search"}}, "tool_choice"),
     ("bad-call-arguments", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]},
      "input[0].arguments"),
     ("unknown-tool-choice", {"input": "Hi", "tools": [SHELL_TOOL], "tool_choice": {"type": "function",

@@ -13,11 +13,16 @@ Mapping (request):
   tool_result content)                request.images: source base64 (media_type png | jpeg | webp | gif) or url
                                       (data: URLs; http(s) only with server.fetch_image_urls); in system: 400
   tool_use (assistant)             -> tool_calls; tool_result (user) -> a "tool" message ("Error: " first when
-                                      is_error)
+                                      is_error); a tool_reference block in it (tool search) -> the line
+                                      "Tool loaded: NAME" (every tool is in the prompt from the first turn, deferred
+                                      or not, so the prompt's start never changes)
   thinking (assistant)             -> reasoning_content (the template shows it only for turns after the last user
                                       query, as Qwen3 does); redacted_thinking is opaque and dropped
   document blocks                  -> 400 (not supported)
-  tools[].input_schema             -> OpenAI function tools; tool_choice auto | any | tool | none -> "auto" |
+  tools of type "custom" (or none) -> OpenAI function tools; server tools (web_search_20250305, code_execution,
+                                      web_fetch, tool_search, bash / text_editor ...) are left out of the prompt,
+                                      logged once per type, counted in tinyserve:tools_left_out
+  tools[].input_schema             -> the function's parameters; tool_choice auto | any | tool | none -> "auto" |
                                       "required" | named | no tools in the prompt. any / tool force one tool_use
                                       (with the qwen3_coder parser on, decoding is constrained to one call whose
                                       input follows the tool's input_schema; grammar.py)
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .chat import (ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest, chat_tools, function_tool,
-                   function_tools, named_tool)
+                   function_tools, leave_out, named_tool)
 from .protocol import (APIError, ChoiceResult, Delta, Endpoint, GenerationOptions, ImageInput, Meta, NamedEventStream,
                        Usage, bad_request, boolean_field, image_bytes, image_from_url, integer_field, number_field,
                        stop_strings)
@@ -131,10 +136,15 @@ def _tool_result(block: dict[str, Any], p: str, images: list[ImageInput], fetch:
     content = block.get("content")
     out = ContentJoiner()
     if content is not None:
-        for k, b in enumerate(_text_blocks(content, f"{p}.content", ("text", "image"))):
+        for k, b in enumerate(_text_blocks(content, f"{p}.content", ("text", "image", "tool_reference"))):
             if b["type"] == "image":
                 images.append(_image(b, f"{p}.content[{k}]", fetch))
                 out.image()
+            elif b["type"] == "tool_reference":
+                if not isinstance(b.get("tool_name"), str) or not b["tool_name"]:
+                    raise bad_request(f"{p}.content[{k}].tool_name must be a non-empty string",
+                                      f"{p}.content[{k}].tool_name")
+                out.text(f"Tool loaded: {b['tool_name']}")
             else:
                 out.text(b["text"])
     text = out.result()
@@ -214,16 +224,20 @@ def _messages(value: Any, images: list[ImageInput], fetch: bool = False) -> list
     return out
 
 
-def _tool(tool: dict[str, Any], p: str) -> dict[str, Any]:
-    """{"name", "description", "input_schema"} (a custom tool) -> an OpenAI function tool."""
-    if tool.get("type", "custom") != "custom":
-        raise bad_request(f"{p}: server tool {tool.get('type')!r} is not supported (custom tools only)", f"{p}.type")
-    return function_tool(tool, p, "input_schema", schema_required=True)
+def _tools(body: dict, left_out: list[str]) -> tuple[list[dict[str, Any]] | None, Any]:
+    """Anthropic tools + tool_choice -> OpenAI function tools + tool_choice (what the template and parser take); the
+    types of the server tools left out land in `left_out`."""
+    def read(tool: dict[str, Any], p: str) -> dict[str, Any] | None:
+        """{"name", "description", "input_schema"} (a custom tool) -> an OpenAI function tool; None: a server tool."""
+        kind = tool.get("type", "custom")
+        if kind in ("custom", None):
+            return function_tool(tool, p, "input_schema", schema_required=True)
+        if not isinstance(kind, str) or not kind:
+            raise bad_request(f"{p}.type must be \"custom\" or a server tool's type; got {kind!r}", f"{p}.type")
+        leave_out(left_out, kind, "/v1/messages")    # a server tool: nothing here can run it
+        return None
 
-
-def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any]:
-    """Anthropic tools + tool_choice -> OpenAI function tools + tool_choice (what the template and parser take)."""
-    tools = function_tools(body.get("tools"), _tool)
+    tools = function_tools(body.get("tools"), read)
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, dict) else None
     if choice is None or kind == "auto":
@@ -257,7 +271,8 @@ def parse_messages_request(body: dict, count_only: bool = False, fetch_image_url
     system = _system(body.get("system"))
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
-    tools, tool_choice = _tools(body)
+    left_out: list[str] = []
+    tools, tool_choice = _tools(body, left_out)
     max_tokens = integer_field(body, "max_tokens", None, lo=1)
     if max_tokens is None and not count_only:
         raise bad_request("max_tokens is required", "max_tokens")
@@ -269,7 +284,7 @@ def parse_messages_request(body: dict, count_only: bool = False, fetch_image_url
                                 stop=stop_strings(body, "stop_sequences", one_string=False), n=1, stream=stream,
                                 include_usage=True, return_token_ids=False)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=_thinking(body),
-                       logprobs=False, top_logprobs=0, options=options, images=images)
+                       logprobs=False, top_logprobs=0, options=options, images=images, left_out=left_out)
     return MessagesRequest(chat)
 
 
@@ -416,7 +431,7 @@ class MessagesStream(NamedEventStream):
     def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
         out = self._start()
         final = d.finish_reason is not None
-        for piece in self.choice.pieces(d.text, final):
+        for piece in self.choice.pieces(d.text, final, truncated=d.finish_reason == "length"):
             out += self._piece(piece)
         if final:
             self.reason = stop_reason(d.finish_reason, d.stop_string, self.choice.called_tools)

@@ -39,6 +39,7 @@ import aiohttp
 from aiohttp import web
 
 from . import anthropic, responses
+from .chat import left_out_tools
 from .config import Config
 from .engine import Engine, RequestError
 from .images import SUPPORTED_MEDIA_TYPES, ImageSource
@@ -444,6 +445,8 @@ async def generate(request: web.Request, endpoint: Endpoint[Req]) -> web.StreamR
     engine = _serving_engine(state)
     body = await _read_json(request)
     req = endpoint.parse(body, engine.served_name)
+    if state.metrics is not None:
+        state.metrics.on_tools_left_out(left_out_tools(req))
     options = req.options
     _check_capacity(engine, state.cfg, options.n)
     prompt_ids = await _in_thread(endpoint.prompt_ids, req, engine.tokenizer)

@@ -11,17 +11,24 @@ streamed choice at a time (ChatStreamChoice). Each protocol writes the pieces in
 Tools: each protocol writes a small reader for one tool object of its own shape; `function_tools` runs it over the
 list and `function_tool` checks the name and the JSON schema the same way for all. Each maps its tool_choice onto
 "auto" | "none" | "required" | a named function (`named_tool` checks the name), and `chat_tools` checks the pair as
-the tool parser and the grammar take it.
+the tool parser and the grammar take it. A tool of a type this server cannot run (a hosted / server tool: web
+search, code execution, ...) is left out of the prompt rather than refused: `leave_out` logs it once per type and
+the request counts it (tinyserve:tools_left_out in /metrics).
 """
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from .parsers import Qwen3CoderToolParser, Qwen3ReasoningParser, make_tool_parser, prompt_opens_reasoning
-from .protocol import (ChoiceResult, GenerationOptions, ImageInput, bad_request, constraint_after_reasoning,
-                       forced_tool_call)
+from .grammar import FORMAT_SYNTAXES, FREEFORM_INPUT, Constraint
+from .parsers import Qwen3ReasoningParser, prompt_opens_reasoning
+from .protocol import ChoiceResult, GenerationOptions, ImageInput, bad_request, constraint_after_reasoning
 from .tokenizer import Tokenizer
+from .tool_calls import Qwen3CoderToolParser, make_tool_parser
+
+log = logging.getLogger("tinyserve.chat")
 
 
 @dataclass
@@ -35,6 +42,10 @@ class ChatRequest:
     options: GenerationOptions
     starts_in_reasoning: bool = False  # set once the prompt is rendered: the template opened <think> itself
     images: list[ImageInput] = field(default_factory=list)   # the image parts, in prompt order
+    # freeform tools (Responses `custom`), rendered as a function with one string parameter `input`: name -> the
+    # format its input must follow ({"type": "text"} or {"type": "grammar", "syntax", "definition"})
+    custom_tools: dict[str, dict[str, Any]] = field(default_factory=dict)
+    left_out: list[str] = field(default_factory=list)   # types of the tools left out of the prompt
 
     @property
     def enable_thinking(self) -> bool:
@@ -56,16 +67,26 @@ class TranslatedRequest:
     def images(self) -> list[ImageInput]:
         return self.chat.images
 
+    @property
+    def left_out(self) -> list[str]:
+        return self.chat.left_out
+
+
+def left_out_tools(req: Any) -> list[str]:
+    """The types of the tools a parsed request left out of its prompt (none for a completion request)."""
+    return list(getattr(req, "left_out", None) or [])
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tools: every protocol's tool list and tool_choice, as the template, the tool parser and the grammar take them
 
-ToolReader = Callable[[dict[str, Any], str], dict[str, Any]]   # (one tool object, its param) -> a function tool
+ToolReader = Callable[[dict[str, Any], str], "dict[str, Any] | None"]   # (one tool, its param) -> a function tool
 
 
 def function_tools(value: Any, read: ToolReader, shape: str = "an object") -> list[dict[str, Any]]:
     """A protocol's `tools` -> OpenAI function tools. `read(tool, param)` checks one tool object of the protocol's
-    shape and returns its function tool (through function_tool); an entry that is no object must be `shape`."""
+    shape and returns its function tool (through function_tool), or None for a tool left out of the prompt
+    (leave_out); an entry that is no object must be `shape`."""
     if value is None:
         return []
     if not isinstance(value, list):
@@ -75,7 +96,9 @@ def function_tools(value: Any, read: ToolReader, shape: str = "an object") -> li
         p = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise bad_request(f"{p} must be {shape}", p)
-        out.append(read(tool, p))
+        fn = read(tool, p)
+        if fn is not None:
+            out.append(fn)
     return out
 
 
@@ -106,6 +129,77 @@ def named_tool(tools: list[dict[str, Any]], name: Any, param: str, noun: str = "
     return {"type": "function", "function": {"name": name}}
 
 
+_LOGGED_LEFT_OUT: set[tuple[str, str]] = set()
+
+
+def leave_out(left_out: list[str], kind: str, protocol: str) -> None:
+    """A tool of a type this server cannot run: noted on the request (counted in /metrics) and logged once per
+    protocol and type, so an agent that sends it on every turn does not fill the log."""
+    left_out.append(kind)
+    if (protocol, kind) not in _LOGGED_LEFT_OUT:
+        _LOGGED_LEFT_OUT.add((protocol, kind))
+        log.warning("%s: tools of type %r are left out of the prompt: this server cannot run them (logged once; "
+                    "counted in tinyserve:tools_left_out)", protocol, kind)
+
+
+def forced_tool_call(tools: list[dict[str, Any]] | None, tool_choice: Any,
+                     formats: dict[str, dict[str, Any]] | None = None) -> Constraint | None:
+    """tool_choice "required" (one call of any tool) or {"type": "function", "function": {"name"}} (a call of that
+    one) -> the "tool_call" constraint (grammar.py); None when the choice forces nothing (auto, none, no tools).
+    formats: the freeform tools' input formats (ChatRequest.custom_tools), enforced on their `input`."""
+    if not tools:
+        return None
+    if tool_choice == "required":
+        return Constraint.tool_call(tools, formats=formats)
+    if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
+        return Constraint.tool_call(tools, tool_choice["function"].get("name"), formats=formats)
+    return None
+
+
+# A freeform tool (Responses `custom`: Codex's apply_patch) has no JSON arguments: its input is free text. The template
+# shows it as a function with one string parameter; the call's `input` is that parameter's text.
+FREEFORM_SCHEMA = {"type": "object", "properties": {FREEFORM_INPUT: {
+    "type": "string", "description": "The tool's input, as free text (not JSON)."}}, "required": [FREEFORM_INPUT]}
+
+
+def freeform_tool(tool: dict[str, Any], p: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A freeform tool {"name", "description", "format"} -> (the function tool the template shows, the format of its
+    input: {"type": "text"} or {"type": "grammar", "syntax": "lark" | "regex", "definition"})."""
+    fmt = tool.get("format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        fmt = {"type": "text"}
+    elif kind == "grammar" and fmt.get("syntax") in FORMAT_SYNTAXES and isinstance(fmt.get("definition"), str):
+        fmt = {"type": "grammar", "syntax": fmt["syntax"], "definition": fmt["definition"]}
+    else:
+        raise bad_request(f'{p}.format must be {{"type": "text"}} or {{"type": "grammar", "syntax": "lark" | '
+                          f'"regex", "definition": ...}}', f"{p}.format")
+    description = tool.get("description") if isinstance(tool.get("description"), str) else ""
+    note = f"Call it with one parameter, `{FREEFORM_INPUT}`: free text, not JSON."
+    if fmt["type"] == "grammar":
+        note += f" The text must match this {fmt['syntax']} grammar:\n{fmt['definition']}"
+    fields = {"name": tool.get("name"), "description": "\n\n".join(t for t in (description, note) if t),
+              "parameters": FREEFORM_SCHEMA}
+    return function_tool(fields, p), fmt
+
+
+def freeform_input(arguments: str) -> str:
+    """A freeform tool's input from the parsed call's JSON arguments: its `input`, else its one parameter's text
+    (a model may name it otherwise), else the arguments as they are."""
+    try:
+        args = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        return arguments
+    if not isinstance(args, dict):
+        return arguments
+    if isinstance(args.get(FREEFORM_INPUT), str):
+        return args[FREEFORM_INPUT]
+    if len(args) == 1:
+        (value,) = args.values()
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return json.dumps(args, ensure_ascii=False) if args else ""
+
+
 def chat_tools(tools: list[dict[str, Any]], choice: Any) -> tuple[list[dict[str, Any]] | None, Any]:
     """(tools, tool_choice) for the ChatRequest: None when no tool is offered; a choice the tool parser cannot take
     is a 400 naming tool_choice. "required" and a named function force one call when the tool-call parser is on
@@ -121,6 +215,17 @@ def chat_tools(tools: list[dict[str, Any]], choice: Any) -> tuple[list[dict[str,
 # ---------------------------------------------------------------------------------------------------------------
 # The model's side: prompt in, answer split
 
+@dataclass
+class Answer:
+    """A finished choice split by the parsers."""
+
+    reasoning: str | None
+    content: str
+    calls: list[dict[str, Any]]       # OpenAI tool calls {id, type, function: {name, arguments}}
+    finish_reason: str                # "tool_calls" for a stop with calls
+    reasoning_end: int | None         # where in the output text the think block ended (None: never closed)
+
+
 class ChatFormat:
     """The prompt through the chat template, the answer through the parsers. The parser names come from the
     config's [parsers] table ("" = off)."""
@@ -131,14 +236,25 @@ class ChatFormat:
 
     def prompt_ids(self, req: ChatRequest, tokenizer: Tokenizer) -> list[int]:
         """The rendered prompt; it also settles the request's constraint (a forced tool call, and where it starts)."""
+        def render(generation_prompt: bool) -> str:
+            return tokenizer.apply_chat_template(req.messages, tools=req.tools,
+                                                 add_generation_prompt=generation_prompt, **req.template_kwargs)
+
         try:
-            text = tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=True,
-                                                 **req.template_kwargs)
+            text = render(True)
         except ValueError as e:                       # e.g. the template's raise_exception on a bad history
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-        req.starts_in_reasoning = prompt_opens_reasoning(text)
+        # The answer starts inside a think block only when the generation prompt opened it; a <think> in the
+        # conversation (a file a tool read) does not count. Rendered again only when a <think> is open at all.
+        req.starts_in_reasoning = False
+        if prompt_opens_reasoning(text):
+            try:
+                without = render(False)
+            except ValueError:                        # a template that insists on its generation prompt
+                without = ""                          # (then the whole prompt is judged)
+            req.starts_in_reasoning = prompt_opens_reasoning(text, without)
         if self.tool_parser == "qwen3_coder":
-            constraint = forced_tool_call(req.tools, req.tool_choice)
+            constraint = forced_tool_call(req.tools, req.tool_choice, req.custom_tools)
             if constraint is not None:                # the answer is the call: it replaces any response_format
                 req.options.params = replace(req.options.params, constraint=constraint)
         req.options.params = constraint_after_reasoning(req.options.params, req.starts_in_reasoning, tokenizer)
@@ -148,31 +264,41 @@ class ChatFormat:
     def reasoning(self, req: ChatRequest) -> Qwen3ReasoningParser | None:
         if self.reasoning_parser != "qwen3":
             return None
-        return Qwen3ReasoningParser(starts_in_reasoning=req.starts_in_reasoning, enabled=req.enable_thinking)
+        tools = self.tools(req)                       # a call of one of these ends the reasoning
+        return Qwen3ReasoningParser(starts_in_reasoning=req.starts_in_reasoning, enabled=req.enable_thinking,
+                                    tool_names=tools.allowed_names if tools is not None else None)
 
     def tools(self, req: ChatRequest) -> Qwen3CoderToolParser | None:
         if self.tool_parser != "qwen3_coder":
             return None
         return make_tool_parser(req.tools, req.tool_choice)
 
+    def split(self, req: ChatRequest, r: ChoiceResult) -> Answer:
+        """A finished choice's text -> reasoning, content and tool calls. A choice cut by max_tokens reads a value
+        the end left open as cut (its call keeps the parameters before it)."""
+        reasoning, content, reasoning_end = None, r.text, None
+        parser = self.reasoning(req)
+        if parser is not None:
+            reasoning, content = parser.parse(r.text)
+            reasoning_end = parser.end_offset
+        calls: list[dict[str, Any]] = []
+        tools = self.tools(req)
+        if tools is not None and content:
+            content, calls = tools.parse(content, truncated=r.finish_reason == "length")
+        finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
+        return Answer(reasoning, content, calls, finish, reasoning_end)
+
     def message(self, req: ChatRequest, r: ChoiceResult) -> tuple[dict[str, Any], str]:
         """Split a finished choice's text into reasoning, content and tool calls (an OpenAI chat message); the
         finish reason to report."""
+        answer = self.split(req, r)
         message: dict[str, Any] = {"role": "assistant"}
-        content: str | None = r.text
-        reasoning = self.reasoning(req)
-        if reasoning is not None:
-            message["reasoning_content"], content = reasoning.parse(r.text)
-        finish = r.finish_reason
-        tools = self.tools(req)
-        if tools is not None and content:
-            content, calls = tools.parse(content)
-            if calls:
-                message["tool_calls"] = calls
-                if finish == "stop":
-                    finish = "tool_calls"
-        message["content"] = content if content or "tool_calls" not in message else None
-        return message, finish
+        if self.reasoning_parser == "qwen3":
+            message["reasoning_content"] = answer.reasoning
+        if answer.calls:
+            message["tool_calls"] = answer.calls
+        message["content"] = answer.content if answer.content or not answer.calls else None
+        return message, answer.finish_reason
 
 
 class ChatStreamChoice:
@@ -183,8 +309,9 @@ class ChatStreamChoice:
         self.tools = chat.tools(req)
         self.called_tools = False
 
-    def pieces(self, text: str, final: bool) -> list[dict[str, Any]]:
-        """Deltas for this text: reasoning_content, then content and tool_calls in the order they came."""
+    def pieces(self, text: str, final: bool, truncated: bool = False) -> list[dict[str, Any]]:
+        """Deltas for this text: reasoning_content, then content and tool_calls in the order they came. truncated:
+        the choice was cut by max_tokens (with the last text)."""
         out: list[dict[str, Any]] = []
         content = text
         if self.reasoning is not None:
@@ -200,7 +327,7 @@ class ChatStreamChoice:
             return out
         tool_deltas = self.tools.feed(content) if content else []
         if final:
-            tool_deltas += self.tools.finish()
+            tool_deltas += self.tools.finish(truncated)
         for d in tool_deltas:
             self.called_tools = self.called_tools or "tool_calls" in d
         return out + tool_deltas

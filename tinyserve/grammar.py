@@ -15,10 +15,12 @@ allowed. EOS (the engine's eos ids) is allowed only where the grammar accepts.
 Tool calls: kind "tool_call" forces exactly one qwen3_coder call (`<tool_call>\n<function=NAME>\n<parameter=P>\n
 VALUE\n</parameter>\n...</function>\n</tool_call>`, then EOS) of one of the given tools (tool_choice required / any)
 or of the one named. `tool_call_grammar` builds it as a Lark grammar for llguidance, following how the qwen3_coder
-parser (parsers.py) reads values: the tool's properties in schema order, the required ones present and the others
-optional; a string value (or one with no type) is raw text that cannot contain `</parameter>` or `</function>` (an
-enum of strings: one of them); any other type is one-line JSON of its sub-schema (`%json`), which the parser types
-back. `<tool_call>` / `</tool_call>` are matched as the tokenizer's own tokens when it has them.
+parser (tool_calls.py) reads values: the tool's properties in schema order, the required ones present and the others
+optional; a string value (or one with no type) is raw text without `</parameter>`, `</function>` or `<parameter=`
+(so the parser can never read it another way; an enum of strings: one of them); any other type is one-line JSON of
+its sub-schema (`%json`), which the parser types back. A freeform tool (Responses `custom`) has one parameter,
+`input`: raw text, or the text its format's grammar (Lark or regex) accepts, as a sub-grammar of its own.
+`<tool_call>` / `</tool_call>` are matched as the tokenizer's own tokens when it has them.
 
 Reasoning: when the prompt opened `<think>`, the constraint starts after the model's `</think>` token; before it the
 row is unconstrained (`GrammarState.active` is False).
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
-from .parsers import FUNCTION_END, PARAMETER_END, TOOL_CALL_END, TOOL_CALL_START, _schema_types, _tool_function
+from .tool_calls import FUNCTION_END, PARAMETER_END, TOOL_CALL_END, TOOL_CALL_START, schema_types, tool_function
 
 KINDS = ("json_object", "json_schema", "tool_call")
 # One-line JSON with the usual separators: with llguidance's default (any whitespace between tokens) a model can
@@ -60,20 +62,25 @@ class Constraint:
         return cls("json_schema", json.dumps(schema, sort_keys=True))
 
     @classmethod
-    def tool_call(cls, tools: list[dict[str, Any]], name: str | None = None) -> "Constraint":
-        """One call of any of these OpenAI function tools, or of the one named."""
+    def tool_call(cls, tools: list[dict[str, Any]], name: str | None = None,
+                  formats: dict[str, dict[str, Any]] | None = None) -> "Constraint":
+        """One call of any of these OpenAI function tools, or of the one named. formats: the freeform tools (by
+        name) and the format of their `input` ({"type": "text"} or {"type": "grammar", "syntax", "definition"})."""
         callable_ = []
         for tool in tools:
-            fn = _tool_function(tool)
+            fn = tool_function(tool)
             if name is None or fn.get("name") == name:
-                callable_.append({"name": fn.get("name"), "parameters": fn.get("parameters")})
+                if fn.get("name") in (formats or {}):
+                    callable_.append({"name": fn.get("name"), "format": formats[fn["name"]]})
+                else:
+                    callable_.append({"name": fn.get("name"), "parameters": fn.get("parameters")})
         return cls("tool_call", json.dumps(callable_))
 
     def grammar(self, tool_call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
         """The llguidance grammar; ValueError on a kind or schema it cannot take. tool_call_tokens: the ids of
         `<tool_call>` and `</tool_call>` (None: the tokenizer has no such token; the text is matched)."""
         if self.kind == "tool_call":
-            return LLMatcher.grammar_from_lark(tool_call_grammar(json.loads(self.schema or "[]"), *tool_call_tokens))
+            return tool_call_grammar(json.loads(self.schema or "[]"), *tool_call_tokens)
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
         if self.kind != "json_schema":
@@ -94,9 +101,13 @@ def _lark_string(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
-# Raw parameter text up to and including the closing "\n</parameter>": no earlier `</parameter>` and no
-# `</function>` (the parser ends a value at the first of either).
-RAW_VALUE = (r"/(.|\n)*\n<\/parameter>/ & ~/(.|\n)*<\/parameter>(.|\n)+/ & ~/(.|\n)*<\/function>(.|\n)*/")
+# Raw parameter text up to and including the closing "\n</parameter>": no earlier `</parameter>`, no `</function>`
+# and no `<parameter=` (the parser would read a value that swallowed a parameter's opener as a missing
+# `</parameter>`), so whatever the grammar lets through, the parser reads back as it was meant.
+RAW_VALUE = (r"/(.|\n)*\n<\/parameter>/ & ~/(.|\n)*<\/parameter>(.|\n)+/ & ~/(.|\n)*<\/function>(.|\n)*/"
+             r" & ~/(.|\n)*<parameter=(.|\n)*/")
+FREEFORM_INPUT = "input"              # the one parameter of a freeform tool
+FORMAT_SYNTAXES = ("lark", "regex")
 
 
 def _tag_name(name: Any, what: str) -> str:
@@ -111,7 +122,7 @@ def _value_expansion(schema: Any, defs: dict[str, Any], where: str, rules: list[
     """The Lark expansion of one parameter's value and its closing "\n</parameter>"."""
     if not isinstance(schema, dict):
         return "RAW_VALUE"
-    types = _schema_types(schema)
+    types = schema_types(schema)
     choices = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema \
         else None
     if choices is not None and choices and all(isinstance(c, str) for c in choices) and set(types) <= {"string"}:
@@ -126,16 +137,42 @@ def _value_expansion(schema: Any, defs: dict[str, Any], where: str, rules: list[
     return f"{rule} {_lark_string(chr(10) + PARAMETER_END)}"
 
 
+def _freeform_input(fmt: Any, where: str, grammars: list[dict[str, str]]) -> str:
+    """The Lark expansion of a freeform tool's input and its closing "\n</parameter>": raw text, or a sub-grammar
+    (the format's Lark grammar, or its regex) llguidance runs as a grammar of its own."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in (None, "text"):
+        return "RAW_VALUE"
+    syntax, definition = fmt.get("syntax"), fmt.get("definition")
+    if kind != "grammar" or syntax not in FORMAT_SYNTAXES or not isinstance(definition, str):
+        raise ValueError(f"{where}: format must be {{\"type\": \"text\"}} or {{\"type\": \"grammar\", \"syntax\": "
+                         f"\"lark\" | \"regex\", \"definition\"}}")
+    name = f"g{len(grammars)}"
+    lark = definition if syntax == "lark" else "start: /" + definition.replace("/", "\\/") + "/\n"
+    grammars.append({"name": name, "lark_grammar": lark})
+    return f"@{name} {_lark_string(chr(10) + PARAMETER_END)}"
+
+
 def tool_call_grammar(tools: list[dict[str, Any]], open_id: int | None = None, close_id: int | None = None) -> str:
-    """Lark (llguidance) for exactly one qwen3_coder call of one of tools ([{"name", "parameters"}]) and nothing
-    after it. ValueError naming the tool on a schema that cannot be written this way."""
+    """The llguidance grammar for exactly one qwen3_coder call of one of tools ([{"name", "parameters"}] or, for a
+    freeform tool, [{"name", "format"}]) and nothing after it: a Lark grammar, or llguidance's JSON list of grammars
+    when a freeform tool's format brings its own. ValueError naming the tool on a schema that cannot be written
+    this way."""
     if not isinstance(tools, list) or not tools:
         raise ValueError("no tool to call")
     rules: list[str] = []
+    grammars: list[dict[str, str]] = []
     alternatives = []
     for i, tool in enumerate(tools):
         name = _tag_name(tool.get("name") if isinstance(tool, dict) else None, "the tool name")
         where = f"tool {name!r}"
+        parts = [_lark_string(f"<function={name}>\n")]
+        if "format" in tool:
+            value = _freeform_input(tool["format"], where, grammars)
+            rules.append(f"p{i}_0: {_lark_string(f'<parameter={FREEFORM_INPUT}>' + chr(10))} {value} \"\\n\"")
+            rules.append(f"f{i}: {parts[0]} p{i}_0")
+            alternatives.append(f"f{i}")
+            continue
         params = tool.get("parameters")
         if params is None:
             params = {}
@@ -147,7 +184,6 @@ def tool_call_grammar(tools: list[dict[str, Any]], open_id: int | None = None, c
             raise ValueError(f"{where}: parameters.properties must be an object and required a list")
         defs = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
         names = list(props) + [r for r in required if r not in props]
-        parts = [_lark_string(f"<function={name}>\n")]
         for j, pname in enumerate(names):
             pname = _tag_name(pname, f"{where}: the parameter name")
             value = _value_expansion(props.get(pname, {}), defs, f"{where}, parameter {pname!r}", rules,
@@ -163,7 +199,10 @@ def tool_call_grammar(tools: list[dict[str, Any]], open_id: int | None = None, c
         f"start: {open_tag} \"\\n\" ({' | '.join(alternatives)}) {_lark_string(FUNCTION_END + chr(10))} {close_tag}",
         f"RAW_VALUE: {RAW_VALUE}",
     ]
-    return "\n".join(head + rules) + "\n"
+    lark = "\n".join(head + rules) + "\n"
+    if not grammars:
+        return lark
+    return json.dumps({"grammars": [{"lark_grammar": lark}] + grammars})
 
 
 class GrammarState:

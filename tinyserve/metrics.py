@@ -146,12 +146,19 @@ class Metrics:
                                           buckets=_HIT_RATIO_BUCKETS, registry=r)
         self.e2e = Histogram("tinyserve:e2e_request_latency_seconds",
                              "From the HTTP request to its last token.", buckets=_E2E_BUCKETS, registry=r)
+        self.tools_left_out = Counter("tinyserve:tools_left_out", "Tools of types this server cannot run (hosted / "
+                                      "server tools such as web search) left out of requests' prompts, by type.",
+                                      ["type"], registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
 
     # ---- events from api.py ----
     def on_response(self, status: int) -> None:
         self.requests.labels(status=str(status)).inc()
+
+    def on_tools_left_out(self, types: list[str]) -> None:
+        for kind in types:
+            self.tools_left_out.labels(type=kind).inc()
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -310,7 +310,7 @@ class ChatStream(_OpenAIStream):
         c, req = self.choices[index], self.req
         ids = self.options.return_token_ids
         final = d.finish_reason is not None
-        pieces = c.pieces(d.text, final)
+        pieces = c.pieces(d.text, final, truncated=d.finish_reason == "length")
         if not pieces and (final or (d.token_ids and (ids or req.logprobs))):
             pieces = [{}]                             # nothing to say, but a finish reason or ids to carry
         chunks = []

@@ -279,18 +279,6 @@ def parse_response_format(value: Any, param: str = "response_format", nested: bo
     return Constraint.json_schema(schema)
 
 
-def forced_tool_call(tools: list[dict[str, Any]] | None, tool_choice: Any) -> Constraint | None:
-    """tool_choice "required" (one call of any tool) or {"type": "function", "function": {"name"}} (a call of that
-    one) -> the "tool_call" constraint (grammar.py); None when the choice forces nothing (auto, none, no tools)."""
-    if not tools:
-        return None
-    if tool_choice == "required":
-        return Constraint.tool_call(tools)
-    if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
-        return Constraint.tool_call(tools, tool_choice["function"].get("name"))
-    return None
-
-
 def constraint_after_reasoning(params: SamplingParams, starts_in_reasoning: bool, tokenizer: Tokenizer
                                ) -> SamplingParams:
     """When the prompt opened `<think>`, the output is free up to the model's `</think>` token and constrained after

@@ -24,11 +24,19 @@ Mapping (request):
                                         summary_text; encrypted_content is opaque and dropped). The template shows it
                                         only for turns after the last user query, as Qwen3 does
   consecutive reasoning / assistant message / function_call items form one assistant turn
-  tools (function only)              -> OpenAI chat function tools; any other tool type -> 400
-  tool_choice                        -> auto | none | required | {"type": "function", "name"}; required and a named
-                                        function force one function_call (with the qwen3_coder parser on, decoding
-                                        is constrained to one call whose arguments follow the tool's parameters;
-                                        grammar.py)
+  tools: function                    -> OpenAI chat function tools
+  tools: custom (freeform, Codex's   -> a function tool with one string parameter `input` (its description says the
+  apply_patch)                          input is free text, and gives the format's grammar); the model's call of it
+                                        is a custom_tool_call item whose input is that string
+  tools of any other type            -> hosted tools this server cannot run (web_search, file_search, local_shell,
+                                        image_generation, ...): left out of the prompt, logged once per type,
+                                        counted in tinyserve:tools_left_out; echoed on the response as sent
+  custom_tool_call items             -> the assistant turn's tool_calls ({"input": ...} as the arguments)
+  custom_tool_call_output items      -> "tool" messages, as function_call_output
+  tool_choice                        -> auto | none | required | {"type": "function" | "custom", "name"}; required
+                                        and a named tool force one call (with the qwen3_coder parser on, decoding is
+                                        constrained to one call whose arguments follow the tool's parameters, or
+                                        whose input follows the custom tool's Lark / regex grammar; grammar.py)
   reasoning.effort                   -> "none": enable_thinking false; any other effort: the template's default
   text.format                        -> text | json_object | json_schema {name, schema, strict}; json_object and
                                         json_schema constrain decoding (grammar.py): the answer after any reasoning
@@ -37,21 +45,23 @@ Mapping (request):
   echoed on the response; model: any name is accepted (Codex sends its own), responses carry the served name;
   unknown fields are ignored.
 Mapping (response): output items reasoning ("rs_...", summary [], content [reasoning_text]), message ("msg_...",
-one output_text part) and function_call ("fc_...", call_id "call_...", arguments a JSON string); status "incomplete"
+one output_text part), function_call ("fc_...", call_id "call_...", arguments a JSON string) and custom_tool_call
+("ctc_...", input a string); status "incomplete"
 with incomplete_details.reason "max_output_tokens" when the generation was cut by the token limit (its last item is
 "incomplete" too). usage.output_tokens_details.reasoning_tokens counts the generated tokens up to the one that closes
 the think block. A stream ends with response.completed whatever the status (the openai client's
-get_final_response() needs it), carrying the same response the blocking call returns.
+get_final_response() needs it), carrying the same response the blocking call returns; every event carries the item
+as it was at that event.
 """
 from __future__ import annotations
 
+import copy
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .parsers import THINK_END
-from .chat import (ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest, chat_tools, function_tool,
-                   function_tools, named_tool)
+from .chat import (FREEFORM_INPUT, ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest, chat_tools,
+                   freeform_input, freeform_tool, function_tool, function_tools, leave_out, named_tool)
 from .protocol import (APIError, ChoiceResult, Delta, Endpoint, GenerationOptions, ImageInput, Meta, NamedEventStream,
                        Usage, bad_request, boolean_field, image_from_url, integer_field, number_field,
                        parse_response_format)
@@ -62,6 +72,8 @@ ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
 UNSUPPORTED_PARTS = ("input_file", "input_audio")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+ITEMS = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+         "reasoning")
 TEXT_FORMATS = ("text", "json_object", "json_schema")
 STATELESS = ("this server is stateless: it stores no responses, so send the whole conversation in `input` "
              "(with store: false) instead of")
@@ -179,7 +191,14 @@ def _input(value: Any, images: list[ImageInput], fetch: bool = False) -> list[di
                 out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             assistant().setdefault("tool_calls", []).append(_function_call(item, p))
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            call_id, name = _string(item, "call_id", p), _string(item, "name", p)
+            if not isinstance(item.get("input"), str):
+                raise bad_request(f"{p}.input must be a string", f"{p}.input")
+            arguments = {FREEFORM_INPUT: item["input"]}       # rendered as the model writes such a call
+            assistant().setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _string(item, "call_id", p)
             if "output" not in item:
                 raise bad_request(f"{p}.output is required", f"{p}.output")
@@ -191,8 +210,7 @@ def _input(value: Any, images: list[ImageInput], fetch: bool = False) -> list[di
             if text:
                 turn["reasoning_content"] = "\n".join(t for t in (turn.get("reasoning_content"), text) if t)
         else:
-            raise bad_request(f"{p}.type must be one of message, function_call, function_call_output, reasoning; "
-                              f"got {kind!r}", f"{p}.type")
+            raise bad_request(f"{p}.type must be one of {', '.join(ITEMS)}; got {kind!r}", f"{p}.type")
     return out
 
 
@@ -208,29 +226,49 @@ def _merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     return [{"role": "system", "content": text}] + messages[k:]
 
 
-def _tool(tool: dict[str, Any], p: str) -> dict[str, Any]:
-    """{"type": "function", "name", "description", "parameters", "strict"} -> an OpenAI chat function tool."""
-    if tool.get("type") != "function":
-        raise bad_request(f"{p}.type must be \"function\" (this server runs no built-in tools); got "
-                          f"{tool.get('type')!r}", f"{p}.type")
-    return function_tool(tool, p)
+def _tools(body: dict, custom: dict[str, dict[str, Any]], left_out: list[str]
+           ) -> tuple[list[dict[str, Any]] | None, Any, list[dict[str, Any]], Any]:
+    """Responses tools + tool_choice -> chat tools + tool_choice, and both as the response echoes them. Custom
+    tools' input formats land in `custom` (by name), the types of the tools left out in `left_out`."""
+    echoed: list[dict[str, Any]] = []
 
+    def read(tool: dict[str, Any], p: str) -> dict[str, Any] | None:
+        kind = tool.get("type")
+        if kind == "function":
+            fn = function_tool(tool, p)
+            echoed.append({"type": "function", "name": fn["function"]["name"],
+                           "description": fn["function"].get("description"),
+                           "parameters": fn["function"]["parameters"], "strict": tool.get("strict")})
+            return fn
+        if kind == "custom":
+            fn, fmt = freeform_tool(tool, p)
+            custom[fn["function"]["name"]] = fmt
+            echoed.append({"type": "custom", "name": fn["function"]["name"],
+                           "description": tool.get("description"), "format": fmt})
+            return fn
+        if not isinstance(kind, str) or not kind:
+            raise bad_request(f"{p}.type must be \"function\", \"custom\" or a hosted tool's type; got {kind!r}",
+                              f"{p}.type")
+        leave_out(left_out, kind, "/v1/responses")   # a hosted tool: nothing here can run it
+        echoed.append(tool)
+        return None
 
-def _tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any, list[dict[str, Any]], Any]:
-    """Responses function tools + tool_choice -> chat tools + tool_choice, and both as the response echoes them."""
-    tools = function_tools(body.get("tools"), _tool)
-    echoed = [{"type": "function", "name": t["function"]["name"], "description": t["function"].get("description"),
-               "parameters": t["function"]["parameters"], "strict": sent.get("strict")}
-              for sent, t in zip(body.get("tools") or [], tools)]
+    tools = function_tools(body.get("tools"), read)
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"
     chat_choice = choice
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise bad_request('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
-                              "tool_choice")
-        chat_choice = named_tool(tools, choice["name"], "tool_choice")
+        kind = choice.get("type")
+        if kind not in ("function", "custom") or not isinstance(choice.get("name"), str):
+            hosted = f" ({kind!r} is a hosted tool this server cannot run)" if isinstance(kind, str) and kind \
+                not in ("function", "custom", "allowed_tools") else ""
+            raise bad_request('tool_choice must be "auto", "none", "required" or {"type": "function" | "custom", '
+                              f'"name": ...}}{hosted}', "tool_choice")
+        if (choice["name"] in custom) != (kind == "custom"):
+            raise bad_request(f"tool_choice names {kind} tool {choice['name']!r}, which is not a {kind} tool in "
+                              "tools", "tool_choice")
+        chat_choice = named_tool(tools, choice["name"], "tool_choice", noun=f"{kind} tool")
     elif choice not in ("auto", "none", "required"):
         raise bad_request(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "name": ...}}; '
                           f"got {choice!r}", "tool_choice")
@@ -293,7 +331,9 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
             raise bad_request("instructions must be a string", "instructions")
         messages.insert(0, {"role": "system", "content": instructions})
     messages = _merge_leading_system(messages)
-    tools, tool_choice, echoed_tools, echoed_choice = _tools(body)
+    custom: dict[str, dict[str, Any]] = {}
+    left_out: list[str] = []
+    tools, tool_choice, echoed_tools, echoed_choice = _tools(body, custom, left_out)
     template_kwargs, reasoning = _reasoning(body)
     text = _text(body)
     metadata = body.get("metadata")
@@ -313,7 +353,8 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
                                 n=1, stream=boolean_field(body, "stream", False), include_usage=True,
                                 return_token_ids=False)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
-                       logprobs=False, top_logprobs=0, options=options, images=images)
+                       logprobs=False, top_logprobs=0, options=options, images=images, custom_tools=custom,
+                       left_out=left_out)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata or {},
             "parallel_tool_calls": boolean_field(body, "parallel_tool_calls", True), "previous_response_id": None,
             "reasoning": reasoning, "store": False, "temperature": params.temperature, "text": text,
@@ -336,15 +377,18 @@ def usage_body(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
-def count_reasoning_tokens(token_ids: list[int], token_text: Callable[[int], str], reasoning: str | None) -> int:
-    """Generated tokens that belong to the think block: up to the one that completes </think> (all of them when it
-    never closed); 0 without reasoning."""
+def count_reasoning_tokens(token_ids: list[int], token_text: Callable[[int], str], reasoning: str | None,
+                           reasoning_end: int | None) -> int:
+    """Generated tokens that belong to the think block: up to the one that reaches `reasoning_end`, the offset in
+    the output text where the block ended (all of them when it never ended); 0 without reasoning."""
     if not reasoning:
         return 0
-    text = ""
+    if reasoning_end is None:
+        return len(token_ids)
+    length = 0
     for k, token_id in enumerate(token_ids):
-        text += token_text(token_id)
-        if THINK_END in text:
+        length += len(token_text(token_id))
+        if length >= reasoning_end:
             return k + 1
     return len(token_ids)
 
@@ -363,6 +407,19 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
                        ) -> dict[str, Any]:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+
+
+def custom_tool_call_item(item_id: str, call_id: str, name: str, input: str, status: str = "completed"
+                          ) -> dict[str, Any]:
+    return {"id": item_id, "type": "custom_tool_call", "call_id": call_id, "name": name, "input": input,
+            "status": status}
+
+
+def call_item(req: ResponsesRequest, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A parsed call as its output item: a custom_tool_call for a freeform tool, else a function_call."""
+    if name in req.chat.custom_tools:
+        return custom_tool_call_item(_id("ctc_"), call_id, name, freeform_input(arguments))
+    return function_call_item(_id("fc_"), call_id, name, arguments)
 
 
 def response_body(req: ResponsesRequest, meta: Meta, output: list[dict[str, Any]], status: str,
@@ -408,20 +465,18 @@ class Responses(Endpoint[ResponsesRequest]):
     def response(self, req: ResponsesRequest, meta: Meta, results: list[ChoiceResult], usage: Usage
                  ) -> dict[str, Any]:
         (r,) = results
-        message, _ = self.format.message(req.chat, r)
+        answer = self.format.split(req.chat, r)
         output: list[dict[str, Any]] = []
-        reasoning = message.get("reasoning_content")
-        if reasoning:
-            output.append(reasoning_item(_id("rs_"), reasoning))
-        if message.get("content"):
-            output.append(message_item(_id("msg_"), message["content"]))
-        for call in message.get("tool_calls") or []:
-            output.append(function_call_item(_id("fc_"), call["id"], call["function"]["name"],
-                                             call["function"]["arguments"]))
+        if answer.reasoning:
+            output.append(reasoning_item(_id("rs_"), answer.reasoning))
+        if answer.content:
+            output.append(message_item(_id("msg_"), answer.content))
+        for call in answer.calls:
+            output.append(call_item(req, call["id"], call["function"]["name"], call["function"]["arguments"]))
         status = _status(r.finish_reason)
         if status == "incomplete" and output:
             output[-1]["status"] = "incomplete"
-        tokens = count_reasoning_tokens(r.token_ids, meta.token_text, reasoning)
+        tokens = count_reasoning_tokens(r.token_ids, meta.token_text, answer.reasoning, answer.reasoning_end)
         return response_body(req, meta, output, status, usage_body(usage, tokens))
 
     def stream(self, req: ResponsesRequest, meta: Meta) -> "ResponsesStream":
@@ -430,8 +485,9 @@ class Responses(Endpoint[ResponsesRequest]):
 
 class ResponsesStream(NamedEventStream):
     """response.created, response.in_progress; per output item output_item.added, (content_part.added, text deltas,
-    text done, content_part.done | argument deltas, arguments done), output_item.done; response.completed with the
-    whole response. Every event carries a sequence_number."""
+    text done, content_part.done | argument deltas, arguments done | custom tool input delta, input done),
+    output_item.done; response.completed with the whole response. Every event carries a sequence_number, and a
+    copy of the item as it is at that event (the item itself grows after it)."""
 
     def __init__(self, endpoint: Responses, req: ResponsesRequest, meta: Meta) -> None:
         self.req, self.meta = req, meta
@@ -441,6 +497,7 @@ class ResponsesStream(NamedEventStream):
         self.open = False
         self.token_ids: list[int] = []
         self.reasoning = ""
+        self.arguments = ""                           # the open custom tool call's arguments (JSON) so far
         self.finish_reason: str | None = None
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -465,7 +522,7 @@ class ResponsesStream(NamedEventStream):
         self.output.append(item)
         self.open = True
         out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
-                               item={**item, "status": "in_progress"}))
+                               item={**copy.deepcopy(item), "status": "in_progress"}))
         if item["type"] == "message":
             out.append(self._event("response.content_part.added", **self._where(), content_index=0,
                                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
@@ -485,15 +542,21 @@ class ResponsesStream(NamedEventStream):
             part = item["content"][0]
             out.append(self._event("response.output_text.done", **where, content_index=0, text=part["text"],
                                    logprobs=[]))
-            out.append(self._event("response.content_part.done", **where, content_index=0, part=part))
+            out.append(self._event("response.content_part.done", **where, content_index=0, part=dict(part)))
         elif item["type"] == "reasoning":
             part = item["content"][0]
             out.append(self._event("response.reasoning_text.done", **where, content_index=0, text=part["text"]))
-            out.append(self._event("response.content_part.done", **where, content_index=0, part=part))
+            out.append(self._event("response.content_part.done", **where, content_index=0, part=dict(part)))
+        elif item["type"] == "custom_tool_call":       # its input is whole once its arguments are
+            item["input"] = freeform_input(self.arguments)
+            if item["input"]:
+                out.append(self._event("response.custom_tool_call_input.delta", **where, delta=item["input"]))
+            out.append(self._event("response.custom_tool_call_input.done", **where, input=item["input"]))
         else:
             out.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
                                    arguments=item["arguments"]))
-        out.append(self._event("response.output_item.done", output_index=where["output_index"], item=dict(item)))
+        out.append(self._event("response.output_item.done", output_index=where["output_index"],
+                               item=copy.deepcopy(item)))
         return out
 
     def _piece(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
@@ -516,9 +579,12 @@ class ResponsesStream(NamedEventStream):
         elif "tool_calls" in piece:
             call = piece["tool_calls"][0]
             if "id" in call:                          # a new call: its own item
-                out += self._open(function_call_item(_id("fc_"), call["id"], call["function"]["name"], ""))
+                out += self._open(call_item(self.req, call["id"], call["function"]["name"], ""))
+                self.arguments = ""
             fragment = call["function"].get("arguments") or ""
-            if fragment and self.open and self.output[-1]["type"] == "function_call":
+            if fragment and self.open and self.output[-1]["type"] == "custom_tool_call":
+                self.arguments += fragment
+            elif fragment and self.open and self.output[-1]["type"] == "function_call":
                 self.output[-1]["arguments"] += fragment
                 out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=fragment))
         return out
@@ -527,7 +593,7 @@ class ResponsesStream(NamedEventStream):
         self.token_ids += d.token_ids
         final = d.finish_reason is not None
         out: list[dict[str, Any]] = []
-        for piece in self.choice.pieces(d.text, final):
+        for piece in self.choice.pieces(d.text, final, truncated=d.finish_reason == "length"):
             out += self._piece(piece)
         if final:
             self.finish_reason = d.finish_reason
@@ -536,7 +602,9 @@ class ResponsesStream(NamedEventStream):
     def end(self, usage: Usage) -> list[dict[str, Any]]:
         status = _status(self.finish_reason)
         out = self._close(status)
-        tokens = count_reasoning_tokens(self.token_ids, self.meta.token_text, self.reasoning)
+        parser = self.choice.reasoning
+        tokens = count_reasoning_tokens(self.token_ids, self.meta.token_text, self.reasoning,
+                                        parser.end_offset if parser is not None else None)
         body = response_body(self.req, self.meta, [dict(item) for item in self.output], status,
                              usage_body(usage, tokens))
         return out + [self._event("response.completed", response=body)]

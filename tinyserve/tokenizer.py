@@ -20,6 +20,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"
+# The tags the reasoning and tool-call parsers read in the output text. Qwen's tokenizers make them ordinary added
+# tokens, but some fine-tunes flag them special, and detokenizing with skip_special_tokens would drop them: decode
+# keeps them by id whatever the flags say.
+PARSER_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,6 +226,10 @@ class Tokenizer:
     name: str = ""
 
     def __post_init__(self) -> None:
+        special = {i: t.content for i, t in self.hf.get_added_tokens_decoder().items() if t.special}
+        # None: no marker is flagged special, skip_special_tokens can do its own work
+        self._skipped_ids = {i for i, text in special.items() if text not in PARSER_MARKERS} \
+            if set(special.values()) & set(PARSER_MARKERS) else None
         self._env = _make_environment()
         self._template: jinja2.Template | None = None
         if self.chat_template is not None:
@@ -285,6 +293,9 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """skip_special_tokens drops the special tokens but the parser markers (PARSER_MARKERS)."""
+        if skip_special_tokens and self._skipped_ids is not None:
+            return self.hf.decode([i for i in ids if i not in self._skipped_ids], skip_special_tokens=False)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
