@@ -175,6 +175,108 @@ def nextn_kv(eng: Engine, ids: list[int]) -> torch.Tensor:
     return kv.transpose(0, 1).flatten(1, 2)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# SGLang #16053: a warm second pass over an eval gives the first pass's tokens
+
+def eval_set(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """50 prompts as an eval sends them: three shared instructions with a question each (some asked twice), and
+    bare prompts of 1 .. 60 tokens; greedy, and one in five sampled with a seed."""
+    rng = torch.Generator().manual_seed(seed)
+    heads = [tokens(n, seed + n) for n in (40, 70, 100)]
+    prompts: list[list[int]] = []
+    for i in range(50):
+        n = int(torch.randint(1, 31, (1,), generator=rng))
+        if i % 10 == 9:
+            prompts.append(list(prompts[i - 5]))                       # asked twice in one pass
+        elif i % 4 == 3:
+            prompts.append(tokens(2 * n, seed + 100 + i))              # no shared instruction
+        else:
+            prompts.append(heads[i % 3] + tokens(n, seed + 100 + i))
+    params = [SamplingParams(max_tokens=8 + i % 9, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+              if i % 5 == 4 else greedy(8 + i % 9) for i in range(50)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_warm_second_pass_gives_the_first_passs_tokens(model, page_size):
+    """The same 50 requests twice on one engine with NEXTN and the prefix cache (room for most of them): both passes give the cold, unspeculated tokens for the greedy requests, with the seeded sampled ones
+    in the same batches, and the second pass is served from the cache.
+
+    A sampled request's tokens with speculation depend on how deep it drafted at each step, which depends on the
+    pages free at that moment, so a seeded sampled request repeats its tokens only under the same conditions (its
+    distribution is the unspeculated one: test_spec.py); greedy tokens never change."""
+    prompts, params = eval_set(1200)
+    greedy_rows = [i for i, sp in enumerate(params) if sp.temperature == 0]
+    cold = cold_engine(model, page_size).generate([prompts[i] for i in greedy_rows],
+                                                  [params[i] for i in greedy_rows])
+    eng = spec_engine(model, page_size, engine={"kv_cache_tokens": 6000, "chunked_prefill_size": 64},
+                      cache={"state_track_interval": 32, "state_slots": 160})
+    first = eng.run_requests(prompts, params)
+    second = eng.run_requests(prompts, params)
+    for run in (first, second):
+        assert [run[i].output_ids for i in greedy_rows] == cold
+        assert [len(r.output_ids) for r in run] == [sp.max_tokens for sp in params]
+    assert sum(r.cached_tokens for r in second) > sum(r.cached_tokens for r in first) > 0
+    assert eng.nextn.stats.num_accepted_tokens > 0
+    assert_no_leaks(eng)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM #46249: grammar-constrained requests next to speculating ones
+
+SCHEMA = {"type": "object",
+          "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["color", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def demo_spec(xdg, tmp_path_factory):
+    """The demo checkpoint (a real tokenizer, so grammars compile) with an agreeing head, and its tokenizer."""
+    from tinyserve.demo import ensure_demo_checkpoint
+    from tinyserve.tokenizer import Tokenizer
+    folder = tmp_path_factory.mktemp("demo") / "model"
+    shutil.copytree(ensure_demo_checkpoint(), folder)
+    make_agreeing_head(folder, mix=0.3)
+    return load_model(folder, torch.float32, TEST_DEVICE), Tokenizer.from_folder(folder)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_constrained_and_speculating_requests_in_one_batch(demo_spec, page_size, static):
+    """JSON-schema requests (sampled, seeded) in the same batches as greedy and sampled speculating requests, twice
+    (the second time from the prefix cache): every constrained output is valid JSON of the schema and the tokens it
+    has alone without speculation or cache; the greedy ones are the cold tokens; constrained requests never draft
+    (their grammar is not applied to drafts), the others do."""
+    model, tok = demo_spec
+    prompt = tok.encode("Give me a color and a number.")
+    c = Constraint.json_schema(SCHEMA)
+    params = [SamplingParams(max_tokens=64, temperature=1.0, seed=i, constraint=c) if i % 3 == 0 else
+              greedy(24) if i % 3 == 1 else SamplingParams(max_tokens=24, temperature=0.7, seed=i, ignore_eos=True)
+              for i in range(12)]
+    prompts = [prompt if i % 2 else prompt + tok.encode(f" Request {i}.") for i in range(12)]
+    checked = [i for i, sp in enumerate(params) if sp.temperature == 0 or sp.constraint is not None]
+    cold = engine_for(model, tok, engine={"page_size": page_size, "kv_cache_tokens": 4096}, cache={"enabled": False})
+    want = {i: cold.generate([prompts[i]], [params[i]])[0] for i in checked}
+    eng = engine_for(model, tok, engine={"page_size": page_size, "kv_cache_tokens": 4096},
+                     speculative={"algorithm": "nextn", "max_running": 0})
+    eng.nextn.step_cost = PinnedCost()
+    if static:
+        eng.runner.enable_static_steps(eng.cfg.engine.max_running_requests, capture=False)
+    for _ in range(2):
+        reqs, drafted = drive(eng, [(i // 4, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
+        for i in checked:
+            assert reqs[i].output_ids == want[i], i
+        for i, (r, sp) in enumerate(zip(reqs, params)):
+            if sp.constraint is not None:
+                assert r.finish_reason == "stop" and not any(drafted[r.request_id]), i
+                jsonschema.validate(json.loads(tok.decode(r.output_ids)), SCHEMA)
+            else:
+                assert any(drafted[r.request_id]), i
+    assert sum(r.cached_tokens for r in reqs) > 0 and eng.nextn.stats.num_accepted_tokens > 0
+    assert_no_leaks(eng)
+
+
 @pytest.fixture(scope="module")
 def attentive_model(tmp_path_factory):
     """A head whose own attention layer counts (head_layer): its drafts read its KV at every earlier position."""
@@ -286,3 +388,55 @@ def test_depth_recovers_when_the_head_agrees_again(exact_model, static):
     assert back is not None and back - probes[-1] <= wait + 6, steps   # the next probe, then a few rounds
     assert steps[back:].count(K) >= 3, steps
     assert_no_leaks(eng)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Through the server: constrained and speculating requests at once, and the per-request acceptance histogram
+
+def test_server_constrained_next_to_speculating_and_the_acceptance_histogram(xdg, tmp_path):
+    """A server with NEXTN on the demo model (a head that always agrees): JSON-schema chat requests run at the same
+    time as speculating completions; the constrained ones validate, the free ones have the text they have without
+    speculation. /metrics has one acceptance-length observation per request that verified drafts, in the buckets
+    of a head that agrees (k + 1 tokens a round)."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+    from server_util import ServerProcess, free_port, http, server_config
+    from tinyserve.demo import ensure_demo_checkpoint
+    folder = tmp_path / "model"
+    shutil.copytree(ensure_demo_checkpoint(), folder)
+    make_agreeing_head(folder, mix=0.0)
+    cfg = server_config(free_port(), {"model": {"path": str(folder)},
+                                      "speculative": {"algorithm": "nextn", "max_running": 0}})
+    with ServerProcess(tmp_path, cfg) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+
+        def constrained(seed: int) -> str:
+            r = client.chat.completions.create(model="tinyserve", messages=[{"role": "user", "content": "pick"}],
+                                               max_tokens=64, temperature=1.0, seed=seed, response_format=fmt)
+            return r.choices[0].message.content
+
+        def free(prompt: str, speculative: bool = True) -> str:
+            r = client.completions.create(model="tinyserve", prompt=prompt, max_tokens=40, temperature=0,
+                                          extra_body={"ignore_eos": True, "speculative": speculative})
+            return r.choices[0].text
+
+        prompts = ["Once upon a time", "The weather today", "In the beginning"]
+        plain = [free(p, speculative=False) for p in prompts]
+        with ThreadPoolExecutor(6) as pool:
+            texts = [pool.submit(constrained, s) for s in range(3)]
+            spec = [pool.submit(free, p) for p in prompts]
+            for t in texts:
+                jsonschema.validate(json.loads(t.result()), SCHEMA)
+            assert [s.result() for s in spec] == plain
+        _, _, body = http("GET", srv.base_url + "/metrics")
+        metrics = body.decode()
+
+        def value(name: str) -> float:
+            import re
+            m = re.search(rf"^tinyserve:spec_decode_request_accept_length_{name} (\S+)$", metrics, re.M)
+            assert m, metrics
+            return float(m.group(1))
+        assert value("count") == len(prompts)           # plain and constrained requests verified no drafts
+        assert value("sum") / value("count") > 3.0      # k + 1 = 4 tokens a round but the first and last rounds
+        assert 'tinyserve:spec_decode_request_accept_length_bucket{le="2.0"} 0.0' in metrics

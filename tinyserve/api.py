@@ -256,7 +256,7 @@ class Generation:
                  tiers.get("file", 0), r.completion_tokens)
         if self.metrics is not None:
             self.metrics.on_finished(reason, r.prompt_tokens, r.cached_tokens_by_tier,
-                                     time.monotonic() - self.arrival)
+                                     time.monotonic() - self.arrival, r.draft_rounds, r.accepted_draft_tokens)
 
     async def deltas(self, index: int) -> AsyncIterator[Delta]:
         """One choice's deltas; the last one carries finish_reason."""

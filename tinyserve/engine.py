@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tinyserve.cache import CacheStats, NullCache, PrefixCache
+from tinyserve.cache import CacheStats, Divergence, NullCache, PrefixCache
 from tinyserve.config import Config
 from tinyserve.copies import CopyStream
 from tinyserve.idle import IdleRelease
@@ -86,6 +86,7 @@ class RequestResult:
     finish_time: float | None = None
     draft_tokens: int = 0                # NEXTN draft tokens verified (usage: accepted + rejected prediction tokens)
     accepted_draft_tokens: int = 0
+    draft_rounds: int = 0                # NEXTN verify rounds
 
 
 @dataclass
@@ -244,7 +245,33 @@ class Engine:
             if req.status != Status.FINISHED:
                 self.scheduler.abort(req)
                 events.append(self._event(req, []))
-        return events + self.run_step(self.scheduler)
+        events += self.run_step(self.scheduler)
+        for d in self.cache.take_divergences():
+            self._log_divergence(d)
+        return events
+
+    def _log_divergence(self, d: Divergence) -> None:
+        """One line where a prompt left a cached path, the first time a prompt leaves it there (every time is
+        counted in /metrics); docs/cache-misses.md says how to read it."""
+        log.info("prefix cache: %s leaves a cached path at token %d of %d (%d tokens reused): ...%s | the prompt "
+                 "goes on %s... | the cache went on %s...", d.request_id, d.position, d.prompt_tokens,
+                 d.cached_tokens, self._shown(d.before), self._shown(d.prompt_after), self._shown(d.cached_after))
+
+    def _shown(self, ids: list[int]) -> str:
+        """A few cache ids as quoted text: tokens decoded with their special tokens, an image's keys as <image>."""
+        if self.tokenizer is None:
+            return str(ids)
+        text, run = "", []
+        for i in ids + [-1]:
+            if 0 <= i < self.runner.vocab_size:
+                run.append(i)
+                continue
+            if i >= 0 and not run and text.endswith("<image>"):
+                continue                               # one <image> for an image's run of keys
+            text += self.tokenizer.decode(run, skip_special_tokens=False) if run else ""
+            text += "<image>" if i >= 0 else ""
+            run = []
+        return repr(text)
 
     def run_step(self, sched: Scheduler) -> list[StepEvent]:
         """One forward over what `sched` schedules, its tokens committed."""
@@ -387,6 +414,7 @@ class Engine:
             res.cached_tokens = ev.cached_tokens
             res.draft_tokens += ev.drafted
             res.accepted_draft_tokens += ev.accepted
+            res.draft_rounds += ev.drafted > 0
             res.cached_tokens_by_tier.update(ev.cached_by_tier)
             if ev.tokens:
                 res.completion_tokens += len(ev.tokens)
