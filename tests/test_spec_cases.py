@@ -277,10 +277,10 @@ def test_constrained_and_speculating_requests_in_one_batch(demo_spec, page_size,
     assert_no_leaks(eng)
 
 
-@pytest.fixture(scope="module")
-def attentive_model(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def attentive_model(request, tmp_path_factory):
     """A head whose own attention layer counts (head_layer): its drafts read its KV at every earlier position."""
-    return agreeing_model(tmp_path_factory.mktemp("attentive"), mix=0.0, head_layer=1.0)
+    return agreeing_model(tmp_path_factory.mktemp("attentive"), request.param, mix=0.0, head_layer=1.0)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -97,9 +97,10 @@ class Cache(Protocol):
     def on_arrival(self, req: Request) -> None: ...
     def ready(self, req: Request) -> bool: ...
     def admit(self, req: Request) -> Admission: ...
-    def _diverged(self, req: Request, m: Match) -> None:
+    def _note_divergence(self, req: Request, m: Match) -> None:
         """Count a prompt that left the cached path at m.branch; keep it for the log if it is the first there."""
         self.num_divergences += 1
+        self._diverged.add(req)
         if m.branch in self._branches_seen:
             return
         self._branches_seen.add(m.branch)
@@ -156,9 +157,10 @@ class NullCache:
 
     skips_unready = False
 
-    def _diverged(self, req: Request, m: Match) -> None:
+    def _note_divergence(self, req: Request, m: Match) -> None:
         """Count a prompt that left the cached path at m.branch; keep it for the log if it is the first there."""
         self.num_divergences += 1
+        self._diverged.add(req)
         if m.branch in self._branches_seen:
             return
         self._branches_seen.add(m.branch)
@@ -244,6 +246,7 @@ class PrefixCache:
         self.num_divergences = 0
         self._divergences: list[Divergence] = []        # to log: the first at each branch point
         self._branches_seen: weakref.WeakSet[Node] = weakref.WeakSet()
+        self._diverged: weakref.WeakSet[Request] = weakref.WeakSet()   # counted once, whatever admits it again
 
     @property
     def hybrid(self) -> bool:
@@ -286,8 +289,8 @@ class PrefixCache:
         run.read = None
         loaded = self.tree.promote(req.cache_ids, blobs, run.read_first_page)
         m = self.tree.match(req.cache_ids)
-        if m.branch is not None and not req.output_ids:   # a new prompt (not a preempted request coming back)
-            self._diverged(req, m)
+        if m.branch is not None and not req.output_ids and req not in self._diverged:   # a new prompt, once
+            self._note_divergence(req, m)
         if m.node.snapshot is not None:
             self.state_pool.copy(m.node.snapshot, req.state_slot)
         else:
@@ -311,9 +314,10 @@ class PrefixCache:
                                                            "host": by_tier.get("host", 0),
                                                            "file": by_tier.get("file", 0)})
 
-    def _diverged(self, req: Request, m: Match) -> None:
+    def _note_divergence(self, req: Request, m: Match) -> None:
         """Count a prompt that left the cached path at m.branch; keep it for the log if it is the first there."""
         self.num_divergences += 1
+        self._diverged.add(req)
         if m.branch in self._branches_seen:
             return
         self._branches_seen.add(m.branch)

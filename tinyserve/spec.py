@@ -13,7 +13,8 @@ One round for a speculating request (the runner does the tensor work; this modul
 The head's KV is written at every position the model computes, for every request, drafting or not (a request at
 depth 0, one that never speculates, a prefill chunk): its drafts attend over all earlier positions, so a position
 left unwritten would lower the acceptance of every later round, and of every request the prefix cache serves
-those pages to. That costs one pass of the head (about one layer) per step, drafting or not.
+those pages to. Where nothing is drafted the head computes only that KV (its fc and K / V projections), a small
+part of one layer.
 
 How deep to draft (DepthControl): each request keeps an estimate of the chance that a draft token is accepted
 given the ones before it were (alpha, an exponential average over its recent rounds), and drafts the depth d in
@@ -371,16 +372,21 @@ class NextN:
         if not segments:
             return
         dev = hidden.device
-        segments.sort(key=lambda g: len(g.rows) != 1)   # one-row segments first: they use the decode attention
-        g = runner.nextn_head([(seg.req, seg.pos, len(seg.rows)) for seg in segments],
-                              [t for seg in segments for t in seg.next_ids],
-                              hidden[torch.tensor([r for seg in segments for r in seg.rows], device=dev)])
-        ends = torch.tensor([len(seg.rows) for seg in segments], device=dev).cumsum(0) - 1
-        drafting = [k for k, seg in enumerate(segments) if seg.depth > 0]
+
+        def head_input(segs: list[_Segment]) -> tuple[list[tuple[Request, int, int]], list[int], torch.Tensor]:
+            return ([(seg.req, seg.pos, len(seg.rows)) for seg in segs], [t for seg in segs for t in seg.next_ids],
+                    hidden[torch.tensor([r for seg in segs for r in seg.rows], device=dev)])
+
+        quiet = [seg for seg in segments if seg.depth == 0]
+        if quiet:                                      # nothing drafted from these: the head's KV alone
+            runner.nextn_kv(*head_input(quiet))
+        # one-row segments first: they use the decode attention
+        drafting = sorted((seg for seg in segments if seg.depth > 0), key=lambda g: len(g.rows) != 1)
         if not drafting:
             return
-        live = [segments[k] for k in drafting]
-        h = g[ends[torch.tensor(drafting, device=dev)]]
+        g = runner.nextn_head(*head_input(drafting))
+        h = g[torch.tensor([len(seg.rows) for seg in drafting], device=dev).cumsum(0) - 1]
+        live = drafting                                # those still drafting at each chain step
         qs: dict[int, list[torch.Tensor]] = {id(seg.req): [] for seg in live}
         for step in range(max(seg.depth for seg in live)):
             if step:                                   # a chain step: the last draft and the head's own hidden
@@ -400,7 +406,7 @@ class NextN:
             if not live:
                 break
             h = h[torch.tensor(keep, device=dev)]
-        for seg in segments:
+        for seg in drafting:
             rows = qs.get(id(seg.req))
             if rows:
                 seg.req.draft_q = torch.stack(rows)
