@@ -199,8 +199,9 @@ def eval_set(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_a_warm_second_pass_gives_the_first_passs_tokens(model, page_size):
-    """The same 50 requests twice on one engine with NEXTN and the prefix cache (room for most of them): both passes give the cold, unspeculated tokens for the greedy requests, with the seeded sampled ones
-    in the same batches, and the second pass is served from the cache.
+    """The same 50 requests twice on one engine with NEXTN and the prefix cache (room for most of them): both
+    passes give the cold, unspeculated tokens for the greedy requests, with the seeded sampled ones in the same
+    batches, and the second pass is served from the cache.
 
     A sampled request's tokens with speculation depend on how deep it drafted at each step, which depends on the
     pages free at that moment, so a seeded sampled request repeats its tokens only under the same conditions (its

@@ -97,38 +97,6 @@ class Cache(Protocol):
     def on_arrival(self, req: Request) -> None: ...
     def ready(self, req: Request) -> bool: ...
     def admit(self, req: Request) -> Admission: ...
-    def _note_divergence(self, req: Request, m: Match) -> None:
-        """Count a prompt that left the cached path at m.branch; keep it for the log if it is the first there."""
-        self.num_divergences += 1
-        self._diverged.add(req)
-        if m.branch in self._branches_seen:
-            return
-        self._branches_seen.add(m.branch)
-        ids, at = req.cache_ids, m.walked
-        # the cached continuation closest to the prompt: the branch sharing most of the prompt's next page (the
-        # most recently used of equals), then down its most recently used children
-        def shared(node: Node) -> int:
-            n = 0
-            while n < len(node.tokens) and at + n < len(ids) and node.tokens[n] == ids[at + n]:
-                n += 1
-            return n
-        child = max(m.branch.children.values(), key=lambda c: (shared(c), c.last_use))
-        position = at + shared(child)
-        cached = child.tokens[position - at:]
-        node = child
-        while len(cached) < DIVERGENCE_CONTEXT and node.children:
-            node = max(node.children.values(), key=lambda c: c.last_use)
-            cached = cached + node.tokens
-        k = DIVERGENCE_CONTEXT
-        self._divergences.append(Divergence(req.request_id, position, len(req.prompt_ids), m.length,
-                                            ids[max(0, position - k):position], ids[position:position + k],
-                                            cached[:k]))
-
-    def take_divergences(self) -> list[Divergence]:
-        """The divergences to log since the last call (the first at each branch point; all are counted)."""
-        out, self._divergences = self._divergences, []
-        return out
-
     def next_snapshot(self, req: Request) -> int | None: ...
     def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None: ...
     def finish(self, req: Request) -> None: ...
@@ -156,38 +124,6 @@ class NullCache:
         return True
 
     skips_unready = False
-
-    def _note_divergence(self, req: Request, m: Match) -> None:
-        """Count a prompt that left the cached path at m.branch; keep it for the log if it is the first there."""
-        self.num_divergences += 1
-        self._diverged.add(req)
-        if m.branch in self._branches_seen:
-            return
-        self._branches_seen.add(m.branch)
-        ids, at = req.cache_ids, m.walked
-        # the cached continuation closest to the prompt: the branch sharing most of the prompt's next page (the
-        # most recently used of equals), then down its most recently used children
-        def shared(node: Node) -> int:
-            n = 0
-            while n < len(node.tokens) and at + n < len(ids) and node.tokens[n] == ids[at + n]:
-                n += 1
-            return n
-        child = max(m.branch.children.values(), key=lambda c: (shared(c), c.last_use))
-        position = at + shared(child)
-        cached = child.tokens[position - at:]
-        node = child
-        while len(cached) < DIVERGENCE_CONTEXT and node.children:
-            node = max(node.children.values(), key=lambda c: c.last_use)
-            cached = cached + node.tokens
-        k = DIVERGENCE_CONTEXT
-        self._divergences.append(Divergence(req.request_id, position, len(req.prompt_ids), m.length,
-                                            ids[max(0, position - k):position], ids[position:position + k],
-                                            cached[:k]))
-
-    def take_divergences(self) -> list[Divergence]:
-        """The divergences to log since the last call (the first at each branch point; all are counted)."""
-        out, self._divergences = self._divergences, []
-        return out
 
     def next_snapshot(self, req: Request) -> int | None:
         return None
@@ -322,13 +258,15 @@ class PrefixCache:
             return
         self._branches_seen.add(m.branch)
         ids, at = req.cache_ids, m.walked
-        # the cached continuation closest to the prompt: the branch sharing most of the prompt's next page (the
-        # most recently used of equals), then down its most recently used children
-        def shared(node: Node) -> int:
+
+        def shared(node: Node) -> int:                 # tokens of node that the prompt has from `at` on
             n = 0
             while n < len(node.tokens) and at + n < len(ids) and node.tokens[n] == ids[at + n]:
                 n += 1
             return n
+
+        # the cached continuation closest to the prompt: the branch sharing most of the prompt's next page (the
+        # most recently used of equals), then down its most recently used children
         child = max(m.branch.children.values(), key=lambda c: (shared(c), c.last_use))
         position = at + shared(child)
         cached = child.tokens[position - at:]
