@@ -214,14 +214,20 @@ class GatedAttention(nn.Module):
         w.add("k_norm.weight", (self.hd,), self.k_norm)
         return w
 
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Project x, store its K and V in the pool; returns (q, gate) for the attention."""
+        T, eps = x.shape[0], self.cfg.rms_norm_eps
+        qg, k, v = linear(x, self.qkv_proj).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
+        k = apply_rotary(rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, eps), *cos_sin)
+        store_kv(k, v.view(T, self.nkv, self.hd), kv_cache, batch.slot_mapping)
+        return qg.view(T, self.nh, 2 * self.hd).split([self.hd, self.hd], dim=-1)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T, eps = x.shape[0], self.cfg.rms_norm_eps
-        qg, k, v = linear(x, self.qkv_proj).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
-        q, gate = qg.view(T, self.nh, 2 * self.hd).split([self.hd, self.hd], dim=-1)
+        q, gate = self.write_kv(x, batch, kv_cache, cos_sin)
         q = apply_rotary(rms_norm(q, self.q_norm, eps), *cos_sin)
-        k = apply_rotary(rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, eps), *cos_sin)
-        store_kv(k, v.view(T, self.nkv, self.hd), kv_cache, batch.slot_mapping)
         scale = self.hd ** -0.5
         nd, nv, parts = batch.num_decode, batch.num_verify, []
         if nd:
@@ -493,19 +499,34 @@ class Qwen3NextForCausalLM(nn.Module):
         batch describes positions p and the MTP layer's own KV pages in pool layer `kv_layer`."""
         return self.compute_logits(self.mtp_hidden(next_ids, hidden, batch, kv_pool, kv_layer))
 
-    def mtp_hidden(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_pool,
-                   kv_layer: int) -> torch.Tensor:
-        """The NEXTN head's output after mtp.norm [T, H]: what its logits are computed from, and the hidden the
-        next draft step takes in place of the target's (a chain of drafts)."""
+    def _mtp_input(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The NEXTN head's fc output: the embedding of the next token next to the hidden state."""
         assert self.mtp is not None, "this checkpoint has no mtp.* weights"
         eps, m = self.cfg.rms_norm_eps, self.mtp
         e = F.embedding(next_ids, self.embed_tokens)
         if batch.image_rows is not None:    # an image token's embedding is its vision feature row, as the target's
             e[batch.image_rows] = batch.image_embeds.to(e.dtype)
         e = rms_norm(e, m.pre_fc_norm_embedding, eps)
-        u = linear(torch.cat([e, rms_norm(hidden, m.pre_fc_norm_hidden, eps)], dim=-1), m.fc)
+        return linear(torch.cat([e, rms_norm(hidden, m.pre_fc_norm_hidden, eps)], dim=-1), m.fc)
+
+    def mtp_hidden(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_pool,
+                   kv_layer: int) -> torch.Tensor:
+        """The NEXTN head's output after mtp.norm [T, H]: what its logits are computed from, and the hidden the
+        next draft step takes in place of the target's (a chain of drafts)."""
+        u = self._mtp_input(next_ids, hidden, batch)
         cos_sin = self.cos_sin(batch)
         kv = kv_pool.layer(kv_layer)
-        for layer in m.layers:
+        for layer in self.mtp.layers:
             u = layer(u, lambda h: layer.mixer(h, batch, kv, cos_sin))
-        return rms_norm(u, m.norm, eps)
+        return rms_norm(u, self.mtp.norm, self.cfg.rms_norm_eps)
+
+    def mtp_kv(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_pool,
+               kv_layer: int) -> None:
+        """Only the NEXTN head's KV at these positions, as mtp_hidden writes it (no draft is made from them): its
+        attention, output projection and MLP are skipped."""
+        if len(self.mtp.layers) != 1:       # a second layer's KV needs the first one's output
+            self.mtp_hidden(next_ids, hidden, batch, kv_pool, kv_layer)
+            return
+        layer = self.mtp.layers[0]
+        u = rms_norm(self._mtp_input(next_ids, hidden, batch), layer.input_layernorm, self.cfg.rms_norm_eps)
+        layer.mixer.write_kv(u, batch, kv_pool.layer(kv_layer), self.cos_sin(batch))

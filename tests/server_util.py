@@ -193,3 +193,25 @@ class InProcessServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+# The real CLI with the draft priced as PinnedCost prices it offline: the depth follows acceptance alone, not the
+# timed steps, which a loaded machine (another test worker, another process) makes too dear to draft.
+PINNED_LAUNCHER = r"""
+import sys
+from tinyserve import cli, spec
+
+
+class PinnedStepCost(spec.StepCost):
+    def relative(self, d):
+        return 1.0 + 0.1 * d
+
+
+spec.StepCost = PinnedStepCost
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+class PinnedCostServer(ServerProcess):
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", PINNED_LAUNCHER, str(self.config_path)]

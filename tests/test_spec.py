@@ -21,7 +21,7 @@ import torch
 
 from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
 from conftest import TEST_DEVICE, PinnedCost, assert_no_leaks, engine_for, tokens
-from server_util import ServerProcess, free_port, http, server_config
+from server_util import PinnedCostServer, ServerProcess, free_port, http, server_config
 from tinyserve.config import ConfigError
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
@@ -320,28 +320,6 @@ def test_step_cost_prices_a_round_from_measured_steps():
 
 # ---------------------------------------------------------------------------------------------------------------
 # Through the server: usage, metrics, stop strings inside a run, the per-request switch
-
-# The real CLI with the draft priced as PinnedCost prices it offline: the depth follows acceptance alone, not the
-# timed steps, which a loaded machine (another test worker, another process) makes too dear to draft.
-PINNED_LAUNCHER = r"""
-import sys
-from tinyserve import cli, spec
-
-
-class PinnedStepCost(spec.StepCost):
-    def relative(self, d):
-        return 1.0 + 0.1 * d
-
-
-spec.StepCost = PinnedStepCost
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
-
-class PinnedCostServer(ServerProcess):
-    def command(self) -> list[str]:
-        return [sys.executable, "-c", PINNED_LAUNCHER, str(self.config_path)]
-
 
 @pytest.mark.slow
 def test_server_reports_speculation_and_keeps_the_text(xdg, tmp_path):

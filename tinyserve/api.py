@@ -252,7 +252,8 @@ class Generation:
         log.info("%s: %s, prompt %d tokens, %d from the prefix cache (device %d, host %d, file %d), %d generated",
                  r.request_id, reason, r.prompt_tokens, r.cached_tokens, tiers.get("device", 0), tiers.get("host", 0),
                  tiers.get("file", 0), r.completion_tokens)
-        self.metrics.on_finished(reason, r.prompt_tokens, r.cached_tokens_by_tier, time.monotonic() - self.arrival)
+        self.metrics.on_finished(reason, r.prompt_tokens, r.cached_tokens_by_tier, time.monotonic() - self.arrival,
+                                 r.draft_rounds, r.accepted_draft_tokens)
 
     async def deltas(self, index: int) -> AsyncIterator[Delta]:
         """One choice's deltas; the last one carries finish_reason."""
@@ -445,8 +446,7 @@ async def generate(request: web.Request, endpoint: Endpoint[Req]) -> web.StreamR
     engine = _serving_engine(state)
     body = await _read_json(request)
     req = endpoint.parse(body, engine.served_name)
-    if state.metrics is not None:
-        state.metrics.on_tools_left_out(left_out_tools(req))
+    state.metrics.on_tools_left_out(left_out_tools(req))
     options = req.options
     _check_capacity(engine, state.cfg, options.n)
     prompt_ids = await _in_thread(endpoint.prompt_ids, req, engine.tokenizer)

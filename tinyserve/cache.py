@@ -7,6 +7,7 @@
     each step:  advance(req, pos, is_decode, slot)   take the state snapshots that fall due (from `slot`, the
                                     state at pos: a speculative verify keeps one per verified token)
     end:        finish(req)         cache what the request computed;  release(req): unlock (also on preemption)
+    misses:     take_divergences()  prompts that left a cached path since the last call, one per branch point
     room:       make_room(pages)    evict unlocked cached pages until `pages` are free
     memory:     relief_due(), relieve_host_memory()   the host tier gives memory back when the machine runs short
 
@@ -16,6 +17,7 @@ its invariants are in radix.py; the tiers and their copies in host_tier.py and f
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -25,7 +27,7 @@ from tinyserve.config import Config
 from tinyserve.file_tier import FileStats, FileTier
 from tinyserve.host_tier import HostStats, HostTier
 from tinyserve.kv import PageAllocator
-from tinyserve.radix import Node, RadixCache
+from tinyserve.radix import Match, Node, RadixCache
 from tinyserve.request import TIERS, Request
 from tinyserve.state import StatePool
 
@@ -53,10 +55,27 @@ class Admission:
     cached_by_tier: dict[str, int]       # split of cached_tokens over the tiers they were loaded from
 
 
+DIVERGENCE_CONTEXT = 8      # tokens kept either side of the point where a prompt leaves a cached path
+
+
+@dataclass
+class Divergence:
+    """A prompt that left a cached path that goes on: it shares `position` tokens with the path, then differs.
+    The tokens are cache ids (token ids, and image keys >= the vocabulary size); the engine decodes them."""
+    request_id: str
+    position: int                # the prompt's first token that differs from the cached path
+    prompt_tokens: int
+    cached_tokens: int           # prompt tokens the request takes from the cache (whole pages with a state)
+    before: list[int]            # the shared tokens just before `position`
+    prompt_after: list[int]      # the prompt from `position`
+    cached_after: list[int]      # the cached path from `position` (along its most recently used branch)
+
+
 @dataclass
 class CacheStats:
     query_tokens: int = 0
     hit_tokens: int = 0
+    divergences: int = 0         # prompts that left a cached path that goes on (Divergence)
     cached_pages: int = 0
     snapshots_held: int = 0
     snapshots_evicted: int = 0
@@ -89,6 +108,7 @@ class Cache(Protocol):
     def close(self, timeout: float = 10.0) -> None: ...
     def stats(self) -> CacheStats: ...
     def check(self) -> None: ...
+    def take_divergences(self) -> list[Divergence]: ...
 
 
 class NullCache:
@@ -142,6 +162,9 @@ class NullCache:
     def check(self) -> None:
         pass
 
+    def take_divergences(self) -> list[Divergence]:
+        return []
+
 
 class PrefixCache:
     """The radix tree with its tiers, state snapshots and prefetch policy, behind the scheduler's calls."""
@@ -156,6 +179,10 @@ class PrefixCache:
         self.prefetch_policy = cfg.cache.file.prefetch_policy
         self.wake = wake                     # called from the reader thread when a read lands
         self.runs: dict[str, CacheRun] = {}  # request id -> its bookkeeping, from arrival to release
+        self.num_divergences = 0
+        self._divergences: list[Divergence] = []        # to log: the first at each branch point
+        self._branches_seen: weakref.WeakSet[Node] = weakref.WeakSet()
+        self._diverged: weakref.WeakSet[Request] = weakref.WeakSet()   # counted once, whatever admits it again
 
     @property
     def hybrid(self) -> bool:
@@ -198,6 +225,8 @@ class PrefixCache:
         run.read = None
         loaded = self.tree.promote(req.cache_ids, blobs, run.read_first_page)
         m = self.tree.match(req.cache_ids)
+        if m.branch is not None and not req.output_ids and req not in self._diverged:   # a new prompt, once
+            self._note_divergence(req, m)
         if m.node.snapshot is not None:
             self.state_pool.copy(m.node.snapshot, req.state_slot)
         else:
@@ -220,6 +249,40 @@ class PrefixCache:
         return Admission(list(m.pages), m.length, cached, {"device": cached - sum(by_tier.values()),
                                                            "host": by_tier.get("host", 0),
                                                            "file": by_tier.get("file", 0)})
+
+    def _note_divergence(self, req: Request, m: Match) -> None:
+        """Count a prompt that left the cached path at m.branch; keep it for the log if it is the first there."""
+        self.num_divergences += 1
+        self._diverged.add(req)
+        if m.branch in self._branches_seen:
+            return
+        self._branches_seen.add(m.branch)
+        ids, at = req.cache_ids, m.walked
+
+        def shared(node: Node) -> int:                 # tokens of node that the prompt has from `at` on
+            n = 0
+            while n < len(node.tokens) and at + n < len(ids) and node.tokens[n] == ids[at + n]:
+                n += 1
+            return n
+
+        # the cached continuation closest to the prompt: the branch sharing most of the prompt's next page (the
+        # most recently used of equals), then down its most recently used children
+        child = max(m.branch.children.values(), key=lambda c: (shared(c), c.last_use))
+        position = at + shared(child)
+        cached = child.tokens[position - at:]
+        node = child
+        while len(cached) < DIVERGENCE_CONTEXT and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_use)
+            cached = cached + node.tokens
+        k = DIVERGENCE_CONTEXT
+        self._divergences.append(Divergence(req.request_id, position, len(req.prompt_ids), m.length,
+                                            ids[max(0, position - k):position], ids[position:position + k],
+                                            cached[:k]))
+
+    def take_divergences(self) -> list[Divergence]:
+        """The divergences to log since the last call (the first at each branch point; all are counted)."""
+        out, self._divergences = self._divergences, []
+        return out
 
     def next_snapshot(self, req: Request) -> int | None:
         """The next prefill position where a snapshot is due (a prefill chunk ends there)."""
@@ -310,7 +373,8 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         t = self.tree
-        return CacheStats(query_tokens=t.query_tokens, hit_tokens=t.hit_tokens, cached_pages=t.num_pages,
+        return CacheStats(query_tokens=t.query_tokens, hit_tokens=t.hit_tokens, divergences=self.num_divergences,
+                          cached_pages=t.num_pages,
                           snapshots_held=t.num_snapshots, snapshots_evicted=t.snapshots_evicted,
                           host=self.host.report() if self.host else None,
                           file=self.file.report() if self.file else None)

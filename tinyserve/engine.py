@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tinyserve.cache import CacheStats, NullCache, PrefixCache
+from tinyserve.cache import CacheStats, Divergence, NullCache, PrefixCache
 from tinyserve.config import Config
 from tinyserve.copies import CopyStream
 from tinyserve.idle import IdleRelease
@@ -86,6 +86,7 @@ class RequestResult:
     finish_time: float | None = None
     draft_tokens: int = 0                # NEXTN draft tokens verified (usage: accepted + rejected prediction tokens)
     accepted_draft_tokens: int = 0
+    draft_rounds: int = 0                # NEXTN verify rounds
 
 
 @dataclass
@@ -244,7 +245,10 @@ class Engine:
             if req.status != Status.FINISHED:
                 self.scheduler.abort(req)
                 events.append(self._event(req, []))
-        return events + self.run_step(self.scheduler)
+        events += self.run_step(self.scheduler)
+        for d in self.cache.take_divergences():
+            log.info("prefix cache: %s", describe_divergence(d, self.tokenizer, self.runner.vocab_size))
+        return events
 
     def run_step(self, sched: Scheduler) -> list[StepEvent]:
         """One forward over what `sched` schedules, its tokens committed."""
@@ -387,6 +391,7 @@ class Engine:
             res.cached_tokens = ev.cached_tokens
             res.draft_tokens += ev.drafted
             res.accepted_draft_tokens += ev.accepted
+            res.draft_rounds += ev.drafted > 0
             res.cached_tokens_by_tier.update(ev.cached_by_tier)
             if ev.tokens:
                 res.completion_tokens += len(ev.tokens)
@@ -442,3 +447,25 @@ class Engine:
         """Offline: flush pending file-tier writes (bounded) so a restart finds them."""
         self.copies.synchronize()
         self.cache.close(timeout)
+
+
+def describe_divergence(d: Divergence, tokenizer: Any, vocab_size: int) -> str:
+    """Where a prompt left a cached path, logged the first time a prompt leaves it there (every time is counted in
+    /metrics); docs/cache-misses.md says how to read it."""
+    def shown(ids: list[int]) -> str:     # cache ids as quoted text, special tokens kept, an image's keys as <image>
+        if tokenizer is None:
+            return str(ids)
+        text, run = "", []
+        for i in ids + [-1]:
+            if 0 <= i < vocab_size:
+                run.append(i)
+                continue
+            if i >= 0 and not run and text.endswith("<image>"):
+                continue                               # one <image> for an image's run of keys
+            text += tokenizer.decode(run, skip_special_tokens=False) if run else ""
+            text += "<image>" if i >= 0 else ""
+            run = []
+        return repr(text)
+    return (f"{d.request_id} leaves a cached path at token {d.position} of {d.prompt_tokens} ({d.cached_tokens} "
+            f"tokens reused): ...{shown(d.before)} | the prompt goes on {shown(d.prompt_after)}... | the cache went "
+            f"on {shown(d.cached_after)}...")

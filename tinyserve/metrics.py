@@ -28,6 +28,9 @@ _HIT_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Tokens a speculating request committed per verify round (1 = no draft accepted; at most 1 + speculative.num_steps):
+# acceptance that collapses shows as requests piling up in the lowest buckets while /health stays green.
+_ACCEPT_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 
 class _EngineCollector(Collector):
@@ -62,6 +65,8 @@ class _EngineCollector(Collector):
         gauge("kv_pages_total", "Device KV pages in the pool.", st.kv_pages_total)
         counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", c.query_tokens)
         counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", c.hit_tokens)
+        counter("prefix_cache_divergences", "Prompts that left a cached path that goes on with other tokens (the "
+                "first at each point is logged with the tokens either side).", c.divergences)
         gauge("cache_hit_rate", "Prefix-cache hit tokens / query tokens since start (0..1).",
               ratio(c.hit_tokens, c.query_tokens))
         gauge("prefix_cache_pages", "Device KV pages held by the prefix cache.", c.cached_pages)
@@ -149,6 +154,10 @@ class Metrics:
         self.tools_left_out = Counter("tinyserve:tools_left_out", "Tools of types this server cannot run (hosted / "
                                       "server tools such as web search) left out of requests' prompts, by type.",
                                       ["type"], registry=r)
+        self.accept_length = Histogram("tinyserve:spec_decode_request_accept_length",
+                                       "Per finished request that verified NEXTN drafts: tokens committed per "
+                                       "verify round (1 + accepted drafts / rounds).",
+                                       buckets=_ACCEPT_LENGTH_BUCKETS, registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
 
@@ -172,8 +181,11 @@ class Metrics:
                 self.itl.observe(per_token)
 
     def on_finished(self, finish_reason: str, prompt_tokens: int, cached_by_tier: dict[str, int] | None,
-                    seconds: float) -> None:
+                    seconds: float, draft_rounds: int = 0, accepted_drafts: int = 0) -> None:
+        """draft_rounds: the request's NEXTN verify rounds, accepted_drafts: the drafts they accepted."""
         self.finished.labels(finish_reason=finish_reason).inc()
+        if draft_rounds:
+            self.accept_length.observe(1 + accepted_drafts / draft_rounds)
         self.prompt_tokens.inc(prompt_tokens)
         for tier, n in (cached_by_tier or {}).items():
             if n:

@@ -84,6 +84,8 @@ class Match:
     length: int               # usable prefix length in tokens (multiple of page_size)
     pages: list[int]          # pages covering that prefix
     kv_length: int            # longest matched prefix on the device regardless of state (a branch point)
+    walked: int = 0           # tokens matched in the tree, any tier (page-aligned)
+    branch: Node | None = None    # where the prompt left a cached path that goes on (a divergence); None: it didn't
 
 
 class RadixCache:
@@ -153,7 +155,9 @@ class RadixCache:
 
     def match(self, tokens: list[int]) -> Match:
         """Longest usable device-resident prefix of tokens, always leaving at least one token to compute."""
-        path, _ = self._walk(tokens[:self._limit(tokens)], split=True)
+        limit = self._limit(tokens)
+        path, walked = self._walk(tokens[:limit], split=True)
+        last = path[-1] if path else self.root
         on_device = []
         for node in path:
             if node.pages is None:
@@ -172,7 +176,9 @@ class RadixCache:
         self.query_tokens += len(tokens)
         self.hit_tokens += usable.depth
         kv_len = on_device[-1].depth if on_device else 0
-        return Match(usable, usable.depth, pages, kv_len)
+        # the walk stopped short of the limit at a node with children: no child continues the prompt's next page
+        branch = last if 0 < walked < limit and last.children else None
+        return Match(usable, usable.depth, pages, kv_len, walked, branch)
 
     def lock(self, node: Node, delta: int) -> None:
         while node is not None and node is not self.root:

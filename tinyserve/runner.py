@@ -162,6 +162,11 @@ class ModelRunner:
         batch = self._batch(spans, next_ids, [0] * len(spans), num_decode, image_shift=1)
         return self.model.mtp_hidden(batch.input_ids, hidden, batch, self.kv_pool, self.nextn.kv_layer)
 
+    def nextn_kv(self, spans: list[tuple[Request, int, int]], next_ids: list[int], hidden: torch.Tensor) -> None:
+        """Only the NEXTN head's KV over spans (as nextn_head writes it), where nothing is drafted."""
+        batch = self._batch(spans, next_ids, [0] * len(spans), 0, image_shift=1)
+        self.model.mtp_kv(batch.input_ids, hidden, batch, self.kv_pool, self.nextn.kv_layer)
+
     def grammar_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """(sampling rows, bitmask) of the requests whose grammar is active this step, filled by llguidance; None
         if none. reqs[i] samples at row rows[i] (a constrained request never verifies drafts: one row)."""

@@ -10,6 +10,12 @@ One round for a speculating request (the runner does the tensor work; this modul
   4. the NEXTN head runs over the committed positions with the target's hidden states (writing its own KV, one more
      attention layer in the same pages), and drafts the next round's d1..dk.
 
+The head's KV is written at every position the model computes, for every request, drafting or not (a request at
+depth 0, one that never speculates, a prefill chunk): its drafts attend over all earlier positions, so a position
+left unwritten would lower the acceptance of every later round, and of every request the prefix cache serves
+those pages to. Where nothing is drafted the head computes only that KV (its fc and K / V projections), a small
+part of one layer.
+
 How deep to draft (DepthControl): each request keeps an estimate of the chance that a draft token is accepted
 given the ones before it were (alpha, an exponential average over its recent rounds), and drafts the depth d in
 0..num_steps that maximises the expected tokens per round, (1 - alpha^(d+1)) / (1 - alpha), over the round's time.
@@ -17,7 +23,7 @@ What a round costs depends on the machine and the model (a verify of d + 1 token
 against one decode step), so StepCost holds the measured seconds of a single-request step at each depth: timed at
 start (Engine.price_drafts) and kept current by the steps that run. At depth 0 the request decodes plainly and
 probes with one draft after `PROBE_EVERY` plain steps, backing off (doubling the wait, up to `PROBE_EVERY_MAX`)
-while probes keep failing, so a head that never agrees costs almost nothing.
+while probes keep failing, so a head that never agrees costs little, and one that agrees again is found.
 """
 from __future__ import annotations
 
@@ -71,7 +77,8 @@ class DepthControl:
     alpha: float = ALPHA_START
     plain_steps: int = 0                     # plain decode steps since the depth fell to 0
     probe_every: int = PROBE_EVERY
-    probing: bool = False
+    probing: bool = False                    # the round in flight is a probe (its verify comes a step later,
+                                             # after the next next_depth: so observe() clears this, not next_depth)
 
     def next_depth(self, cost: "StepCost") -> int:
         """The depth of this request's next step (called once per decode step)."""
@@ -81,7 +88,6 @@ class DepthControl:
             rate = (1 - a ** (d + 1)) / (1 - a) / cost.relative(d)
             if rate > best_rate:
                 best, best_rate = d, rate
-        self.probing = False
         if best == 0:
             self.plain_steps += 1
             if self.plain_steps >= self.probe_every:
@@ -97,6 +103,7 @@ class DepthControl:
         self.alpha = ALPHA_DECAY * self.alpha + (1 - ALPHA_DECAY) * accepted / tried
         if self.probing:
             self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, PROBE_EVERY_MAX)
+            self.probing = False
 
 
 @dataclass
@@ -338,16 +345,14 @@ class NextN:
 
     def draft(self, runner: ModelRunner, seqs: list[ScheduledSeq], cu_seqlens: list[int], hidden: torch.Tensor,
               outputs: dict[int, SeqOutput], num_running: int) -> None:
-        """After a step: the head over the positions each speculating request computed (its KV; a prefill chunk
-        that samples nothing writes only that), then up to `depth` chained draft steps into `req.draft` (and
-        `req.draft_q`, the distributions sampled drafts were drawn from). outputs: by id(seq), what it committed."""
+        """After a step: the head over the positions every request computed (its KV, see the module docstring),
+        then, for the speculating ones, up to `depth` chained draft steps into `req.draft` (and `req.draft_q`, the
+        distributions sampled drafts were drawn from). outputs: by id(seq), what it committed."""
         allowed = self.allows(num_running)
         segments: list[_Segment] = []
         for i, s in enumerate(seqs):
             req = s.req
             req.draft, req.draft_q = [], None
-            if not self.speculates(req):
-                continue
             start, end_row = cu_seqlens[i], cu_seqlens[i + 1]
             if not s.samples:                          # a prefill chunk that is not the last: KV only
                 end = s.start + s.num_tokens
@@ -361,23 +366,27 @@ class NextN:
                 end = s.start + s.num_tokens
                 seg = _Segment(req, list(range(start, end_row)), s.start, req.all_ids[s.start + 1:end] + toks,
                                outputs=after)
-            seg.depth = self._depth(runner, req, after, seg.pos + len(seg.rows)) if allowed else 0
-            if s.is_decode and seg.depth == 0:
-                continue                               # decoding plainly: no NEXTN work (its KV there stays stale)
+            if allowed and self.speculates(req):
+                seg.depth = self._depth(runner, req, after, seg.pos + len(seg.rows))
             segments.append(seg)
         if not segments:
             return
         dev = hidden.device
-        segments.sort(key=lambda g: len(g.rows) != 1)   # one-row segments first: they use the decode attention
-        g = runner.nextn_head([(seg.req, seg.pos, len(seg.rows)) for seg in segments],
-                              [t for seg in segments for t in seg.next_ids],
-                              hidden[torch.tensor([r for seg in segments for r in seg.rows], device=dev)])
-        ends = torch.tensor([len(seg.rows) for seg in segments], device=dev).cumsum(0) - 1
-        drafting = [k for k, seg in enumerate(segments) if seg.depth > 0]
+
+        def head_input(segs: list[_Segment]) -> tuple[list[tuple[Request, int, int]], list[int], torch.Tensor]:
+            return ([(seg.req, seg.pos, len(seg.rows)) for seg in segs], [t for seg in segs for t in seg.next_ids],
+                    hidden[torch.tensor([r for seg in segs for r in seg.rows], device=dev)])
+
+        quiet = [seg for seg in segments if seg.depth == 0]
+        if quiet:                                      # nothing drafted from these: the head's KV alone
+            runner.nextn_kv(*head_input(quiet))
+        # one-row segments first: they use the decode attention
+        drafting = sorted((seg for seg in segments if seg.depth > 0), key=lambda g: len(g.rows) != 1)
         if not drafting:
             return
-        live = [segments[k] for k in drafting]
-        h = g[ends[torch.tensor(drafting, device=dev)]]
+        g = runner.nextn_head(*head_input(drafting))
+        h = g[torch.tensor([len(seg.rows) for seg in drafting], device=dev).cumsum(0) - 1]
+        live = drafting                                # those still drafting at each chain step
         qs: dict[int, list[torch.Tensor]] = {id(seg.req): [] for seg in live}
         for step in range(max(seg.depth for seg in live)):
             if step:                                   # a chain step: the last draft and the head's own hidden
@@ -397,7 +406,7 @@ class NextN:
             if not live:
                 break
             h = h[torch.tensor(keep, device=dev)]
-        for seg in segments:
+        for seg in drafting:
             rows = qs.get(id(seg.req))
             if rows:
                 seg.req.draft_q = torch.stack(rows)
