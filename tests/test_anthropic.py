@@ -192,9 +192,11 @@ def test_tool_use_response_blocks():
             if d["type"] == "input_json_delta":
                 b["_json"] += d["partial_json"]
             else:
-                key = "text" if d["type"] == "text_delta" else "thinking"
+                key = {"text_delta": "text", "thinking_delta": "thinking", "signature_delta": "signature"}[d["type"]]
                 b[key] += d[key]
+                b["signed"] = d["type"] == "signature_delta"   # the last delta of a thinking block signs it
     assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"]
+    assert blocks[0]["signed"] and "signed" not in blocks[2]
     assert blocks[0]["thinking"] == "hmm" and blocks[1]["text"] == "Checking."
     assert json.loads(blocks[2]["_json"]) == {"city": "Paris", "days": 3}
     assert events[-2]["delta"]["stop_reason"] == "tool_use"

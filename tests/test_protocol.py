@@ -49,7 +49,8 @@ CHAT_ERRORS = [
     ("stop-token-string", {"messages": USER, "stop_token_ids": ["a"]}, 400, "stop_token_ids"),
     ("stream-string", {"messages": USER, "stream": "yes"}, 400, "stream"),
     ("stream-options-list", {"messages": USER, "stream_options": []}, 400, "stream_options"),
-    ("include-usage-string", {"messages": USER, "stream_options": {"include_usage": 1}}, 400, "include_usage"),
+    ("include-usage-string", {"messages": USER, "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "include_usage"),
     ("top-logprobs-alone", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ("top-logprobs-21", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("tools-not-list", {"messages": USER, "tools": {}}, 400, "tools"),
@@ -81,12 +82,14 @@ def test_chat_parse_errors_name_the_field(case):
 COMPLETION_ERRORS = [
     ("prompt-missing", {}, "prompt"),
     ("prompt-empty-string", {"prompt": ""}, "prompt"),
-    ("prompt-batch", {"prompt": ["a", "b"]}, "prompt"),
+    ("prompt-batch-empty-entry", {"prompt": ["a", ""]}, "prompt[1]"),
+    ("prompt-batch-mixed-ids", {"prompt": [[1, 2], [3, "x"]]}, "prompt[1]"),
     ("prompt-empty-ids", {"prompt": []}, "prompt"),
     ("prompt-bool-id", {"prompt": [True]}, "prompt"),
     ("logprobs-6", {"prompt": "x", "logprobs": 6}, "logprobs"),
-    ("echo", {"prompt": "x", "echo": True}, "echo"),
+    ("echo-string", {"prompt": "x", "echo": "yes"}, "echo"),
     ("best-of", {"prompt": "x", "best_of": 2}, "best_of"),
+    ("suffix", {"prompt": "x", "suffix": "y"}, "suffix"),
 ]
 
 
@@ -163,7 +166,7 @@ def test_ranges_are_the_engines():
     p = req.options.params
     assert (p.temperature, p.top_p, p.min_tokens, req.options.max_tokens) == (-1.0, 0.0, -3, 0)
     assert p.stop_token_ids == [10 ** 9]
-    assert parse_completion_request({"prompt": [-1, 10 ** 9]}, "tinyserve").prompt == [-1, 10 ** 9]
+    assert parse_completion_request({"prompt": [-1, 10 ** 9]}, "tinyserve").prompts == [[-1, 10 ** 9]]
 
 
 def test_engine_error_fields_map_to_what_the_client_sent():
@@ -198,7 +201,7 @@ META = Meta("cmpl-1", 123, "tinyserve", [1, 2, 3], lambda t: f"<{t}>")
 def test_completion_body_and_stream():
     comp = Completions()
     req = parse_completion_request({"prompt": [1, 2, 3], "logprobs": 1, "n": 2, "return_token_ids": True,
-                                    "stream_options": {"include_usage": True}}, "tinyserve")
+                                    "stream": True, "stream_options": {"include_usage": True}}, "tinyserve")
     usage = Usage(3, 2, cached_tokens=1, cached_tokens_by_tier={"device": 1})
     results = [ChoiceResult(0, "ab", [7, 8], [_Event(7), _Event(8)], "length"), ChoiceResult(1, "", [], [], "stop")]
     body = comp.response(req, META, results, usage)

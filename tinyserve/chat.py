@@ -35,6 +35,10 @@ class ChatRequest:
     options: GenerationOptions
     starts_in_reasoning: bool = False  # set once the prompt is rendered: the template opened <think> itself
     images: list[ImageInput] = field(default_factory=list)   # the image parts, in prompt order
+    continue_final: bool = False       # the last (assistant) message is continued, not closed (a prefill)
+    add_generation_prompt: bool = True
+    parallel_tool_calls: bool = True   # False: at most one tool call per answer (the first)
+    echo: str = ""                     # vLLM's echo of a continued message: its text goes before the answer
 
     @property
     def enable_thinking(self) -> bool:
@@ -111,6 +115,8 @@ def chat_tools(tools: list[dict[str, Any]], choice: Any) -> tuple[list[dict[str,
     is a 400 naming tool_choice. "required" and a named function force one call when the tool-call parser is on
     (ChatFormat.prompt_ids sets the grammar constraint); a named function also limits what is parsed as a call."""
     offered = tools or None
+    if offered is None and choice not in ("auto", "none"):
+        raise bad_request("tool_choice forces a tool call, but no tools are given", "tool_choice")
     try:
         make_tool_parser(offered, choice)
     except ValueError as e:
@@ -132,8 +138,9 @@ class ChatFormat:
     def prompt_ids(self, req: ChatRequest, tokenizer: Tokenizer) -> list[int]:
         """The rendered prompt; it also settles the request's constraint (a forced tool call, and where it starts)."""
         try:
-            text = tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=True,
-                                                 **req.template_kwargs)
+            text = tokenizer.apply_chat_template(req.messages, tools=req.tools,
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 continue_final_message=req.continue_final, **req.template_kwargs)
         except ValueError as e:                       # e.g. the template's raise_exception on a bad history
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
         req.starts_in_reasoning = prompt_opens_reasoning(text)
@@ -167,6 +174,7 @@ class ChatFormat:
         tools = self.tools(req)
         if tools is not None and content:
             content, calls = tools.parse(content)
+            calls = calls if req.parallel_tool_calls else calls[:1]
             if calls:
                 message["tool_calls"] = calls
                 if finish == "stop":
@@ -182,6 +190,7 @@ class ChatStreamChoice:
         self.reasoning = chat.reasoning(req)
         self.tools = chat.tools(req)
         self.called_tools = False
+        self.parallel_tool_calls = req.parallel_tool_calls
 
     def pieces(self, text: str, final: bool) -> list[dict[str, Any]]:
         """Deltas for this text: reasoning_content, then content and tool_calls in the order they came."""
@@ -201,6 +210,8 @@ class ChatStreamChoice:
         tool_deltas = self.tools.feed(content) if content else []
         if final:
             tool_deltas += self.tools.finish()
+        if not self.parallel_tool_calls:              # only the first call goes out
+            tool_deltas = [d for d in tool_deltas if "tool_calls" not in d or d["tool_calls"][0]["index"] == 0]
         for d in tool_deltas:
             self.called_tools = self.called_tools or "tool_calls" in d
         return out + tool_deltas

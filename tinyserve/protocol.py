@@ -16,20 +16,25 @@ template text gets tokenizer.IMAGE_MARKER where each one was, and the engine dec
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
+import numpy as np
+
 from .grammar import Constraint
 from .images import SUPPORTED_MEDIA_TYPES, ImageError, ImageSource, decode_base64, parse_data_url
 from .parsers import THINK_END
-from .sampling import SamplingParams
+from .sampling import MAX_LOGIT_BIAS, SamplingParams
 from .tokenizer import Tokenizer
 
 MAX_N = 8
 MAX_STOP_STRINGS = 16
+MAX_JSON_DEPTH = 64               # nesting of a request body: deeper would reach Python's recursion limit downstream
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -77,6 +82,55 @@ def sse_named_event(obj: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """A request body -> its JSON object; every failure is a 400 that says why. The nesting is measured on the bytes
+    before parsing (a body nested thousands deep would exhaust the recursion of the parser or of whatever walks it
+    after), and strings must be valid Unicode (a lone surrogate escape cannot be encoded for the tokenizer)."""
+    depth = json_depth(raw) if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH else 0
+    if depth > MAX_JSON_DEPTH:
+        raise bad_request(f"the request body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
+    try:
+        body = json.loads(raw)
+        if _SURROGATE_ESCAPE.search(raw):             # rare: check that every string encodes
+            json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 / Unicode: {e}") from None
+    except (ValueError, RecursionError) as e:        # JSONDecodeError, an integer too long to convert
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_DEPTH_CHUNK = 1 << 20
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of [ and { outside strings in JSON bytes, without parsing them: numpy over 1 MiB chunks,
+    carrying whether a chunk starts inside a string or after an odd run of backslashes. Exact for valid JSON (what
+    it says of invalid JSON does not matter: the parser rejects that)."""
+    depth = deepest = 0
+    inside = escaped = False
+    for start in range(0, len(raw), _DEPTH_CHUNK):
+        a = np.frombuffer(raw, np.uint8, count=min(_DEPTH_CHUNK, len(raw) - start), offset=start)
+        pos = np.arange(a.size, dtype=np.int32)
+        last_other = np.maximum.accumulate(np.where(a == 0x5C, np.int32(-1), pos))   # last byte that is no \
+        before = np.concatenate((np.array([-1], np.int32), last_other[:-1]))
+        odd = (pos - 1 - before) % 2 == 1                  # an odd run of backslashes right before the byte
+        odd ^= (before == -1) & escaped                   # ... continuing the previous chunk's run
+        quotes = np.cumsum((a == 0x22) & ~odd, dtype=np.int32)
+        in_string = (quotes % 2 == 1) ^ inside
+        step = (((a == 0x5B) | (a == 0x7B)) & ~in_string).astype(np.int32) - \
+            (((a == 0x5D) | (a == 0x7D)) & ~in_string)
+        level = depth + np.cumsum(step, dtype=np.int32)
+        deepest, depth = max(deepest, int(level.max())), int(level[-1])
+        inside ^= bool(quotes[-1] % 2)
+        run = a.size - 1 - int(last_other[-1])            # backslashes that end this chunk
+        escaped = (run % 2 == 1) ^ (escaped and last_other[-1] == -1)
+    return deepest
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -128,6 +182,60 @@ def stop_strings(body: dict, name: str = "stop", one_string: bool = True) -> lis
     return [s for s in value if s]                    # "" would stop at once; OpenAI ignores it
 
 
+def logit_bias_field(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}. Every key that is no token id is named at once;
+    whether the ids are inside the vocabulary is the engine's to say."""
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias must be an object mapping token ids (as strings) to a bias in [-100, 100]",
+                          "logit_bias")
+    bad = [k for k in value if not _TOKEN_ID.fullmatch(k)]
+    if bad:
+        shown = ", ".join(repr(k) for k in bad[:8]) + (", ..." if len(bad) > 8 else "")
+        raise bad_request(f"logit_bias keys must be token ids (non-negative integers as strings); got {shown}",
+                          "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias[{key!r}] must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                              f"got {bias!r}", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
+_TOKEN_ID = re.compile(r"[0-9]{1,12}")
+
+
+def ignored_fields(body: dict, fields: dict[str, type | tuple[type, ...]]) -> None:
+    """Fields the protocol lets clients send that change nothing here (documented in docs/api.md): type-checked,
+    so a malformed one is still a 400 naming it."""
+    for name, kind in fields.items():
+        value = body.get(name)
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds):
+            names = " or ".join(JSON_TYPES.get(k, k.__name__) for k in kinds)
+            raise bad_request(f"{name} must be {names}, got {value!r:.40}", name)
+
+
+JSON_TYPES = {str: "a string", dict: "an object", list: "a list", bool: "a boolean", int: "an integer",
+              float: "a number"}
+
+
+Refusal = Callable[[Any], "str | None"]             # a field's value -> why it is refused; None: it is accepted
+
+
+def refused_fields(body: dict, rules: dict[str, Refusal]) -> None:
+    """Fields we know and do not implement (for the values each rule refuses): a 400 naming the field beats output
+    that silently differs from what the client asked for."""
+    for name, why in rules.items():
+        value = body.get(name)
+        reason = why(value) if value is not None else None
+        if reason:
+            raise bad_request(f"{name} is not supported by this server: {reason}", name)
+
+
 def token_id_list(value: Any, name: str, allow_empty: bool = True) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise bad_request(f"{name} must be a list of integer token ids", name)
@@ -149,6 +257,7 @@ class GenerationOptions:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    continuous_usage: bool = False   # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
 
 
 def parse_options(body: dict, logprobs: int | None) -> GenerationOptions:
@@ -169,16 +278,38 @@ def parse_options(body: dict, logprobs: int | None) -> GenerationOptions:
         ignore_eos=boolean_field(body, "ignore_eos", False),
         logprobs=logprobs,
         speculative=boolean_field(body, "speculative", True),   # extension: false keeps this request off NEXTN
+        logit_bias=logit_bias_field(body),
     )
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise bad_request("stream_options must be an object", "stream_options")
+    stream = boolean_field(body, "stream", False)
+    stream_options = _stream_options(body, stream)
     return GenerationOptions(
         params=params, max_tokens=integer_field(body, max_field, None), max_tokens_field=max_field,
-        stop=stop_strings(body), n=integer_field(body, "n", 1, lo=1, hi=MAX_N),
-        stream=boolean_field(body, "stream", False),
-        include_usage=boolean_field(stream_options or {}, "include_usage", False),
-        return_token_ids=boolean_field(body, "return_token_ids", False))
+        stop=stop_strings(body), n=integer_field(body, "n", 1, lo=1, hi=MAX_N), stream=stream,
+        include_usage=boolean_field(stream_options, "include_usage", False),
+        return_token_ids=boolean_field(body, "return_token_ids", False),
+        continuous_usage=boolean_field(stream_options, "continuous_usage_stats", False))
+
+
+STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
+
+
+def _stream_options(body: dict, stream: bool) -> dict[str, Any]:
+    """stream_options, which only a stream takes (OpenAI answers 400 otherwise, as vLLM does). include_obfuscation
+    pads chunks against length side channels on OpenAI's service; there is nothing to pad here, so it is accepted
+    and has no effect."""
+    value = body.get("stream_options")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    unknown = sorted(set(value) - set(STREAM_OPTIONS))
+    if unknown:
+        raise bad_request(f"stream_options.{unknown[0]} is not supported (supported: {', '.join(STREAM_OPTIONS)})",
+                          f"stream_options.{unknown[0]}")
+    boolean_field(value, "include_obfuscation", True)
+    return value
 
 
 def sampling_params(options: GenerationOptions, max_tokens: int) -> SamplingParams:
@@ -315,6 +446,8 @@ class Delta:
     events: list[Any]                 # engine TokenEvents: token_id, logprob, top_logprobs
     finish_reason: str | None = None
     stop_string: str | None = None    # the stop string that ended the choice (finish_reason "stop")
+    prompt_logprobs: list[Any] | None = None   # on a choice's first Delta when params.prompt_logprobs asked: prompt
+                                               # tokens 1.. as (logprob, [(id, logprob) top-n])
 
 
 @dataclass
@@ -325,6 +458,7 @@ class ChoiceResult:
     events: list[Any] = field(default_factory=list)
     finish_reason: str = "stop"
     stop_string: str | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -344,9 +478,73 @@ class Meta:
     request_id: str
     created: int
     model: str
-    prompt_ids: list[int]
-    token_text: Callable[[int], str]                  # one token as text, for logprobs
+    prompt_ids: list[int]                             # the prompt (the first one, when a request sends several)
+    token_text: Callable[[int], str]                  # one token as logprobs show it (Tokenizer.token_text)
     usage: Callable[[], Usage] | None = None          # the usage so far, once the generation is submitted
+    token_bytes: Callable[[int], bytes] | None = None  # the bytes of one token (Tokenizer.token_bytes)
+    prompts: list[list[int]] = field(default_factory=list)   # every prompt, in order (choice i: prompt i // n)
+
+    def __post_init__(self) -> None:
+        self.prompts = self.prompts or [self.prompt_ids]
+        if self.token_bytes is None:
+            self.token_bytes = lambda token_id: self.token_text(token_id).encode()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logprobs: tokens as text and bytes
+
+def logprob_entry(meta: Meta, token_id: int, logprob: float) -> dict[str, Any]:
+    """{"token", "logprob", "bytes"}: bytes are the token's own (Tokenizer.token_bytes), so a client rebuilds a
+    character that spans tokens; the text of a token that is part of a character reads "bytes:\\xNN"."""
+    return {"token": meta.token_text(token_id), "logprob": logprob, "bytes": list(meta.token_bytes(token_id))}
+
+
+def logprob_content(meta: Meta, events: list[Any]) -> list[dict[str, Any]]:
+    """Chat's logprobs.content (and Responses' output_text logprobs): each token with its top_logprobs list (every
+    alternative kept, even two with the same text)."""
+    return [{**logprob_entry(meta, e.token_id, e.logprob),
+             "top_logprobs": [logprob_entry(meta, t, lp) for t, lp in (e.top_logprobs or [])]} for e in events]
+
+
+class TextOffsets:
+    """Where each token starts in a choice's text (completions' text_offset), in characters of the text its bytes
+    decode to: a token inside a character starts where that character does."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, data: bytes) -> int:
+        at = self.chars
+        self.chars += len(self._decoder.decode(data))
+        return at
+
+
+LegacyToken = tuple[int, "float | None", "list[tuple[int, float]] | None"]   # id, logprob, top-n (None: unscored)
+
+
+def completion_logprobs(meta: Meta, tokens: list[LegacyToken], offsets: TextOffsets) -> dict[str, Any]:
+    """Completions' logprobs: tokens, token_logprobs, top_logprobs (the top-n and the chosen token, keyed by text; a
+    second token with the same text is keyed "token_id:N"), text_offset. The first prompt token (echo) has no
+    logprob: null in both lists, as OpenAI and vLLM give it."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, logprob, top in tokens:
+        out["tokens"].append(meta.token_text(token_id))
+        out["token_logprobs"].append(logprob)
+        out["text_offset"].append(offsets.advance(meta.token_bytes(token_id)))
+        if logprob is None:
+            out["top_logprobs"].append(None)
+            continue
+        alternatives: dict[str, float] = {}
+        owner: dict[str, int] = {}
+        for t, lp in [*(top or []), (token_id, logprob)]:
+            key = meta.token_text(t)
+            if owner.get(key, t) != t:
+                key = f"token_id:{t}"
+            if key not in owner:
+                owner[key], alternatives[key] = t, lp
+        out["top_logprobs"].append(alternatives)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -412,6 +610,13 @@ class Endpoint(ABC, Generic[Req]):
     @abstractmethod
     def prompt_ids(self, req: Req, tokenizer: Tokenizer) -> list[int]:
         """Runs in a worker thread (templates and long prompts would stall every stream on the loop)."""
+
+    def num_prompts(self, req: Req) -> int:
+        return 1
+
+    def prompts(self, req: Req, tokenizer: Tokenizer) -> list[list[int]]:
+        """Every prompt of the request (one but for a list of prompts on /v1/completions); a worker thread."""
+        return [self.prompt_ids(req, tokenizer)]
 
     @abstractmethod
     def response(self, req: Req, meta: Meta, results: list[ChoiceResult], usage: Usage) -> dict[str, Any]: ...

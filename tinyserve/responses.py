@@ -53,9 +53,9 @@ from .parsers import THINK_END
 from .chat import (ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest, chat_tools, function_tool,
                    function_tools, named_tool)
 from .protocol import (APIError, ChoiceResult, Delta, Endpoint, GenerationOptions, ImageInput, Meta, NamedEventStream,
-                       Usage, bad_request, boolean_field, image_from_url, integer_field, number_field,
-                       parse_response_format)
-from .sampling import SamplingParams
+                       Usage, bad_request, boolean_field, ignored_fields, image_from_url, integer_field,
+                       logprob_content, number_field, parse_response_format, refused_fields)
+from .sampling import MAX_LOGPROBS, SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, SYSTEM_ROLES, ContentJoiner, MessageError, Tokenizer, tool_call_arguments
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -73,6 +73,7 @@ STATELESS = ("this server is stateless: it stores no responses, so send the whol
 @dataclass
 class ResponsesRequest(TranslatedRequest):
     echo: dict[str, Any]              # request fields the response object repeats
+    logprobs: bool = False            # include message.output_text.logprobs (with the top_logprobs alternatives)
 
 
 def _string(item: dict, name: str, p: str) -> str:
@@ -267,6 +268,44 @@ def _text(body: dict) -> dict[str, Any]:
     return {"format": fmt}
 
 
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content", "message.input_image.image_url",
+              "web_search_call.action.sources", "web_search_call.results", "code_interpreter_call.outputs",
+              "computer_call_output.output.image_url", "file_search_call.results")
+IGNORED = {"prompt_cache_key": str, "prompt_cache_retention": str, "safety_identifier": str, "service_tier": str,
+           "context_management": list, "max_tool_calls": int}
+REFUSED = {"background": lambda v: "responses run in the foreground (background: false)" if v else None,
+           "prompt": lambda v: "stored prompt templates are not available; send instructions and input"}
+
+
+def _include(body: dict) -> bool:
+    """include: what to add to the output. message.output_text.logprobs is honoured; the others name outputs this
+    server never makes (encrypted reasoning, hosted tools' results, stored images), so there is nothing to add."""
+    value = body.get("include")
+    if value is None:
+        return False
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad_request("include must be a list of strings", "include")
+    unknown = [v for v in value if v not in INCLUDABLE]
+    if unknown:
+        raise bad_request(f"include: {unknown[0]!r} is not one of {', '.join(INCLUDABLE)}", "include")
+    return "message.output_text.logprobs" in value
+
+
+def _stream_options(body: dict, stream: bool) -> None:
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    unknown = sorted(set(options) - {"include_obfuscation"})
+    if unknown:
+        raise bad_request(f"stream_options.{unknown[0]} is not supported (include_obfuscation only)",
+                          f"stream_options.{unknown[0]}")
+    boolean_field(options, "include_obfuscation", True)   # nothing to pad against here: accepted, no effect
+
+
 def _check_stateless(body: dict) -> None:
     if body.get("previous_response_id") is not None:
         raise bad_request(f"{STATELESS} previous_response_id", "previous_response_id")
@@ -280,6 +319,8 @@ def _check_stateless(body: dict) -> None:
 def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> ResponsesRequest:
     """fetch_image_urls (server.fetch_image_urls): http(s) image URLs become RemoteImages instead of a 400."""
     _check_stateless(body)
+    refused_fields(body, REFUSED)
+    ignored_fields(body, IGNORED)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"model must be a string, got {model!r}", "model")
@@ -306,20 +347,26 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
     if user is not None and not isinstance(user, str):
         raise bad_request("user must be a string", "user")
     max_tokens = integer_field(body, "max_output_tokens", None, lo=1)
+    logprobs = _include(body)
+    top_logprobs = integer_field(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
     params = SamplingParams(temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
                             constraint=parse_response_format(text["format"], "text.format", nested=False),
-                            speculative=boolean_field(body, "speculative", True))
+                            speculative=boolean_field(body, "speculative", True),
+                            logprobs=top_logprobs if logprobs else None)
+    stream = boolean_field(body, "stream", False)
+    _stream_options(body, stream)
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_output_tokens", stop=[],
-                                n=1, stream=boolean_field(body, "stream", False), include_usage=True,
-                                return_token_ids=False)
+                                n=1, stream=stream, include_usage=True, return_token_ids=False)
+    parallel = boolean_field(body, "parallel_tool_calls", True)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
-                       logprobs=False, top_logprobs=0, options=options, images=images)
+                       logprobs=logprobs, top_logprobs=top_logprobs, options=options, images=images,
+                       parallel_tool_calls=parallel)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata or {},
-            "parallel_tool_calls": boolean_field(body, "parallel_tool_calls", True), "previous_response_id": None,
+            "parallel_tool_calls": parallel, "previous_response_id": None,
             "reasoning": reasoning, "store": False, "temperature": params.temperature, "text": text,
-            "tool_choice": echoed_choice, "tools": echoed_tools, "top_p": params.top_p,
+            "tool_choice": echoed_choice, "tools": echoed_tools, "top_logprobs": top_logprobs, "top_p": params.top_p,
             "truncation": truncation or "disabled", "user": user}
-    return ResponsesRequest(chat, echo)
+    return ResponsesRequest(chat, echo, logprobs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -413,15 +460,17 @@ class Responses(Endpoint[ResponsesRequest]):
         reasoning = message.get("reasoning_content")
         if reasoning:
             output.append(reasoning_item(_id("rs_"), reasoning))
+        tokens = count_reasoning_tokens(r.token_ids, meta.token_text, reasoning)
         if message.get("content"):
             output.append(message_item(_id("msg_"), message["content"]))
+            if req.logprobs:                          # the answer's tokens: those after the think block
+                output[-1]["content"][0]["logprobs"] = logprob_content(meta, r.events[tokens:])
         for call in message.get("tool_calls") or []:
             output.append(function_call_item(_id("fc_"), call["id"], call["function"]["name"],
                                              call["function"]["arguments"]))
         status = _status(r.finish_reason)
         if status == "incomplete" and output:
             output[-1]["status"] = "incomplete"
-        tokens = count_reasoning_tokens(r.token_ids, meta.token_text, reasoning)
         return response_body(req, meta, output, status, usage_body(usage, tokens))
 
     def stream(self, req: ResponsesRequest, meta: Meta) -> "ResponsesStream":
@@ -442,6 +491,8 @@ class ResponsesStream(NamedEventStream):
         self.token_ids: list[int] = []
         self.reasoning = ""
         self.finish_reason: str | None = None
+        self.pending: list[Any] = []                  # token events not yet given to a text delta (logprobs)
+        self.answering = False                        # a text delta went out: the think block is behind
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -484,7 +535,7 @@ class ResponsesStream(NamedEventStream):
         if item["type"] == "message":
             part = item["content"][0]
             out.append(self._event("response.output_text.done", **where, content_index=0, text=part["text"],
-                                   logprobs=[]))
+                                   logprobs=part["logprobs"]))
             out.append(self._event("response.content_part.done", **where, content_index=0, part=part))
         elif item["type"] == "reasoning":
             part = item["content"][0]
@@ -510,9 +561,11 @@ class ResponsesStream(NamedEventStream):
             text = piece["content"]
             if last is None or last["type"] != "message":
                 out += self._open(message_item(_id("msg_"), ""))
+            logprobs = self._answer_logprobs() if self.req.logprobs else []
             self.output[-1]["content"][0]["text"] += text
+            self.output[-1]["content"][0]["logprobs"] += logprobs
             out.append(self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
-                                   logprobs=[]))
+                                   logprobs=logprobs))
         elif "tool_calls" in piece:
             call = piece["tool_calls"][0]
             if "id" in call:                          # a new call: its own item
@@ -523,8 +576,22 @@ class ResponsesStream(NamedEventStream):
                 out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=fragment))
         return out
 
+    def _answer_logprobs(self) -> list[dict[str, Any]]:
+        """Logprobs of the tokens since the last text delta, the think block's (through the token that closes it)
+        left out."""
+        events, self.pending = self.pending, []
+        if not self.answering:
+            self.answering, text = True, ""
+            for k, e in enumerate(events):
+                text += self.meta.token_text(e.token_id)
+                if THINK_END in text:
+                    events = events[k + 1:]
+                    break
+        return logprob_content(self.meta, events)
+
     def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
         self.token_ids += d.token_ids
+        self.pending += d.events
         final = d.finish_reason is not None
         out: list[dict[str, Any]] = []
         for piece in self.choice.pieces(d.text, final):
