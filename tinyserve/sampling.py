@@ -102,14 +102,14 @@ class SamplingParams:
             raise ValueError(f"constraint must be a Constraint or None, got {self.constraint!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+                raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
             for token, bias in self.logit_bias.items():
                 if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                    raise ValueError(f"logit_bias: {token!r} is not a token id (a non-negative integer)")
+                    raise ValueError(f"logit_bias must map token ids (non-negative integers); got the key {token!r}")
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
                         not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                    raise ValueError(f"logit_bias: the bias of token {token} must be a number in "
-                                     f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+                    raise ValueError(f"logit_bias must map each token id to a number in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}]; got {bias!r} for token {token}")
         if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs") <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                              f"got {self.prompt_logprobs!r}")
