@@ -2,6 +2,7 @@
 parsing (each error names its field), the engine-error mapping, response bodies and stream chunks."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -230,3 +231,50 @@ def test_chat_stream_chunks():
     (fin,) = stream.delta(1, Delta("", [], [], "stop"))
     assert fin["choices"][0] == {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     assert stream.end(Usage(3, 1)) == []                     # no include_usage
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Request bodies (json_body.py)
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 7, 2, 1])
+def test_json_depth_is_the_parsed_nesting(monkeypatch, chunk):
+    """The byte scan's depth equals the nesting of what json parses, whatever the strings hold (brackets, quotes,
+    runs of backslashes) and wherever a chunk boundary falls (the scan carries its state across them)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tinyserve import json_body
+    monkeypatch.setattr(json_body, "_DEPTH_CHUNK", chunk)
+    tricky = st.sampled_from(['a[{"', '\\\\', '\\\\\\"]', "}{[", "", "\\\\\\\\", '"'])
+    values = st.recursive(st.none() | st.integers() | st.text(max_size=4) | tricky,
+                          lambda kids: st.lists(kids, max_size=3) | st.dictionaries(tricky | st.text(max_size=3),
+                                                                                    kids, max_size=3),
+                          max_leaves=20)
+
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True)
+    @given(values)
+    def check(value: Any) -> None:
+        assert json_body.json_depth(json.dumps(value).encode()) == _depth(value)
+
+    check()
+
+
+def test_json_bodies_refused_with_a_reason():
+    from tinyserve.json_body import MAX_JSON_DEPTH, parse_json_body
+    deep = b'{"a": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}"
+    for raw, words in [(deep, "nested 65 levels"), (b"[" * 5000 + b"]" * 5000, "nested 5000 levels"),
+                       (b'{"a": "\\ud800"}', "Unicode"), (b'{"a": ' + b"7" * 5000 + b"}", "not valid JSON"),
+                       (b"\xff{}", "not valid"), (b"[1]", "JSON object"), (b"", "not valid JSON")]:
+        with pytest.raises(APIError) as e:
+            parse_json_body(raw)
+        assert e.value.status == 400 and words in e.value.message, (raw[:20], e.value.message)
+    ok = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b', "b": "\\ud83d\\ude80 [[["}'
+    assert parse_json_body(ok)["b"] == "\U0001F680 [[["

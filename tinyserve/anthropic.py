@@ -25,8 +25,14 @@ Mapping (request):
                                       thinks); budget_tokens is accepted and not enforced
   model                            -> any name is accepted (Claude Code sends its own); responses carry the served
                                       name
+  a last assistant message         -> a prefill: the prompt is cut after its text and the answer continues it
+  output_config.format             -> json_schema: the text after any thinking is constrained to the schema (as
+  (and the older output_format)       response_format; the SDK's messages.parse); output_config.effort accepted
+  tool_choice.disable_parallel_tool_use -> at most one tool_use block
+  metadata, service_tier, cache_control, inference_geo, speed, context_management: type-checked, no effect
+                                      (docs/api.md); container, mcp_servers: 400
 Mapping (response): thinking blocks carry signature "" (there is nothing to sign; the key is there because clients
-require it); tool_use ids are "toolu_..."; stop_reason end_turn | max_tokens | stop_sequence | tool_use. Usage
+require it; a stream sends it as a signature_delta before the block stops); tool_use ids are "toolu_..."; stop_reason end_turn | max_tokens | stop_sequence | tool_use. Usage
 follows Anthropic's split: input_tokens is the uncached part of the prompt, cache_read_input_tokens the prompt
 tokens served from the prefix cache, cache_creation_input_tokens 0 (writing the cache costs nothing extra here), so
 their sum is the prompt length.

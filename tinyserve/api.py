@@ -9,8 +9,9 @@ This module is the HTTP layer only: routes, middlewares (errors, auth), reading 
 Generation (the n engine requests behind one HTTP request). What a body means and what a response looks like is
 the protocol modules' (an Endpoint each: openai_api.py, anthropic.py, responses.py; their shared layer protocol.py).
 Every generation route runs one skeleton, `generate`: parse (protocol) -> prompt ids (protocol, in a worker thread:
-templates and long prompts would stall every stream) -> the engine fits max_tokens and validates the sampling
-parameters -> Generation -> stream or collect -> body (protocol). The engine stays the only owner of pages and
+templates and long prompts would stall every stream; a completions request may hold several prompts) -> the engine
+fits max_tokens to each (past the context: a 400 with OpenAI's code context_length_exceeded) and validates the
+sampling parameters -> Generation -> stream or collect -> body (protocol). The engine stays the only owner of pages and
 state; this module only submits, iterates and cancels.
 
 Images: a request's image parts are parsed (protocol) into their bytes, or, with server.fetch_image_urls, into http(s)
@@ -40,12 +41,13 @@ from aiohttp import web
 from . import anthropic, responses
 from .config import Config
 from .engine import Engine, RequestError
+from .json_body import parse_json_body
 from .images import SUPPORTED_MEDIA_TYPES, ImageSource
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .openai_api import Chat, Completions
 from .protocol import (APIError, ChoiceResult, Delta, Endpoint, EndpointStream, ImageInput, Meta, RemoteImage, Req,
-                       Usage, bad_request, dumps, error_body, parse_json_body, sampling_params)
+                       Usage, bad_request, dumps, error_body, sampling_params)
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer
 
@@ -375,7 +377,7 @@ def _check_capacity(engine: Engine, cfg: Config, n: int, prompts: int) -> None:
 
 
 async def _read_json(request: web.Request) -> dict[str, Any]:
-    """The body's JSON object (protocol.parse_json_body: nesting capped, every failure a 400); a large body is
+    """The body's JSON object (json_body.parse_json_body: nesting capped, every failure a 400); a large body is
     measured and parsed in a worker thread, off the event loop."""
     raw = await request.read()                        # raises 413 past client_max_size
     if len(raw) > LARGE_BODY:

@@ -4,6 +4,12 @@ Endpoints (protocol.py), their request bodies -> typed requests, results -> resp
 A chat request becomes chat.py's ChatRequest, as the Anthropic and Responses requests do; the messages keep OpenAI's
 shape (the one the chat template takes) and the function tools go to the template as sent. chat.ChatFormat renders
 the prompt and splits the answer into reasoning_content, content and tool_calls with the configured parsers.
+
+A completion request holds one or more prompts (text or token ids); choice i answers prompt i // n. echo puts each
+prompt before its answer, and with logprobs the prompt's own logprobs first (the first token's null): the engine
+computes them from the prefill (SamplingParams.prompt_logprobs). Every field of OpenAI's is honoured, refused by
+name (CHAT_REFUSED, COMPLETION_REFUSED: what is not implemented, and other servers' extensions that would shape the
+output) or, where it changes nothing here, type-checked and documented as such (IGNORED; docs/api.md).
 """
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ stream chunks): openai_api.py holds OpenAI's chat completions and completions, a
 responses.py OpenAI's Responses. The three chat protocols translate their requests into chat.py's ChatRequest, so
 they render one prompt through one template and split the answer with the same parsers.
 
-Parsing checks types and the protocol's own limits (n, top_logprobs, completion logprobs, stop strings), each a
-400 naming its field. Ranges (sampling parameters, token ids inside the vocabulary) and whether the prompt fits are
+A body reaches a protocol as a JSON object (json_body.py: nesting and encoding checked, every failure a 400).
+Parsing checks types and the protocol's own limits
+(n, top_logprobs, completion logprobs, stop strings, logit_bias keys and values), each a 400 naming its field;
+refused_fields and ignored_fields walk the fields a protocol knows and does not act on. Ranges (sampling parameters, token ids inside the vocabulary) and whether the prompt fits are
 the engine's to decide: api.py maps its RequestError to a 400 naming the field the client sent. Image parts are
 checked as far as their bytes (scheme, media type, base64) and kept in prompt order on the request (`.images`); the
 template text gets tokenizer.IMAGE_MARKER where each one was, and the engine decodes them.
@@ -24,8 +26,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
-import numpy as np
-
 from .grammar import Constraint
 from .images import SUPPORTED_MEDIA_TYPES, ImageError, ImageSource, decode_base64, parse_data_url
 from .parsers import THINK_END
@@ -34,7 +34,6 @@ from .tokenizer import Tokenizer
 
 MAX_N = 8
 MAX_STOP_STRINGS = 16
-MAX_JSON_DEPTH = 64               # nesting of a request body: deeper would reach Python's recursion limit downstream
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -82,55 +81,6 @@ def sse_named_event(obj: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """A request body -> its JSON object; every failure is a 400 that says why. The nesting is measured on the bytes
-    before parsing (a body nested thousands deep would exhaust the recursion of the parser or of whatever walks it
-    after), and strings must be valid Unicode (a lone surrogate escape cannot be encoded for the tokenizer)."""
-    depth = json_depth(raw) if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH else 0
-    if depth > MAX_JSON_DEPTH:
-        raise bad_request(f"the request body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
-    try:
-        body = json.loads(raw)
-        if _SURROGATE_ESCAPE.search(raw):             # rare: check that every string encodes
-            json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeError as e:
-        raise bad_request(f"the request body is not valid UTF-8 / Unicode: {e}") from None
-    except (ValueError, RecursionError) as e:        # JSONDecodeError, an integer too long to convert
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_DEPTH_CHUNK = 1 << 20
-
-
-def json_depth(raw: bytes) -> int:
-    """The deepest nesting of [ and { outside strings in JSON bytes, without parsing them: numpy over 1 MiB chunks,
-    carrying whether a chunk starts inside a string or after an odd run of backslashes. Exact for valid JSON (what
-    it says of invalid JSON does not matter: the parser rejects that)."""
-    depth = deepest = 0
-    inside = escaped = False
-    for start in range(0, len(raw), _DEPTH_CHUNK):
-        a = np.frombuffer(raw, np.uint8, count=min(_DEPTH_CHUNK, len(raw) - start), offset=start)
-        pos = np.arange(a.size, dtype=np.int32)
-        last_other = np.maximum.accumulate(np.where(a == 0x5C, np.int32(-1), pos))   # last byte that is no \
-        before = np.concatenate((np.array([-1], np.int32), last_other[:-1]))
-        odd = (pos - 1 - before) % 2 == 1                  # an odd run of backslashes right before the byte
-        odd ^= (before == -1) & escaped                   # ... continuing the previous chunk's run
-        quotes = np.cumsum((a == 0x22) & ~odd, dtype=np.int32)
-        in_string = (quotes % 2 == 1) ^ inside
-        step = (((a == 0x5B) | (a == 0x7B)) & ~in_string).astype(np.int32) - \
-            (((a == 0x5D) | (a == 0x7D)) & ~in_string)
-        level = depth + np.cumsum(step, dtype=np.int32)
-        deepest, depth = max(deepest, int(level.max())), int(level[-1])
-        inside ^= bool(quotes[-1] % 2)
-        run = a.size - 1 - int(last_other[-1])            # backslashes that end this chunk
-        escaped = (run % 2 == 1) ^ (escaped and last_other[-1] == -1)
-    return deepest
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -281,7 +231,7 @@ def parse_options(body: dict, logprobs: int | None) -> GenerationOptions:
         logit_bias=logit_bias_field(body),
     )
     stream = boolean_field(body, "stream", False)
-    stream_options = _stream_options(body, stream)
+    stream_options = stream_options_field(body, stream)
     return GenerationOptions(
         params=params, max_tokens=integer_field(body, max_field, None), max_tokens_field=max_field,
         stop=stop_strings(body), n=integer_field(body, "n", 1, lo=1, hi=MAX_N), stream=stream,
@@ -293,7 +243,7 @@ def parse_options(body: dict, logprobs: int | None) -> GenerationOptions:
 STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 
 
-def _stream_options(body: dict, stream: bool) -> dict[str, Any]:
+def stream_options_field(body: dict, stream: bool, allowed: tuple[str, ...] = STREAM_OPTIONS) -> dict[str, Any]:
     """stream_options, which only a stream takes (OpenAI answers 400 otherwise, as vLLM does). include_obfuscation
     pads chunks against length side channels on OpenAI's service; there is nothing to pad here, so it is accepted
     and has no effect."""
@@ -304,9 +254,9 @@ def _stream_options(body: dict, stream: bool) -> dict[str, Any]:
         raise bad_request("stream_options must be an object", "stream_options")
     if not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    unknown = sorted(set(value) - set(STREAM_OPTIONS))
+    unknown = sorted(set(value) - set(allowed))
     if unknown:
-        raise bad_request(f"stream_options.{unknown[0]} is not supported (supported: {', '.join(STREAM_OPTIONS)})",
+        raise bad_request(f"stream_options.{unknown[0]} is not supported (supported: {', '.join(allowed)})",
                           f"stream_options.{unknown[0]}")
     boolean_field(value, "include_obfuscation", True)
     return value

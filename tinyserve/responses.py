@@ -33,9 +33,14 @@ Mapping (request):
   text.format                        -> text | json_object | json_schema {name, schema, strict}; json_object and
                                         json_schema constrain decoding (grammar.py): the answer after any reasoning
                                         is one-line JSON matching the schema (unless max_output_tokens cuts it)
-  max_output_tokens, temperature, top_p, stream; metadata, parallel_tool_calls, truncation, user are checked and
-  echoed on the response; model: any name is accepted (Codex sends its own), responses carry the served name;
-  unknown fields are ignored.
+  include message.output_text.logprobs (+ top_logprobs) -> each output_text part's logprobs (the answer's tokens,
+                                        those of the think block left out), on every text delta of a stream too;
+                                        the other include values name outputs never made here: accepted
+  max_output_tokens, temperature, top_p, stream; metadata, parallel_tool_calls (false: one call at most),
+  truncation, user are checked and echoed on the response; prompt_cache_key, safety_identifier, service_tier,
+  max_tool_calls (built-in tools only), context_management and stream_options.include_obfuscation are type-checked
+  and change nothing (docs/api.md); background and stored prompts are refused; model: any name is accepted (Codex
+  sends its own), responses carry the served name; unknown fields are ignored.
 Mapping (response): output items reasoning ("rs_...", summary [], content [reasoning_text]), message ("msg_...",
 one output_text part) and function_call ("fc_...", call_id "call_...", arguments a JSON string); status "incomplete"
 with incomplete_details.reason "max_output_tokens" when the generation was cut by the token limit (its last item is
@@ -54,7 +59,7 @@ from .chat import (ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest,
                    function_tools, named_tool)
 from .protocol import (APIError, ChoiceResult, Delta, Endpoint, GenerationOptions, ImageInput, Meta, NamedEventStream,
                        Usage, bad_request, boolean_field, ignored_fields, image_from_url, integer_field,
-                       logprob_content, number_field, parse_response_format, refused_fields)
+                       logprob_content, number_field, parse_response_format, refused_fields, stream_options_field)
 from .sampling import MAX_LOGPROBS, SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, SYSTEM_ROLES, ContentJoiner, MessageError, Tokenizer, tool_call_arguments
 
@@ -291,21 +296,6 @@ def _include(body: dict) -> bool:
     return "message.output_text.logprobs" in value
 
 
-def _stream_options(body: dict, stream: bool) -> None:
-    options = body.get("stream_options")
-    if options is None:
-        return
-    if not isinstance(options, dict):
-        raise bad_request("stream_options must be an object", "stream_options")
-    if not stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    unknown = sorted(set(options) - {"include_obfuscation"})
-    if unknown:
-        raise bad_request(f"stream_options.{unknown[0]} is not supported (include_obfuscation only)",
-                          f"stream_options.{unknown[0]}")
-    boolean_field(options, "include_obfuscation", True)   # nothing to pad against here: accepted, no effect
-
-
 def _check_stateless(body: dict) -> None:
     if body.get("previous_response_id") is not None:
         raise bad_request(f"{STATELESS} previous_response_id", "previous_response_id")
@@ -354,7 +344,7 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
                             speculative=boolean_field(body, "speculative", True),
                             logprobs=top_logprobs if logprobs else None)
     stream = boolean_field(body, "stream", False)
-    _stream_options(body, stream)
+    stream_options_field(body, stream, ("include_obfuscation",))
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_output_tokens", stop=[],
                                 n=1, stream=stream, include_usage=True, return_token_ids=False)
     parallel = boolean_field(body, "parallel_tool_calls", True)
