@@ -179,7 +179,7 @@ def test_batch_usage_and_token_ids(client, tokenizer):
     c = client.completions.create(model="tinyserve", prompt=prompts, max_tokens=3, temperature=0,
                                   extra_body={"return_token_ids": True, "ignore_eos": True})
     ids = [tokenizer.encode(prompts[0]), prompts[1]]
-    assert [ch.prompt_token_ids for ch in c.choices] == ids
+    assert [ch.prompt_token_ids for ch in c.choices] == ids and extra(c, "prompt_token_ids") is None
     assert c.usage.prompt_tokens == sum(map(len, ids)) and c.usage.completion_tokens == 6
 
 

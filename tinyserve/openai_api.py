@@ -302,7 +302,7 @@ def _envelope(meta: Meta, obj: str) -> dict[str, Any]:
 def _response_body(meta: Meta, obj: str, choices: list[dict[str, Any]], usage: Usage, options: GenerationOptions
                    ) -> dict[str, Any]:
     body = {**_envelope(meta, obj), "choices": choices, "usage": usage_body(usage)}
-    if options.return_token_ids:
+    if options.return_token_ids and len(meta.prompts) == 1:   # several prompts: each choice carries its own
         body["prompt_token_ids"] = meta.prompt_ids
     return body
 
