@@ -392,9 +392,8 @@ class ChatStream(_OpenAIStream):
         ids = self.options.return_token_ids
         final = d.finish_reason is not None
         pieces = c.pieces(d.text, final)
-        carries = bool(d.token_ids) and (ids or req.logprobs)
-        if not pieces and (final or carries):          # nothing to say, but a finish reason, logprobs or ids
-            pieces = [{"content": ""} if carries else {}]
+        if not pieces and bool(d.token_ids) and (ids or req.logprobs):
+            pieces = [{"content": ""}]                 # no text of its own, but logprobs or ids to carry
         chunks = []
         for k, piece in enumerate(pieces):
             choice: dict[str, Any] = {"index": index, "delta": piece, "logprobs": None, "finish_reason": None}
@@ -403,10 +402,11 @@ class ChatStream(_OpenAIStream):
                     choice["logprobs"] = {"content": logprob_content(self.meta, d.events)}
                 if ids:
                     choice["token_ids"] = d.token_ids
-            if final and k == len(pieces) - 1:
-                reason = d.finish_reason
-                choice["finish_reason"] = "tool_calls" if c.called_tools and reason == "stop" else reason
             chunks.append(self.chunk(choice))
+        if final:
+            reason = d.finish_reason
+            reason = "tool_calls" if c.called_tools and reason == "stop" else reason
+            chunks.append(self.chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}))
         return chunks
 
 
