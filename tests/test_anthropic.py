@@ -192,9 +192,11 @@ def test_tool_use_response_blocks():
             if d["type"] == "input_json_delta":
                 b["_json"] += d["partial_json"]
             else:
-                key = "text" if d["type"] == "text_delta" else "thinking"
+                key = {"text_delta": "text", "thinking_delta": "thinking", "signature_delta": "signature"}[d["type"]]
                 b[key] += d[key]
+                b["signed"] = d["type"] == "signature_delta"   # the last delta of a thinking block signs it
     assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"]
+    assert blocks[0]["signed"] and "signed" not in blocks[2]
     assert blocks[0]["thinking"] == "hmm" and blocks[1]["text"] == "Checking."
     assert json.loads(blocks[2]["_json"]) == {"city": "Paris", "days": 3}
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
@@ -311,3 +313,89 @@ def test_max_tokens_past_the_context_is_cut_to_what_fits(client):
                                  extra_body={"temperature": 0, "top_k": 1})
     assert msg.stop_reason in ("max_tokens", "end_turn")
     assert count + msg.usage.output_tokens <= 2048
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The request fields walked (llama.cpp tools/server/tests/unit/test_compat_anthropic.py checks signature_delta and
+# the parameters; the anthropic SDK's messages.parse reads output_config.format)
+
+def test_prefill_is_continued(server, client, xdg):
+    """A last assistant message is a prefill: the prompt ends with its text (no end of turn, no new assistant turn)
+    and the answer holds only what follows it, as on Anthropic's API."""
+    from tinyserve.demo import ensure_demo_checkpoint
+    from tinyserve.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_folder(ensure_demo_checkpoint())
+    prefill = USER + [{"role": "assistant", "content": "The answer is"}]
+    status, _, raw = http("POST", server.base_url + "/v1/chat/completions", {   # the same turn closed (OpenAI's)
+        "messages": prefill, "max_tokens": 1, "return_token_ids": True})
+    closed = json.loads(raw)["prompt_token_ids"]
+    turn_end = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n")
+    assert closed[-len(turn_end):] == turn_end
+    assert count(client, prefill) == len(closed) - len(turn_end)
+    r = create(client, prefill, max_tokens=6, temperature=0)
+    text = "".join(b.text for b in r.content if b.type == "text")
+    assert not text.startswith("The answer is")
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(closed) - len(turn_end)
+
+
+def test_streamed_thinking_is_signed(client):
+    """Each streamed thinking block ends with a signature_delta before its content_block_stop (the SDK's stream
+    accumulates it); the prefill opens the think block, so the answer starts in it."""
+    prefill = USER + [{"role": "assistant", "content": "<think>\nLet me"}]
+    with stream(client, prefill, max_tokens=12, temperature=0) as s:
+        events = list(s)
+        final = s.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].signature == ""
+    kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in events   # the wire's events
+             if e.type in ("content_block_start", "content_block_delta", "content_block_stop")]
+    signed = kinds.index(("content_block_delta", "signature_delta"))
+    assert kinds[signed + 1][0] == "content_block_stop" and kinds[signed - 1] == ("content_block_delta",
+                                                                                  "thinking_delta")
+
+
+def test_output_config_format_constrains_the_text(client):
+    """Structured outputs: output_config.format's schema constrains the text, so the SDK's messages.parse gets a
+    valid object even from the random demo model."""
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        ok: bool
+        level: int
+
+    r = client.messages.parse(model="tinyserve", max_tokens=48, messages=USER, output_format=Answer,
+                              thinking={"type": "disabled"})
+    assert isinstance(r.parsed_output, Answer)
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    r = create(client, max_tokens=32, output_config={"format": {"type": "json_schema", "schema": schema}},
+               thinking={"type": "disabled"})
+    assert json.loads(r.content[-1].text)["city"] in ("Paris", "Rome")
+
+
+FIELDS = [
+    ("container", {"container": "c"}, "container"),
+    ("mcp-servers", {"mcp_servers": [{"type": "url", "url": "http://x"}]}, "mcp_servers"),
+    ("output-format-type", {"output_config": {"format": {"type": "regex"}}}, "output_config.format"),
+    ("effort", {"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ("metadata-type", {"metadata": "x"}, "metadata"),
+    ("any-without-tools", {"tool_choice": {"type": "any"}}, "tool_choice"),
+    ("prefill-empty", {"messages": USER + [{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "x", "signature": ""}]}]}, "cannot be continued"),
+]
+
+
+@pytest.mark.parametrize("body,words", [f[1:] for f in FIELDS], ids=[f[0] for f in FIELDS])
+def test_fields_refused_by_name(client, body, words):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.post("/v1/messages", body={"model": "tinyserve", "messages": USER, "max_tokens": 2, **body},
+                    cast_to=object)
+    assert words in info.value.body["error"]["message"]
+
+
+def test_fields_clients_may_send(client):
+    """metadata, service_tier, cache_control, output_config.effort and disable_parallel_tool_use are accepted
+    (docs/api.md says what each does here)."""
+    r = create(client, max_tokens=2, metadata={"user_id": "u"}, service_tier="auto",
+               extra_body={"cache_control": {"type": "ephemeral"}, "output_config": {"effort": "low"}},
+               tools=[WEATHER_TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert r.usage.output_tokens >= 1

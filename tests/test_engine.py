@@ -243,6 +243,47 @@ def test_logprobs_match_transformers(model, ckpt):
 # ---------------------------------------------------------------------------------------------------------------
 # Async API
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [32, 256])
+def test_prompt_logprobs_match_transformers(model, ckpt, chunk):
+    """params.prompt_logprobs: every prompt token's logprob and top-n, from the prefill's own rows (chunked or not),
+    equal transformers' log_softmax; a prompt whose prefix is cached is still computed whole for them, and a request
+    that does not ask gets none."""
+    hf = ckpt[1]
+    p = prompt(100, seed=4)
+    eng = make_engine(model, engine={"chunked_prefill_size": chunk})
+    eng.generate([p[:80]], SamplingParams(max_tokens=1, **GREEDY))        # caches most of the prompt
+    (events, result), (_, plain) = run_streams(eng, [p, p], [SamplingParams(max_tokens=2, prompt_logprobs=3, **GREEDY),
+                                                            SamplingParams(max_tokens=2, **GREEDY)])
+    assert plain.prompt_logprobs is None and result.cached_tokens == 0 and len(events) == 2
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), dim=-1)
+    got = result.prompt_logprobs
+    assert len(got) == len(p) - 1                                  # the first prompt token has no logprob
+    for q, (lp, top) in enumerate(got):
+        assert abs(lp - ref[q, p[q + 1]].item()) < 1e-4
+        assert [t for t, _ in top] == ref[q].topk(3).indices.tolist()
+        assert all(abs(v - ref[q, t].item()) < 1e-4 for t, v in top)
+    assert_idle_and_no_leaks(eng)
+
+
+def test_logit_bias_forces_and_bans_tokens(model):
+    """+100 makes a token the greedy pick and the only sampled one; -100 bans the greedy pick; each row's bias stays
+    its own in a mixed batch (one sparse add), and logprobs stay those of the raw model."""
+    p = prompt(20, seed=5)
+    eng = make_engine(model)
+    base = eng.generate([p], SamplingParams(max_tokens=6, **GREEDY))[0]
+    forced = SamplingParams(max_tokens=6, logit_bias={77: 100.0}, **GREEDY)
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, logit_bias={91: 100})
+    banned = SamplingParams(max_tokens=6, logit_bias={t: -100 for t in set(base)}, **GREEDY)
+    outs = eng.generate([p, p, p, p], [forced, sampled, banned, SamplingParams(max_tokens=6, **GREEDY)])
+    assert outs[0] == [77] * 6 and outs[1] == [91] * 6 and outs[3] == base
+    assert not set(outs[2]) & set(base)
+    (ev, _), = run_streams(make_engine(model), [p], SamplingParams(max_tokens=1, logprobs=1, logit_bias={77: 100},
+                                                                  **GREEDY))
+    (raw, _), = run_streams(make_engine(model), [p], SamplingParams(max_tokens=1, logprobs=1, **GREEDY))
+    assert ev[0].token_id == 77 and ev[0].top_logprobs == raw[0].top_logprobs
+
+
 def test_async_streams_match_generate(model):
     prompts = [prompt(n, seed=9) for n in (4, 40, 90)]
     params = SamplingParams(max_tokens=9, **GREEDY)

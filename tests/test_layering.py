@@ -20,9 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("tinyserve", "models", "kernels")
-API_MODULES = ("api", "protocol", "chat", "openai_api", "anthropic", "responses", "tokenizer", "parsers", "tool_calls",
-               "metrics",
-               "cli")
+API_MODULES = ("api", "protocol", "json_body", "chat", "openai_api", "anthropic", "responses", "tokenizer", "parsers",
+               "tool_calls", "metrics", "cli")
 ENGINE_PARTS = ("models", "kernels", "build", "loader", "model_config", "fp8_scheme", "runner", "static", "spec",
                 "scheduler", "cache", "radix", "host_tier", "file_tier", "blob", "copies", "idle", "kv", "state",
                 "request", "plan")
@@ -91,7 +90,8 @@ def test_cache_and_scheduler_know_nothing_of_the_api(name):
         assert ours(module) not in API_MODULES, f"{name}.py imports {module}"
 
 
-@pytest.mark.parametrize("name", ["api", "protocol", "chat", "openai_api", "anthropic", "responses", "metrics"])
+@pytest.mark.parametrize("name", ["api", "protocol", "json_body", "chat", "openai_api", "anthropic", "responses",
+                                  "metrics"])
 def test_the_api_reaches_the_model_only_through_the_engine(name):
     path = ROOT / "tinyserve" / f"{name}.py"
     for module in imports(path):

@@ -2,6 +2,7 @@
 parsing (each error names its field), the engine-error mapping, response bodies and stream chunks."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -49,7 +50,8 @@ CHAT_ERRORS = [
     ("stop-token-string", {"messages": USER, "stop_token_ids": ["a"]}, 400, "stop_token_ids"),
     ("stream-string", {"messages": USER, "stream": "yes"}, 400, "stream"),
     ("stream-options-list", {"messages": USER, "stream_options": []}, 400, "stream_options"),
-    ("include-usage-string", {"messages": USER, "stream_options": {"include_usage": 1}}, 400, "include_usage"),
+    ("include-usage-string", {"messages": USER, "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "include_usage"),
     ("top-logprobs-alone", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ("top-logprobs-21", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("tools-not-list", {"messages": USER, "tools": {}}, 400, "tools"),
@@ -81,12 +83,14 @@ def test_chat_parse_errors_name_the_field(case):
 COMPLETION_ERRORS = [
     ("prompt-missing", {}, "prompt"),
     ("prompt-empty-string", {"prompt": ""}, "prompt"),
-    ("prompt-batch", {"prompt": ["a", "b"]}, "prompt"),
+    ("prompt-batch-empty-entry", {"prompt": ["a", ""]}, "prompt[1]"),
+    ("prompt-batch-mixed-ids", {"prompt": [[1, 2], [3, "x"]]}, "prompt[1]"),
     ("prompt-empty-ids", {"prompt": []}, "prompt"),
     ("prompt-bool-id", {"prompt": [True]}, "prompt"),
     ("logprobs-6", {"prompt": "x", "logprobs": 6}, "logprobs"),
-    ("echo", {"prompt": "x", "echo": True}, "echo"),
+    ("echo-string", {"prompt": "x", "echo": "yes"}, "echo"),
     ("best-of", {"prompt": "x", "best_of": 2}, "best_of"),
+    ("suffix", {"prompt": "x", "suffix": "y"}, "suffix"),
 ]
 
 
@@ -163,7 +167,7 @@ def test_ranges_are_the_engines():
     p = req.options.params
     assert (p.temperature, p.top_p, p.min_tokens, req.options.max_tokens) == (-1.0, 0.0, -3, 0)
     assert p.stop_token_ids == [10 ** 9]
-    assert parse_completion_request({"prompt": [-1, 10 ** 9]}, "tinyserve").prompt == [-1, 10 ** 9]
+    assert parse_completion_request({"prompt": [-1, 10 ** 9]}, "tinyserve").prompts == [[-1, 10 ** 9]]
 
 
 def test_engine_error_fields_map_to_what_the_client_sent():
@@ -198,7 +202,7 @@ META = Meta("cmpl-1", 123, "tinyserve", [1, 2, 3], lambda t: f"<{t}>")
 def test_completion_body_and_stream():
     comp = Completions()
     req = parse_completion_request({"prompt": [1, 2, 3], "logprobs": 1, "n": 2, "return_token_ids": True,
-                                    "stream_options": {"include_usage": True}}, "tinyserve")
+                                    "stream": True, "stream_options": {"include_usage": True}}, "tinyserve")
     usage = Usage(3, 2, cached_tokens=1, cached_tokens_by_tier={"device": 1})
     results = [ChoiceResult(0, "ab", [7, 8], [_Event(7), _Event(8)], "length"), ChoiceResult(1, "", [], [], "stop")]
     body = comp.response(req, META, results, usage)
@@ -227,3 +231,50 @@ def test_chat_stream_chunks():
     (fin,) = stream.delta(1, Delta("", [], [], "stop"))
     assert fin["choices"][0] == {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     assert stream.end(Usage(3, 1)) == []                     # no include_usage
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Request bodies (json_body.py)
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 7, 2, 1])
+def test_json_depth_is_the_parsed_nesting(monkeypatch, chunk):
+    """The byte scan's depth equals the nesting of what json parses, whatever the strings hold (brackets, quotes,
+    runs of backslashes) and wherever a chunk boundary falls (the scan carries its state across them)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tinyserve import json_body
+    monkeypatch.setattr(json_body, "_DEPTH_CHUNK", chunk)
+    tricky = st.sampled_from(['a[{"', '\\\\', '\\\\\\"]', "}{[", "", "\\\\\\\\", '"'])
+    values = st.recursive(st.none() | st.integers() | st.text(max_size=4) | tricky,
+                          lambda kids: st.lists(kids, max_size=3) | st.dictionaries(tricky | st.text(max_size=3),
+                                                                                    kids, max_size=3),
+                          max_leaves=20)
+
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True)
+    @given(values)
+    def check(value: Any) -> None:
+        assert json_body.json_depth(json.dumps(value).encode()) == _depth(value)
+
+    check()
+
+
+def test_json_bodies_refused_with_a_reason():
+    from tinyserve.json_body import MAX_JSON_DEPTH, parse_json_body
+    deep = b'{"a": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}"
+    for raw, words in [(deep, "nested 65 levels"), (b"[" * 5000 + b"]" * 5000, "nested 5000 levels"),
+                       (b'{"a": "\\ud800"}', "Unicode"), (b'{"a": ' + b"7" * 5000 + b"}", "not valid JSON"),
+                       (b"\xff{}", "not valid"), (b"[1]", "JSON object"), (b"", "not valid JSON")]:
+        with pytest.raises(APIError) as e:
+            parse_json_body(raw)
+        assert e.value.status == 400 and words in e.value.message, (raw[:20], e.value.message)
+    ok = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b', "b": "\\ud83d\\ude80 [[["}'
+    assert parse_json_body(ok)["b"] == "\U0001F680 [[["

@@ -231,6 +231,13 @@ BAD = [
     ("bad-format", {"input": "Hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ("bad-temperature", {"input": "Hi", "temperature": "hot"}, "temperature"),
     ("max-output-past-context", {"input": "Hi", "max_output_tokens": 100000}, "max_output_tokens"),
+    ("include-unknown", {"input": "Hi", "include": ["message.output_text.everything"]}, "include"),
+    ("top-logprobs-21", {"input": "Hi", "top_logprobs": 21}, "top_logprobs"),
+    ("background", {"input": "Hi", "background": True}, "background"),
+    ("stored-prompt", {"input": "Hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ("stream-options-without-stream", {"input": "Hi", "stream_options": {"include_obfuscation": False}},
+     "stream_options"),
+    ("required-without-tools", {"input": "Hi", "tool_choice": "required"}, "tool_choice"),
 ]
 
 
@@ -325,3 +332,47 @@ def test_history_becomes_chat_messages():
     assert req.chat.template_kwargs == {}
     assert parse_responses_request({"input": "x", "reasoning": {"effort": "none"}}).chat.template_kwargs == {
         "enable_thinking": False}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logprobs and the rest of the request fields
+
+def test_output_text_logprobs(client):
+    """include message.output_text.logprobs with top_logprobs: the answer's tokens with their bytes (which rebuild
+    the text) and alternatives, in the body and on each streamed text delta, as OpenAI's SDK types them."""
+    kw = dict(max_output_tokens=12, temperature=0, top_logprobs=3, include=["message.output_text.logprobs"],
+              reasoning={"effort": "none"})
+    r = create(client, **kw)
+    (part,) = [item for item in r.output if item.type == "message"][0].content
+    assert part.logprobs and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in part.logprobs)
+    joined = b"".join(bytes(t.bytes) for t in part.logprobs).decode(errors="replace")
+    assert joined.startswith(part.text) and joined[len(part.text):] in ("", "<|im_end|>", "<|endoftext|>")
+    streamed = []
+    with client.responses.stream(model="codex", input="Hello! How are you?", store=False, **kw) as s:
+        for event in s:
+            if event.type == "response.output_text.delta":
+                streamed += event.logprobs
+            if event.type == "response.output_text.done":
+                assert [t.token for t in event.logprobs] == [t.token for t in part.logprobs]
+        final = s.get_final_response()
+    assert [t.token for t in streamed] == [t.token for t in part.logprobs]
+    assert final.output[-1].content[0].logprobs == part.logprobs
+    plain = create(client, max_output_tokens=4, top_logprobs=3)         # asked for, but not included: none
+    assert all(not p.logprobs for item in plain.output if item.type == "message" for p in item.content)
+
+
+def test_context_length_exceeded_code(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        create(client, input="Hello there! " * 1500)
+    assert info.value.body["code"] == "context_length_exceeded" and info.value.body["param"] == "input"
+
+
+def test_fields_clients_may_send(client):
+    """Codex's include of encrypted reasoning, a prompt cache key, a service tier, stream_options on a stream and
+    parallel_tool_calls are accepted (docs/api.md says what each does here)."""
+    r = create(client, include=["reasoning.encrypted_content"], prompt_cache_key="k", service_tier="auto",
+               safety_identifier="u", parallel_tool_calls=False, tools=[SHELL_TOOL], max_tool_calls=3)
+    assert r.parallel_tool_calls is False and r.status in ("completed", "incomplete")
+    with client.responses.stream(model="codex", input="Hi", store=False, max_output_tokens=2,
+                                 stream_options={"include_obfuscation": False}) as s:
+        assert s.get_final_response().usage.output_tokens >= 1

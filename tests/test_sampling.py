@@ -394,6 +394,8 @@ def test_logprobs_without_top_n():
     ("logprobs", -1), ("logprobs", 21),
     ("seed", 1.5), ("seed", "x"),
     ("stop_token_ids", [-1]), ("stop_token_ids", "abc"),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {"3": 1.0}), ("logit_bias", {3: 100.5}), ("logit_bias", {3: "x"}),
+    ("logit_bias", [3]), ("prompt_logprobs", -1), ("prompt_logprobs", 21),
 ])
 def test_validate_names_the_field(field, value):
     params = SamplingParams(**{field: value})
@@ -406,6 +408,31 @@ def test_validate_accepts_edges():
               SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.1, seed=-5),
               SamplingParams(max_tokens=1, min_tokens=1, logprobs=20), SamplingParams(logprobs=0)]:
         p.validate()
+
+
+def test_logit_bias_is_one_sparse_add_before_every_filter():
+    """Each row gets exactly its own biases (the oracle: a dense [B, V] bias added to the logits), greedy and sampled
+    rows alike, and the batch holds only the (row, id) pairs that are set, whatever its size."""
+    logits = rand_logits(6)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
+              SamplingParams(temperature=0.9, top_k=4, seed=1, logit_bias={7: 3.0, 2: -100.0}),
+              SamplingParams(temperature=0.0, logit_bias={int(logits[3].argmax()): -100}),
+              SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=1.0, logit_bias={9: 100})]
+    batch = build(params)
+    assert batch.bias_rows.tolist() == [1, 2, 2, 3, 5] and batch.bias_values.numel() == 5
+    dense = torch.zeros(6, V)
+    for r, p in enumerate(params):
+        for t, b in (p.logit_bias or {}).items():
+            dense[r, t] = b
+    plain = [SamplingParams(**{**vars(p), "logit_bias": None}) for p in params]
+    expected = sample(logits + dense, build(plain))
+    res = sample(logits, batch)
+    assert torch.equal(res.tokens, expected.tokens)
+    assert res.tokens[1] == 5 and res.tokens[5] == 9 and res.tokens[3] != logits[3].argmax()
+    assert torch.allclose(res.logprobs, torch.log_softmax(logits, -1).gather(1, res.tokens[:, None]).squeeze(1))
+    assert build([SamplingParams()] * 4).bias_rows is None
+    with pytest.raises(ValueError, match="logit_bias"):
+        build([SamplingParams(logit_bias={V: 1.0})])
 
 
 def test_build_rejects_bad_inputs():

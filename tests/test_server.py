@@ -348,7 +348,7 @@ BAD_INPUTS = [
     ("unknown-model", "POST", "/v1/chat/completions",
      {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ("prompt-object", "POST", "/v1/completions", {"prompt": {"text": "x"}}, 400, "prompt"),
-    ("prompt-batch", "POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("prompt-batch-past-capacity", "POST", "/v1/completions", {"prompt": ["a"] * 100}, 400, "prompt"),
     ("prompt-negative-id", "POST", "/v1/completions", {"prompt": [-1]}, 400, "prompt"),
     ("prompt-id-past-vocab", "POST", "/v1/completions", {"prompt": [10 ** 7]}, 400, "prompt"),
     ("prompt-empty", "POST", "/v1/completions", {"prompt": []}, 400, "prompt"),

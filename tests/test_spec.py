@@ -88,6 +88,20 @@ def test_greedy_equals_plain_decoding(model, page_size):
     assert_no_leaks(eng)
 
 
+def test_greedy_with_logit_bias_equals_plain_decoding(model):
+    """logit_bias reaches the draft head's pick and the verify rows alike: greedy tokens with NEXTN and a bias are
+    the unspeculated ones with the same bias."""
+    prompts = mixed_prompts(7)
+    biased = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logit_bias={5 + i: 0.5, 9 + i: -100.0})
+              for i in range(len(prompts))]
+    expected = cold_engine(model).generate(prompts, biased)
+    assert expected != cold_engine(model).generate(prompts, GREEDY)          # the bias changes the output
+    eng = spec_engine(model)
+    assert eng.generate(prompts, biased) == expected
+    assert_both_paths_ran(eng)
+    assert_no_leaks(eng)
+
+
 def test_preemption_under_a_tiny_pool(model):
     prompts = mixed_prompts(50)
     expected = cold_engine(model).generate(prompts, GREEDY)

@@ -115,6 +115,20 @@ def test_greedy_argmax_is_taken_after_penalties():
     assert res.tokens == [[6, 5]] and res.accepted == [1]
 
 
+def test_greedy_logit_bias_in_draft_and_verify():
+    """logit_bias shapes the draft head's pick and the target's check alike, so a forced token is drafted,
+    accepted and committed, and a banned one is never committed."""
+    target, draft = peaked([3, 3, 3]), peaked([3])
+    forced = SamplingParams(temperature=0.0, logit_bias={7: 100.0})
+    tokens, q = draw_drafts(draft, build([forced]))
+    assert tokens.tolist() == [7] and q is None
+    res = verify_drafts(target, verify_batch([forced], [[7, 7]]), [[7, 7]])
+    assert res.tokens == [[7, 7, 7]] and res.accepted == [2]
+    banned = SamplingParams(temperature=0.0, logit_bias={3: -100.0})
+    res = verify_drafts(target, verify_batch([banned], [[3, 3]]), [[3, 3]])
+    assert res.accepted == [0] and res.tokens[0][0] != 3
+
+
 def test_greedy_min_tokens_counts_the_drafts():
     # eos (0) has the top logit; min_tokens = 2: suppressed at output positions 0 and 1, allowed at 2.
     logits = torch.zeros(3, V)
@@ -316,8 +330,11 @@ CHI2_CRIT = {1: 15.137, 2: 18.421, 3: 21.108, 4: 23.513, 5: 25.745, 6: 27.856, 7
 
 
 def _ref_probs(row, params, output):
-    """The target distribution written out independently: presence penalty, temperature, top-k, top-p."""
+    """The target distribution written out independently: logit bias, presence penalty, temperature, top-k,
+    top-p."""
     x = row.double().clone()
+    for t, bias in (params.logit_bias or {}).items():
+        x[t] += bias
     for t in set(output):
         x[t] -= params.presence_penalty
     x = x / params.temperature
@@ -377,7 +394,8 @@ def _targets():
     (SamplingParams(temperature=1.0, top_p=0.85), (), True),
     (SamplingParams(temperature=1.0, presence_penalty=1.5), (2,), True),
     (SamplingParams(temperature=1.0), (), False),  # one-hot draft (q omitted): exact for any draft too
-], ids=["plain", "top_k", "top_p", "presence", "one_hot"])
+    (SamplingParams(temperature=1.0, top_p=0.9, logit_bias={1: 2.5, 4: -3.0}), (), True),
+], ids=["plain", "top_k", "top_p", "presence", "one_hot", "logit_bias"])
 def test_lossless_in_distribution(params, prior, use_q):
     target, draft = _targets()
     seeds = list(range(N_SEEDS))

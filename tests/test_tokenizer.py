@@ -335,3 +335,53 @@ def test_detokenizer_flush_incomplete_character(tok):
     det = IncrementalDetokenizer(tok)
     assert det.add(ids[:-1]) == "ok "          # the emoji's last byte is missing: held back
     assert det.flush() == "\ufffd"             # at the end it shows as a replacement character
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# continuing a final message, and each token's own bytes (logprobs)
+
+@pytest.mark.parametrize("name", ["multi_turn_reasoning", "tool_round_trip_answered"])
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}])
+def test_continue_final_message_matches_transformers(tok, hf_tok, name, kwargs):
+    """A prefill: the rendering is cut right after the last message's content, as transformers'
+    continue_final_message does it."""
+    messages = CONVERSATIONS.get(name) or CONVERSATIONS["tool_round_trip"] + [
+        {"role": "assistant", "content": "Paris is sunny, and Oslo"}]
+    ours = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True, **kwargs)
+    theirs = hf_tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                        tokenize=False, **kwargs)
+    assert ours == theirs and not ours.endswith("<|im_end|>\n")
+    with pytest.raises(ValueError, match="cannot both"):
+        tok.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ValueError, match="cannot be continued"):
+        tok.apply_chat_template(messages + [{"role": "assistant", "content": "  "}], add_generation_prompt=False,
+                                continue_final_message=True)
+
+
+@pytest.mark.parametrize("text", ["héllo 世界 🚀", "plain ascii", "ünïcödé\n\ttabs", "日本語のテキスト", "a🤖b🧠c"])
+def test_token_bytes_rebuild_any_text(tok, text):
+    """Byte-level BPE: each token's bytes (the byte alphabet mapped back) joined are the text's bytes; a token that
+    is part of a character reads "bytes:\\\\xNN" (OpenAI's spelling), a whole one its text, an added one its own."""
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+    for t in ids:
+        data = tok.token_bytes(t)
+        try:
+            assert tok.token_text(t) == data.decode() == tok.decode([t])
+        except UnicodeDecodeError:
+            assert tok.token_text(t) == "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+    assert tok.token_text(tok.token_to_id("<|im_end|>")) == "<|im_end|>"
+
+
+def test_token_bytes_of_a_byte_fallback_tokenizer(tmp_path):
+    """SentencePiece-style vocabularies (<0xNN> byte tokens, "▁" for a space): a byte token is its byte."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "a": 257, "\u2581b": 258}
+    hf = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    fallback = Tokenizer.from_folder(tmp_path)
+    ids = fallback.encode("a世")
+    assert len(ids) == 4 and b"".join(fallback.token_bytes(t) for t in ids) == "a世".encode()
+    assert fallback.token_bytes(258) == b" b" and fallback.token_text(1 + 0xE4) == "bytes:\\xe4"

@@ -30,8 +30,14 @@ Mapping (request):
                                       thinks); budget_tokens is accepted and not enforced
   model                            -> any name is accepted (Claude Code sends its own); responses carry the served
                                       name
+  a last assistant message         -> a prefill: the prompt is cut after its text and the answer continues it
+  output_config.format             -> json_schema: the text after any thinking is constrained to the schema (as
+  (and the older output_format)       response_format; the SDK's messages.parse); output_config.effort accepted
+  tool_choice.disable_parallel_tool_use -> at most one tool_use block
+  metadata, service_tier, cache_control, inference_geo, speed, context_management: type-checked, no effect
+                                      (docs/api.md); container, mcp_servers: 400
 Mapping (response): thinking blocks carry signature "" (there is nothing to sign; the key is there because clients
-require it); tool_use ids are "toolu_..."; stop_reason end_turn | max_tokens | stop_sequence | tool_use. Usage
+require it; a stream sends it as a signature_delta before the block stops); tool_use ids are "toolu_..."; stop_reason end_turn | max_tokens | stop_sequence | tool_use. Usage
 follows Anthropic's split: input_tokens is the uncached part of the prompt, cache_read_input_tokens the prompt
 tokens served from the prefix cache, cache_creation_input_tokens 0 (writing the cache costs nothing extra here), so
 their sum is the prompt length.
@@ -40,15 +46,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .chat import (ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest, chat_tools, function_tool,
                    function_tools, leave_out, named_tool)
 from .protocol import (APIError, ChoiceResult, Delta, Endpoint, GenerationOptions, ImageInput, Meta, NamedEventStream,
-                       Usage, bad_request, boolean_field, image_bytes, image_from_url, integer_field, number_field,
-                       stop_strings)
+                       Usage, bad_request, boolean_field, ignored_fields, image_bytes, image_from_url, integer_field,
+                       number_field, parse_response_format, refused_fields, stop_strings)
 from .sampling import SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, ContentJoiner, Tokenizer
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 
@@ -240,6 +249,8 @@ def _tools(body: dict, left_out: list[str]) -> tuple[list[dict[str, Any]] | None
     tools = function_tools(body.get("tools"), read)
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind is not None:
+        boolean_field(choice, "disable_parallel_tool_use", False)
     if choice is None or kind == "auto":
         return chat_tools(tools, "auto")
     if kind == "none":
@@ -263,9 +274,42 @@ def _thinking(body: dict) -> dict[str, Any]:
     return {"enable_thinking": kind != "disabled"}
 
 
+# Fields of Anthropic's that change nothing here (docs/api.md says why), and those refused
+IGNORED = {"metadata": dict, "service_tier": str, "cache_control": dict, "inference_geo": str, "speed": str,
+           "user_profile_id": str, "workspace_id": str, "context_management": dict}
+REFUSED = {"container": lambda v: "no code-execution containers here",
+           "mcp_servers": lambda v: "this server connects to no MCP servers (give the tools in tools)"}
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def _output_config(body: dict) -> Constraint | None:
+    """output_config.format {"type": "json_schema", "schema"}: the text after any thinking is JSON matching the
+    schema (constrained decoding, as response_format on the OpenAI routes; messages.parse reads it). The older
+    output_format field is taken the same way. output_config.effort is accepted: Qwen's templates take no effort."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad_request("output_config must be an object", "output_config")
+    config = config or {}
+    effort = config.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise bad_request(f"output_config.effort must be one of {', '.join(EFFORTS)}; got {effort!r}",
+                          "output_config.effort")
+    fmt, where = config.get("format"), "output_config.format"
+    if fmt is None and body.get("output_format") is not None:
+        fmt, where = body["output_format"], "output_format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad_request(f'{where} must be {{"type": "json_schema", "schema": {{...}}}}', f"{where}.type")
+    return parse_response_format(fmt, where, nested=False)
+
+
 def parse_messages_request(body: dict, count_only: bool = False, fetch_image_urls: bool = False) -> MessagesRequest:
     """count_only (count_tokens): no max_tokens, no sampling fields. fetch_image_urls (server.fetch_image_urls):
-    http(s) image sources become RemoteImages instead of a 400."""
+    http(s) image sources become RemoteImages instead of a 400. A last message from the assistant is a prefill:
+    the answer continues it (and holds only what follows it), as on Anthropic's API."""
+    refused_fields(body, REFUSED)
+    ignored_fields(body, IGNORED)
     images: list[ImageInput] = []
     messages = _messages(body.get("messages"), images, fetch_image_urls)
     system = _system(body.get("system"))
@@ -279,12 +323,16 @@ def parse_messages_request(body: dict, count_only: bool = False, fetch_image_url
     stream = boolean_field(body, "stream", False)
     params = SamplingParams(temperature=number_field(body, "temperature", 1.0),
                             top_p=number_field(body, "top_p", 1.0), top_k=integer_field(body, "top_k", 0),
-                            speculative=boolean_field(body, "speculative", True))
+                            speculative=boolean_field(body, "speculative", True), constraint=_output_config(body))
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_tokens",
                                 stop=stop_strings(body, "stop_sequences", one_string=False), n=1, stream=stream,
                                 include_usage=True, return_token_ids=False)
+    choice = body.get("tool_choice")
+    prefill = messages[-1]["role"] == "assistant"
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=_thinking(body),
-                       logprobs=False, top_logprobs=0, options=options, images=images, left_out=left_out)
+                       logprobs=False, top_logprobs=0, options=options, images=images, left_out=left_out,
+                       continue_final=prefill, add_generation_prompt=not prefill,
+                       parallel_tool_calls=not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use")))
     return MessagesRequest(chat)
 
 
@@ -396,8 +444,12 @@ class MessagesStream(NamedEventStream):
     def _close(self) -> list[dict[str, Any]]:
         if self.block is None:
             return []
+        out = []
+        if self.block == "thinking":                  # Anthropic's clients expect the block's signature before
+            out.append({"type": "content_block_delta", "index": self.index,   # its stop ("": nothing to sign)
+                        "delta": {"type": "signature_delta", "signature": ""}})
         self.block = None
-        return [{"type": "content_block_stop", "index": self.index}]
+        return out + [{"type": "content_block_stop", "index": self.index}]
 
     def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         out = self._close()

@@ -1,6 +1,6 @@
 """The HTTP server: OpenAI- and Anthropic-compatible routes over aiohttp.
 
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{model}
     POST /v1/responses   (OpenAI's Responses API, stateless, responses.py)
     POST /v1/messages   POST /v1/messages/count_tokens   (Anthropic's Messages API, anthropic.py)
     GET /health   GET /metrics   POST /flush_cache
@@ -9,8 +9,9 @@ This module is the HTTP layer only: routes, middlewares (errors, auth), reading 
 Generation (the n engine requests behind one HTTP request). What a body means and what a response looks like is
 the protocol modules' (an Endpoint each: openai_api.py, anthropic.py, responses.py; their shared layer protocol.py).
 Every generation route runs one skeleton, `generate`: parse (protocol) -> prompt ids (protocol, in a worker thread:
-templates and long prompts would stall every stream) -> the engine fits max_tokens and validates the sampling
-parameters -> Generation -> stream or collect -> body (protocol). The engine stays the only owner of pages and
+templates and long prompts would stall every stream; a completions request may hold several prompts) -> the engine
+fits max_tokens to each (past the context: a 400 with OpenAI's code context_length_exceeded) and validates the
+sampling parameters -> Generation -> stream or collect -> body (protocol). The engine stays the only owner of pages and
 state; this module only submits, iterates and cancels.
 
 Images: a request's image parts are parsed (protocol) into their bytes, or, with server.fetch_image_urls, into http(s)
@@ -27,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
-import json
 import logging
 import socket
 import time
@@ -42,6 +42,7 @@ from . import anthropic, responses
 from .chat import left_out_tools
 from .config import Config
 from .engine import Engine, RequestError
+from .json_body import parse_json_body
 from .images import SUPPORTED_MEDIA_TYPES, ImageSource
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
@@ -60,6 +61,7 @@ RETRY_AFTER_S = 1
 # data is in flight, as under a stream). Then its handler is cancelled and so is its request.
 TCP_KEEPALIVE = {"TCP_KEEPIDLE": 60, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 90_000}
 LISTEN_BACKLOG = 128
+LARGE_BODY = 1 << 20             # bytes: a body past this is measured and parsed in a worker thread
 FETCH_TIMEOUT_S = 10.0           # per fetched image URL (server.fetch_image_urls), connect to last byte
 # Decoding and preprocessing images on their own two threads: a 16-megapixel image takes ~1.4 GB while it is
 # processed, so a burst of image requests queues here instead of all at once, and text requests' templates and
@@ -79,15 +81,6 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     draining: bool = False
     endpoints: dict[str, Endpoint[Any]] = field(default_factory=dict)   # generation routes by path
-    _token_text: dict[int, str] = field(default_factory=dict)
-
-    def token_text(self, token_id: int) -> str:
-        """One token as text, for logprobs (cached: the same ids come back all the time)."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.engine.tokenizer.decode([token_id])
-            self._token_text[token_id] = text
-        return text
 
 
 STATE: web.AppKey[ServerState] = web.AppKey("tinyserve_state", ServerState)
@@ -112,6 +105,7 @@ def create_app(engine: Engine | None, cfg: Config) -> web.Application:
         app.router.add_post(path, _generation_handler(endpoint))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model_info)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/flush_cache", flush_cache)
@@ -212,27 +206,30 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
 # Generation: the n engine requests behind one HTTP request
 
 class Generation:
-    """Submits n requests for one prompt, turns their token events into text deltas (stop strings applied),
-    records metrics, and cancels whatever is unfinished on close(): client gone, stop string, or shutdown.
-    Raises the engine's RequestError before submitting anything when the parameters are out of range. `images`:
-    what engine.intake.prepare_images returned for these prompt ids; every choice sees the same ones."""
+    """Submits n requests for each prompt (choice k * n + i is prompt k's i-th), turns their token events into text
+    deltas (stop strings applied), records metrics, and cancels whatever is unfinished on close(): client gone, stop
+    string, or shutdown. Raises the engine's RequestError before submitting anything when the parameters are out of
+    range. params: per prompt (max_tokens is fitted to each). `images`: what engine.intake.prepare_images returned
+    for the (one) prompt's ids; every choice sees the same ones."""
 
-    def __init__(self, state: ServerState, engine: Engine, prompt_ids: list[int], params: SamplingParams, n: int,
-                 stop: list[str], request_id: str, arrival: float, images: Sequence[Any] = ()) -> None:
+    def __init__(self, state: ServerState, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                 n: int, stop: list[str], request_id: str, arrival: float, images: Sequence[Any] = ()) -> None:
         self.engine = engine
         self.metrics = state.metrics
-        self.prompt_ids = prompt_ids
+        self.prompts, self.n = prompts, n
         self.stop = stop
         self.arrival = arrival
         self.streams: list[Any] = []
         self.completion_tokens = 0
         self._open: set[int] = set()                  # choices not finished yet
         try:                                          # the first submit validates params: a bad one submits nothing
-            for i in range(n):
-                seed = params.seed if params.seed is None or n == 1 else (params.seed + i) % 2 ** 64
-                self.streams.append(self.engine.submit(prompt_ids, replace(params, seed=seed), f"{request_id}-{i}",
-                                                       images=images))
-                self._open.add(i)
+            for prompt, p in zip(prompts, params):
+                for i in range(n):
+                    seed = p.seed if p.seed is None or n == 1 else (p.seed + i) % 2 ** 64
+                    index = len(self.streams)
+                    self.streams.append(self.engine.submit(prompt, replace(p, seed=seed), f"{request_id}-{index}",
+                                                           images=images))
+                    self._open.add(index)
         except BaseException:
             self.close()
             raise
@@ -261,6 +258,7 @@ class Generation:
         detok = IncrementalDetokenizer(self.engine.tokenizer, self.stop)
         last = None
         async for events in stream:
+            prompt_logprobs = stream.result.prompt_logprobs if last is None else None   # they come with the first
             now = time.monotonic()
             if last is None:
                 self.metrics.on_first_token(now - self.arrival)
@@ -280,10 +278,10 @@ class Generation:
             if detok.stopped:                         # a stop string: the rest of the text is cut
                 stream.cancel()
                 self._finished(index, "stop")
-                yield Delta(text, ids, events, "stop", detok.stop_reason)
+                yield Delta(text, ids, events, "stop", detok.stop_reason, prompt_logprobs)
                 return
             if text or ids:
-                yield Delta(text, ids, events)
+                yield Delta(text, ids, events, prompt_logprobs=prompt_logprobs)
         reason = stream.result.finish_reason or "abort"
         self._finished(index, reason)
         yield Delta(detok.flush(), [], [], reason)
@@ -326,15 +324,19 @@ class Generation:
             r.text += d.text
             r.token_ids += d.token_ids
             r.events += d.events
+            if d.prompt_logprobs is not None:
+                r.prompt_logprobs = d.prompt_logprobs
             if d.finish_reason is not None:
                 r.finish_reason = d.finish_reason
                 r.stop_string = d.stop_string
         return results
 
     def usage(self) -> Usage:
-        first = self.streams[0].result    # the other choices share the prompt (and hit what the first wrote)
-        usage = Usage(len(self.prompt_ids), self.completion_tokens, first.cached_tokens,
-                      dict(first.cached_tokens_by_tier))
+        usage = Usage(sum(map(len, self.prompts)), self.completion_tokens)
+        firsts = [s.result for s in self.streams[::self.n]]    # each prompt's first choice: the others share its
+        usage.cached_tokens = sum(r.cached_tokens for r in firsts)      # prompt (and hit what the first wrote)
+        usage.cached_tokens_by_tier = {tier: sum(r.cached_tokens_by_tier.get(tier, 0) for r in firsts)
+                                       for tier in firsts[0].cached_tokens_by_tier}
         if self.engine.nextn is not None:
             results = [s.result for s in self.streams]
             usage.accepted_prediction_tokens = sum(r.accepted_draft_tokens for r in results)
@@ -354,8 +356,15 @@ def _serving_engine(state: ServerState) -> Engine:
     return state.engine
 
 
-def _check_capacity(engine: Engine, cfg: Config, n: int) -> None:
+def _check_capacity(engine: Engine, cfg: Config, n: int, prompts: int) -> None:
+    """503 + Retry-After while the engine holds too many requests for these n x prompts; 400 when they could never
+    fit at once."""
     limit = cfg.engine.max_running_requests + cfg.server.max_queued_requests
+    if n * prompts > limit:
+        raise bad_request(f"{prompts} prompts x n={n} make {n * prompts} requests; this server takes at most {limit} "
+                          "at once (engine.max_running_requests + server.max_queued_requests)",
+                          "prompt" if prompts > 1 else "n")
+    n *= prompts
     unfinished = engine.num_unfinished
     if unfinished + n > limit:
         raise APIError(503, f"the server is full ({unfinished} requests running or queued, limit {limit}); "
@@ -363,14 +372,12 @@ def _check_capacity(engine: Engine, cfg: Config, n: int) -> None:
 
 
 async def _read_json(request: web.Request) -> dict[str, Any]:
+    """The body's JSON object (json_body.parse_json_body: nesting capped, every failure a 400); a large body is
+    measured and parsed in a worker thread, off the event loop."""
     raw = await request.read()                        # raises 413 past client_max_size
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
+    if len(raw) > LARGE_BODY:
+        return await _in_thread(parse_json_body, raw)
+    return parse_json_body(raw)
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -440,6 +447,17 @@ def _generation_handler(endpoint: Endpoint[Any]) -> Callable[[web.Request], Awai
     return handle
 
 
+def _fit(engine: Engine, endpoint: Endpoint[Req], req: Req, prompt: list[int], which: int | None) -> int:
+    """The max_tokens a prompt gets (intake.fit_max_tokens); a prompt or max_tokens past the context is a 400 with
+    OpenAI's code context_length_exceeded. which: the prompt's index when the request sends several."""
+    try:
+        return engine.intake.fit_max_tokens(len(prompt), req.options.max_tokens, endpoint.clamp_max_tokens)
+    except RequestError as e:
+        param = endpoint.error_param(req, e.field)
+        where = f"{param}[{which}]: " if which is not None else ""
+        raise APIError(400, where + str(e), param, code="context_length_exceeded") from None
+
+
 async def generate(request: web.Request, endpoint: Endpoint[Req]) -> web.StreamResponse:
     state = request.app[STATE]
     arrival = time.monotonic()
@@ -448,17 +466,19 @@ async def generate(request: web.Request, endpoint: Endpoint[Req]) -> web.StreamR
     req = endpoint.parse(body, engine.served_name)
     state.metrics.on_tools_left_out(left_out_tools(req))
     options = req.options
-    _check_capacity(engine, state.cfg, options.n)
-    prompt_ids = await _in_thread(endpoint.prompt_ids, req, engine.tokenizer)
+    _check_capacity(engine, state.cfg, options.n, endpoint.num_prompts(req))
+    prompts = await _in_thread(endpoint.prompts, req, engine.tokenizer)
     images: list[Any] = []
     if req.images:                                    # the ids grow by each image's tokens
-        prompt_ids, images = await prepare_images(engine, state.cfg, endpoint, req, prompt_ids)
-    meta = Meta(endpoint.id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompt_ids,
-                state.token_text)
-    try:                                              # the engine decides what fits and what is in range
-        fitted = engine.intake.fit_max_tokens(len(prompt_ids), options.max_tokens, endpoint.clamp_max_tokens)
-        params = sampling_params(options, fitted)
-        gen = Generation(state, engine, prompt_ids, params, options.n, options.stop, meta.request_id, arrival, images)
+        prompt_ids, images = await prepare_images(engine, state.cfg, endpoint, req, prompts[0])
+        prompts = [prompt_ids]
+    tokenizer = engine.tokenizer
+    meta = Meta(endpoint.id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompts[0],
+                tokenizer.token_text, token_bytes=tokenizer.token_bytes, prompts=prompts)
+    params = [sampling_params(options, _fit(engine, endpoint, req, p, k if len(prompts) > 1 else None))
+              for k, p in enumerate(prompts)]
+    try:                                              # the engine decides what is in range
+        gen = Generation(state, engine, prompts, params, options.n, options.stop, meta.request_id, arrival, images)
     except RequestError as e:
         raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
     images = []                                       # the requests hold them now (and drop their pixels once encoded)
@@ -514,11 +534,24 @@ async def count_tokens(request: web.Request) -> web.Response:
     return web.json_response({"input_tokens": len(ids)}, dumps=dumps)
 
 
+def _model_card(engine: Engine) -> dict[str, Any]:
+    return {"id": engine.served_name, "object": "model", "created": int(time.time()), "owned_by": "tinyserve",
+            "max_model_len": engine.context_length}
+
+
 async def models(request: web.Request) -> web.Response:
     engine = _serving_engine(request.app[STATE])
-    return web.json_response({"object": "list", "data": [{
-        "id": engine.served_name, "object": "model", "created": int(time.time()), "owned_by": "tinyserve",
-        "max_model_len": engine.context_length}]})
+    return web.json_response({"object": "list", "data": [_model_card(engine)]})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """GET /v1/models/{model} (the SDKs' models.retrieve): the served model, or 404 naming what is served."""
+    engine = _serving_engine(request.app[STATE])
+    name = request.match_info["model"]
+    if name != engine.served_name:
+        raise APIError(404, f"model {name!r} is not served here; this server serves {engine.served_name!r}",
+                       "model", code="model_not_found")
+    return web.json_response(_model_card(engine))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -223,8 +223,11 @@ class PrefixCache:
         if run.read is not None and run.read.done() and run.read.exception() is None:
             blobs = run.read.result()
         run.read = None
-        loaded = self.tree.promote(req.cache_ids, blobs, run.read_first_page)
-        m = self.tree.match(req.cache_ids)
+        ids = req.cache_ids
+        if req.needs_prompt_logprobs:                      # they come from computing the whole prompt
+            ids, blobs = [], []
+        loaded = self.tree.promote(ids, blobs, run.read_first_page)
+        m = self.tree.match(ids)
         if m.branch is not None and not req.output_ids and req not in self._diverged:   # a new prompt, once
             self._note_divergence(req, m)
         if m.node.snapshot is not None:

@@ -46,6 +46,10 @@ class ChatRequest:
     # format its input must follow ({"type": "text"} or {"type": "grammar", "syntax", "definition"})
     custom_tools: dict[str, dict[str, Any]] = field(default_factory=dict)
     left_out: list[str] = field(default_factory=list)   # types of the tools left out of the prompt
+    continue_final: bool = False       # the last (assistant) message is continued, not closed (a prefill)
+    add_generation_prompt: bool = True
+    parallel_tool_calls: bool = True   # False: at most one tool call per answer (the first)
+    echo: str = ""                     # vLLM's echo of a continued message: its text goes before the answer
 
     @property
     def enable_thinking(self) -> bool:
@@ -205,6 +209,8 @@ def chat_tools(tools: list[dict[str, Any]], choice: Any) -> tuple[list[dict[str,
     is a 400 naming tool_choice. "required" and a named function force one call when the tool-call parser is on
     (ChatFormat.prompt_ids sets the grammar constraint); a named function also limits what is parsed as a call."""
     offered = tools or None
+    if offered is None and choice not in ("auto", "none"):
+        raise bad_request("tool_choice forces a tool call, but no tools are given", "tool_choice")
     try:
         make_tool_parser(offered, choice)
     except ValueError as e:
@@ -237,11 +243,11 @@ class ChatFormat:
     def prompt_ids(self, req: ChatRequest, tokenizer: Tokenizer) -> list[int]:
         """The rendered prompt; it also settles the request's constraint (a forced tool call, and where it starts)."""
         def render(generation_prompt: bool) -> str:
-            return tokenizer.apply_chat_template(req.messages, tools=req.tools,
-                                                 add_generation_prompt=generation_prompt, **req.template_kwargs)
+            return tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=generation_prompt,
+                                                 continue_final_message=req.continue_final, **req.template_kwargs)
 
         try:
-            text = render(True)
+            text = render(req.add_generation_prompt)
         except ValueError as e:                       # e.g. the template's raise_exception on a bad history
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
         # The answer starts inside a think block only when the generation prompt opened it; a <think> in the
@@ -249,7 +255,7 @@ class ChatFormat:
         req.starts_in_reasoning = False
         if prompt_opens_reasoning(text):
             try:
-                without = render(False)
+                without = render(False) if req.add_generation_prompt else ""    # a prefill: judge it whole
             except ValueError:                        # a template that insists on its generation prompt
                 without = ""                          # (then the whole prompt is judged)
             req.starts_in_reasoning = prompt_opens_reasoning(text, without)
@@ -285,6 +291,7 @@ class ChatFormat:
         tools = self.tools(req)
         if tools is not None and content:
             content, calls = tools.parse(content, truncated=r.finish_reason == "length")
+            calls = calls if req.parallel_tool_calls else calls[:1]
         finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
         return Answer(reasoning, content, calls, finish, reasoning_end)
 
@@ -308,6 +315,7 @@ class ChatStreamChoice:
         self.reasoning = chat.reasoning(req)
         self.tools = chat.tools(req)
         self.called_tools = False
+        self.parallel_tool_calls = req.parallel_tool_calls
 
     def pieces(self, text: str, final: bool, truncated: bool = False) -> list[dict[str, Any]]:
         """Deltas for this text: reasoning_content, then content and tool_calls in the order they came. truncated:
@@ -328,6 +336,8 @@ class ChatStreamChoice:
         tool_deltas = self.tools.feed(content) if content else []
         if final:
             tool_deltas += self.tools.finish(truncated)
+        if not self.parallel_tool_calls:              # only the first call goes out
+            tool_deltas = [d for d in tool_deltas if "tool_calls" not in d or d["tool_calls"][0]["index"] == 0]
         for d in tool_deltas:
             self.called_tools = self.called_tools or "tool_calls" in d
         return out + tool_deltas

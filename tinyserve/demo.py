@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from tinyserve.tokenizer import bytes_to_unicode
+
 DEMO_VERSION = "demo-v2"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 PARSER_TAGS = {"<think>", "</think>", "<tool_call>", "</tool_call>"}
@@ -67,19 +69,6 @@ Question: what is two plus two? Answer: two plus two is four. Question: what is 
 the capital of France is Paris. Thank you for your question, and have a nice day!
 system user assistant tool function parameter content reasoning thinking answer
 """
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte -> printable character map that the ByteLevel pre-tokenizer and decoder use."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def _train_merges(words: Counter[str], num_merges: int) -> list[tuple[str, str]]:

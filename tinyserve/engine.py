@@ -38,7 +38,7 @@ from tinyserve.images import ProcessedImage
 from tinyserve.intake import Intake, RequestError
 from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.plan import MemoryPlan
-from tinyserve.request import TIERS, Request, Status
+from tinyserve.request import TIERS, PromptLogprob, Request, Status
 from tinyserve.runner import ModelRunner, SeqOutput, StepResult
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import ScheduledSeq, Scheduler
@@ -71,6 +71,7 @@ class StepEvent:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     drafted: int = 0                     # NEXTN draft tokens verified for this request in this step
     accepted: int = 0                    # ... of which accepted (the committed tokens are accepted + 1)
+    prompt_logprobs: list[PromptLogprob] | None = None   # with the first tokens, when params.prompt_logprobs asks
 
 
 @dataclass
@@ -87,6 +88,8 @@ class RequestResult:
     draft_tokens: int = 0                # NEXTN draft tokens verified (usage: accepted + rejected prediction tokens)
     accepted_draft_tokens: int = 0
     draft_rounds: int = 0                # NEXTN verify rounds
+    prompt_logprobs: list[PromptLogprob] | None = None   # prompt tokens 1.. (params.prompt_logprobs), set with
+                                                         # the first tokens
 
 
 @dataclass
@@ -283,6 +286,8 @@ class Engine:
                 sched.finish(req, reason)
             event = self._event(req, self._token_events(req, o, n))
             event.drafted, event.accepted = drafted, o.accepted
+            if req.params.prompt_logprobs is not None and len(req.output_ids) == n:   # its first tokens
+                event.prompt_logprobs = req.prompt_logprobs
             events.append(event)
         return events
 
@@ -393,6 +398,8 @@ class Engine:
             res.accepted_draft_tokens += ev.accepted
             res.draft_rounds += ev.drafted > 0
             res.cached_tokens_by_tier.update(ev.cached_by_tier)
+            if ev.prompt_logprobs is not None:
+                res.prompt_logprobs = ev.prompt_logprobs
             if ev.tokens:
                 res.completion_tokens += len(ev.tokens)
                 if res.first_token_time is None:

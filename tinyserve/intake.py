@@ -89,6 +89,11 @@ class Intake:
         if bad:
             raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                "stop_token_ids")
+        bad = sorted(t for t in params.logit_bias or {} if t >= self.vocab_size)
+        if bad:
+            shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+            raise RequestError(f"logit_bias: token id {shown} is outside the vocabulary (ids 0..{self.vocab_size - 1}; "
+                               f"vocabulary size {self.vocab_size})", "logit_bias")
 
     # ---- images ----
     @property

@@ -4,16 +4,23 @@ Endpoints (protocol.py), their request bodies -> typed requests, results -> resp
 A chat request becomes chat.py's ChatRequest, as the Anthropic and Responses requests do; the messages keep OpenAI's
 shape (the one the chat template takes) and the function tools go to the template as sent. chat.ChatFormat renders
 the prompt and splits the answer into reasoning_content, content and tool_calls with the configured parsers.
+
+A completion request holds one or more prompts (text or token ids); choice i answers prompt i // n. echo puts each
+prompt before its answer, and with logprobs the prompt's own logprobs first (the first token's null): the engine
+computes them from the prefill (SamplingParams.prompt_logprobs). Every field of OpenAI's is honoured, refused by
+name (CHAT_REFUSED, COMPLETION_REFUSED: what is not implemented, and other servers' extensions that would shape the
+output) or, where it changes nothing here, type-checked and documented as such (IGNORED; docs/api.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .chat import ChatFormat, ChatRequest, ChatStreamChoice, chat_tools, function_tool, function_tools
-from .protocol import (APIError, ChoiceResult, Delta, Endpoint, EndpointStream, GenerationOptions, ImageInput, Meta,
-                       Usage, bad_request, boolean_field, image_from_url, integer_field, parse_options,
-                       parse_response_format, token_id_list)
+from .protocol import (APIError, ChoiceResult, Delta, Endpoint, EndpointStream, GenerationOptions, ImageInput,
+                       LegacyToken, Meta, TextOffsets, Usage, bad_request, boolean_field, completion_logprobs,
+                       ignored_fields, image_from_url, integer_field, logprob_content, parse_options,
+                       parse_response_format, refused_fields, token_id_list)
 from .sampling import MAX_LOGPROBS
 from .tokenizer import SYSTEM_ROLES, MessageError, Tokenizer, content_text, tool_call_arguments
 
@@ -34,14 +41,6 @@ def _check_model(body: dict, served_name: str) -> None:
     if model != served_name:
         raise APIError(404, f"model {model!r} is not served here; this server serves {served_name!r}",
                        "model", code="model_not_found")
-
-
-def _reject_unsupported(body: dict, fields: dict[str, Callable[[Any], bool]]) -> None:
-    """OpenAI fields we know but do not implement: a clear 400 beats silently different output."""
-    for name, ok in fields.items():
-        value = body.get(name)
-        if value is not None and not ok(value):
-            raise bad_request(f"{name}={value!r} is not supported by this server", name)
 
 
 def _chat_image(part: dict, param: str, fetch: bool) -> ImageInput:
@@ -138,12 +137,68 @@ def _parse_template_kwargs(body: dict) -> dict[str, Any]:
     return dict(kwargs)
 
 
+# Fields of OpenAI's that change nothing here (docs/api.md says why), and fields we know and do not implement
+IGNORED = {"user": str, "metadata": dict, "service_tier": str, "safety_identifier": str, "prompt_cache_key": str,
+           "prompt_cache_retention": str, "prompt_cache_options": dict, "verbosity": str, "prediction": dict}
+# vLLM's / SGLang's extensions a client may send expecting them to shape the output
+NOT_IMPLEMENTED = {
+    name: (lambda value, name=name: f"{name} (an extension of other servers) is not implemented")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                 "structured_outputs", "regex", "ebnf", "use_beam_search", "prompt_logprobs", "truncate_prompt_tokens",
+                 "allowed_token_ids", "bad_words", "logits_processors", "chat_template", "documents")}
+NOT_IMPLEMENTED.update({
+    "include_stop_str_in_output": lambda v: "the stop string is never part of the output" if v else None,
+    "skip_special_tokens": lambda v: "special tokens are always left out of the text" if v is not True else None,
+    "return_tokens_as_token_ids": lambda v: "logprobs show tokens as text and bytes" if v else None,
+    "store": lambda v: "this server stores no completions (send store: false or leave it out)" if v else None})
+CHAT_REFUSED = {
+    **NOT_IMPLEMENTED,
+    "functions": lambda v: "functions is deprecated by OpenAI; send tools",
+    "function_call": lambda v: "function_call is deprecated by OpenAI; send tool_choice",
+    "audio": lambda v: "audio output is not available (text only)",
+    "modalities": lambda v: None if v == ["text"] else 'only ["text"] is available',
+    "web_search_options": lambda v: "this server runs no built-in tools",
+}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _reasoning_effort(body: dict, kwargs: dict[str, Any]) -> None:
+    """reasoning_effort "none" turns thinking off (chat_template_kwargs.enable_thinking, when given, wins); other
+    efforts leave the template's default: Qwen's templates take no budget."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
+                          "reasoning_effort")
+    if effort == "none":
+        kwargs.setdefault("enable_thinking", False)
+
+
+def _continuation(body: dict, messages: list[dict[str, Any]]) -> tuple[bool, bool, bool]:
+    """(continue_final_message, add_generation_prompt, echo): vLLM's extensions for a prefill, which continue the
+    last (assistant) message instead of closing it; echo puts that message's text before the answer."""
+    cont = boolean_field(body, "continue_final_message", False)
+    gen = boolean_field(body, "add_generation_prompt", not cont)
+    echo = boolean_field(body, "echo", False)
+    if cont and gen:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
+    if cont and messages[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
+    return cont, gen, echo
+
+
 def parse_chat_request(body: dict, served_name: str, fetch_image_urls: bool = False) -> ChatRequest:
     """fetch_image_urls (server.fetch_image_urls): http(s) image URLs become RemoteImages instead of a 400."""
     _check_model(body, served_name)
+    refused_fields(body, CHAT_REFUSED)
+    ignored_fields(body, IGNORED)
     constraint = parse_response_format(body.get("response_format"))
     images: list[ImageInput] = []
     messages = _parse_messages(body.get("messages"), images, fetch_image_urls)
+    if body.get("tool_choice") not in (None, "none") and not body.get("tools"):
+        raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
     tools, tool_choice = _parse_tools(body)
     logprobs = boolean_field(body, "logprobs", False)
     top_logprobs = integer_field(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
@@ -151,9 +206,14 @@ def parse_chat_request(body: dict, served_name: str, fetch_image_urls: bool = Fa
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     options = parse_options(body, top_logprobs if logprobs else None)
     options.params = replace(options.params, constraint=constraint)
-    return ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice,
-                       template_kwargs=_parse_template_kwargs(body), logprobs=logprobs,
-                       top_logprobs=top_logprobs, options=options, images=images)
+    template_kwargs = _parse_template_kwargs(body)
+    _reasoning_effort(body, template_kwargs)
+    cont, gen, echo = _continuation(body, messages)
+    return ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
+                       logprobs=logprobs, top_logprobs=top_logprobs, options=options, images=images,
+                       continue_final=cont, add_generation_prompt=gen,
+                       parallel_tool_calls=boolean_field(body, "parallel_tool_calls", True),
+                       echo=messages[-1]["content"] if echo and messages[-1]["role"] == "assistant" else "")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,31 +221,63 @@ def parse_chat_request(body: dict, served_name: str, fetch_image_urls: bool = Fa
 
 @dataclass
 class CompletionRequest:
-    prompt: str | list[int]
+    prompts: list[str | list[int]]    # one or more, as sent; choice i answers prompts[i // n]
     logprobs: int | None
     options: GenerationOptions
+    echo: bool = False                # each choice's text (and logprobs) starts with its prompt's
+    prompt_only: bool = False         # echo with max_tokens 0: the prompt alone (one token is generated, not sent)
+    echo_texts: list[str] = field(default_factory=list)   # each prompt as text, set with the prompt ids
 
     @property
     def images(self) -> list[ImageInput]:
         return []                     # a completion prompt is text or token ids
 
 
+COMPLETION_REFUSED = {
+    **NOT_IMPLEMENTED,
+    "suffix": lambda v: None if v == "" else "no fill-in-the-middle (send the text before the gap as the prompt)",
+}
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """OpenAI's prompt: a string, a list of token ids, or a list of either (one choice per prompt, times n)."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
+    out: list[str | list[int]] = []
+    for k, p in enumerate(value):
+        where = "prompt" if len(value) == 1 else f"prompt[{k}]"
+        if isinstance(p, str):
+            if not p:
+                raise bad_request(f"{where} must not be empty", where)
+            out.append(p)
+        elif isinstance(p, list):
+            out.append(token_id_list(p, where, allow_empty=False))
+        else:
+            raise bad_request(f"{where} must be a string or a list of token ids", where)
+    return out
+
+
 def parse_completion_request(body: dict, served_name: str) -> CompletionRequest:
     _check_model(body, served_name)
-    _reject_unsupported(body, {"echo": lambda v: v is False, "suffix": lambda v: v == "",
-                               "best_of": lambda v: v == 1})
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                            # the OpenAI client wraps single prompts sometimes
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-    elif isinstance(prompt, list):
-        prompt = token_id_list(prompt, "prompt", allow_empty=False)
-    else:
-        raise bad_request("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    refused_fields(body, COMPLETION_REFUSED)
+    ignored_fields(body, IGNORED)
+    prompts = _prompts(body.get("prompt"))
     logprobs = integer_field(body, "logprobs", None, lo=0, hi=MAX_COMPLETION_LOGPROBS)
-    return CompletionRequest(prompt=prompt, logprobs=logprobs, options=parse_options(body, logprobs))
+    echo = boolean_field(body, "echo", False)
+    options = parse_options(body, logprobs)
+    best_of = integer_field(body, "best_of", None, lo=1)
+    if best_of is not None and best_of != options.n:
+        raise bad_request(f"best_of={best_of} is not supported by this server: it returns the n it samples (best_of "
+                          "may only equal n)", "best_of")
+    prompt_only = echo and options.max_tokens == 0
+    if prompt_only:                                   # the engine generates at least one token; it is not sent
+        options.max_tokens = 1
+    if echo and logprobs is not None:                 # the prompt's own logprobs, from its prefill
+        options.params = replace(options.params, prompt_logprobs=logprobs)
+    return CompletionRequest(prompts=prompts, logprobs=logprobs, options=options, echo=echo, prompt_only=prompt_only)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -203,31 +295,6 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     return body
 
 
-def chat_logprobs(token_text: Callable[[int], str], events: list[Any]) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        tok = token_text(token_id)
-        return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
-
-    content = []
-    for e in events:
-        item = entry(e.token_id, e.logprob)
-        item["top_logprobs"] = [entry(t, lp) for t, lp in (e.top_logprobs or [])]
-        content.append(item)
-    return {"content": content}
-
-
-def completion_logprobs(token_text: Callable[[int], str], events: list[Any], offset: int) -> dict[str, Any]:
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for e in events:
-        tok = token_text(e.token_id)
-        tokens.append(tok)
-        token_logprobs.append(e.logprob)
-        top.append({token_text(t): lp for t, lp in (e.top_logprobs or [(e.token_id, e.logprob)])})
-        offsets.append(offset)
-        offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
 def _envelope(meta: Meta, obj: str) -> dict[str, Any]:
     return {"id": meta.request_id, "object": obj, "created": meta.created, "model": meta.model}
 
@@ -235,7 +302,7 @@ def _envelope(meta: Meta, obj: str) -> dict[str, Any]:
 def _response_body(meta: Meta, obj: str, choices: list[dict[str, Any]], usage: Usage, options: GenerationOptions
                    ) -> dict[str, Any]:
     body = {**_envelope(meta, obj), "choices": choices, "usage": usage_body(usage)}
-    if options.return_token_ids:
+    if options.return_token_ids and len(meta.prompts) == 1:   # several prompts: each choice carries its own
         body["prompt_token_ids"] = meta.prompt_ids
     return body
 
@@ -264,9 +331,11 @@ class Chat(Endpoint[ChatRequest]):
         choices = []
         for r in results:
             message, finish = self.format.message(req, r)
+            if req.echo:
+                message["content"] = req.echo + (message["content"] or "")
             choice: dict[str, Any] = {"index": r.index, "message": message,
-                                      "logprobs": chat_logprobs(meta.token_text, r.events) if req.logprobs else None,
-                                      "finish_reason": finish}
+                                      "logprobs": {"content": logprob_content(meta, r.events)} if req.logprobs
+                                      else None, "finish_reason": finish}
             if req.options.return_token_ids:
                 choice["token_ids"] = r.token_ids
             choices.append(choice)
@@ -277,11 +346,18 @@ class Chat(Endpoint[ChatRequest]):
 
 
 class _OpenAIStream(EndpointStream):
-    """Chunks of one object type; the usage chunk at the end when stream_options.include_usage asks for it."""
+    """Chunks of one object type; the usage chunk at the end when stream_options.include_usage asks for it, and
+    the usage so far on every chunk with vLLM's stream_options.continuous_usage_stats."""
 
     def __init__(self, options: GenerationOptions, meta: Meta, obj: str) -> None:
         self.options, self.meta = options, meta
         self.base = _envelope(meta, obj)
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        out = {**self.base, "choices": [choice]}
+        if self.options.continuous_usage and self.meta.usage is not None:
+            out["usage"] = usage_body(self.meta.usage())
+        return out
 
     def end(self, usage: Usage) -> list[dict[str, Any]]:
         return [{**self.base, "choices": [], "usage": usage_body(usage)}] if self.options.include_usage else []
@@ -289,7 +365,9 @@ class _OpenAIStream(EndpointStream):
 
 class ChatStream(_OpenAIStream):
     """A role chunk per choice, then one chunk per delta; logprobs and token ids ride on the first chunk of each
-    engine step, finish_reason on the last."""
+    engine step, finish_reason on the last. A chunk that carries text, logprobs or token ids has a string content
+    ("" when it has no text of its own), so `text += delta.content` works; the finishing chunk alone has an empty
+    delta, as OpenAI's."""
 
     def __init__(self, chat: ChatFormat, req: ChatRequest, meta: Meta) -> None:
         super().__init__(req.options, meta, "chat.completion.chunk")
@@ -299,11 +377,14 @@ class ChatStream(_OpenAIStream):
     def start(self) -> list[dict[str, Any]]:
         chunks = []
         for i in range(len(self.choices)):
-            chunk = {**self.base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}]}
+            chunk = self.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None})
             if self.options.return_token_ids:
                 chunk["prompt_token_ids"] = self.meta.prompt_ids
             chunks.append(chunk)
+            if self.req.echo:
+                chunks.append(self.chunk({"index": i, "delta": {"content": self.req.echo}, "logprobs": None,
+                                          "finish_reason": None}))
         return chunks
 
     def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
@@ -311,25 +392,27 @@ class ChatStream(_OpenAIStream):
         ids = self.options.return_token_ids
         final = d.finish_reason is not None
         pieces = c.pieces(d.text, final, truncated=d.finish_reason == "length")
-        if not pieces and (final or (d.token_ids and (ids or req.logprobs))):
-            pieces = [{}]                             # nothing to say, but a finish reason or ids to carry
+        if not pieces and d.token_ids and (ids or req.logprobs):
+            pieces = [{"content": ""}]                 # no text of its own, but logprobs or ids to carry
         chunks = []
         for k, piece in enumerate(pieces):
             choice: dict[str, Any] = {"index": index, "delta": piece, "logprobs": None, "finish_reason": None}
             if k == 0:
                 if req.logprobs and d.events:
-                    choice["logprobs"] = chat_logprobs(self.meta.token_text, d.events)
+                    choice["logprobs"] = {"content": logprob_content(self.meta, d.events)}
                 if ids:
                     choice["token_ids"] = d.token_ids
-            if final and k == len(pieces) - 1:
-                reason = d.finish_reason
-                choice["finish_reason"] = "tool_calls" if c.called_tools and reason == "stop" else reason
-            chunks.append({**self.base, "choices": [choice]})
+            chunks.append(self.chunk(choice))
+        if final:
+            reason = d.finish_reason
+            reason = "tool_calls" if c.called_tools and reason == "stop" else reason
+            chunks.append(self.chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}))
         return chunks
 
 
 class Completions(Endpoint[CompletionRequest]):
-    """POST /v1/completions."""
+    """POST /v1/completions: one choice per prompt (times n), choice i answering prompt i // n, as OpenAI and
+    vLLM order them."""
 
     id_prefix = "cmpl-"
     prompt_field = "prompt"
@@ -337,43 +420,88 @@ class Completions(Endpoint[CompletionRequest]):
     def parse(self, body: dict, served_name: str) -> CompletionRequest:
         return parse_completion_request(body, served_name)
 
+    def num_prompts(self, req: CompletionRequest) -> int:
+        return len(req.prompts)
+
     def prompt_ids(self, req: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
-        if not isinstance(req.prompt, str):
-            return req.prompt
-        ids = tokenizer.encode(req.prompt)
-        if not ids:
-            raise bad_request("prompt encodes to no tokens", "prompt")
-        return ids
+        return self.prompts(req, tokenizer)[0]
+
+    def prompts(self, req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+        out = []
+        for k, prompt in enumerate(req.prompts):
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            if not ids:
+                raise bad_request(f"{'prompt' if len(req.prompts) == 1 else f'prompt[{k}]'} encodes to no tokens",
+                                  "prompt")
+            out.append(ids)
+        if req.echo:                                  # a text prompt echoes as sent; token ids as they decode
+            req.echo_texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
+                              for p in req.prompts]
+        return out
 
     def response(self, req: CompletionRequest, meta: Meta, results: list[ChoiceResult], usage: Usage
                  ) -> dict[str, Any]:
         choices = []
         for r in results:
-            choice: dict[str, Any] = {
-                "index": r.index, "text": r.text, "finish_reason": r.finish_reason,
-                "logprobs": completion_logprobs(meta.token_text, r.events, 0) if req.logprobs is not None else None}
+            prompt = meta.prompts[r.index // req.options.n]
+            if req.prompt_only:
+                r = ChoiceResult(r.index, finish_reason="length", prompt_logprobs=r.prompt_logprobs)
+            text = req.echo_texts[r.index // req.options.n] + r.text if req.echo else r.text
+            choice: dict[str, Any] = {"index": r.index, "text": text, "finish_reason": r.finish_reason,
+                                      "logprobs": None}
+            if req.logprobs is not None:
+                tokens = _echoed(prompt, r.prompt_logprobs) if req.echo else []
+                choice["logprobs"] = completion_logprobs(meta, tokens + _scored(r.events), TextOffsets())
             if req.options.return_token_ids:
                 choice["token_ids"] = r.token_ids
-                choice["prompt_token_ids"] = meta.prompt_ids
+                choice["prompt_token_ids"] = prompt
             choices.append(choice)
+        if req.prompt_only:
+            usage = replace(usage, completion_tokens=0)
         return _response_body(meta, "text_completion", choices, usage, req.options)
 
     def stream(self, req: CompletionRequest, meta: Meta) -> "CompletionStream":
         return CompletionStream(req, meta)
 
 
+def _scored(events: list[Any]) -> list[LegacyToken]:
+    return [(e.token_id, e.logprob, e.top_logprobs) for e in events]
+
+
+def _echoed(prompt: list[int], prompt_logprobs: list[Any] | None) -> list[LegacyToken]:
+    """The prompt's tokens with their logprobs: the first has none; the others come from the prefill."""
+    scored = prompt_logprobs or [(None, None)] * (len(prompt) - 1)
+    return [(prompt[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(prompt[1:], scored)]
+
+
 class CompletionStream(_OpenAIStream):
+    """One chunk per delta; a choice's first chunk carries its prompt's text (echo), logprobs (echo with logprobs)
+    and ids (return_token_ids), as the non-streamed body does."""
+
     def __init__(self, req: CompletionRequest, meta: Meta) -> None:
         super().__init__(req.options, meta, "text_completion")
         self.req = req
-        self.offsets = [0] * req.options.n            # text offsets of each choice, for logprobs
+        choices = len(meta.prompts) * req.options.n
+        self.offsets = [TextOffsets() for _ in range(choices)]   # each choice's text offsets, for logprobs
+        self.started = [False] * choices
 
     def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
+        req = self.req
+        text, events, token_ids = (("", [], []) if req.prompt_only else (d.text, d.events, d.token_ids))
+        tokens = _scored(events)
+        first = not self.started[index]
+        self.started[index] = True
+        prompt = self.meta.prompts[index // req.options.n]
+        if first and req.echo:
+            text = req.echo_texts[index // req.options.n] + text
+            tokens = _echoed(prompt, d.prompt_logprobs) + tokens
         choice: dict[str, Any] = {
-            "index": index, "text": d.text, "finish_reason": d.finish_reason,
-            "logprobs": completion_logprobs(self.meta.token_text, d.events, self.offsets[index])
-            if self.req.logprobs is not None and d.events else None}
-        self.offsets[index] += len(d.text)
+            "index": index, "text": text, "finish_reason": "length" if req.prompt_only and d.finish_reason
+            else d.finish_reason,
+            "logprobs": completion_logprobs(self.meta, tokens, self.offsets[index])
+            if req.logprobs is not None and tokens else None}
         if self.options.return_token_ids:
-            choice["token_ids"] = d.token_ids
-        return [{**self.base, "choices": [choice]}]
+            choice["token_ids"] = token_ids
+            if first:
+                choice["prompt_token_ids"] = prompt
+        return [self.chunk(choice)]

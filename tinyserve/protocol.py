@@ -8,16 +8,20 @@ stream chunks): openai_api.py holds OpenAI's chat completions and completions, a
 responses.py OpenAI's Responses. The three chat protocols translate their requests into chat.py's ChatRequest, so
 they render one prompt through one template and split the answer with the same parsers.
 
-Parsing checks types and the protocol's own limits (n, top_logprobs, completion logprobs, stop strings), each a
-400 naming its field. Ranges (sampling parameters, token ids inside the vocabulary) and whether the prompt fits are
+A body reaches a protocol as a JSON object (json_body.py: nesting and encoding checked, every failure a 400).
+Parsing checks types and the protocol's own limits
+(n, top_logprobs, completion logprobs, stop strings, logit_bias keys and values), each a 400 naming its field;
+refused_fields and ignored_fields walk the fields a protocol knows and does not act on. Ranges (sampling parameters, token ids inside the vocabulary) and whether the prompt fits are
 the engine's to decide: api.py maps its RequestError to a 400 naming the field the client sent. Image parts are
 checked as far as their bytes (scheme, media type, base64) and kept in prompt order on the request (`.images`); the
 template text gets tokenizer.IMAGE_MARKER where each one was, and the engine decodes them.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generic, Protocol, TypeVar
@@ -25,7 +29,7 @@ from typing import Any, Callable, Generic, Protocol, TypeVar
 from .grammar import Constraint
 from .images import SUPPORTED_MEDIA_TYPES, ImageError, ImageSource, decode_base64, parse_data_url
 from .parsers import THINK_END
-from .sampling import SamplingParams
+from .sampling import MAX_LOGIT_BIAS, SamplingParams
 from .tokenizer import Tokenizer
 
 MAX_N = 8
@@ -128,6 +132,60 @@ def stop_strings(body: dict, name: str = "stop", one_string: bool = True) -> lis
     return [s for s in value if s]                    # "" would stop at once; OpenAI ignores it
 
 
+def logit_bias_field(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}. Every key that is no token id is named at once;
+    whether the ids are inside the vocabulary is the engine's to say."""
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias must be an object mapping token ids (as strings) to a bias in [-100, 100]",
+                          "logit_bias")
+    bad = [k for k in value if not _TOKEN_ID.fullmatch(k)]
+    if bad:
+        shown = ", ".join(repr(k) for k in bad[:8]) + (", ..." if len(bad) > 8 else "")
+        raise bad_request(f"logit_bias keys must be token ids (non-negative integers as strings); got {shown}",
+                          "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias[{key!r}] must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                              f"got {bias!r}", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
+_TOKEN_ID = re.compile(r"[0-9]{1,12}")
+
+
+def ignored_fields(body: dict, fields: dict[str, type | tuple[type, ...]]) -> None:
+    """Fields the protocol lets clients send that change nothing here (documented in docs/api.md): type-checked,
+    so a malformed one is still a 400 naming it."""
+    for name, kind in fields.items():
+        value = body.get(name)
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds):
+            names = " or ".join(JSON_TYPES.get(k, k.__name__) for k in kinds)
+            raise bad_request(f"{name} must be {names}, got {value!r:.40}", name)
+
+
+JSON_TYPES = {str: "a string", dict: "an object", list: "a list", bool: "a boolean", int: "an integer",
+              float: "a number"}
+
+
+Refusal = Callable[[Any], "str | None"]             # a field's value -> why it is refused; None: it is accepted
+
+
+def refused_fields(body: dict, rules: dict[str, Refusal]) -> None:
+    """Fields we know and do not implement (for the values each rule refuses): a 400 naming the field beats output
+    that silently differs from what the client asked for."""
+    for name, why in rules.items():
+        value = body.get(name)
+        reason = why(value) if value is not None else None
+        if reason:
+            raise bad_request(f"{name} is not supported by this server: {reason}", name)
+
+
 def token_id_list(value: Any, name: str, allow_empty: bool = True) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise bad_request(f"{name} must be a list of integer token ids", name)
@@ -149,6 +207,7 @@ class GenerationOptions:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    continuous_usage: bool = False   # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
 
 
 def parse_options(body: dict, logprobs: int | None) -> GenerationOptions:
@@ -169,16 +228,38 @@ def parse_options(body: dict, logprobs: int | None) -> GenerationOptions:
         ignore_eos=boolean_field(body, "ignore_eos", False),
         logprobs=logprobs,
         speculative=boolean_field(body, "speculative", True),   # extension: false keeps this request off NEXTN
+        logit_bias=logit_bias_field(body),
     )
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise bad_request("stream_options must be an object", "stream_options")
+    stream = boolean_field(body, "stream", False)
+    stream_options = stream_options_field(body, stream)
     return GenerationOptions(
         params=params, max_tokens=integer_field(body, max_field, None), max_tokens_field=max_field,
-        stop=stop_strings(body), n=integer_field(body, "n", 1, lo=1, hi=MAX_N),
-        stream=boolean_field(body, "stream", False),
-        include_usage=boolean_field(stream_options or {}, "include_usage", False),
-        return_token_ids=boolean_field(body, "return_token_ids", False))
+        stop=stop_strings(body), n=integer_field(body, "n", 1, lo=1, hi=MAX_N), stream=stream,
+        include_usage=boolean_field(stream_options, "include_usage", False),
+        return_token_ids=boolean_field(body, "return_token_ids", False),
+        continuous_usage=boolean_field(stream_options, "continuous_usage_stats", False))
+
+
+STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
+
+
+def stream_options_field(body: dict, stream: bool, allowed: tuple[str, ...] = STREAM_OPTIONS) -> dict[str, Any]:
+    """stream_options, which only a stream takes (OpenAI answers 400 otherwise, as vLLM does). include_obfuscation
+    pads chunks against length side channels on OpenAI's service; there is nothing to pad here, so it is accepted
+    and has no effect."""
+    value = body.get("stream_options")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise bad_request(f"stream_options.{unknown[0]} is not supported (supported: {', '.join(allowed)})",
+                          f"stream_options.{unknown[0]}")
+    boolean_field(value, "include_obfuscation", True)
+    return value
 
 
 def sampling_params(options: GenerationOptions, max_tokens: int) -> SamplingParams:
@@ -303,6 +384,8 @@ class Delta:
     events: list[Any]                 # engine TokenEvents: token_id, logprob, top_logprobs
     finish_reason: str | None = None
     stop_string: str | None = None    # the stop string that ended the choice (finish_reason "stop")
+    prompt_logprobs: list[Any] | None = None   # on a choice's first Delta when params.prompt_logprobs asked: prompt
+                                               # tokens 1.. as (logprob, [(id, logprob) top-n])
 
 
 @dataclass
@@ -313,6 +396,7 @@ class ChoiceResult:
     events: list[Any] = field(default_factory=list)
     finish_reason: str = "stop"
     stop_string: str | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -332,9 +416,73 @@ class Meta:
     request_id: str
     created: int
     model: str
-    prompt_ids: list[int]
-    token_text: Callable[[int], str]                  # one token as text, for logprobs
+    prompt_ids: list[int]                             # the prompt (the first one, when a request sends several)
+    token_text: Callable[[int], str]                  # one token as logprobs show it (Tokenizer.token_text)
     usage: Callable[[], Usage] | None = None          # the usage so far, once the generation is submitted
+    token_bytes: Callable[[int], bytes] | None = None  # the bytes of one token (Tokenizer.token_bytes)
+    prompts: list[list[int]] = field(default_factory=list)   # every prompt, in order (choice i: prompt i // n)
+
+    def __post_init__(self) -> None:
+        self.prompts = self.prompts or [self.prompt_ids]
+        if self.token_bytes is None:
+            self.token_bytes = lambda token_id: self.token_text(token_id).encode()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logprobs: tokens as text and bytes
+
+def logprob_entry(meta: Meta, token_id: int, logprob: float) -> dict[str, Any]:
+    """{"token", "logprob", "bytes"}: bytes are the token's own (Tokenizer.token_bytes), so a client rebuilds a
+    character that spans tokens; the text of a token that is part of a character reads "bytes:\\xNN"."""
+    return {"token": meta.token_text(token_id), "logprob": logprob, "bytes": list(meta.token_bytes(token_id))}
+
+
+def logprob_content(meta: Meta, events: list[Any]) -> list[dict[str, Any]]:
+    """Chat's logprobs.content (and Responses' output_text logprobs): each token with its top_logprobs list (every
+    alternative kept, even two with the same text)."""
+    return [{**logprob_entry(meta, e.token_id, e.logprob),
+             "top_logprobs": [logprob_entry(meta, t, lp) for t, lp in (e.top_logprobs or [])]} for e in events]
+
+
+class TextOffsets:
+    """Where each token starts in a choice's text (completions' text_offset), in characters of the text its bytes
+    decode to: a token inside a character starts where that character does."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, data: bytes) -> int:
+        at = self.chars
+        self.chars += len(self._decoder.decode(data))
+        return at
+
+
+LegacyToken = tuple[int, "float | None", "list[tuple[int, float]] | None"]   # id, logprob, top-n (None: unscored)
+
+
+def completion_logprobs(meta: Meta, tokens: list[LegacyToken], offsets: TextOffsets) -> dict[str, Any]:
+    """Completions' logprobs: tokens, token_logprobs, top_logprobs (the top-n and the chosen token, keyed by text; a
+    second token with the same text is keyed "token_id:N"), text_offset. The first prompt token (echo) has no
+    logprob: null in both lists, as OpenAI and vLLM give it."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, logprob, top in tokens:
+        out["tokens"].append(meta.token_text(token_id))
+        out["token_logprobs"].append(logprob)
+        out["text_offset"].append(offsets.advance(meta.token_bytes(token_id)))
+        if logprob is None:
+            out["top_logprobs"].append(None)
+            continue
+        alternatives: dict[str, float] = {}
+        owner: dict[str, int] = {}
+        for t, lp in [*(top or []), (token_id, logprob)]:
+            key = meta.token_text(t)
+            if owner.get(key, t) != t:
+                key = f"token_id:{t}"
+            if key not in owner:
+                owner[key], alternatives[key] = t, lp
+        out["top_logprobs"].append(alternatives)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -400,6 +548,13 @@ class Endpoint(ABC, Generic[Req]):
     @abstractmethod
     def prompt_ids(self, req: Req, tokenizer: Tokenizer) -> list[int]:
         """Runs in a worker thread (templates and long prompts would stall every stream on the loop)."""
+
+    def num_prompts(self, req: Req) -> int:
+        return 1
+
+    def prompts(self, req: Req, tokenizer: Tokenizer) -> list[list[int]]:
+        """Every prompt of the request (one but for a list of prompts on /v1/completions); a worker thread."""
+        return [self.prompt_ids(req, tokenizer)]
 
     @abstractmethod
     def response(self, req: Req, meta: Meta, results: list[ChoiceResult], usage: Usage) -> dict[str, Any]: ...

@@ -24,6 +24,9 @@ class Status(enum.Enum):
 
 TIERS = ("device", "host", "file")
 
+# One prompt token's logprob under the model, and the top-n (id, logprob) at its position (params.prompt_logprobs)
+PromptLogprob = tuple[float, list[tuple[int, float]]]
+
 
 @dataclass(eq=False)
 class Request:
@@ -48,6 +51,8 @@ class Request:
     draft_q: torch.Tensor | None = None
     depth: DepthControl | None = None
     images: RequestImages | None = None                # image spans, cache keys, positions (multimodal.py)
+    # params.prompt_logprobs: prompt tokens 1.. in order, filled by the runner as the prefill computes them
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -59,6 +64,11 @@ class Request:
         if self.images is None:
             return self.all_ids
         return self.images.cache_ids + self.output_ids
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for its prompt's logprobs and not all computed yet: its prefill starts from no cached prefix."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def num_tokens(self) -> int:

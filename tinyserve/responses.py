@@ -41,9 +41,14 @@ Mapping (request):
   text.format                        -> text | json_object | json_schema {name, schema, strict}; json_object and
                                         json_schema constrain decoding (grammar.py): the answer after any reasoning
                                         is one-line JSON matching the schema (unless max_output_tokens cuts it)
-  max_output_tokens, temperature, top_p, stream; metadata, parallel_tool_calls, truncation, user are checked and
-  echoed on the response; model: any name is accepted (Codex sends its own), responses carry the served name;
-  unknown fields are ignored.
+  include message.output_text.logprobs (+ top_logprobs) -> each output_text part's logprobs (the answer's tokens,
+                                        those of the think block left out), on every text delta of a stream too;
+                                        the other include values name outputs never made here: accepted
+  max_output_tokens, temperature, top_p, stream; metadata, parallel_tool_calls (false: one call at most),
+  truncation, user are checked and echoed on the response; prompt_cache_key, safety_identifier, service_tier,
+  max_tool_calls (built-in tools only), context_management and stream_options.include_obfuscation are type-checked
+  and change nothing (docs/api.md); background and stored prompts are refused; model: any name is accepted (Codex
+  sends its own), responses carry the served name; unknown fields are ignored.
 Mapping (response): output items reasoning ("rs_...", summary [], content [reasoning_text]), message ("msg_...",
 one output_text part), function_call ("fc_...", call_id "call_...", arguments a JSON string) and custom_tool_call
 ("ctc_...", input a string); status "incomplete"
@@ -60,12 +65,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .parsers import THINK_END
 from .chat import (FREEFORM_INPUT, ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest, chat_tools,
                    freeform_input, freeform_tool, function_tool, function_tools, leave_out, named_tool)
 from .protocol import (APIError, ChoiceResult, Delta, Endpoint, GenerationOptions, ImageInput, Meta, NamedEventStream,
-                       Usage, bad_request, boolean_field, image_from_url, integer_field, number_field,
-                       parse_response_format)
-from .sampling import SamplingParams
+                       Usage, bad_request, boolean_field, ignored_fields, image_from_url, integer_field,
+                       logprob_content, number_field, parse_response_format, refused_fields, stream_options_field)
+from .sampling import MAX_LOGPROBS, SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, SYSTEM_ROLES, ContentJoiner, MessageError, Tokenizer, tool_call_arguments
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -85,6 +91,7 @@ STATELESS = ("this server is stateless: it stores no responses, so send the whol
 @dataclass
 class ResponsesRequest(TranslatedRequest):
     echo: dict[str, Any]              # request fields the response object repeats
+    logprobs: bool = False            # include message.output_text.logprobs (with the top_logprobs alternatives)
 
 
 def _string(item: dict, name: str, p: str) -> str:
@@ -305,6 +312,29 @@ def _text(body: dict) -> dict[str, Any]:
     return {"format": fmt}
 
 
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content", "message.input_image.image_url",
+              "web_search_call.action.sources", "web_search_call.results", "code_interpreter_call.outputs",
+              "computer_call_output.output.image_url", "file_search_call.results")
+IGNORED = {"prompt_cache_key": str, "prompt_cache_retention": str, "safety_identifier": str, "service_tier": str,
+           "context_management": list, "max_tool_calls": int}
+REFUSED = {"background": lambda v: "responses run in the foreground (background: false)" if v else None,
+           "prompt": lambda v: "stored prompt templates are not available; send instructions and input"}
+
+
+def _include(body: dict) -> bool:
+    """include: what to add to the output. message.output_text.logprobs is honoured; the others name outputs this
+    server never makes (encrypted reasoning, hosted tools' results, stored images), so there is nothing to add."""
+    value = body.get("include")
+    if value is None:
+        return False
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad_request("include must be a list of strings", "include")
+    unknown = [v for v in value if v not in INCLUDABLE]
+    if unknown:
+        raise bad_request(f"include: {unknown[0]!r} is not one of {', '.join(INCLUDABLE)}", "include")
+    return "message.output_text.logprobs" in value
+
+
 def _check_stateless(body: dict) -> None:
     if body.get("previous_response_id") is not None:
         raise bad_request(f"{STATELESS} previous_response_id", "previous_response_id")
@@ -318,6 +348,8 @@ def _check_stateless(body: dict) -> None:
 def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> ResponsesRequest:
     """fetch_image_urls (server.fetch_image_urls): http(s) image URLs become RemoteImages instead of a 400."""
     _check_stateless(body)
+    refused_fields(body, REFUSED)
+    ignored_fields(body, IGNORED)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"model must be a string, got {model!r}", "model")
@@ -346,21 +378,26 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
     if user is not None and not isinstance(user, str):
         raise bad_request("user must be a string", "user")
     max_tokens = integer_field(body, "max_output_tokens", None, lo=1)
+    logprobs = _include(body)
+    top_logprobs = integer_field(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
     params = SamplingParams(temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
                             constraint=parse_response_format(text["format"], "text.format", nested=False),
-                            speculative=boolean_field(body, "speculative", True))
+                            speculative=boolean_field(body, "speculative", True),
+                            logprobs=top_logprobs if logprobs else None)
+    stream = boolean_field(body, "stream", False)
+    stream_options_field(body, stream, ("include_obfuscation",))
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_output_tokens", stop=[],
-                                n=1, stream=boolean_field(body, "stream", False), include_usage=True,
-                                return_token_ids=False)
+                                n=1, stream=stream, include_usage=True, return_token_ids=False)
+    parallel = boolean_field(body, "parallel_tool_calls", True)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
-                       logprobs=False, top_logprobs=0, options=options, images=images, custom_tools=custom,
-                       left_out=left_out)
+                       logprobs=logprobs, top_logprobs=top_logprobs, options=options, images=images, custom_tools=custom,
+                       left_out=left_out, parallel_tool_calls=parallel)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata or {},
-            "parallel_tool_calls": boolean_field(body, "parallel_tool_calls", True), "previous_response_id": None,
+            "parallel_tool_calls": parallel, "previous_response_id": None,
             "reasoning": reasoning, "store": False, "temperature": params.temperature, "text": text,
-            "tool_choice": echoed_choice, "tools": echoed_tools, "top_p": params.top_p,
+            "tool_choice": echoed_choice, "tools": echoed_tools, "top_logprobs": top_logprobs, "top_p": params.top_p,
             "truncation": truncation or "disabled", "user": user}
-    return ResponsesRequest(chat, echo)
+    return ResponsesRequest(chat, echo, logprobs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -467,16 +504,18 @@ class Responses(Endpoint[ResponsesRequest]):
         (r,) = results
         answer = self.format.split(req.chat, r)
         output: list[dict[str, Any]] = []
+        tokens = count_reasoning_tokens(r.token_ids, meta.token_text, answer.reasoning, answer.reasoning_end)
         if answer.reasoning:
             output.append(reasoning_item(_id("rs_"), answer.reasoning))
         if answer.content:
             output.append(message_item(_id("msg_"), answer.content))
+            if req.logprobs:                          # the answer's tokens: those after the think block
+                output[-1]["content"][0]["logprobs"] = logprob_content(meta, r.events[tokens:])
         for call in answer.calls:
             output.append(call_item(req, call["id"], call["function"]["name"], call["function"]["arguments"]))
         status = _status(r.finish_reason)
         if status == "incomplete" and output:
             output[-1]["status"] = "incomplete"
-        tokens = count_reasoning_tokens(r.token_ids, meta.token_text, answer.reasoning, answer.reasoning_end)
         return response_body(req, meta, output, status, usage_body(usage, tokens))
 
     def stream(self, req: ResponsesRequest, meta: Meta) -> "ResponsesStream":
@@ -499,6 +538,8 @@ class ResponsesStream(NamedEventStream):
         self.reasoning = ""
         self.arguments = ""                           # the open custom tool call's arguments (JSON) so far
         self.finish_reason: str | None = None
+        self.pending: list[Any] = []                  # token events not yet given to a text delta (logprobs)
+        self.answering = False                        # a text delta went out: the think block is behind
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -541,7 +582,7 @@ class ResponsesStream(NamedEventStream):
         if item["type"] == "message":
             part = item["content"][0]
             out.append(self._event("response.output_text.done", **where, content_index=0, text=part["text"],
-                                   logprobs=[]))
+                                   logprobs=part["logprobs"]))
             out.append(self._event("response.content_part.done", **where, content_index=0, part=dict(part)))
         elif item["type"] == "reasoning":
             part = item["content"][0]
@@ -573,9 +614,11 @@ class ResponsesStream(NamedEventStream):
             text = piece["content"]
             if last is None or last["type"] != "message":
                 out += self._open(message_item(_id("msg_"), ""))
+            logprobs = self._answer_logprobs() if self.req.logprobs else []
             self.output[-1]["content"][0]["text"] += text
+            self.output[-1]["content"][0]["logprobs"] += logprobs
             out.append(self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
-                                   logprobs=[]))
+                                   logprobs=logprobs))
         elif "tool_calls" in piece:
             call = piece["tool_calls"][0]
             if "id" in call:                          # a new call: its own item
@@ -589,8 +632,22 @@ class ResponsesStream(NamedEventStream):
                 out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=fragment))
         return out
 
+    def _answer_logprobs(self) -> list[dict[str, Any]]:
+        """Logprobs of the tokens since the last text delta, the think block's (through the token that closes it)
+        left out."""
+        events, self.pending = self.pending, []
+        if not self.answering:
+            self.answering, text = True, ""
+            for k, e in enumerate(events):
+                text += self.meta.token_text(e.token_id)
+                if THINK_END in text:
+                    events = events[k + 1:]
+                    break
+        return logprob_content(self.meta, events)
+
     def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
         self.token_ids += d.token_ids
+        self.pending += d.events
         final = d.finish_reason is not None
         out: list[dict[str, Any]] = []
         for piece in self.choice.pieces(d.text, final, truncated=d.finish_reason == "length"):

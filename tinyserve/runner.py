@@ -28,6 +28,8 @@ from tinyserve.static import StaticStep
 
 log = logging.getLogger("tinyserve.runner")
 
+PROMPT_LOGPROB_ROWS = 128      # prompt rows per LM-head pass for prompt logprobs ([rows, vocab] float32 at a time)
+
 
 @dataclass
 class SeqOutput:
@@ -188,6 +190,8 @@ class ModelRunner:
         else:
             batch = self.build_batch(seqs)
             hidden = self.model(batch, self.kv_pool, self.state_pool)
+        if any(s.req.needs_prompt_logprobs and not s.is_decode for s in seqs):
+            self._prompt_logprobs(seqs, batch, hidden)
         sampled = [i for i, s in enumerate(seqs) if s.samples]
         outputs = self._sample(seqs, sampled, batch, hidden) if sampled else []
         if self.nextn is not None:
@@ -197,6 +201,31 @@ class ModelRunner:
         if batch.mrope_positions is not None:          # a request with images ran
             self.images.let_go(seqs)
         return StepResult(outputs)
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor) -> None:
+        """The prompt tokens' logprobs (params.prompt_logprobs) from the prefill chunks' own rows: row q predicts
+        prompt token q + 1, under the raw model distribution (as sampled tokens' logprobs), with its top-n. The rows
+        go through the LM head PROMPT_LOGPROB_ROWS at a time, so a long chunk never holds [chunk, V] logits."""
+        for i, s in enumerate(seqs):
+            req = s.req
+            if s.is_decode or not req.needs_prompt_logprobs:
+                continue
+            done = len(req.prompt_logprobs)                # rows 0 .. done-1 ran in an earlier chunk
+            assert done >= s.start, "a request computing its prompt's logprobs resumes from no cached prefix"
+            end = min(s.start + s.num_tokens, len(req.prompt_ids) - 1)
+            top_n = req.params.prompt_logprobs
+            for q in range(done, end, PROMPT_LOGPROB_ROWS):
+                q_end = min(q + PROMPT_LOGPROB_ROWS, end)
+                row = batch.cu_seqlens[i] + q - s.start
+                logp = torch.log_softmax(self.model.compute_logits(hidden[row:row + q_end - q]).float(), dim=-1)
+                targets = torch.tensor(req.prompt_ids[q + 1:q_end + 1], device=self.device)
+                chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+                if top_n:
+                    top_lp, top_ids = torch.topk(logp, min(top_n, logp.shape[1]), dim=-1)
+                    tops = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
+                else:
+                    tops = [[] for _ in chosen]
+                req.prompt_logprobs += zip(chosen, tops)
 
     def _sample(self, seqs: list[ScheduledSeq], sampled: list[int], batch: ForwardBatch,
                 hidden: torch.Tensor) -> list[SeqOutput]:

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, min_tokens, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Batched sampling: logit bias, penalties, min_tokens, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
 The engine calls `SamplingBatch.build(...)` and `sample(logits, batch)` once per step for all running requests.
 All math is batched over [B, V] tensors in float32; Python only loops over the (few) requests to gather their
@@ -18,6 +18,7 @@ from tinyserve.grammar import Constraint, apply_mask, unpack_bitmask
 # Temperatures below this are treated as greedy (same cut-off vLLM uses); dividing by them would overflow.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0            # OpenAI's range for logit_bias values: [-100, 100]
 
 _MASK64 = (1 << 64) - 1
 
@@ -50,6 +51,8 @@ class SamplingParams:
     logprobs: int | None = None       # None: off; 0: the chosen token's logprob; n: plus top-n
     constraint: Constraint | None = None   # grammar the output must match (grammar.py); None: free text
     speculative: bool = True          # False: this request never speculates (NEXTN), whatever the engine does
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before every filter
+    prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's logprob (+ its top-n), from the prefill
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its allowed range."""
@@ -97,6 +100,19 @@ class SamplingParams:
             raise ValueError(f"speculative must be a boolean, got {self.speculative!r}")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint or None, got {self.constraint!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias must map token ids (non-negative integers); got the key {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
+                        not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias must map each token id to a number in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}]; got {bias!r} for token {token}")
+        if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs") <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -136,6 +152,10 @@ class SamplingBatch:
     output_counts: torch.Tensor | None = None     # [B, V] float32 counts of each output token
     repetition_penalty: torch.Tensor | None = None
     seen_mask: torch.Tensor | None = None         # [B, V] bool, token occurs in prompt or output
+    # logit_bias: logits[bias_rows, bias_cols] += bias_values, one sparse add over the (row, id) pairs set
+    bias_rows: torch.Tensor | None = None
+    bias_cols: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     # min_tokens: logits[suppress_rows, suppress_cols] = -inf (eos + stop ids of rows still short of min_tokens).
     suppress_rows: torch.Tensor | None = None
     suppress_cols: torch.Tensor | None = None
@@ -206,18 +226,26 @@ class SamplingBatch:
             mask[flat] = True
             batch.seen_mask = mask.view(B, V)
 
+        # logit_bias: only the (row, id) pairs requests set, so a batch costs what its biases hold, not B x V each
+        bias = [(r, t, b) for r, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+        if bias:
+            rows, cols, values = zip(*bias)
+            if max(cols) >= V:
+                raise ValueError(f"logit_bias holds a token id outside [0, vocab_size={V})")
+            batch.bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            batch.bias_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+            batch.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+
         # min_tokens: the engine never stops a row early, and the row must not even *pick* eos/stop ids.
-        rows: list[int] = []
-        cols: list[int] = []
+        suppress: list[tuple[int, int]] = []
         for r, p in enumerate(params):
             if len(output_ids[r]) < p.min_tokens:
                 banned = set(p.stop_token_ids)
                 if not p.ignore_eos:
                     banned.update(eos_token_ids)
-                banned = sorted(t for t in banned if 0 <= t < V)  # ids outside the vocab can't be drawn anyway
-                rows += [r] * len(banned)
-                cols += banned
-        if rows:
+                suppress += [(r, t) for t in sorted(banned) if 0 <= t < V]  # ids outside the vocab can't be drawn
+        if suppress:
+            rows, cols = zip(*suppress)
             batch.suppress_rows = torch.tensor(rows, dtype=torch.int64, device=device)
             batch.suppress_cols = torch.tensor(cols, dtype=torch.int64, device=device)
 
@@ -312,6 +340,13 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         counts = batch.output_counts
         x = x - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
     return x
+
+
+def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logit_bias added to the (row, id) pairs that set one (out of place)."""
+    if batch.bias_rows is None:
+        return logits
+    return logits.index_put((batch.bias_rows, batch.bias_cols), batch.bias_values, accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -437,8 +472,11 @@ def check_logits(logits: torch.Tensor, batch: SamplingBatch, who: str) -> tuple[
 
 
 def process_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalties, min_tokens and the grammar mask on float32 [B, V] logits: what greedy takes the argmax of."""
-    x = apply_penalties(raw, batch) if batch.has_penalties else raw
+    """Logit bias, penalties, min_tokens and the grammar mask on float32 [B, V] logits: what greedy takes the argmax
+    of, and what every filter (temperature, top-k, top-p, min-p) starts from. The bias comes first, as OpenAI
+    applies it to the model's logits; logprobs stay those of the raw logits."""
+    x = apply_logit_bias(raw, batch)
+    x = apply_penalties(x, batch) if batch.has_penalties else x
     x = apply_min_tokens(x, batch)
     if batch.mask_rows is not None:
         x = apply_mask(x, batch.mask_rows, unpack_bitmask(batch.mask_bits, raw.shape[1]))

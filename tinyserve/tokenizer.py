@@ -8,6 +8,7 @@ into text that is safe to send: no half UTF-8 characters, no half stop strings.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +25,20 @@ _REPLACEMENT_CHAR = "\ufffd"
 # tokens, but some fine-tunes flag them special, and detokenizing with skip_special_tokens would drop them: decode
 # keeps them by id whatever the flags say.
 PARSER_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte -> printable character map that byte-level BPE (tokenizers' ByteLevel) spells tokens in."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -215,6 +230,17 @@ def normalise_messages(messages: list[dict]) -> list[dict]:
 # Tokenizer
 # ---------------------------------------------------------------------------------------------------------------
 
+_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _decoder_kinds(hf: HFTokenizer) -> set[str]:
+    """The types of the tokenizer's decoder and of the decoders inside a Sequence."""
+    if hf.decoder is None:
+        return set()
+    spec = json.loads(hf.decoder.__getstate__())
+    return {d.get("type") for d in [spec, *spec.get("decoders", [])]}
+
+
 @dataclass
 class Tokenizer:
     """A checkpoint's tokenizer.json + chat template + end-of-sequence ids."""
@@ -231,6 +257,9 @@ class Tokenizer:
         self._skipped_ids = {i for i, text in special.items() if text not in PARSER_MARKERS} \
             if set(special.values()) & set(PARSER_MARKERS) else None
         self._env = _make_environment()
+        self._bytes: dict[int, bytes] = {}            # token_bytes, cached: logprobs ask for the same ids again
+        self._added = {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
+        self._byte_level = _decoder_kinds(self.hf) & {"ByteLevel"}
         self._template: jinja2.Template | None = None
         if self.chat_template is not None:
             try:
@@ -298,6 +327,37 @@ class Tokenizer:
             return self.hf.decode([i for i in ids if i not in self._skipped_ids], skip_special_tokens=False)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to the text (a piece of a character, for a byte token), so that a client can
+        rebuild characters that span tokens from logprobs: a byte-level BPE piece mapped back through the byte
+        alphabet, a byte-fallback token <0xNN> its byte, an added token its own text."""
+        out = self._bytes.get(token_id)
+        if out is None:
+            out = self._bytes[token_id] = self._piece_bytes(token_id)
+        return out
+
+    def _piece_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self.hf.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()       # SentencePiece's word marker is a space
+
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs show it: its text, or, when its bytes are not whole UTF-8 characters, OpenAI's
+        "bytes:\\xNN..." spelling (U+FFFD would make different byte tokens look alike)."""
+        data = self.token_bytes(token_id)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)
 
@@ -306,11 +366,22 @@ class Tokenizer:
 
     # ---- chat template ----
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            **template_kwargs: Any) -> str:
         """Render the prompt text. `template_kwargs` (e.g. enable_thinking) are passed to the template as variables.
+        continue_final_message: the last message is a prefill the model continues (as transformers does it: the
+        rendering is cut right after that message's content, so its end-of-turn markup goes).
 
         Raises ValueError with the template's own message when the template rejects the conversation.
         """
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
+            return _cut_after_final(self._render(messages, tools, False, template_kwargs), messages)
+        return self._render(messages, tools, add_generation_prompt, template_kwargs)
+
+    def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
+                template_kwargs: dict[str, Any]) -> str:
         if self._template is None:
             raise ValueError(f"{self.name or 'this tokenizer'} has no chat template "
                              "(no chat_template.jinja and no chat_template in tokenizer_config.json)")
@@ -325,6 +396,17 @@ class Tokenizer:
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             # e.g. `'x' + none` on a message the template did not expect: bad input, not a server fault
             raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
+
+
+def _cut_after_final(rendered: str, messages: list[dict]) -> str:
+    """The rendered prompt up to the end of the last message's content (the whitespace around it aside: templates
+    strip it, as Qwen's do)."""
+    final = (content_text(messages[-1].get("content"), "messages[-1].content") or "") if messages else ""
+    final = final.strip()
+    if not final or final not in rendered:
+        raise ValueError("the last message cannot be continued: its content is empty or the template does not "
+                         "render it as sent")
+    return rendered[:rendered.rindex(final) + len(final)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
