@@ -237,6 +237,21 @@ class FolderIndex:
             for (start, end), entry in stats:
                 if end not in self.by_start.get(start, {}):
                     self.add(start, end, entry)
+                    self._by_age(start, end, entry.last_use)
+
+    def _by_age(self, start: bytes, end: bytes, last_use: float) -> None:
+        """Under lock: move a blob just added at the back of the LRU order in front of those used after it (few:
+        the blobs written or read since), so that every server on the folder evicts in the same order."""
+        newer = []
+        for k in reversed(self.lru):
+            if k == (start, end):
+                continue
+            entry = self.by_start[k[0]][k[1]]
+            if entry.last_use <= last_use:
+                break
+            newer.append(k)
+        for k in reversed(newer):
+            self.lru.move_to_end(k)
 
     # ---- entries (called under lock) ----
     def get(self, start: bytes, end: bytes) -> Entry | None:
