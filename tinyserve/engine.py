@@ -9,7 +9,8 @@ Threads of a serving process, and what each may do:
                          OpenMP team, and on a 2-core machine both crawl (84 -> 54 tokens/s measured).
   3. torch's OpenMP workers, owned by the engine thread.
   4. tokenizer workers:  asyncio's default executor: chat templates, encode, decode (tokenizers; no torch).
-  5. tinyserve-file-write: encodes and writes file-tier blobs from CPU copies the engine thread made (bytes only).
+  5. tinyserve-file-write: encodes and writes file-tier blobs from CPU copies the engine thread made (bytes only);
+                         a timer thread hands it one more listing of a shared folder after its last write.
   6. tinyserve-file-read:  reads and checks file-tier blobs; tensors are views of the bytes read (no compute).
   6b. tinyserve-images (2): decode and preprocess request images (PIL, numpy; `prepare_images`; no torch compute).
   7. aiohttp and asyncio internals (DNS resolver threads etc.), unused by us.
