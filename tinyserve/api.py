@@ -119,9 +119,7 @@ def create_app(engine: Engine | None, cfg: Config) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/flush_cache", flush_cache)
-    app.router.add_get("/", status_page)
-    app.router.add_get("/status.json", status_json)
-    app.cleanup_ctx.append(_sample_status)
+    status.add_routes(app, get_state)
     return app
 
 
@@ -566,45 +564,6 @@ async def metrics(request: web.Request) -> web.Response:
     stats = await engine.call(engine.stats) if engine is not None else None   # the engine thread owns its state
     body = state.metrics.render(stats)
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
-
-
-async def _scrape(state: ServerState) -> dict[str, float] | None:
-    """Every /metrics sample now (None while the model loads)."""
-    engine = state.engine
-    if state.metrics is None or engine is None:
-        return None
-    return state.metrics.values(await engine.call(engine.stats))
-
-
-def _status_on(state: ServerState) -> None:
-    if state.metrics is None:
-        raise APIError(404, "the status page shows the metrics, which are off (metrics.enabled = false)")
-
-
-async def status_page(request: web.Request) -> web.Response:
-    """GET /: the status page (one self-contained file; it polls /status.json)."""
-    _status_on(request.app[STATE])
-    return web.Response(body=status.PAGE, content_type="text/html", charset="utf-8",
-                        headers={"Cache-Control": "no-cache"})
-
-
-async def status_json(request: web.Request) -> web.Response:
-    """GET /status.json: the status page's numbers (status.summary) now, from the samples /metrics shows."""
-    state = request.app[STATE]
-    _status_on(state)
-    values = await _scrape(state)
-    if values is None:
-        raise APIError(503, "the model is still loading", headers={"Retry-After": str(RETRY_AFTER_S)})
-    return web.json_response(status.summary(values, list(state.history.samples), time.time()), dumps=dumps)
-
-
-async def _sample_status(app: web.Application) -> AsyncIterator[None]:
-    """While the app runs: the status page's ring buffer samples the metrics."""
-    state = app[STATE]
-    task = asyncio.create_task(state.history.run(lambda: _scrape(state))) if state.metrics is not None else None
-    yield
-    if task is not None:
-        task.cancel()
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -46,8 +46,8 @@ from tinyserve.scheduler import ScheduledSeq, Scheduler
 from tinyserve.spec import NextN, NextNStats
 from tinyserve.state import StatePool
 
-__all__ = ["Engine", "EngineInfo", "EngineStats", "RequestError", "RequestResult", "RequestStream", "StepEvent", "TokenEvent",
-           "compute_thread"]
+__all__ = ["Engine", "EngineInfo", "EngineStats", "RequestError", "RequestResult", "RequestStream", "StepEvent",
+           "TokenEvent", "compute_thread"]
 
 log = logging.getLogger("tinyserve.engine")
 

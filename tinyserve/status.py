@@ -18,7 +18,10 @@ from decimal import ROUND_HALF_UP, Decimal
 from importlib import resources
 from typing import Any, Awaitable, Callable
 
+from aiohttp import web
+
 from .metrics import sample_key as key
+from .protocol import APIError, dumps
 
 log = logging.getLogger("tinyserve.status")
 
@@ -279,3 +282,45 @@ class History:
             except Exception:                     # noqa: BLE001 - the next sample retries
                 log.exception("status: sampling the metrics failed")
             await asyncio.sleep(SAMPLE_S)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The routes: GET / and GET /status.json, behind the API's middlewares (errors, server.api_key)
+
+def add_routes(app: web.Application, state_of: Callable[[web.Application], Any]) -> None:
+    """Serve the page and its numbers on `app`; state_of(app) is the API's ServerState (its metrics, its engine
+    (None while loading) and the History this module samples into while the app runs)."""
+    async def scrape(state: Any) -> dict[str, float] | None:
+        """Every /metrics sample now (None while the model loads)."""
+        engine = state.engine
+        if state.metrics is None or engine is None:
+            return None
+        return state.metrics.values(await engine.call(engine.stats))
+
+    def state_on(request: web.Request) -> Any:
+        state = state_of(request.app)
+        if state.metrics is None:
+            raise APIError(404, "the status page shows the metrics, which are off (metrics.enabled = false)")
+        return state
+
+    async def page(request: web.Request) -> web.Response:
+        state_on(request)
+        return web.Response(body=PAGE, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-cache"})
+
+    async def numbers(request: web.Request) -> web.Response:
+        state = state_on(request)
+        values = await scrape(state)
+        if values is None:
+            raise APIError(503, "the model is still loading", headers={"Retry-After": "1"})
+        return web.json_response(summary(values, list(state.history.samples), time.time()), dumps=dumps)
+
+    async def sampling(app: web.Application) -> Any:
+        state = state_of(app)
+        task = asyncio.create_task(state.history.run(lambda: scrape(state))) if state.metrics is not None else None
+        yield
+        if task is not None:
+            task.cancel()
+
+    app.router.add_get("/", page)
+    app.router.add_get("/status.json", numbers)
+    app.cleanup_ctx.append(sampling)
