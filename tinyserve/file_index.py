@@ -101,15 +101,28 @@ class FolderIndex:
         self.count = 0
         self.total = 0                                        # bytes of the blobs whose size is known
         self.listed_at = 0.0                                  # time.monotonic() of the last listing
+        self.seen_mtime: int | None = None                    # the folder's mtime after the last change we know of
         self._listing = threading.Lock()                      # one listing at a time
         self.undeletable: set[str] = set()                    # bad blobs we could not delete: never indexed again
 
     # ---- listing ----
+    def _mtime(self) -> int | None:
+        try:
+            return os.stat(self.folder).st_mtime_ns
+        except OSError:
+            return None
+
+    def own_change(self) -> None:
+        """After we added or deleted a blob: the folder's mtime now is one we know the cause of (a listing is
+        needed only when it changes again: another server wrote or deleted)."""
+        self.seen_mtime = self._mtime()
+
     def _list(self) -> tuple[float, list[tuple[Key, str]]] | None:
         """(wall time before the listing, [(key, name)] of every blob in the folder); stale temporary files are
         deleted on the way. None when the folder cannot be listed."""
         started = time.time()
         self.listed_at = time.monotonic()
+        self.seen_mtime = self._mtime()
         try:
             names = os.listdir(self.folder)
         except OSError:
@@ -184,9 +197,13 @@ class FolderIndex:
         self.evict_in_batches()
 
     def refresh(self, force: bool = False) -> bool:
-        """List the folder again (unless the last listing is younger than RESCAN_S): blobs other servers wrote join
-        the index (stat'ed here: few are new), blobs they deleted leave it. True when it listed."""
+        """List the folder again (unless the last listing is younger than RESCAN_S, or the folder's mtime says that
+        nobody changed it since): blobs other servers wrote join the index (stat'ed here: few are new), blobs they
+        deleted leave it. True when it listed."""
         if not force and time.monotonic() - self.listed_at < RESCAN_S:
+            return False
+        if not force and self.seen_mtime is not None and self._mtime() == self.seen_mtime:
+            self.listed_at = time.monotonic()          # a server alone on its folder never lists it again
             return False
         if not self._listing.acquire(blocking=False):
             return False
@@ -281,7 +298,11 @@ class FolderIndex:
 
     def remove(self, start: bytes, end: bytes) -> None:
         entry = self.forget(start, end)
-        if entry is not None and not unlink(self.folder / entry.name):
+        if entry is None:
+            return
+        if unlink(self.folder / entry.name):
+            self.own_change()
+        else:
             self.undeletable.add(entry.name)
 
     def touch(self, start: bytes, end: bytes, entry: Entry, now: float) -> None:

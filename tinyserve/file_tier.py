@@ -170,6 +170,15 @@ class FileTier:
                 for part in parts:
                     f.write(part)
             os.replace(tmp, self.folder / name)     # another server's copy of the same run is replaced whole
+            self.index.own_change()
+        except FileNotFoundError as e:
+            unlink(tmp)
+            if not self.folder.is_dir():
+                self._disable_writes(f"writing {self.folder / name} failed ({e})")
+            else:                 # our temporary file went away (a server that took it for a dead writer's): retry later
+                self._warn_once("tmp gone", f"file tier: writing {name} failed ({e}); the run is written again "
+                                "when it is cached again")
+            return
         except OSError as e:
             self._disable_writes(f"writing {self.folder / name} failed ({e})")
             unlink(tmp)           # raises nothing, also when the folder itself is gone or is not a folder
