@@ -256,3 +256,21 @@ def test_two_servers_share_one_folder(two_servers):
         assert metric(s.base_url, 'tinyserve:tier_errors_total{tier="file"}') == 0, s.log()
     wait_until(lambda: folder_bytes(folder) <= limit, f"the folder within size_gb ({folder_bytes(folder)} bytes)")
     assert all(complete(p) for p in blob_files(folder))
+
+
+def test_a_server_alone_on_its_folder_does_not_list_it_again(tmp_path, monkeypatch):
+    listings = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: listings.append(p) or real(p))
+    a = tier(tmp_path)
+    for i in range(3):
+        a.write(run_of(i)[2])
+        assert a.flush(30)
+    a.index.listed_at = 0.0                          # a listing is due by the clock ...
+    assert not a.index.refresh() and len(listings) == 1     # ... but only our own writes changed the folder
+    b = tier(tmp_path)
+    b.write(run_of(9)[2])
+    assert b.flush(30)
+    a.index.listed_at = 0.0
+    assert a.index.refresh() and a.num_blobs == 4    # another writer changed it: listed
+    a.close(), b.close()
