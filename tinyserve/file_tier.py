@@ -187,11 +187,15 @@ class FileTier:
         first = struct.pack(f"<{len(blob.tokens) // n_pages}i", *blob.tokens[:len(blob.tokens) // n_pages]) \
             if n_pages else None
         with self.index.lock:
-            self.index.add(blob.start_hash, blob.end_hash, Entry(name, size, time.time(), first and hashlib.sha256(
+            self._add(blob.start_hash, blob.end_hash, Entry(name, size, time.time(), first and hashlib.sha256(
                 blob.start_hash + first).digest()))
             self.stats.bytes_in += size
             self.stats.seconds += time.perf_counter() - t0
         self._keep_size()
+
+    def _add(self, start: bytes, end: bytes, entry: Entry) -> None:
+        """Index a blob this server wrote (under the index lock)."""
+        self.index.add(start, end, entry)
 
     def _keep_size(self) -> None:
         """After a write: evict down to the folder's size, counting what other servers on it wrote (a listing, at
