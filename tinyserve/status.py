@@ -10,8 +10,10 @@ status.html's fmt is the same rules in JavaScript, and the browser test holds th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import re
+import threading
 import time
 from collections import deque
 from decimal import ROUND_HALF_UP, Decimal
@@ -272,16 +274,27 @@ class History:
     def add(self, now: float, values: dict[str, float]) -> None:
         self.samples.append((now, {k: values[k] for k in HISTORY_KEYS if k in values}))
 
-    async def run(self, scrape: Callable[[], Awaitable[dict[str, float] | None]]) -> None:
-        """Sample every SAMPLE_S until cancelled; `scrape` gives None while the model loads."""
-        while True:
-            try:
-                values = await scrape()
-                if values is not None:
-                    self.add(time.time(), values)
-            except Exception:                     # noqa: BLE001 - the next sample retries
-                log.exception("status: sampling the metrics failed")
-            await asyncio.sleep(SAMPLE_S)
+    def start(self, scrape: Callable[[], Awaitable[dict[str, float] | None]]) -> Callable[[], None]:
+        """Sample every SAMPLE_S, from a thread of its own that hands each `scrape` to the running event loop (no
+        timer of ours sits on the loop); `scrape` gives None while the model loads. Returns the function that
+        stops it."""
+        loop, stop = asyncio.get_running_loop(), threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                try:
+                    values = asyncio.run_coroutine_threadsafe(scrape(), loop).result(SAMPLE_S * 4)
+                    if values is not None:
+                        self.add(time.time(), values)
+                except concurrent.futures.TimeoutError:
+                    pass                          # a long step held the engine thread: this sample is skipped
+                except Exception:                 # noqa: BLE001 - the next sample retries; a closed loop ends it
+                    if loop.is_closed():
+                        return
+                    log.warning("status: sampling the metrics failed", exc_info=True)
+                stop.wait(SAMPLE_S)
+        threading.Thread(target=sample, name="tinyserve-status", daemon=True).start()
+        return stop.set
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,10 +329,10 @@ def add_routes(app: web.Application, state_of: Callable[[web.Application], Any])
 
     async def sampling(app: web.Application) -> Any:
         state = state_of(app)
-        task = asyncio.create_task(state.history.run(lambda: scrape(state))) if state.metrics is not None else None
+        stop = state.history.start(lambda: scrape(state)) if state.metrics is not None else None
         yield
-        if task is not None:
-            task.cancel()
+        if stop is not None:
+            stop()
 
     app.router.add_get("/", page)
     app.router.add_get("/status.json", numbers)
