@@ -292,8 +292,8 @@ class SimFileTier(FileTier):
         super().load(blob, pages, snapshot, *args, **kwargs)
 
     def snapshots_held(self) -> int:
-        with self._lock:
-            return sum(self.meta.get(k, (0, False))[1] for k in self._lru)
+        with self.index.lock:
+            return sum(self.meta.get(k, (0, False))[1] for k in self.index.lru)
 
 
 POLICIES = ("engine", "lru", "pinned")

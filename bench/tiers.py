@@ -64,7 +64,8 @@ def tiers_str(req) -> str:
 
 
 # ---------------------------------------------------------------- 1. the experiment
-def experiment(model, ps: int, reps: int, rows: list) -> None:
+def experiment(model, ps: int, reps: int, rows: list) -> float:
+    """The TTFT rows; returns the cold prefill speed (tokens/s of session A)."""
     kw = dict(engine=dict(page_size=ps, kv_cache_tokens=4000, max_running_requests=1, chunked_prefill_size=2048))
     a, b, c = (make_prompts(1, 3000, 3000, seed=s)[0] for s in (11, 12, 13))
 
@@ -137,6 +138,7 @@ def experiment(model, ps: int, reps: int, rows: list) -> None:
         same = "same" if req.output_ids == ref else f"DIFFERENT {req.output_ids} vs {ref}"
         rows.append((name, f"{best * 1e3:.1f}", f"{best / cold_s:.3f}", target, str(req.cached_tokens),
                      tiers_str(req), same))
+    return len(a) / cold_s
 
 
 # ---------------------------------------------------------------- 2. bandwidth
@@ -167,7 +169,8 @@ def host_bandwidth(model, ps: int, reps: int, rows: list) -> None:
     del eng, host
 
 
-def file_bandwidth(model, ps: int, reps: int, rows: list, breakdown: list) -> None:
+def file_bandwidth(model, ps: int, reps: int, rows: list, breakdown: list) -> tuple[float, float]:
+    """The file rows; returns (blob bytes per cached token, read_chain bytes/s)."""
     eng = engine_for(model, engine={"page_size": ps, "kv_cache_tokens": 64 * ps, "max_running_requests": 1})
     page_shape = tuple(eng.kv_pool.buffer.shape[1:])
     conv_shape, ssm_shape = tuple(eng.state_pool.conv.shape[1:]), tuple(eng.state_pool.ssm.shape[1:])
@@ -201,7 +204,7 @@ def file_bandwidth(model, ps: int, reps: int, rows: list, breakdown: list) -> No
             t_w.append(time.perf_counter() - t0)
             assert ok and tier.num_blobs == n_blobs, "file tier did not write every blob"
         nbytes = tier.used_bytes
-        sizes = [e.size for dd in tier._index.values() for e in dd.values()]
+        sizes = [e.size for dd in tier.index.by_start.values() for e in dd.values()]
         t_r, got = [], []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -251,6 +254,7 @@ def file_bandwidth(model, ps: int, reps: int, rows: list, breakdown: list) -> No
             t = best_of(fn, max(reps, 5))
             breakdown.append((name, f"{t * 1e3:.2f} ms", f"{size / t / GB:.2f}"))
     del eng
+    return nbytes / (n_blobs * pages_per_blob * ps), r
 
 
 def main() -> None:
@@ -265,11 +269,11 @@ def main() -> None:
     model = load_model(bench_checkpoint(args.dir), torch.float32)
     ps, reps = args.page_size, args.reps
     exp_rows: list = []
-    experiment(model, ps, reps, exp_rows)
+    prefill = experiment(model, ps, reps, exp_rows)
     bw_rows: list = []
     breakdown: list = []
     host_bandwidth(model, ps, reps, bw_rows)
-    file_bandwidth(model, ps, reps, bw_rows, breakdown)
+    per_token, read = file_bandwidth(model, ps, reps, bw_rows, breakdown)
 
     print(f"tinyserve tiered cache, page size {ps}, ~30M hybrid checkpoint, CPU fp32, {torch.get_num_threads()} "
           f"threads; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; device pool 4000 tokens, "
@@ -281,6 +285,12 @@ def main() -> None:
     print()
     print("file path breakdown, one blob")
     print(fmt_table(breakdown, ("stage", "time", "GB/s")))
+    print()
+    # a file hit beats recomputing when its blobs arrive faster than the prefill would compute them: the folder (a
+    # network share) must read at least (blob bytes per token) x (cold prefill tokens/s)
+    print(f"file-tier break-even: blobs hold {per_token / 1024:.1f} KiB per token and a cold prefill runs at "
+          f"{prefill:.0f} tokens/s here, so a folder that reads faster than {per_token * prefill / 1e6:.1f} MB/s "
+          f"beats recomputing; this folder read at {read / 1e6:.0f} MB/s ({read / (per_token * prefill):.1f}x)")
     if os.getloadavg()[0] > (os.cpu_count() or 1) and not os.environ.get("OMP_WAIT_POLICY"):
         print("note: the machine is busier than its core count; OpenMP's spinning barriers then slow every "
               "multi-threaded op many times over and the TTFT figures mean little. Rerun when idle, or with "

@@ -21,11 +21,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("tinyserve", "models", "kernels")
 API_MODULES = ("api", "protocol", "json_body", "chat", "openai_api", "anthropic", "responses", "tokenizer", "parsers",
-               "tool_calls", "metrics", "cli")
+               "tool_calls", "metrics", "status", "cli")
 ENGINE_PARTS = ("models", "kernels", "build", "loader", "model_config", "fp8_scheme", "runner", "static", "spec",
-                "scheduler", "cache", "radix", "host_tier", "file_tier", "blob", "copies", "idle", "kv", "state",
-                "request", "plan")
-TIERS = ("host_tier", "file_tier", "blob")
+                "scheduler", "cache", "radix", "host_tier", "file_tier", "file_index", "blob", "copies", "idle", "kv",
+                "state", "request", "plan")
+TIERS = ("host_tier", "file_tier", "file_index", "blob")
 CACHE_SIDE = ("cache", "radix") + TIERS
 ENGINE_PRIVATE = ("model", "model_config", "scheduler", "cache", "runner", "kv_pool", "state_pool", "allocator",
                   "plan")
@@ -91,7 +91,7 @@ def test_cache_and_scheduler_know_nothing_of_the_api(name):
 
 
 @pytest.mark.parametrize("name", ["api", "protocol", "json_body", "chat", "openai_api", "anthropic", "responses",
-                                  "metrics"])
+                                  "metrics", "status"])
 def test_the_api_reaches_the_model_only_through_the_engine(name):
     path = ROOT / "tinyserve" / f"{name}.py"
     for module in imports(path):
@@ -125,7 +125,8 @@ def test_the_cli_talks_to_the_engine_config_and_api_only():
     # and reports its errors, without importing torch (the engine does)
     path = ROOT / "tinyserve" / "cli.py"
     for module in imports(path):
-        assert ours(module) in (None, "tinyserve", "engine", "build", "config", "api", "plan", "model_config"), \
+        assert ours(module) in (None, "tinyserve", "engine", "build", "config", "api", "plan", "model_config",
+                                "status"), \
             f"cli.py imports {module}"
     for attr, line in engine_attributes(path):
         assert attr not in ENGINE_PRIVATE or attr == "plan", f"cli.py reaches engine.{attr} (line {line})"

@@ -720,7 +720,7 @@ def test_soak_sessions_disconnects_bad_bodies_flushes_and_a_restart(xdg, tmp_pat
     # than a few (the app, the engine, the route serving the count); a leak of anything per request or per connection
     # would have hundreds. The file tier's index holds one entry per blob in its folder (bounded by size_gb).
     idle_objects, busy_objects = objects["end"], objects["warm"]
-    bounded = {"tinyserve.file_tier._Entry": len(blobs)}
+    bounded = {"tinyserve.file_index.Entry": len(blobs)}
     crowds = {k: v for k, v in idle_objects.items()
               if k != "gc_objects" and v > bounded.get(k, MAX_IDLE_INSTANCES)}
     assert not crowds, f"live objects left once idle: {crowds}"

@@ -16,6 +16,7 @@ import torch
 from conftest import engine_for, tokens
 from tinyserve.blob import HEADER, SUFFIX, chain_hashes
 from tinyserve.engine import Engine
+from tinyserve.file_index import FolderIndex
 from tinyserve.file_tier import FileTier
 from tinyserve.sampling import SamplingParams
 
@@ -109,9 +110,9 @@ def test_sizes_and_ages_arrive_in_the_background_and_evict_oldest_first(tmp_path
     kept = set(blob_files(folder))
     assert kept == set(newest_first[:150]) and tier.num_blobs == 150 and tier.used_bytes == 150 * 100
     # the next eviction takes the oldest blob left
-    tier.size_bytes = 149 * 100
-    with tier._lock:
-        tier._evict_to_limit()
+    tier.index.size_bytes = 149 * 100
+    with tier.index.lock:
+        tier.index.evict_to_limit()
     assert set(blob_files(folder)) == set(newest_first[:149])
     tier.close()
 
@@ -120,12 +121,12 @@ def test_a_blob_gone_before_its_stat_leaves_the_index(tmp_path, monkeypatch):
     folder = tmp_path / "kv"
     blobs = synthetic_blobs(folder, 10, size=10)
     gate = threading.Event()
-    real = FileTier._stat_found
+    real = FolderIndex.stat_found
 
     def held(self, found):
         gate.wait(30)
         return real(self, found)
-    monkeypatch.setattr(FileTier, "_stat_found", held)
+    monkeypatch.setattr(FolderIndex, "stat_found", held)
     tier = make_tier(folder)
     blobs[0].unlink()
     gate.set()

@@ -4,6 +4,7 @@
     POST /v1/responses   (OpenAI's Responses API, stateless, responses.py)
     POST /v1/messages   POST /v1/messages/count_tokens   (Anthropic's Messages API, anthropic.py)
     GET /health   GET /metrics   POST /flush_cache
+    GET /   GET /status.json   (the operator's status page and its numbers, status.py)
 
 This module is the HTTP layer only: routes, middlewares (errors, auth), reading JSON, SSE, disconnects, and the
 Generation (the n engine requests behind one HTTP request). What a body means and what a response looks like is
@@ -26,6 +27,8 @@ server.max_queued_requests requests are in the engine.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import concurrent.futures
 import hmac
 import logging
@@ -38,7 +41,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 import aiohttp
 from aiohttp import web
 
-from . import anthropic, responses
+from . import anthropic, responses, status
 from .chat import left_out_tools
 from .config import Config
 from .engine import Engine, RequestError
@@ -81,6 +84,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     draining: bool = False
     endpoints: dict[str, Endpoint[Any]] = field(default_factory=dict)   # generation routes by path
+    history: status.History = field(default_factory=status.History)      # the status page's last hour
 
 
 STATE: web.AppKey[ServerState] = web.AppKey("tinyserve_state", ServerState)
@@ -109,6 +113,7 @@ def create_app(engine: Engine | None, cfg: Config) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/flush_cache", flush_cache)
+    status.add_routes(app, get_state)
     return app
 
 
@@ -195,10 +200,19 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
     key = request.app[STATE].cfg.server.api_key
     if key and request.path != "/health":
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        given = given.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        if scheme.lower() == "basic":                 # a browser on the status page: any user, the key as password
+            try:
+                given = base64.b64decode(given.strip(), validate=True).decode().partition(":")[2]
+            except (binascii.Error, UnicodeDecodeError):
+                given = ""
+        else:
+            given = given.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
         if not given or not hmac.compare_digest(given.encode(), key.encode()):
+            # the status page's routes ask a browser for the key (as the password); API clients get no prompt
+            challenge = {"WWW-Authenticate": 'Basic realm="tinyserve"'} if request.path in ("/", "/status.json") \
+                else None
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or "
-                                "'x-api-key: <key>')", code="invalid_api_key")
+                                "'x-api-key: <key>')", code="invalid_api_key", headers=challenge)
     return await handler(request)
 
 
@@ -261,7 +275,8 @@ class Generation:
             prompt_logprobs = stream.result.prompt_logprobs if last is None else None   # they come with the first
             now = time.monotonic()
             if last is None:
-                self.metrics.on_first_token(now - self.arrival)
+                r = stream.result
+                self.metrics.on_first_token(now - self.arrival, warm=2 * r.cached_tokens >= r.prompt_tokens > 0)
             self.metrics.on_tokens(len(events), None if last is None else now - last)
             last = now
             ids = [e.token_id for e in events]
@@ -365,7 +380,7 @@ def _check_capacity(engine: Engine, cfg: Config, n: int, prompts: int) -> None:
                           "at once (engine.max_running_requests + server.max_queued_requests)",
                           "prompt" if prompts > 1 else "n")
     n *= prompts
-    unfinished = engine.num_unfinished
+    unfinished = engine.num_unfinished + engine.intake.image_budget.waiting    # waiting for image memory: queued
     if unfinished + n > limit:
         raise APIError(503, f"the server is full ({unfinished} requests running or queued, limit {limit}); "
                             "retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -431,12 +446,18 @@ async def fetch_images(images: list[ImageInput], max_bytes: int) -> list[ImageSo
 async def prepare_images(engine: Engine, cfg: Config, endpoint: Endpoint[Req], req: Req, prompt_ids: list[int]
                          ) -> tuple[list[int], list[Any]]:
     """A request with images: (the prompt ids with each image's pad widened to its tokens, the processed images
-    for engine.submit). 400 naming the part when the model takes no images or an image cannot be used."""
+    for engine.submit). 400 naming the part when the model takes no images or an image cannot be used. The request
+    waits here, in line, until its pixels fit the image budget (intake.py); they are made only then."""
+    intake, loop = engine.intake, asyncio.get_running_loop()
     try:
-        engine.intake.check_images([im.param for im in req.images])        # before fetching what cannot be used
+        intake.check_images([im.param for im in req.images])        # before fetching what cannot be used
         sources = await fetch_images(req.images, int(cfg.server.max_request_body_mb * 1024 * 1024))
-        return await asyncio.get_running_loop().run_in_executor(IMAGE_WORKERS, engine.intake.prepare_images, prompt_ids,
-                                                                sources)
+        sizes = await loop.run_in_executor(IMAGE_WORKERS, intake.measure_images, sources)
+        await intake.image_budget.acquire(sum(sizes))
+        # shielded: once the room is taken the job runs (a cancelled caller drops its images, which gives it back)
+        job = loop.run_in_executor(IMAGE_WORKERS, intake.prepare_images, prompt_ids, sources, sizes)
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return await asyncio.shield(job)
     except RequestError as e:
         raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
 

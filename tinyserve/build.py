@@ -121,7 +121,8 @@ def prefix_cache(cfg: Config, plan: MemoryPlan, model, kv_pool: KVPool, allocato
     if plan.file_dir:
         file = FileTier.for_pools(Path(plan.file_dir), plan.file_bytes,
                                   model_fingerprint(model, kv_pool.dtype, plan.page_size), kv_pool, state_pool,
-                                  copies, host, needs_state=plan.hybrid)
+                                  copies, host, needs_state=plan.hybrid,
+                                  probe_every=cfg.cache.state_track_interval // plan.page_size)
         log.info("file tier %s: %d blobs found", plan.file_dir, file.num_blobs)
     return PrefixCache(cfg, allocator, state_pool, plan.page_size, plan.hybrid, host, file, wake=wake)
 

@@ -1,4 +1,5 @@
-"""Command line: `tinyserve CONFIG` serves; `tinyserve --check CONFIG` validates and prints the plan.
+"""Command line: `tinyserve CONFIG` serves; `tinyserve --check CONFIG` validates and prints the plan;
+`tinyserve status [URL]` prints a running server's status page as a table (exit 1 when it does not answer).
 
 Serving lifecycle (what systemd's Type=notify unit expects):
   listen at once (/health answers 503 "loading") -> load the model on the compute thread, which then runs every
@@ -178,6 +179,48 @@ async def serve(cfg: Any) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# status
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def status_main(argv: list[str]) -> int:
+    """`tinyserve status [URL]`: GET URL/status.json and print it as the status page shows it."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from .status import terminal
+
+    parser = argparse.ArgumentParser(prog="tinyserve status", description="Print a running server's status (what "
+                                     "its page at GET / shows) as a table; exit 1 when it does not answer.")
+    parser.add_argument("url", nargs="?", default=DEFAULT_URL, help=f"the server (default {DEFAULT_URL})")
+    parser.add_argument("--api-key", default=os.environ.get("TINYSERVE_API_KEY", ""),
+                        help="the server's server.api_key (default: $TINYSERVE_API_KEY)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer (default 10)")
+    args = parser.parse_args(argv)
+    url = args.url if "://" in args.url else "http://" + args.url
+    req = urllib.request.Request(url.rstrip("/") + "/status.json", headers={"Accept": "application/json"})
+    if args.api_key:
+        req.add_header("Authorization", f"Bearer {args.api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as r:
+            report = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            why = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = e.reason
+        print(f"tinyserve status: {url} answered {e.code}: {why}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:                # refused, unreachable, timed out, not JSON
+        print(f"tinyserve status: {url} does not answer ({getattr(e, 'reason', e)})", file=sys.stderr)
+        return 1
+    sys.stdout.write(terminal(report))
+    return 0
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -186,9 +229,13 @@ def _setup_logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["status"]:
+        return status_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tinyserve", description="Serve a Qwen3.5 / Qwen3-Next model over the "
                                      "OpenAI API, configured by one TOML file.")
-    parser.add_argument("config", help="the TOML config file (see config.example.toml)")
+    parser.add_argument("config", help="the TOML config file (see config.example.toml); `tinyserve status [URL]` "
+                                       "prints a running server's status instead")
     parser.add_argument("--check", action="store_true",
                         help="validate the config, print the effective config and the memory plan, and exit")
     parser.add_argument("--gpu-memory-gb", type=float, metavar="N",

@@ -9,9 +9,11 @@ Threads of a serving process, and what each may do:
                          OpenMP team, and on a 2-core machine both crawl (84 -> 54 tokens/s measured).
   3. torch's OpenMP workers, owned by the engine thread.
   4. tokenizer workers:  asyncio's default executor: chat templates, encode, decode (tokenizers; no torch).
-  5. tinyserve-file-write: encodes and writes file-tier blobs from CPU copies the engine thread made (bytes only).
+  5. tinyserve-file-write: encodes and writes file-tier blobs from CPU copies the engine thread made (bytes only);
+                         a timer thread hands it one more listing of a shared folder after its last write.
   6. tinyserve-file-read:  reads and checks file-tier blobs; tensors are views of the bytes read (no compute).
   6b. tinyserve-images (2): decode and preprocess request images (PIL, numpy; `prepare_images`; no torch compute).
+  6c. tinyserve-status:  every 5 s hands the status page's sample (`engine.call(engine.stats)`) to the event loop.
   7. aiohttp and asyncio internals (DNS resolver threads etc.), unused by us.
 The event loop and the engine thread share only thread-safe queues: new requests, aborts and `call` jobs go in
 (`_new`, `_aborts`, `_calls`, drained at the top of each step, so an abort frees its pages at the next step
@@ -45,8 +47,8 @@ from tinyserve.scheduler import ScheduledSeq, Scheduler
 from tinyserve.spec import NextN, NextNStats
 from tinyserve.state import StatePool
 
-__all__ = ["Engine", "EngineStats", "RequestError", "RequestResult", "RequestStream", "StepEvent", "TokenEvent",
-           "compute_thread"]
+__all__ = ["Engine", "EngineInfo", "EngineStats", "RequestError", "RequestResult", "RequestStream", "StepEvent",
+           "TokenEvent", "compute_thread"]
 
 log = logging.getLogger("tinyserve.engine")
 
@@ -92,6 +94,33 @@ class RequestResult:
                                                          # the first tokens
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """The server's set-up as the status page and /metrics show it: fixed at start."""
+    model: str                           # model.path
+    served_name: str
+    device: str
+    dtype: str
+    kv_dtype: str
+    context_length: int
+    kv_tokens: int                       # the device KV pool
+    speculative: str                     # "nextn, N steps" ("" = off)
+    idle_release_s: float
+    plan_bytes: dict[str, int]           # the memory plan by part (weights, KV pool, state, snapshots, tiers)
+
+    @classmethod
+    def of(cls, cfg: Config, plan: MemoryPlan) -> EngineInfo:
+        slot, page = plan.state_bytes_per_slot, plan.page_size * plan.kv_bytes_per_token
+        steps = cfg.speculative.num_steps
+        return cls(cfg.model.path, cfg.model.served_name, plan.device, plan.dtype, plan.kv_dtype, plan.context_length,
+                   plan.kv_tokens, f"nextn, {steps} steps" if steps else "", cfg.engine.idle_release_s, {
+                       "weights": plan.weights_bytes, "kv_pool": plan.kv_pages * page,
+                       "state_slots": (plan.state_slots + plan.verify_slots) * slot,
+                       "snapshot_slots": plan.snapshot_slots * slot,
+                       "host_tier": plan.host_pages * page + plan.host_snapshots * slot,
+                       "file_tier": plan.file_bytes})
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -108,6 +137,10 @@ class EngineStats:
     images_received: int = 0             # images in submitted requests
     images_encoded: int = 0              # images through the vision tower (a feature-cache hit skips it)
     image_encode_seconds: float = 0.0
+    image_budget_bytes: int = 0          # pixels waiting for the vision tower may hold this much (intake.ImageBudget)
+    image_bytes_held: int = 0            # ... and hold this much now
+    image_requests_waiting: int = 0      # requests waiting for room in it
+    info: EngineInfo | None = None
 
 
 def run_job(fut: Future, fn: Callable[..., Any], args: tuple) -> None:
@@ -183,6 +216,7 @@ class Engine:
         self.cfg, self.plan, self.model, self.tokenizer = cfg, plan, model, tokenizer
         self.served_name = cfg.model.served_name
         self.context_length = plan.context_length
+        self.info = EngineInfo.of(cfg, plan)
         self.kv_pool, self.allocator, self.state_pool, self.copies = kv_pool, allocator, state_pool, copies
         self.cache, self.scheduler, self.runner, self.intake, self.nextn = cache, scheduler, runner, intake, nextn
         self.idle = IdleRelease(cfg.engine.idle_release_s, kv_pool, state_pool, allocator, cache, runner, copies)
@@ -443,7 +477,10 @@ class Engine:
                            pools_released=self.idle.released, idle_releases=self.idle.releases,
                            images_received=self.intake.images_received,
                            images_encoded=images.images_encoded if images else 0,
-                           image_encode_seconds=images.encode_seconds if images else 0.0)
+                           image_encode_seconds=images.encode_seconds if images else 0.0,
+                           image_budget_bytes=self.intake.image_budget.limit,
+                           image_bytes_held=self.intake.image_budget.held,
+                           image_requests_waiting=self.intake.image_budget.waiting, info=self.info)
 
     def flush_cache(self, include_file: bool = False) -> bool:
         """Empty the prefix cache (device and host tiers; the file tier too when asked); False when a running

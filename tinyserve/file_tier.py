@@ -3,7 +3,8 @@
 Blobs are written to a temporary name and renamed, by one background writer thread; the folder is indexed from its
 listing at start (temporary files of a killed writer are deleted), the blobs' sizes and ages read in the background,
 and the least recently used go beyond `cache.file.size_gb`; a truncated, corrupt or foreign blob is a miss: counted,
-logged once, deleted.
+logged once, deleted. Several servers may share one folder (file_index.py: what each one's index learns, and how
+the folder as a whole keeps its size); a blob another server deleted under a reader is a miss too, not an error.
 
 A page is stored once: when a cached run is split (a prompt branched off inside it), both halves keep the blob that
 holds them, and a later read uses the matching prefix of a blob that leaves the prompt's path (`read_chain`). A
@@ -17,7 +18,6 @@ on the copy stream). The radix tree decides what is written and when.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import heapq
 import logging
@@ -26,17 +26,16 @@ import os
 import struct
 import threading
 import time
-import uuid
 import zlib
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from tinyserve.blob import FORMAT_VERSION, HEADER, MAGIC, STATE_SUFFIX, SUFFIX, Blob, blob_name, chain_hashes, encode
+from tinyserve.blob import FORMAT_VERSION, HEADER, MAGIC, Blob, blob_name, chain_hashes, encode
 from tinyserve.copies import CopyStream
+from tinyserve.file_index import RESCAN_S, Entry, FolderIndex, tmp_name, unlink
 from tinyserve.host_tier import HostTier
 from tinyserve.kv import KVPool
 from tinyserve.plan import GIB
@@ -45,24 +44,6 @@ from tinyserve.state import StatePool
 log = logging.getLogger("tinyserve.tiers")
 
 PROBE_LIMIT = 256          # blobs whose first page one read_chain call looks up (for a prefix)
-STAT_BATCH = 2000          # blobs updated per hold of the index lock by the start-up stat job
-
-
-def _unlink(path: Path) -> None:
-    """Delete a cache file; a folder we may not change (read-only, or a stray directory by that name) is left as
-    it is: the index no longer lists it, and serving goes on."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as e:
-        log.warning("file tier: could not delete %s (%s)", path, e)
-
-
-@dataclass(slots=True)
-class _Entry:
-    name: str                   # file name in the folder (a Path per blob would cost more than the listing)
-    size: int = -1              # bytes; -1 until read (blobs found at start are stat'ed in the background)
-    last_use: float = 0.0       # time.time() of the last write or read; a found blob's mtime
-    next_hash: bytes | None = None   # chain hash after the blob's first page (None: not looked up yet)
 
 
 @dataclass
@@ -93,6 +74,7 @@ class FileTier:
     writable: bool = True
     stats: FileStats = field(default_factory=FileStats)
     needs_state: bool = False    # a hybrid model's runs: usable only up to a state snapshot
+    probe_every: int = 0         # pages between the points where the tree cuts runs (cache.state_track_interval)
     # the device side: the pools blobs are saved from and loaded into, the stream loads run on, and the host tier
     # whose copies are read in the device's place (no pools: a tier that only stores and reads blobs)
     kv_pool: KVPool | None = field(default=None, repr=False)
@@ -103,144 +85,40 @@ class FileTier:
     @classmethod
     def for_pools(cls, folder: Path, size_bytes: int, fingerprint: bytes, kv_pool: KVPool, state_pool: StatePool,
                   copies: CopyStream | None = None, host: HostTier | None = None,
-                  needs_state: bool = False) -> FileTier:
+                  needs_state: bool = False, probe_every: int = 0) -> FileTier:
         """A file tier whose blobs hold these pools' pages and snapshots."""
         buf, conv, ssm = kv_pool.buffer, state_pool.conv, state_pool.ssm
         return cls(folder, size_bytes, fingerprint, tuple(buf.shape[1:]), buf.dtype, tuple(conv.shape[1:]),
-                   conv.dtype, tuple(ssm.shape[1:]), needs_state=needs_state, kv_pool=kv_pool,
+                   conv.dtype, tuple(ssm.shape[1:]), needs_state=needs_state, probe_every=probe_every, kv_pool=kv_pool,
                    state_pool=state_pool, copies=copies or CopyStream(), host=host)
 
     def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-        self._index: dict[bytes, dict[bytes, _Entry]] = {}      # start hash -> end hash -> blob
-        self._lru: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()   # least recently used first
-        self._count = 0
-        self._total = 0                                          # bytes of the blobs whose size is known
+        self.index = FolderIndex(self.folder, self.size_bytes)
         self._warned: set[str] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-file-write")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-file-read")
         self._pending: list[Future] = []
         self._queued: set[tuple[bytes, bytes]] = set()          # blobs queued for writing, not yet in the index
+        self._settle: threading.Timer | None = None             # a listing due after the last write (shared folder)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            probe = self.folder / f".tmp-probe-{uuid.uuid4().hex}"
+            probe = self.folder / tmp_name()
             probe.write_bytes(b"")
-            probe.unlink()
+            probe.unlink(missing_ok=True)
         except OSError as e:
             self._disable_writes(f"cache.file.dir {self.folder} is not writable ({e})")
-        self._scan()
-
-    # ---- index ----
-    def _scan(self) -> None:
-        """Index the folder from its names alone (one listing, no per-file stat or open), so a restart with 100,000
-        blobs serves hits at once; their sizes and ages are read by the writer thread before its first write
-        (`_stat_found`), which is all eviction needs them for."""
-        try:
-            names = os.listdir(self.folder)
-        except OSError:
-            return
-        name_len, fromhex, index = 2 * 64 + 1 + len(SUFFIX), bytes.fromhex, self._index
-        state_len = 64 + len(STATE_SUFFIX)
-        found: list[tuple[bytes, bytes]] = []
-        collecting = gc.isenabled()
-        gc.disable()            # 100,000 new objects would run the collector over them again and again (~40% here)
-        try:
-            for name in names:
-                try:
-                    if len(name) == name_len and name[64] == "-" and name.endswith(SUFFIX):
-                        start, end = fromhex(name[:64]), fromhex(name[65:129])
-                    elif len(name) == state_len and name.endswith(STATE_SUFFIX):
-                        start = end = fromhex(name[:64])
-                    else:
-                        if name.startswith(".tmp-"):     # left by a writer that was killed mid-write
-                            _unlink(self.folder / name)
-                        continue
-                except ValueError:
-                    continue
-                ends = index.get(start)
-                if ends is None:
-                    index[start] = {end: _Entry(name)}
-                else:
-                    ends[end] = _Entry(name)
-                found.append((start, end))
-            self._lru = OrderedDict.fromkeys(found)
-            self._count = len(self._lru)
-        finally:
-            if collecting:
-                gc.enable()
-        log.info("file tier %s: %d blobs indexed", self.folder, self._count)
-        if found:
+        found = self.index.scan()
+        log.info("file tier %s: %d blobs indexed", self.folder, self.num_blobs)
+        if found:               # sizes and ages by the writer thread, before its first write
             self._pending.append(self._writer.submit(self._stat_found, found))
 
     def _stat_found(self, found: list[tuple[bytes, bytes]]) -> None:
-        """Writer thread, first job: the sizes and ages of the blobs found at start, LRU order by age (blobs read or
-        rewritten since the scan stay the most recent), then evict down to size_gb. The index lock is taken in short
-        batches, so the engine thread's lookups never wait long. A blob that went away meanwhile leaves the index."""
-        stats: list[tuple[float, int, bytes, bytes]] = []
-        gone: list[tuple[bytes, bytes]] = []
-        fd = os.open(self.folder, os.O_RDONLY)
-        try:
-            for start, end in found:
-                try:
-                    st = os.stat(blob_name(start, end), dir_fd=fd)
-                    stats.append((st.st_mtime, st.st_size, start, end))
-                except OSError:
-                    gone.append((start, end))
-        finally:
-            os.close(fd)
-        stats.sort(key=lambda t: t[0], reverse=True)   # newest first: each goes to the front, the oldest ends first
-        for i in range(0, len(stats), STAT_BATCH):
-            with self._lock:
-                for mtime, size, start, end in stats[i:i + STAT_BATCH]:
-                    entry = self._index.get(start, {}).get(end)
-                    if entry is None or entry.size >= 0:         # removed, or rewritten since the scan
-                        continue
-                    entry.size = size
-                    self._total += size
-                    if entry.last_use == 0.0:                     # not read since the scan
-                        entry.last_use = mtime
-                        self._lru.move_to_end((start, end), last=False)
-        with self._lock:
-            for start, end in gone:
-                entry = self._index.get(start, {}).get(end)
-                if entry is not None and entry.size < 0:
-                    self._forget(start, end)
-        while True:
-            with self._lock:
-                if not self._evict_to_limit(STAT_BATCH):
-                    break
-        log.info("file tier %s: %d blobs, %.2f GiB", self.folder, self.num_blobs, self._total / GIB)
-
-    def _add(self, start: bytes, end: bytes, entry: _Entry) -> None:
-        old = self._index.setdefault(start, {}).get(end)
-        if old is not None:
-            self._total -= max(0, old.size)
-        else:
-            self._count += 1
-        self._index[start][end] = entry
-        self._lru[(start, end)] = None
-        self._lru.move_to_end((start, end))
-        self._total += max(0, entry.size)
-
-    def _forget(self, start: bytes, end: bytes) -> _Entry | None:
-        entry = self._index.get(start, {}).pop(end, None)
-        if entry is None:
-            return None
-        if not self._index[start]:
-            del self._index[start]
-        del self._lru[(start, end)]
-        self._count -= 1
-        self._total -= max(0, entry.size)
-        return entry
-
-    def _remove(self, start: bytes, end: bytes) -> None:
-        entry = self._forget(start, end)
-        if entry is not None:
-            _unlink(self.folder / entry.name)
+        self.index.stat_found(found)
+        log.info("file tier %s: %d blobs, %.2f GiB", self.folder, self.num_blobs, self.used_bytes / GIB)
 
     @property
     def num_blobs(self) -> int:
-        return self._count
+        return self.index.count
 
     def report(self) -> FileStats:
         return dataclasses.replace(self.stats, used=self.used_bytes, capacity=self.size_bytes, blobs=self.num_blobs,
@@ -248,12 +126,12 @@ class FileTier:
 
     @property
     def used_bytes(self) -> int:
-        return self._total
+        return self.index.total
 
     def has(self, start: bytes, end: bytes) -> bool:
         """Is this blob stored, or queued for writing?"""
-        with self._lock:
-            return end in self._index.get(start, {}) or (start, end) in self._queued
+        with self.index.lock:
+            return self.index.get(start, end) is not None or (start, end) in self._queued
 
     # ---- writing (background thread) ----
     def _disable_writes(self, why: str) -> None:
@@ -264,8 +142,8 @@ class FileTier:
     def write(self, blob: Blob) -> None:
         """Queue a blob for writing (tensors must be CPU copies the caller no longer changes)."""
         key = (blob.start_hash, blob.end_hash)
-        with self._lock:
-            if not self.writable or blob.end_hash in self._index.get(blob.start_hash, {}) or key in self._queued:
+        with self.index.lock:
+            if not self.writable or self.index.get(*key) is not None or key in self._queued:
                 return
             self._queued.add(key)
             self._pending = [f for f in self._pending if not f.done()]
@@ -275,7 +153,7 @@ class FileTier:
         try:
             self._write_blob(blob)
         finally:
-            with self._lock:
+            with self.index.lock:
                 self._queued.discard((blob.start_hash, blob.end_hash))
 
     def _write_blob(self, blob: Blob) -> None:
@@ -286,41 +164,60 @@ class FileTier:
             self._warn_once("size", f"a cached run of {size} bytes exceeds cache.file.size_gb; not written")
             return
         name = blob_name(blob.start_hash, blob.end_hash)
-        tmp = self.folder / f".tmp-{uuid.uuid4().hex}"
+        tmp = self.folder / tmp_name()
         try:
             with open(tmp, "wb") as f:
                 for part in parts:
                     f.write(part)
-            os.replace(tmp, self.folder / name)
+            os.replace(tmp, self.folder / name)     # another server's copy of the same run is replaced whole
+            self.index.own_change()
+        except FileNotFoundError as e:
+            unlink(tmp)
+            if not self.folder.is_dir():
+                self._disable_writes(f"writing {self.folder / name} failed ({e})")
+            else:                 # our temporary file went away (a server that took it for a dead writer's): retry later
+                self._warn_once("tmp gone", f"file tier: writing {name} failed ({e}); the run is written again "
+                                "when it is cached again")
+            return
         except OSError as e:
             self._disable_writes(f"writing {self.folder / name} failed ({e})")
-            _unlink(tmp)          # raises nothing, also when the folder itself is gone or is not a folder
+            unlink(tmp)           # raises nothing, also when the folder itself is gone or is not a folder
             return
         n_pages = blob.kv.shape[0]
         first = struct.pack(f"<{len(blob.tokens) // n_pages}i", *blob.tokens[:len(blob.tokens) // n_pages]) \
             if n_pages else None
-        with self._lock:
-            self._add(blob.start_hash, blob.end_hash, _Entry(name, size, time.time(), first and hashlib.sha256(
+        with self.index.lock:
+            self._add(blob.start_hash, blob.end_hash, Entry(name, size, time.time(), first and hashlib.sha256(
                 blob.start_hash + first).digest()))
-            self._evict_to_limit()
             self.stats.bytes_in += size
             self.stats.seconds += time.perf_counter() - t0
+        self._keep_size()
 
-    def _evict_to_limit(self, most: int | None = None) -> bool:
-        """Remove least recently used blobs while over size_gb (at most `most` of them); True if more remain to go."""
-        n = 0
-        while self._total > self.size_bytes and self._lru:
-            if most is not None and n >= most:
-                return True
-            start, end = next(iter(self._lru))
-            self._remove(start, end)
-            n += 1
-        return False
+    def _add(self, start: bytes, end: bytes, entry: Entry) -> None:
+        """Index a blob this server wrote (under the index lock)."""
+        self.index.add(start, end, entry)
+
+    def _keep_size(self) -> None:
+        """After a write: evict down to the folder's size, counting what other servers on it wrote (a listing, at
+        most every RESCAN_S; when the last was too recent, one more RESCAN_S after it, so the folder is within its
+        size a moment after the last write of any server on it)."""
+        if not self.index.refresh() and self._settle is None:
+            def settle() -> None:
+                self._settle = None
+                try:
+                    self._writer.submit(self._keep_size)
+                except RuntimeError:                # closed meanwhile
+                    pass
+            self._settle = threading.Timer(RESCAN_S, settle)
+            self._settle.daemon = True
+            self._settle.start()
+        with self.index.lock:
+            self.index.evict_to_limit()
 
     def flush(self, timeout: float) -> bool:
         """Wait (bounded) for queued writes; True when all of them completed."""
         deadline = time.monotonic() + timeout
-        with self._lock:
+        with self.index.lock:
             pending = list(self._pending)
         for f in pending:
             left = deadline - time.monotonic()
@@ -335,15 +232,14 @@ class FileTier:
     def close(self, timeout: float = 10.0) -> None:
         if not self.flush(timeout):
             log.warning("file tier: pending writes did not finish within %.0f s", timeout)
+        if self._settle is not None:
+            self._settle.cancel()
         self._writer.shutdown(wait=False, cancel_futures=True)
         self._reader.shutdown(wait=False, cancel_futures=True)
 
     def clear(self) -> None:
         self.flush(30.0)
-        with self._lock:
-            for start in list(self._index):
-                for end in list(self._index.get(start, {})):
-                    self._remove(start, end)
+        self.index.clear()
 
     # ---- the device side (engine thread: nothing it reads is freed or rewritten meanwhile) ----
     def save_run(self, start: bytes, end: bytes, tokens: list[int], pages: list[int], snapshot: int | None,
@@ -391,8 +287,8 @@ class FileTier:
         self.stats.errors += 1
         self._warn_once(why, f"file tier: {why} blob {start.hex()[:12]}-{end.hex()[:12]}: treated as a miss "
                         "and deleted (further ones are counted, not logged)")
-        with self._lock:
-            self._remove(start, end)
+        with self.index.lock:
+            self.index.remove(start, end)
 
     def prefetch(self, tokens: list[int], first_page: int, page_size: int) -> Future:
         """Read, in the background, the blobs that continue tokens' chain from page first_page."""
@@ -411,10 +307,10 @@ class FileTier:
         ends without one (a cut, or a run stored before its state existed) takes the state blob there, if any."""
         where = {h: i for i, h in enumerate(hashes)}
         out: list[Blob] = []
-        page = first_page
+        page, learned = first_page, -1
         while page < len(hashes) - 1:
-            with self._lock:
-                ends = dict(self._index.get(hashes[page], {}))
+            with self.index.lock:
+                ends = dict(self.index.by_start.get(hashes[page], {}))
             candidates = [(where[e], e, en) for e, en in ends.items() if e in where and where[e] > page]
             if candidates:
                 end_page, end, entry = max(candidates, key=lambda c: c[0])
@@ -431,6 +327,9 @@ class FileTier:
             else:
                 parts = self._read_prefix(hashes, tokens, page, page_size, ends, where)
                 if not parts:
+                    if learned < page and self._learn(hashes, page):
+                        learned = page            # another server wrote what continues here: look once more
+                        continue
                     break
                 for blob in parts:
                     self._attach_state(blob)
@@ -443,8 +342,19 @@ class FileTier:
             page = end_page
         return out
 
+    def _learn(self, hashes: list[bytes], page: int) -> bool:
+        """A miss at hashes[page]: did another server on the folder write what continues there? A new listing when
+        the last is RESCAN_S old, else a look for the exact names of the runs a server with our settings cuts this
+        prompt into (its state-track points and its end). True when the index learned of any blob."""
+        before = self.index.count
+        if self.index.refresh():
+            return self.index.count != before
+        every = self.probe_every
+        ends = [hashes[q] for q in range(page + 1, len(hashes)) if (every and q % every == 0) or q == len(hashes) - 1]
+        return self.index.probe(hashes[page], ends)
+
     def _read_prefix(self, hashes: list[bytes], tokens: list[int], page: int, page_size: int,
-                     ends: dict[bytes, _Entry], where: dict[bytes, int]) -> list[Blob]:
+                     ends: dict[bytes, Entry], where: dict[bytes, int]) -> list[Blob]:
         """The matching prefix of a blob starting at hashes[page] that leaves the chain; only blobs whose first page
         is the chain's are read (looked up from the header, once per blob, the PROBE_LIMIT most recently used).
         Without needs_state, the whole match. needs_state (a hybrid model resumes only where a state exists):
@@ -453,8 +363,8 @@ class FileTier:
         the match comes as two runs: up to the deepest such point, and the rest (KV without a state: the radix
         tree takes the branch point's state there, and knows those pages are stored)."""
         last = len(hashes) - 1
-        with self._lock:
-            cuts = [q for q in range(page + 1, last + 1) if hashes[q] in self._index]
+        with self.index.lock:
+            cuts = [q for q in range(page + 1, last + 1) if hashes[q] in self.index.by_start]
         if self.needs_state and not cuts:
             return []
         start = hashes[page]
@@ -482,7 +392,7 @@ class FileTier:
                          blob.kv[a - page:b - page], stored_run=(start, end)) for a, b in zip(bounds, bounds[1:])]
         return []
 
-    def _next_hash(self, start: bytes, end: bytes, entry: _Entry) -> bytes | None:
+    def _next_hash(self, start: bytes, end: bytes, entry: Entry) -> bytes | None:
         """The chain hash after a blob's first page, from its header and first page (read once, then kept)."""
         if entry.next_hash is None:
             try:
@@ -503,8 +413,8 @@ class FileTier:
     def _attach_state(self, blob: Blob) -> None:
         """Give a run that ends without a state the state blob stored at its end, if there is one."""
         at = blob.end_hash
-        with self._lock:
-            entry = self._index.get(at, {}).get(at)
+        with self.index.lock:
+            entry = self.index.get(at, at)
         if entry is None:
             return
         try:
@@ -515,11 +425,15 @@ class FileTier:
         if state is not None and state.conv is not None:
             blob.conv, blob.ssm, blob.stored_state = state.conv, state.ssm, (at, at)
 
-    def _read(self, start: bytes, end: bytes, entry: _Entry, expect_tokens: list[int] | None) -> Blob | None:
+    def _read(self, start: bytes, end: bytes, entry: Entry, expect_tokens: list[int] | None) -> Blob | None:
         """Read and verify one blob (expect_tokens: its tokens, None: any)."""
         t0 = time.perf_counter()
         try:
             data = (self.folder / entry.name).read_bytes()
+        except FileNotFoundError:                 # another server on the folder evicted it: a plain miss
+            with self.index.lock:
+                self.index.forget(start, end)
+            return None
         except OSError:
             self._bad(start, end, "unreadable")
             return None
@@ -561,10 +475,8 @@ class FileTier:
             off += conv_len
             ssm = tensor(ssm_len, torch.float32, self.ssm_shape)
         now = time.time()
-        with self._lock:
-            entry.last_use = now
-            if (start, end) in self._lru:
-                self._lru.move_to_end((start, end))
+        with self.index.lock:
+            self.index.touch(start, end, entry, now)
         try:
             os.utime(self.folder / entry.name, (now, now))
         except OSError:

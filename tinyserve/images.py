@@ -191,9 +191,9 @@ def parse_data_url(url: str) -> tuple[str, bytes]:
     return media_type, decode_base64(m.group("data"), "data URL payload")
 
 
-def decode_image(data: bytes, media_type: str | None = None,
-                 max_pixels: int = DEFAULT_MAX_DECODE_PIXELS) -> Image.Image:
-    """PNG, JPEG, WebP or GIF (first frame) bytes -> a loaded PIL image (any mode; preprocess converts to RGB).
+def open_image(data: bytes, media_type: str | None = None,
+               max_pixels: int = DEFAULT_MAX_DECODE_PIXELS) -> Image.Image:
+    """PNG, JPEG, WebP or GIF bytes -> a PIL image whose header is read and checked, its pixels not decoded yet.
 
     The declared media type must be one of the supported ones, but the bytes decide the format (clients often label
     a JPEG as PNG). The size is checked from the header before decoding pixels."""
@@ -217,12 +217,26 @@ def decode_image(data: bytes, media_type: str | None = None,
         raise ImageError(f"image is too large: {w}x{h} pixels is more than the {max_pixels} allowed")
     if w < 1 or h < 1:
         raise ImageError(f"image has no pixels ({w}x{h})")
+    return img
+
+
+def decode_image(data: bytes, media_type: str | None = None,
+                 max_pixels: int = DEFAULT_MAX_DECODE_PIXELS) -> Image.Image:
+    """open_image, then the pixels decoded: a loaded PIL image (any mode; preprocess converts to RGB); an animated
+    GIF or WebP gives its first frame."""
+    img = open_image(data, media_type, max_pixels)
     try:
-        img.seek(0)                      # animated GIF / WebP: the first frame
+        img.seek(0)
         img.load()
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"cannot decode {img.format} image: {e}") from None
     return img
+
+
+def pixel_bytes(height: int, width: int, cfg: ImageProcessorConfig) -> int:
+    """Bytes of the pixel_values `preprocess` makes of an image of this size (float32 rows, the frame T times)."""
+    h, w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    return h * w * 3 * cfg.temporal_patch_size * 4
 
 
 # ---------------------------------------------------------------------------------------------------------------

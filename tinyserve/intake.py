@@ -1,21 +1,109 @@
 """Requests on their way in: every check a request passes before it reaches the scheduler, and the Request it
 becomes. The API calls these on the event loop or a worker thread (none runs torch compute); a request that fails
-one gets a RequestError naming its field, never a traceback."""
+one gets a RequestError naming its field, never a traceback.
+
+Images are inside the memory plan: their pixels (float32, the frame twice: 24 bytes a pixel after resizing, ~384 MB
+for a 16-megapixel image) are held from preprocessing until the vision tower has encoded them, so a request takes
+room in the ImageBudget for them before they are made (measured from the files' headers), and waits in line while
+there is none; the room comes back when the last reference to the pixels goes (encoded, finished or failed).
+"""
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import random
+import threading
 import uuid
+import weakref
+from collections import deque
 from pathlib import Path
 
 from tinyserve.config import Config, ConfigError
 from tinyserve.grammar import GrammarCompiler, GrammarState
-from tinyserve.images import ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, preprocess
+from tinyserve.images import (ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, open_image,
+                              pixel_bytes, preprocess)
 from tinyserve.multimodal import expand_image_pads, image_keys, request_images
 from tinyserve.request import Request
 from tinyserve.sampling import SamplingParams
 
 log = logging.getLogger("tinyserve.intake")
+
+IMAGE_BUDGET_REQUESTS = 2    # the budget holds this many requests at the per-request limits (one being encoded,
+IMAGE_BUDGET_SHARE = 8       # one ready behind it), but at most this share (1/8) of the machine's memory
+
+
+def image_budget_bytes(cfg: Config, processor: ImageProcessorConfig | None) -> int:
+    """The per-server budget of pixel bytes: IMAGE_BUDGET_REQUESTS requests of model.max_images images of the
+    largest size the processor makes, at most 1/IMAGE_BUDGET_SHARE of the machine's memory (0 without images)."""
+    if processor is None or not cfg.model.max_images:
+        return 0
+    largest = processor.max_pixels * 3 * processor.temporal_patch_size * 4
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(IMAGE_BUDGET_REQUESTS * cfg.model.max_images * largest, machine // IMAGE_BUDGET_SHARE)
+
+
+class _Waiter:
+    def __init__(self, nbytes: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.nbytes, self.loop, self.future = nbytes, loop, loop.create_future()
+
+
+class ImageBudget:
+    """Bytes of image pixels held, at most `limit`. `acquire` waits in line (first come, first served) until a
+    request's pixels fit; a request larger than the whole budget goes when nothing else is held, so it runs alone.
+    `release` may be called from any thread (the pixels' finalizer runs where their last reference goes)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room."""
+        return len(self._waiters)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.held + nbytes <= self.limit or self.held == 0
+
+    async def acquire(self, nbytes: int) -> None:
+        """Take nbytes, waiting until they fit; a cancelled wait takes nothing."""
+        with self._lock:
+            if not self._waiters and self._fits(nbytes):
+                self.held += nbytes
+                return
+            waiter = _Waiter(nbytes, asyncio.get_running_loop())
+            self._waiters.append(waiter)
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            with self._lock:
+                granted = waiter not in self._waiters
+                if not granted:
+                    self._waiters.remove(waiter)
+            if granted:                      # room was given as the wait was cancelled: give it back
+                self.release(nbytes)
+            else:
+                self._wake()                 # the head of the line went: those behind may fit
+            raise
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            while self._waiters and self._fits(self._waiters[0].nbytes):
+                waiter = self._waiters.popleft()
+                self.held += waiter.nbytes
+                waiter.loop.call_soon_threadsafe(_grant, waiter.future)
+
+
+def _grant(future: asyncio.Future) -> None:
+    if not future.done():                    # a cancelled waiter gives its room back itself
+        future.set_result(None)
 
 
 class RequestError(ValueError):
@@ -41,6 +129,11 @@ class Intake:
         # leaves the tower out, so text pages are shared whether model.vision is on or off)
         self.vision_fingerprint = vision_fingerprint
         self.images_received = 0             # images in requests made
+        self.image_budget = ImageBudget(image_budget_bytes(cfg, image_processor))
+        if image_processor is not None:
+            log.info("image budget: %.2f GiB of pixels waiting for the vision tower (%d requests of model.max_images"
+                     " = %d at most, 1/%d of this machine's memory at most)", self.image_budget.limit / (1 << 30),
+                     IMAGE_BUDGET_REQUESTS, cfg.model.max_images, IMAGE_BUDGET_SHARE)
         # llguidance's view of the tokenizer, built once here (~1 s for a 250k vocabulary: not on the event loop)
         self._grammar: GrammarCompiler | None = None
         self._grammar_error = "the engine has no tokenizer"
@@ -112,20 +205,46 @@ class Intake:
             raise RequestError(f"{len(params)} images in one request; at most {limit} (model.max_images)",
                                params[limit])
 
-    def prepare_images(self, prompt_ids: list[int], sources: list[ImageSource]
+    def measure_images(self, sources: list[ImageSource]) -> list[int]:
+        """The pixel bytes each image will take once preprocessed, from its header alone (no pixel decoded), for the
+        image budget. Runs on a worker thread; RequestError names the image's request field."""
+        self.check_images([src.param for src in sources])
+        out = []
+        for src in sources:
+            try:
+                w, h = open_image(src.data, src.media_type, self.cfg.model.max_image_pixels).size
+                out.append(pixel_bytes(h, w, self.image_processor))
+            except ImageError as e:
+                raise self._image_error(src, e) from None
+        return out
+
+    @staticmethod
+    def _image_error(src: ImageSource, e: ImageError) -> RequestError:
+        hint = " (model.max_image_pixels)" if "too large" in str(e) else ""
+        return RequestError(f"{src.param}: {e}{hint}", src.param)
+
+    def prepare_images(self, prompt_ids: list[int], sources: list[ImageSource], taken: list[int] | None = None
                        ) -> tuple[list[int], list[ProcessedImage]]:
         """Decode and preprocess a request's images (in prompt order) and widen the template's one pad per image
         to its token count. Runs on a worker thread (PIL and numpy, no torch compute). RequestError names the
-        image's request field, or "prompt" when the pads do not match the images."""
+        image's request field, or "prompt" when the pads do not match the images. taken: each image's bytes taken
+        from the image budget (measure_images); they go back when its pixels are freed, or here if it fails."""
         self.check_images([src.param for src in sources])
-        images = []
-        for src in sources:
-            try:
-                image = decode_image(src.data, src.media_type, self.cfg.model.max_image_pixels)
-                images.append(preprocess(image, self.image_processor))
-            except ImageError as e:
-                hint = " (model.max_image_pixels)" if "too large" in str(e) else ""
-                raise RequestError(f"{src.param}: {e}{hint}", src.param) from None
+        images: list[ProcessedImage] = []
+        try:
+            for src in sources:
+                try:
+                    image = preprocess(decode_image(src.data, src.media_type, self.cfg.model.max_image_pixels),
+                                       self.image_processor)
+                except ImageError as e:
+                    raise self._image_error(src, e) from None
+                if taken is not None:
+                    weakref.finalize(image.pixel_values, self.image_budget.release, taken[len(images)])
+                images.append(image)
+        except BaseException:
+            if taken is not None:
+                self.image_budget.release(sum(taken[len(images):]))
+            raise
         try:
             ids = expand_image_pads(prompt_ids, images, self.image_token_id, self.image_processor.merge_size)
         except ValueError as e:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -31,6 +32,13 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 # Tokens a speculating request committed per verify round (1 = no draft accepted; at most 1 + speculative.num_steps):
 # acceptance that collapses shows as requests piling up in the lowest buckets while /health stays green.
 _ACCEPT_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+
+
+def sample_key(name: str, labels: dict[str, str] | None = None) -> str:
+    """A sample's key: its name and labels as /metrics writes them (labels sorted, values unescaped)."""
+    if not labels:
+        return name
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
 
 
 class _EngineCollector(Collector):
@@ -55,6 +63,23 @@ class _EngineCollector(Collector):
         def ratio(used: float, total: float) -> float:
             return used / total if total else 0.0
 
+        if st.info is not None:                     # the set-up: fixed at start
+            i = st.info
+            info = GaugeMetricFamily("tinyserve:model_info", "The server's set-up (value 1).",
+                                     labels=["model", "served_name", "device", "dtype", "kv_cache_dtype",
+                                             "speculative"])
+            info.add_metric([i.model, i.served_name, i.device, i.dtype, i.kv_dtype, i.speculative], 1.0)
+            out.append(info)
+            gauge("context_length_tokens", "Longest prompt + completion (model.context_length as planned).",
+                  i.context_length)
+            gauge("kv_pool_tokens", "Tokens the device KV pool holds.", i.kv_tokens)
+            gauge("idle_release_seconds", "engine.idle_release_s (0: off).", i.idle_release_s)
+            plan = GaugeMetricFamily("tinyserve:memory_plan_bytes", "The memory plan by part (weights, kv_pool, "
+                                     "state_slots, snapshot_slots on the device; host_tier, file_tier).",
+                                     labels=["part"])
+            for part, n in i.plan_bytes.items():
+                plan.add_metric([part], float(n))
+            out.append(plan)
         gauge("num_requests_running", "Requests in the running batch.", st.num_running)
         gauge("num_requests_waiting", "Requests waiting for admission.", st.num_waiting)
         gauge("kv_cache_usage_perc", "Share of device KV pages in use (0..1).",
@@ -83,6 +108,13 @@ class _EngineCollector(Collector):
         counter("images_encoded", "Images run through the vision tower (the others came from its feature cache).",
                 st.images_encoded)
         counter("vision_encoder_seconds", "Time spent in the vision tower.", st.image_encode_seconds)
+        if st.image_budget_bytes:
+            gauge("image_budget_bytes", "Most bytes of image pixels waiting for the vision tower (derived: "
+                  "docs/operators.md).", st.image_budget_bytes)
+            gauge("image_bytes_held", "Bytes of image pixels held now (preprocessed, not encoded yet).",
+                  st.image_bytes_held)
+            gauge("image_requests_waiting", "Requests waiting for room in the image budget.",
+                  st.image_requests_waiting)
         if st.nextn is not None:                   # NEXTN, with vLLM's counters and definitions
             sp = st.nextn
             counter("spec_decode_num_drafts", "Verify rounds of speculating requests.", sp.num_drafts)
@@ -144,6 +176,9 @@ class Metrics:
                                      ["tier"], registry=r)
         self.ttft = Histogram("tinyserve:time_to_first_token_seconds",
                               "From the HTTP request to the first generated token.", buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft_by_cache = Histogram("tinyserve:time_to_first_token_by_cache_seconds",
+                                       "TTFT of requests with most of the prompt from the prefix cache (warm: at "
+                                       "least half) or not (cold).", ["cache"], buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("tinyserve:inter_token_latency_seconds",
                              "Time between consecutive generated tokens.", buckets=_ITL_BUCKETS, registry=r)
         self.prompt_hit_ratio = Histogram("tinyserve:request_prompt_cache_hit_ratio",
@@ -160,6 +195,7 @@ class Metrics:
                                        buckets=_ACCEPT_LENGTH_BUCKETS, registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
+        ProcessCollector(registry=r)      # process_start_time_seconds (uptime), resident memory, CPU seconds
 
     # ---- events from api.py ----
     def on_response(self, status: int) -> None:
@@ -169,8 +205,10 @@ class Metrics:
         for kind in types:
             self.tools_left_out.labels(type=kind).inc()
 
-    def on_first_token(self, seconds: float) -> None:
+    def on_first_token(self, seconds: float, warm: bool = False) -> None:
+        """warm: at least half of the prompt came from the prefix cache."""
         self.ttft.observe(seconds)
+        self.ttft_by_cache.labels(cache="warm" if warm else "cold").observe(seconds)
 
     def on_tokens(self, count: int, seconds_since_last: float | None) -> None:
         """`count` tokens arrived together; the gap since the previous arrival is spread evenly over them."""
@@ -193,6 +231,14 @@ class Metrics:
         if prompt_tokens:
             self.prompt_hit_ratio.observe(sum((cached_by_tier or {}).values()) / prompt_tokens)
         self.e2e.observe(seconds)
+
+    def values(self, stats: EngineStats | None) -> dict[str, float]:
+        """Every sample /metrics would show with these stats, by sample_key."""
+        self._engine.stats = stats
+        try:
+            return {sample_key(s.name, s.labels): s.value for family in self.registry.collect() for s in family.samples}
+        finally:
+            self._engine.stats = None
 
     def render(self, stats: EngineStats | None) -> bytes:
         """The /metrics body; `stats` from the engine thread (`await engine.call(engine.stats)`), None while
