@@ -403,7 +403,7 @@ def test_server_constrained_next_to_speculating_and_the_acceptance_histogram(xdg
     """A server with NEXTN on the demo model (a head that always agrees): JSON-schema chat requests run at the same
     time as speculating completions; the constrained ones validate, the free ones have the text they have without
     speculation. /metrics has one acceptance-length observation per request that verified drafts, in the buckets
-    of a head that agrees (k + 1 tokens a round)."""
+    of a head that agrees (1 + the depth tokens a round, at least 2)."""
     import openai
     from concurrent.futures import ThreadPoolExecutor
     from server_util import ServerProcess, free_port, http, server_config
@@ -440,9 +440,12 @@ def test_server_constrained_next_to_speculating_and_the_acceptance_histogram(xdg
 
         def value(name: str) -> float:
             import re
-            m = re.search(rf"^tinyserve:spec_decode_request_accept_length_{name} (\S+)$", metrics, re.M)
+            m = re.search(rf"^tinyserve:{name} (\S+)$", metrics, re.M)
             assert m, metrics
             return float(m.group(1))
-        assert value("count") == len(prompts)           # plain and constrained requests verified no drafts
-        assert value("sum") / value("count") > 3.0      # k + 1 = 4 tokens a round but the first and last rounds
-        assert 'tinyserve:spec_decode_request_accept_length_bucket{le="2.0"} 0.0' in metrics
+        # the depth follows the measured step times, so only what holds at any depth: every draft accepted, so
+        # every round committed at least 2 tokens, and each request's mean is in the buckets from 2 up
+        assert value("spec_decode_num_accepted_tokens_total") == value("spec_decode_num_draft_tokens_total") > 0
+        assert value("spec_decode_request_accept_length_count") == len(prompts)   # plain and constrained: none
+        assert 'tinyserve:spec_decode_request_accept_length_bucket{le="1.75"} 0.0' in metrics
+        assert value("spec_decode_request_accept_length_sum") >= 2 * len(prompts)
