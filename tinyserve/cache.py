@@ -39,7 +39,7 @@ class CacheRun:
     snapshot_points: list[int] = field(default_factory=list)   # prefill positions where a snapshot is taken
     resume_points: set[int] = field(default_factory=set)       # those that resume requests: the prompt's end,
                                                                # a branch point (kept longer than interval ones)
-    track_slot: int | None = None           # copy of the state at the last page boundary (decode)
+    track_slot: int | None = None           # copy of the state at the last page boundary
     track_pos: int = -1
     read: Future | None = None              # file-tier blobs being read for this prompt
     read_first_page: int = 0
@@ -301,7 +301,9 @@ class PrefixCache:
         slot = req.state_slot if slot is None else slot
         if pos in run.snapshot_points or (is_decode and pos % self.track_interval == 0):
             self._snapshot(req, pos, slot, resume=pos in run.resume_points)
-        elif is_decode and self.hybrid and ps > 1 and pos % ps == 0:   # keep the state at the last page boundary
+        elif self.hybrid and ps > 1 and pos % ps == 0:
+            # keep the state at the last page boundary, a prefill's included: a prompt that ends on one and a
+            # request that stops before the next cache the prompt's last page with it
             if run.track_slot is None:
                 run.track_slot = self.tree.alloc_snapshot()
             if run.track_slot is not None:
