@@ -443,9 +443,9 @@ def test_server_constrained_next_to_speculating_and_the_acceptance_histogram(xdg
             m = re.search(rf"^tinyserve:{name} (\S+)$", metrics, re.M)
             assert m, metrics
             return float(m.group(1))
-        # the depth follows the measured step times, so only what holds at any depth: every draft accepted, so
-        # every round committed at least 2 tokens, and each request's mean is in the buckets from 2 up
+        # every draft accepted; drafts priced as offline, so the depth grows to k: k + 1 tokens a round but the
+        # first and last rounds
         assert value("spec_decode_num_accepted_tokens_total") == value("spec_decode_num_draft_tokens_total") > 0
         assert value("spec_decode_request_accept_length_count") == len(prompts)   # plain and constrained: none
         assert 'tinyserve:spec_decode_request_accept_length_bucket{le="1.75"} 0.0' in metrics
-        assert value("spec_decode_request_accept_length_sum") >= 2 * len(prompts)
+        assert value("spec_decode_request_accept_length_sum") / len(prompts) > 3.0
