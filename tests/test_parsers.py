@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from tinyserve.parsers import Qwen3ReasoningParser, prompt_opens_reasoning
-from tinyserve.tool_calls import Qwen3CoderToolParser, convert_parameter, make_tool_parser
+from tinyserve.chat import make_tool_parser
+from tinyserve.tool_calls import Qwen3CoderToolParser, convert_parameter
 
 
 def chunkings(text: str, seed: int = 0, n_random: int = 30) -> list[list[str]]:

@@ -16,7 +16,7 @@ sampling parameters -> Generation -> stream or collect -> body (protocol). The e
 state; this module only submits, iterates and cancels.
 
 Images: a request's image parts are parsed (protocol) into their bytes, or, with server.fetch_image_urls, into http(s)
-URLs this module fetches (aiohttp, FETCH_TIMEOUT_S, at most server.max_request_body_mb each). After the prompt ids,
+URLs http_images.py fetches (aiohttp, at most server.max_request_body_mb each). After the prompt ids,
 the engine decodes them and widens each image's one pad to its token count (engine.intake.prepare_images, in a worker
 thread); the widened ids are the prompt from then on (max_tokens fitting, usage, return_token_ids).
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import concurrent.futures
 import hmac
 import logging
 import socket
@@ -38,20 +37,19 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
-import aiohttp
 from aiohttp import web
 
 from . import anthropic, responses, status
 from .chat import left_out_tools
 from .config import Config
 from .engine import Engine, RequestError
+from .http_images import prepare_images
 from .json_body import parse_json_body
-from .images import SUPPORTED_MEDIA_TYPES, ImageSource
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .openai_api import Chat, Completions
-from .protocol import (APIError, ChoiceResult, Delta, Endpoint, EndpointStream, ImageInput, Meta, RemoteImage, Req,
-                       Usage, bad_request, dumps, error_body, sampling_params)
+from .protocol import (APIError, ChoiceResult, Delta, Endpoint, EndpointStream, Meta, Req, Usage, bad_request, dumps,
+                       error_body, sampling_params)
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer
 
@@ -65,11 +63,6 @@ RETRY_AFTER_S = 1
 TCP_KEEPALIVE = {"TCP_KEEPIDLE": 60, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 90_000}
 LISTEN_BACKLOG = 128
 LARGE_BODY = 1 << 20             # bytes: a body past this is measured and parsed in a worker thread
-FETCH_TIMEOUT_S = 10.0           # per fetched image URL (server.fetch_image_urls), connect to last byte
-# Decoding and preprocessing images on their own two threads: a 16-megapixel image takes ~1.4 GB while it is
-# processed, so a burst of image requests queues here instead of all at once, and text requests' templates and
-# tokenization (the default executor) never wait behind them.
-IMAGE_WORKERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tinyserve-images")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -397,69 +390,6 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
 
 async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Images
-
-async def _fetch_image(session: aiohttp.ClientSession, image: RemoteImage, max_bytes: int) -> ImageSource:
-    """One http(s) image URL -> its bytes; any failure is a 400 naming the part. The media type is the response's
-    Content-Type when it is one we decode, else the bytes decide."""
-    def fail(why: str) -> APIError:
-        return bad_request(f"{image.param}: cannot fetch the image URL: {why}", image.param)
-
-    data = bytearray()
-    try:
-        async with session.get(image.url) as r:
-            if r.status != 200:
-                raise fail(f"HTTP {r.status}")
-            if r.content_length is not None and r.content_length > max_bytes:
-                raise fail(f"the image is larger than server.max_request_body_mb ({max_bytes} bytes)")
-            async for chunk in r.content.iter_chunked(1 << 16):    # a missing or lying length is caught here
-                data += chunk
-                if len(data) > max_bytes:
-                    raise fail(f"the image is larger than server.max_request_body_mb ({max_bytes} bytes)")
-            media_type = r.content_type.lower()
-    except asyncio.TimeoutError:
-        raise fail(f"no complete answer within {FETCH_TIMEOUT_S:g} s") from None
-    except (aiohttp.ClientError, ValueError) as e:                 # refused, bad address, redirect to another scheme
-        raise fail(f"{type(e).__name__}: {e}") from None
-    return ImageSource(image.param, bytes(data), media_type if media_type in SUPPORTED_MEDIA_TYPES else None)
-
-
-async def fetch_images(images: list[ImageInput], max_bytes: int) -> list[ImageSource]:
-    """The request's images with every RemoteImage fetched (all at once), in the same order."""
-    remote = [im for im in images if isinstance(im, RemoteImage)]
-    if not remote:
-        return list(images)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)) as session:
-        results = await asyncio.gather(*(_fetch_image(session, im, max_bytes) for im in remote),
-                                       return_exceptions=True)
-    fetched: dict[str, ImageSource] = {}
-    for im, result in zip(remote, results):
-        if isinstance(result, BaseException):      # the first failing part, in prompt order
-            raise result
-        fetched[im.param] = result
-    return [fetched[im.param] if isinstance(im, RemoteImage) else im for im in images]
-
-
-async def prepare_images(engine: Engine, cfg: Config, endpoint: Endpoint[Req], req: Req, prompt_ids: list[int]
-                         ) -> tuple[list[int], list[Any]]:
-    """A request with images: (the prompt ids with each image's pad widened to its tokens, the processed images
-    for engine.submit). 400 naming the part when the model takes no images or an image cannot be used. The request
-    waits here, in line, until its pixels fit the image budget (intake.py); they are made only then."""
-    intake, loop = engine.intake, asyncio.get_running_loop()
-    try:
-        intake.check_images([im.param for im in req.images])        # before fetching what cannot be used
-        sources = await fetch_images(req.images, int(cfg.server.max_request_body_mb * 1024 * 1024))
-        sizes = await loop.run_in_executor(IMAGE_WORKERS, intake.measure_images, sources)
-        await intake.image_budget.acquire(sum(sizes))
-        # shielded: once the room is taken the job runs (a cancelled caller drops its images, which gives it back)
-        job = loop.run_in_executor(IMAGE_WORKERS, intake.prepare_images, prompt_ids, sources, sizes)
-        job.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return await asyncio.shield(job)
-    except RequestError as e:
-        raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
 
 
 def _generation_handler(endpoint: Endpoint[Any]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:

@@ -26,7 +26,7 @@ from .grammar import FORMAT_SYNTAXES, FREEFORM_INPUT, Constraint
 from .parsers import Qwen3ReasoningParser, prompt_opens_reasoning
 from .protocol import ChoiceResult, GenerationOptions, ImageInput, bad_request, constraint_after_reasoning
 from .tokenizer import Tokenizer
-from .tool_calls import Qwen3CoderToolParser, make_tool_parser
+from .tool_calls import Qwen3CoderToolParser, tool_function
 
 log = logging.getLogger("tinyserve.chat")
 
@@ -230,6 +230,29 @@ class Answer:
     calls: list[dict[str, Any]]       # OpenAI tool calls {id, type, function: {name, arguments}}
     finish_reason: str                # "tool_calls" for a stop with calls
     reasoning_end: int | None         # where in the output text the think block ended (None: never closed)
+
+
+def make_tool_parser(tools: list[dict] | None, tool_choice: Any = "auto") -> Qwen3CoderToolParser | None:
+    """The parser for a request's tools + tool_choice; None when no parsing is wanted.
+
+    "none" (or no tools): None. "auto" / "required" / None: parse every tool. {"type": "function", "function":
+    {"name": X}}: only X; calls of other functions stay content. Raises ValueError naming tool_choice when bad.
+    """
+    if not tools or tool_choice == "none":
+        return None
+    if tool_choice is None or tool_choice in ("auto", "required"):
+        return Qwen3CoderToolParser(tools)
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise ValueError('tool_choice must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}')
+        known = {tool_function(t).get("name") for t in tools}
+        if name not in known:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        return Qwen3CoderToolParser(tools, allowed_names={name})
+    raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function, got {tool_choice!r}')
 
 
 class ChatFormat:

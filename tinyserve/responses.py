@@ -49,28 +49,19 @@ Mapping (request):
   max_tool_calls (built-in tools only), context_management and stream_options.include_obfuscation are type-checked
   and change nothing (docs/api.md); background and stored prompts are refused; model: any name is accepted (Codex
   sends its own), responses carry the served name; unknown fields are ignored.
-Mapping (response): output items reasoning ("rs_...", summary [], content [reasoning_text]), message ("msg_...",
-one output_text part), function_call ("fc_...", call_id "call_...", arguments a JSON string) and custom_tool_call
-("ctc_...", input a string); status "incomplete"
-with incomplete_details.reason "max_output_tokens" when the generation was cut by the token limit (its last item is
-"incomplete" too). usage.output_tokens_details.reasoning_tokens counts the generated tokens up to the one that closes
-the think block. A stream ends with response.completed whatever the status (the openai client's
-get_final_response() needs it), carrying the same response the blocking call returns; every event carries the item
-as it was at that event.
+Mapping (response): responses_output.py.
 """
 from __future__ import annotations
 
-import copy
-import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from .parsers import THINK_END
-from .chat import (FREEFORM_INPUT, ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest, chat_tools,
-                   freeform_input, freeform_tool, function_tool, function_tools, leave_out, named_tool)
-from .protocol import (APIError, ChoiceResult, Delta, Endpoint, GenerationOptions, ImageInput, Meta, NamedEventStream,
-                       Usage, bad_request, boolean_field, ignored_fields, image_from_url, integer_field,
-                       logprob_content, number_field, parse_response_format, refused_fields, stream_options_field)
+from .chat import (FREEFORM_INPUT, ChatFormat, ChatRequest, TranslatedRequest, chat_tools, freeform_tool, function_tool,
+                   function_tools, leave_out, named_tool)
+from .protocol import (APIError, ChoiceResult, Endpoint, GenerationOptions, ImageInput, Meta, Usage, bad_request,
+                       boolean_field, ignored_fields, image_from_url, integer_field, logprob_content, number_field, parse_response_format, refused_fields, stream_options_field)
+from .responses_output import (ResponsesStream, call_item, count_reasoning_tokens, message_item, new_id,
+                               reasoning_item, response_body, status_of, usage_body)
 from .sampling import MAX_LOGPROBS, SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, SYSTEM_ROLES, ContentJoiner, MessageError, Tokenizer, tool_call_arguments
 
@@ -400,78 +391,6 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
     return ResponsesRequest(chat, echo, logprobs)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Responses
-
-def _id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex
-
-
-def usage_body(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens or 0},
-            "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
-
-
-def count_reasoning_tokens(token_ids: list[int], token_text: Callable[[int], str], reasoning: str | None,
-                           reasoning_end: int | None) -> int:
-    """Generated tokens that belong to the think block: up to the one that reaches `reasoning_end`, the offset in
-    the output text where the block ended (all of them when it never ended); 0 without reasoning."""
-    if not reasoning:
-        return 0
-    if reasoning_end is None:
-        return len(token_ids)
-    length = 0
-    for k, token_id in enumerate(token_ids):
-        length += len(token_text(token_id))
-        if length >= reasoning_end:
-            return k + 1
-    return len(token_ids)
-
-
-def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
-            "status": status}
-
-
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed"
-                       ) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
-
-
-def custom_tool_call_item(item_id: str, call_id: str, name: str, input: str, status: str = "completed"
-                          ) -> dict[str, Any]:
-    return {"id": item_id, "type": "custom_tool_call", "call_id": call_id, "name": name, "input": input,
-            "status": status}
-
-
-def call_item(req: ResponsesRequest, call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    """A parsed call as its output item: a custom_tool_call for a freeform tool, else a function_call."""
-    if name in req.chat.custom_tools:
-        return custom_tool_call_item(_id("ctc_"), call_id, name, freeform_input(arguments))
-    return function_call_item(_id("fc_"), call_id, name, arguments)
-
-
-def response_body(req: ResponsesRequest, meta: Meta, output: list[dict[str, Any]], status: str,
-                  usage: dict[str, Any] | None) -> dict[str, Any]:
-    """The response object; status in_progress (stream start), completed or incomplete."""
-    return {"id": meta.request_id, "object": "response", "created_at": meta.created, "status": status,
-            "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "model": meta.model, "output": output, **req.echo, "usage": usage}
-
-
-def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
-
-
 class Responses(Endpoint[ResponsesRequest]):
     """POST /v1/responses. The parsers come from the config's [parsers] table, as for /v1/chat/completions."""
 
@@ -506,162 +425,17 @@ class Responses(Endpoint[ResponsesRequest]):
         output: list[dict[str, Any]] = []
         tokens = count_reasoning_tokens(r.token_ids, meta.token_text, answer.reasoning, answer.reasoning_end)
         if answer.reasoning:
-            output.append(reasoning_item(_id("rs_"), answer.reasoning))
+            output.append(reasoning_item(new_id("rs_"), answer.reasoning))
         if answer.content:
-            output.append(message_item(_id("msg_"), answer.content))
+            output.append(message_item(new_id("msg_"), answer.content))
             if req.logprobs:                          # the answer's tokens: those after the think block
                 output[-1]["content"][0]["logprobs"] = logprob_content(meta, r.events[tokens:])
         for call in answer.calls:
             output.append(call_item(req, call["id"], call["function"]["name"], call["function"]["arguments"]))
-        status = _status(r.finish_reason)
+        status = status_of(r.finish_reason)
         if status == "incomplete" and output:
             output[-1]["status"] = "incomplete"
         return response_body(req, meta, output, status, usage_body(usage, tokens))
 
-    def stream(self, req: ResponsesRequest, meta: Meta) -> "ResponsesStream":
-        return ResponsesStream(self, req, meta)
-
-
-class ResponsesStream(NamedEventStream):
-    """response.created, response.in_progress; per output item output_item.added, (content_part.added, text deltas,
-    text done, content_part.done | argument deltas, arguments done | custom tool input delta, input done),
-    output_item.done; response.completed with the whole response. Every event carries a sequence_number, and a
-    copy of the item as it is at that event (the item itself grows after it)."""
-
-    def __init__(self, endpoint: Responses, req: ResponsesRequest, meta: Meta) -> None:
-        self.req, self.meta = req, meta
-        self.choice = ChatStreamChoice(endpoint.format, req.chat)
-        self.seq = 0
-        self.output: list[dict[str, Any]] = []        # items so far; the last one is open while `open`
-        self.open = False
-        self.token_ids: list[int] = []
-        self.reasoning = ""
-        self.arguments = ""                           # the open custom tool call's arguments (JSON) so far
-        self.finish_reason: str | None = None
-        self.pending: list[Any] = []                  # token events not yet given to a text delta (logprobs)
-        self.answering = False                        # a text delta went out: the think block is behind
-
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return event
-
-    def error(self, err: APIError) -> dict[str, Any]:
-        return self._event("error", code=err.code or err.type, message=err.message, param=err.param)
-
-    def start(self) -> list[dict[str, Any]]:
-        snapshot = response_body(self.req, self.meta, [], "in_progress", None)
-        return [self._event("response.created", response=snapshot),
-                self._event("response.in_progress", response=snapshot)]
-
-    # ---- items ----
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self.output[-1]["id"], "output_index": len(self.output) - 1}
-
-    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        out = self._close()
-        self.output.append(item)
-        self.open = True
-        out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
-                               item={**copy.deepcopy(item), "status": "in_progress"}))
-        if item["type"] == "message":
-            out.append(self._event("response.content_part.added", **self._where(), content_index=0,
-                                   part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
-        elif item["type"] == "reasoning":
-            out.append(self._event("response.content_part.added", **self._where(), content_index=0,
-                                   part={"type": "reasoning_text", "text": ""}))
-        return out
-
-    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
-        if not self.open:
-            return []
-        self.open = False
-        item = self.output[-1]
-        item["status"] = status
-        where, out = self._where(), []
-        if item["type"] == "message":
-            part = item["content"][0]
-            out.append(self._event("response.output_text.done", **where, content_index=0, text=part["text"],
-                                   logprobs=part["logprobs"]))
-            out.append(self._event("response.content_part.done", **where, content_index=0, part=dict(part)))
-        elif item["type"] == "reasoning":
-            part = item["content"][0]
-            out.append(self._event("response.reasoning_text.done", **where, content_index=0, text=part["text"]))
-            out.append(self._event("response.content_part.done", **where, content_index=0, part=dict(part)))
-        elif item["type"] == "custom_tool_call":       # its input is whole once its arguments are
-            item["input"] = freeform_input(self.arguments)
-            if item["input"]:
-                out.append(self._event("response.custom_tool_call_input.delta", **where, delta=item["input"]))
-            out.append(self._event("response.custom_tool_call_input.done", **where, input=item["input"]))
-        else:
-            out.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
-                                   arguments=item["arguments"]))
-        out.append(self._event("response.output_item.done", output_index=where["output_index"],
-                               item=copy.deepcopy(item)))
-        return out
-
-    def _piece(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        last = self.output[-1] if self.open else None
-        if "reasoning_content" in piece:
-            text = piece["reasoning_content"]
-            self.reasoning += text
-            if last is None or last["type"] != "reasoning":
-                out += self._open(reasoning_item(_id("rs_"), ""))
-            self.output[-1]["content"][0]["text"] += text
-            out.append(self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text))
-        elif "content" in piece:
-            text = piece["content"]
-            if last is None or last["type"] != "message":
-                out += self._open(message_item(_id("msg_"), ""))
-            logprobs = self._answer_logprobs() if self.req.logprobs else []
-            self.output[-1]["content"][0]["text"] += text
-            self.output[-1]["content"][0]["logprobs"] += logprobs
-            out.append(self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
-                                   logprobs=logprobs))
-        elif "tool_calls" in piece:
-            call = piece["tool_calls"][0]
-            if "id" in call:                          # a new call: its own item
-                out += self._open(call_item(self.req, call["id"], call["function"]["name"], ""))
-                self.arguments = ""
-            fragment = call["function"].get("arguments") or ""
-            if fragment and self.open and self.output[-1]["type"] == "custom_tool_call":
-                self.arguments += fragment
-            elif fragment and self.open and self.output[-1]["type"] == "function_call":
-                self.output[-1]["arguments"] += fragment
-                out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=fragment))
-        return out
-
-    def _answer_logprobs(self) -> list[dict[str, Any]]:
-        """Logprobs of the tokens since the last text delta, the think block's (through the token that closes it)
-        left out."""
-        events, self.pending = self.pending, []
-        if not self.answering:
-            self.answering, text = True, ""
-            for k, e in enumerate(events):
-                text += self.meta.token_text(e.token_id)
-                if THINK_END in text:
-                    events = events[k + 1:]
-                    break
-        return logprob_content(self.meta, events)
-
-    def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
-        self.token_ids += d.token_ids
-        self.pending += d.events
-        final = d.finish_reason is not None
-        out: list[dict[str, Any]] = []
-        for piece in self.choice.pieces(d.text, final, truncated=d.finish_reason == "length"):
-            out += self._piece(piece)
-        if final:
-            self.finish_reason = d.finish_reason
-        return out
-
-    def end(self, usage: Usage) -> list[dict[str, Any]]:
-        status = _status(self.finish_reason)
-        out = self._close(status)
-        parser = self.choice.reasoning
-        tokens = count_reasoning_tokens(self.token_ids, self.meta.token_text, self.reasoning,
-                                        parser.end_offset if parser is not None else None)
-        body = response_body(self.req, self.meta, [dict(item) for item in self.output], status,
-                             usage_body(usage, tokens))
-        return out + [self._event("response.completed", response=body)]
+    def stream(self, req: ResponsesRequest, meta: Meta) -> ResponsesStream:
+        return ResponsesStream(self.format, req, meta)

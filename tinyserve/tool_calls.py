@@ -582,26 +582,3 @@ def _name_may_follow(text: str, j: int) -> bool:
     """After `<parameter=`: the text ends in what may still become a name and its `>`."""
     partial = text[j:]
     return len(partial) <= MAX_TAG_NAME and "\n" not in partial and ">" not in partial
-
-
-def make_tool_parser(tools: list[dict] | None, tool_choice: Any = "auto") -> Qwen3CoderToolParser | None:
-    """The parser for a request's tools + tool_choice; None when no parsing is wanted.
-
-    "none" (or no tools): None. "auto" / "required" / None: parse every tool. {"type": "function", "function":
-    {"name": X}}: only X; calls of other functions stay content. Raises ValueError naming tool_choice when bad.
-    """
-    if not tools or tool_choice == "none":
-        return None
-    if tool_choice is None or tool_choice in ("auto", "required"):
-        return Qwen3CoderToolParser(tools)
-    if isinstance(tool_choice, dict):
-        fn = tool_choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if tool_choice.get("type") != "function" or not isinstance(name, str):
-            raise ValueError('tool_choice must be "none", "auto", "required" or '
-                             '{"type": "function", "function": {"name": ...}}')
-        known = {tool_function(t).get("name") for t in tools}
-        if name not in known:
-            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-        return Qwen3CoderToolParser(tools, allowed_names={name})
-    raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function, got {tool_choice!r}')
