@@ -284,7 +284,7 @@ class Engine:
                 events.append(self._event(req, []))
         events += self.run_step(self.scheduler)
         for d in self.cache.take_divergences():
-            log.info("prefix cache: %s", describe_divergence(d, self.tokenizer, self.runner.vocab_size))
+            log.info("prefix cache: %s", describe_divergence(d, self.tokenizer, self.runner))
         return events
 
     def run_step(self, sched: Scheduler) -> list[StepEvent]:
@@ -493,7 +493,7 @@ class Engine:
         self.cache.close(timeout)
 
 
-def describe_divergence(d: Divergence, tokenizer: Any, vocab_size: int) -> str:
+def describe_divergence(d: Divergence, tokenizer: Any, runner: ModelRunner) -> str:
     """Where a prompt left a cached path, logged the first time a prompt leaves it there (every time is counted in
     /metrics); docs/cache-misses.md says how to read it."""
     def shown(ids: list[int]) -> str:     # cache ids as quoted text, special tokens kept, an image's keys as <image>
@@ -501,7 +501,7 @@ def describe_divergence(d: Divergence, tokenizer: Any, vocab_size: int) -> str:
             return str(ids)
         text, run = "", []
         for i in ids + [-1]:
-            if 0 <= i < vocab_size:
+            if 0 <= i < runner.vocab_size:                  # larger ids are an image's keys
                 run.append(i)
                 continue
             if i >= 0 and not run and text.endswith("<image>"):
