@@ -35,9 +35,10 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def engine_for(loaded_model, tokenizer=None, **tables: dict[str, Any]) -> Engine:
     """An engine around a loaded model, configured by TOML tables with the TOML's own key names:
     engine_for(model, engine={"page_size": 16}, cache={"enabled": False, "host": {"size_gb": 0.01}}).
-    On CUDA (tests/gpu.sh) CUDA graphs are off unless a test asks for them: capturing them for every engine
-    of the suite would take most of a lent GPU's minutes (tests/test_cuda_graphs.py tests them)."""
-    tables = merge({"engine": {"cuda_graphs": False}}, tables)
+    The static steps are off unless a test asks for them: capturing CUDA graphs (tests/gpu.sh) or compiling the
+    CPU steps for every engine of the suite would take most of a lent GPU's minutes, and minutes of CPU
+    (tests/test_cuda_graphs.py and tests/test_compiled.py test them)."""
+    tables = merge({"engine": {"cuda_graphs": False, "cpu_compile": False}}, tables)
     return engine_for_model(from_dict(tables), loaded_model, tokenizer)
 
 

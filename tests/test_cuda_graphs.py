@@ -2,7 +2,7 @@
 shape (batch size, tokens per sequence) from static buffers, the padding rows and tokens on a scratch KV page and a
 scratch GDN state slot that no request ever holds.
 
-On the CPU the static path is forced on without a capture (ModelRunner.enable_static_steps(capture=False)) and must
+On the CPU the static path is forced on without a capture (ModelRunner.enable_static_steps(build=False)) and must
 give exactly the eager path's greedy tokens on every page size, with the prefix cache on, while the batch shrinks
 and grows, and with NEXTN the unspeculated tokens; the scratch page and slot are never handed out and never written
 by a real sequence. The capture and replay themselves need a GPU (the `gpu` test at the end).
@@ -156,7 +156,7 @@ def test_static_decode_gives_the_eager_tokens(dense, page_size):
     assert_no_leaks(eager)
 
     eng = make_engine(dense, page_size)
-    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)          # the CPU test switch: no capture
+    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)          # the CPU test switch: no capture
     rec = Recorder(eng.runner.static)
     got = drive(eng, schedule)
     assert got == want
@@ -175,7 +175,7 @@ def test_static_decode_moe(moe):
     schedule = workload(3)[:5]
     want = drive(make_engine(moe, 16), schedule)
     eng = make_engine(moe, 16)
-    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
+    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
     rec = Recorder(eng.runner.static)
     assert drive(eng, schedule) == want and any(n < B for n, B, _ in rec.steps)
     assert_no_leaks(eng)
@@ -200,7 +200,7 @@ def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
     assert drive(eager, schedule) == want
     eng = make_engine(model, page_size, speculative=spec)
     eng.nextn.step_cost = PinnedCost()
-    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
+    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
     rec = Recorder(eng.runner.static)
     assert drive(eng, schedule) == want
     # the same drafts as the eager head's (a wrong draft costs acceptance, not tokens: so compare the counts)
@@ -251,7 +251,7 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
         for name in ("triton", "static"):
             eng = make_engine(model, 16, engine={"kernels": "triton"}, **spec)
             if name == "static":
-                eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
+                eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
                 rec = Recorder(eng.runner.static)
             out[name] = drive(eng, schedule)
     assert out["static"] == out["triton"] == drive(make_engine(model, 16), schedule)       # and the references'
@@ -302,20 +302,19 @@ def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, mtp, monkeyp
         static = StaticStep(model, eng.kv_pool, eng.state_pool, MAX_RUNNING, CTX, max_tokens=3,   # and verifies
                             nextn_kv_layer=eng.nextn.kv_layer if nextn else None)                # and the head
         for B, T in static.shapes:
-            batch = static._batch(B, T, [1] * B, [static.padding_slot] * B)
+            t = static.tensors(B, T, static.width)
             with monkeypatch.context() as m, torch.inference_mode(), NoHostReads():
                 for name in ("tolist", "numpy", "cpu"):
                     m.setattr(torch.Tensor, name, read)
-                static.model(batch, *static._pools())
+                static.eager("step", T, static.max_len, t)
                 if nextn:
-                    model.mtp_hidden(static.input_ids[:B * T], static.draft_in[:B * T], batch, eng.kv_pool,
-                                     eng.nextn.kv_layer)
+                    static.eager("draft", T, static.max_len, t)
 
 
 def test_static_decode_with_a_short_pool(dense):
     """A KV pool shorter than the context: the page table and the attention bound are the pool's length."""
     eng = make_engine(dense, 16, engine={"kv_cache_tokens": 256})
-    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
+    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
     assert eng.runner.static.max_len == 256 and eng.runner.static.width == 16
     schedule = [(0, tokens(30, 1), 20), (0, tokens(50, 2), 20), (3, tokens(20, 3), 10)]
     want = drive(make_engine(dense, 16, engine={"kv_cache_tokens": 256}), schedule)

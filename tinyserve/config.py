@@ -108,6 +108,7 @@ class EngineSection(_Section):
     idle_release_s: float = _opt(0.0, ge=0)     # 0: off
     kernels: str = _opt("auto", choices=KERNELS)  # auto: Triton on CUDA, the torch reference on CPU
     cuda_graphs: bool = True                    # CUDA: decode steps replay graphs captured at start (CPU: ignored)
+    cpu_compile: bool = True                    # CPU: decode steps compiled by torch.compile at start (CUDA: ignored)
 
 
 @dataclass
