@@ -14,6 +14,8 @@ set -euo pipefail
 version=0.3.36
 cmd=${1:-}
 default_dest=${TINYSERVE_LLAMA_CPP:-$HOME/.cache/tinyserve/llama.cpp}
+python=${PYTHON:-python3}
+[[ $python == */* ]] && python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")"   # the converter runs elsewhere
 
 source_dir() { echo "$1/src/llama_cpp_python-$version/vendor/llama.cpp"; }
 
@@ -21,7 +23,7 @@ fetch_source() {   # DEST: unpack llama-cpp-python's sdist once
   local dest=$1
   [[ -f $(source_dir "$dest")/CMakeLists.txt ]] && return
   mkdir -p "$dest/src"
-  "${PYTHON:-python3}" -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" -d "$dest/src"
+  "$python" -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" -d "$dest/src"
   tar xzf "$dest/src/llama_cpp_python-$version.tar.gz" -C "$dest/src"
 }
 
@@ -50,7 +52,7 @@ case $cmd in
     mkdir -p "$(dirname "$out")"
     log="$out.convert.log"
     # the converter refuses a BPE pre-tokenizer it has no hash for; the token ids are what the benchmarks use
-    if ! (cd "$src" && "${PYTHON:-python3}" - "$ckpt" --outtype "$outtype" --outfile "$out" "${extra[@]}" <<'EOF'
+    if ! (cd "$src" && "$python" - "$ckpt" --outtype "$outtype" --outfile "$out" "${extra[@]}" <<'EOF'
 import runpy
 import sys
 

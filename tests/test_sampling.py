@@ -444,4 +444,11 @@ def test_top_p_full_vocab_without_sort_matches_reference(scale):
         ref_row = rows[r] / p.temperature
         if p.top_k > 0:
             ref_row = ref_row.masked_fill(ref_row < torch.topk(ref_row, p.top_k).values[-1], float("-inf"))
-        assert set(torch.isfinite(kept[r]).nonzero().flatten().tolist()) == _reference_top_p(ref_row, p.top_p)
+        got = set(torch.isfinite(kept[r]).nonzero().flatten().tolist())
+        probs = torch.softmax(ref_row.double(), -1)
+        ordered, order = torch.sort(probs, descending=True)
+        ahead = dict(zip(order.tolist(), (torch.cumsum(ordered, 0) - ordered).tolist()))
+        want = {t for t, a in ahead.items() if a <= p.top_p}
+        # equal but for tokens whose mass ahead is top_p to fp32's rounding of a sum over ~10^4 probabilities
+        assert all(abs(ahead[t] - p.top_p) < 1e-4 for t in got ^ want), sorted(ahead[t] for t in got ^ want)
+        assert len(got ^ want) <= 4
