@@ -3,7 +3,8 @@ torch.compile at start gives exactly the eager path's greedy tokens while the ba
 context crosses pages, with the prefix cache on; inductor's files land in the folder it was given; a CPU where
 compilation fails (here: no C++ compiler) runs every step eagerly, after one warning.
 
-The smallest shapes only (at most 3 running requests, no NEXTN): a compile costs tens of seconds of CPU.
+The smallest shapes only (at most 3 running requests; NEXTN with one draft and 2): each graph costs tens of seconds
+of CPU to compile, so the compiling tests are `slow` (left out of the quick tier).
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ def workload() -> list[tuple[int, list[int], int]]:
     return [(0, shared, 12), (14, tokens(3, 2), 40), (15, shared + tokens(9, 3), 25), (16, tokens(30, 4), 60)]
 
 
+@pytest.mark.slow
 def test_compiled_decode_gives_the_eager_tokens(dense, cache_dir):
     schedule = workload()
     want = drive(make_engine(dense), schedule)
@@ -102,4 +104,37 @@ def test_a_failed_compile_runs_eagerly_after_one_warning(dense, cache_dir, monke
         assert drive(eng, schedule) == want
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "compiling the CPU steps failed" in warnings[0].getMessage(), warnings
+    assert_no_leaks(eng)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)        # four graphs to compile: minutes on a busy 2-core machine
+def test_compiled_nextn_gives_the_unspeculated_tokens(tmp_path, cache_dir):
+    """NEXTN through the compiled verify step and head passes (one draft: T = 1 and 2, at most 2 sequences):
+    the greedy tokens are those of plain eager decoding, and the drafts (hence the acceptance counts) are the
+    eager head's."""
+    from checkpoints import make_agreeing_head
+    from conftest import PinnedCost
+    folder, _ = make_qwen3_5_text(tmp_path / "mtp", with_mtp=True, max_position_embeddings=CTX)
+    make_agreeing_head(folder, mix=0.3, head_noise=0.05, head_layer=0.5)
+    model = load_model(folder, torch.float32, TEST_DEVICE)
+    schedule = [(0, tokens(20, 5), 30), (0, tokens(5, 6), 24), (10, tokens(40, 7), 16)]
+    small = {"engine": {"max_running_requests": 2}}
+    want = drive(make_engine(model, cache={"enabled": False}, **small), schedule)
+    spec = {"speculative": {"algorithm": "nextn", "num_steps": 1, "num_draft_tokens": 2}}
+    eager = make_engine(model, **spec, **small)
+    eager.nextn.step_cost = PinnedCost()
+    assert drive(eager, schedule) == want
+    eng = make_engine(model, **spec, **small)
+    eng.nextn.step_cost = PinnedCost()
+    eng.runner.enable_static_steps(2, for_graphs=False)
+    static = eng.runner.static
+    assert static is not None and static.compiled is not None and static.max_tokens == 2
+    eager_calls = []
+    eager_forward = static.eager
+    static.eager = lambda *a, **k: eager_calls.append(a) or eager_forward(*a, **k)
+    assert drive(eng, schedule) == want
+    assert eng.nextn.stats.num_accepted_tokens > 0
+    assert eng.nextn.stats == eager.nextn.stats
+    assert not eager_calls, "every verify and head pass ran through the graphs compiled at start"
     assert_no_leaks(eng)
