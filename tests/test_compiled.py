@@ -92,13 +92,12 @@ def test_compiled_decode_gives_the_eager_tokens(dense, cache_dir):
     assert_no_leaks(eng)
 
 
-def test_a_failed_compile_runs_eagerly_after_one_warning(dense, cache_dir, monkeypatch, caplog):
+def test_a_failed_compile_runs_eagerly_after_one_warning(dense, cache_dir, caplog):
     from torch._inductor import config as inductor_config
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++-compiler",))
     schedule = workload()[:2]
     want = drive(make_engine(dense), schedule)
     eng = make_engine(dense)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING), inductor_config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
         eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=False)
         assert eng.runner.static is None
         assert drive(eng, schedule) == want
