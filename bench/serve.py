@@ -7,6 +7,8 @@
 Systems (each one a separate process that runs nothing else; all load first, then they take turns):
   tinyserve HTTP        `tinyserve CONFIG` (the console script); streaming POST /v1/completions with token-id
                         prompts, ignore_eos, temperature 0, fixed max_tokens, from an aiohttp client in this process
+  tinyserve HTTP eager  the same server with engine.compile_steps = false: every step eager (the compiled step's
+                        gain, side by side; the same as tinyserve HTTP on a GPU)
   tinyserve in-process  a fresh Python subprocess: build_engine(cfg), then engine.generate(prompts, params)
   llama-server          with --llama-server and --gguf: `llama-server -m GGUF -np 8 -t THREADS -c ...`; the same
                         token-id prompts through streaming POST /completion (n_predict, ignore_eos, temperature 0)
@@ -25,6 +27,10 @@ figure is the best (or, with --stat median, the median) of --rounds rounds; insi
 turns for each measure, in an order that rotates from round to round. --dtype picks the weights' dtype of
 tinyserve and transformers (pass the GGUF of the same dtype); with bfloat16 the max abs difference of the bf16
 logits from the fp32 logits (transformers, one prompt, every position) is printed too.
+
+Start-up: each system's time from launch to ready is printed. The compiled CPU step (engine.compile_steps) keeps
+inductor's cache in ~/.cache/tinyserve/compiled: run once to warm it; `TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python
+bench/serve.py ...` measures a cold start.
 
 The machine must be quiet: the load average before and after, and the CPU time that other processes took during
 the run, are printed, with a warning when the machine was oversubscribed. Logs of every process are kept in the
@@ -50,8 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # `bench.commo
 from bench.common import (CpuMeter, ServerProcess, Worker, fmt_table, free_port, gguf_file_type,  # noqa: E402
                           load_average, serve_worker, stream_many, token_prompts)
 
-HTTP, INPROC, LLAMA, HF = "tinyserve HTTP", "tinyserve in-process", "llama-server", "transformers"
-SYSTEM_KEYS = {"http": HTTP, "inprocess": INPROC, "llama": LLAMA, "transformers": HF}
+HTTP, EAGER, INPROC, LLAMA, HF = ("tinyserve HTTP", "tinyserve HTTP eager", "tinyserve in-process", "llama-server",
+                                  "transformers")
+SYSTEM_KEYS = {"http": HTTP, "eager": EAGER, "inprocess": INPROC, "llama": LLAMA, "transformers": HF}
 ONE, BATCH, PREFILL, TTFT = "one", "batch", "prefill", "ttft"
 TTFT_PROMPT_TOKENS = 32
 SETTLE_S = 0.2     # pause before each measure: the previous system's spinning threads go to sleep
@@ -100,7 +107,7 @@ class HTTPSystem:
     def __init__(self, name: str, server: ServerProcess, path: str, body, progress) -> None:
         self.name, self.server, self.path, self.body, self.progress = name, server, path, body, progress
         self.session = None
-        self.info = ""
+        self.info, self.ready_s = "", 0.0
 
     async def measure(self, prompts: list[list[int]], max_tokens: int, ttft: bool) -> Sample:
         import aiohttp
@@ -126,6 +133,7 @@ class WorkerSystem:
 
     def __init__(self, name: str, worker: Worker, info: str) -> None:
         self.name, self.worker, self.info = name, worker, info
+        self.ready_s = 0.0
 
     async def measure(self, prompts: list[list[int]], max_tokens: int, ttft: bool) -> Sample:
         r = self.worker.call("run", prompts=prompts, max_tokens=max_tokens)
@@ -288,7 +296,7 @@ async def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tinyserve-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    names = [SYSTEM_KEYS[s] for s in args.systems] if args.systems else [HTTP, INPROC, HF] + (
+    names = [SYSTEM_KEYS[s] for s in args.systems] if args.systems else [HTTP, EAGER, INPROC, HF] + (
         [LLAMA] if args.llama_server else [])
     if LLAMA in names and not (args.llama_server and args.gguf):
         raise SystemExit("llama-server needs --llama-server PATH and --gguf PATH")
@@ -313,6 +321,11 @@ async def run(args: argparse.Namespace) -> int:
     cfg = config_mod.from_dict(data)
     cfg_path = work / "tinyserve.toml"
     cfg_path.write_text(config_mod.dumps(cfg))
+    data["server"]["port"] = free_port()
+    data["engine"]["compile_steps"] = False
+    eager_cfg = config_mod.from_dict(data)
+    eager_path = work / "tinyserve-eager.toml"
+    eager_path.write_text(config_mod.dumps(eager_cfg))
     device = cfg.model.device           # "auto": the transformers worker picks as tinyserve does
 
     systems: dict[str, HTTPSystem | WorkerSystem] = {}
@@ -320,12 +333,13 @@ async def run(args: argparse.Namespace) -> int:
         # start every system (one after the other), then measure
         for name in names:
             t0 = time.perf_counter()
-            if name == HTTP:
-                srv = ServerProcess(HTTP, _tinyserve_argv(cfg_path), f"http://127.0.0.1:{cfg.server.port}",
-                                    work / "tinyserve-server.log", env=env)
+            if name in (HTTP, EAGER):
+                c, path = (cfg, cfg_path) if name == HTTP else (eager_cfg, eager_path)
+                srv = ServerProcess(name, _tinyserve_argv(path), f"http://127.0.0.1:{c.server.port}",
+                                    work / f"{path.stem}-server.log", env=env)
                 systems[name] = HTTPSystem(name, srv, "/v1/completions", _tinyserve_body, _tinyserve_progress)
                 srv.wait_ready()
-                systems[name].info = f"`tinyserve {cfg_path.name}`, OMP_NUM_THREADS={threads}"
+                systems[name].info = f"`tinyserve {path.name}`, OMP_NUM_THREADS={threads}"
             elif name == LLAMA:
                 per_slot = -(-(max(shape.prefill_tokens, TTFT_PROMPT_TOKENS + 64 + shape.new_tokens) + 256)
                              // 256) * 256
@@ -348,7 +362,8 @@ async def run(args: argparse.Namespace) -> int:
                 w = Worker(name, _worker_argv(kind, spec), work / f"{kind}-worker.log", env)
                 systems[name] = WorkerSystem(name, w, "")
                 systems[name].info = w.call("info")["info"]
-            print(f"{name}: ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            systems[name].ready_s = time.perf_counter() - t0
+            print(f"{name}: ready in {systems[name].ready_s:.1f} s", file=sys.stderr)
 
         res = Results()
         kinds = [ONE, BATCH, PREFILL, TTFT]
@@ -434,7 +449,7 @@ def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Re
     print(f"\nbench/serve.py: {Path(folder).name} ({folder}), {args.dtype} weights, {threads} threads per system, "
           f"{stat} of {args.rounds} rounds")
     for name in names:
-        print(f"  {name}: {systems[name].info}")
+        print(f"  {name}: {systems[name].info}; start to ready {systems[name].ready_s:.1f} s")
     print(f"  load average before {load_before}, after {load_after}; other processes used {others:.2f} cores "
           f"on average during the run ({os.cpu_count()} CPUs)")
     print("  times: wall clock in this script (HTTP: request sent -> streamed token; in-process and "
@@ -442,14 +457,20 @@ def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Re
     print(fmt_table(rows, ("measure", *names)))
     print("\nratios (tinyserve = the HTTP server, what a user gets)")
     ratio_rows = []
+    if HTTP in systems and EAGER in systems:
+        ratio_rows.append(("tinyserve HTTP / eager", f"1 request {ratio(HTTP, EAGER, ONE)}",
+                           f"{c} requests {ratio(HTTP, EAGER, BATCH)}", f"prefill {ratio(HTTP, EAGER, PREFILL)}"))
     if HTTP in systems and INPROC in systems:
         ratio_rows.append(("tinyserve HTTP / in-process", f"1 request {ratio(HTTP, INPROC, ONE)}",
-                           f"{c} requests {ratio(HTTP, INPROC, BATCH)}", ""))
+                           f"{c} requests {ratio(HTTP, INPROC, BATCH)}"))
     for peer in (LLAMA, HF):
-        if HTTP in systems and peer in systems:
-            ratio_rows.append((f"tinyserve / {peer}", f"1 request {ratio(HTTP, peer, ONE)}",
-                               f"{c} requests {ratio(HTTP, peer, BATCH)}", f"prefill {ratio(HTTP, peer, PREFILL)}"))
-    width = [max(len(r[i]) for r in ratio_rows) for i in range(4)] if ratio_rows else []
+        for ours, label in ((HTTP, "tinyserve"), (EAGER, "tinyserve eager")):
+            if ours in systems and peer in systems:
+                ratio_rows.append((f"{label} / {peer}", f"1 request {ratio(ours, peer, ONE)}",
+                                   f"{c} requests {ratio(ours, peer, BATCH)}",
+                                   f"prefill {ratio(ours, peer, PREFILL)}",
+                                   f"TTFT {ratio(ours, peer, TTFT)}"))
+    width = [max(len(r[i]) if i < len(r) else 0 for r in ratio_rows) for i in range(5)] if ratio_rows else []
     for r in ratio_rows:
         print("  " + "   ".join(cell.ljust(w) for cell, w in zip(r, width)).rstrip())
 
@@ -490,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="threads of every system: llama-server -t, OMP_NUM_THREADS of the torch processes "
                          "(default: the CPUs this process may run on)")
     ap.add_argument("--systems", nargs="+", choices=list(SYSTEM_KEYS),
-                    help="systems to run (default: http inprocess transformers, and llama with --llama-server)")
+                    help="systems to run (default: http eager inprocess transformers, and llama with "
+                         "--llama-server)")
     ap.add_argument("--dir", type=Path, help="cache folder of the bench checkpoint (default: "
                                              "$TINYSERVE_BENCH_DIR or ~/.cache/tinyserve/bench)")
     ap.add_argument("--workdir", type=Path, help="folder for the config and the logs (default: a temp folder)")

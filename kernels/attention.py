@@ -11,14 +11,16 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.kernels import use_triton
+from tinyserve.kernels.pool_layer import PoolLayer
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | PoolLayer,
+             slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, KV, hd] at flat slots slot_mapping [T] (int64) of one layer's cache."""
-    page_size = kv_cache.shape[2]
+    kv = PoolLayer.of(kv_cache)
+    page_size = kv.pool.shape[3]
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
-    kv_cache[pages, 0, offsets] = k.to(kv_cache.dtype)
-    kv_cache[pages, 1, offsets] = v.to(kv_cache.dtype)
+    kv.put((pages[:, None], torch.arange(2, device=k.device)[None, :], offsets[:, None]), torch.stack([k, v], 1))
 
 
 def _gather_kv(kv_cache: torch.Tensor, pages: torch.Tensor, length: int, dtype: torch.dtype):
@@ -27,12 +29,13 @@ def _gather_kv(kv_cache: torch.Tensor, pages: torch.Tensor, length: int, dtype: 
     return kv[0].to(dtype), kv[1].to(dtype)                # [L, KV, hd] each
 
 
-def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor | PoolLayer, page_table: torch.Tensor,
                             cu_seqlens: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
     """New tokens (any count per sequence) attend to their cached context plus themselves, causally.
 
     q [T, H, hd] packed; returns [T, H, hd]. Loops over sequences (a handful per step), never over tokens.
     """
+    kv_cache = PoolLayer.of(kv_cache).rows
     if use_triton(q):
         from tinyserve.kernels import attention_triton
         return attention_triton.paged_attention_prefill(q, kv_cache, page_table, cu_seqlens, seq_lens, scale)
@@ -56,8 +59,8 @@ def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_table:
 
 def row_groups(table_rows: torch.Tensor, q: torch.Tensor) -> list[tuple[int, int, int]] | None:
     """(first row, end row, page-table row) of each run of rows reading one page-table row, on the CPU, where
-    reading the ids is free; None on a GPU (each row gathers its own keys there: no host read)."""
-    if q.device.type != "cpu":
+    reading the ids is free; None on a GPU or in a compiled step (each row gathers its own keys: no host read)."""
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     rows, groups, start = table_rows.tolist(), [], 0
     for end in range(1, len(rows) + 1):
@@ -67,13 +70,14 @@ def row_groups(table_rows: torch.Tensor, q: torch.Tensor) -> list[tuple[int, int
     return groups
 
 
-def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor | PoolLayer, page_table: torch.Tensor,
                            seq_lens: torch.Tensor, max_len: int, scale: float,
                            table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """One query row per sequence, all rows at once: row i sees keys 0 .. seq_lens[i]-1 of its pages. q [N, H, hd];
     seq_lens [N] (int32, each <= max_len); returns [N, H, hd]. table_rows [N] (int64): row i reads page-table row
     table_rows[i] (a speculative verify: each token is a row over its sequence's pages, its length its position
     + 1, which makes it causal); None: row i."""
+    kv_cache = PoolLayer.of(kv_cache).rows
     if use_triton(q):
         from tinyserve.kernels import attention_triton
         return attention_triton.paged_attention_decode(q, kv_cache, page_table, seq_lens, max_len, scale,

@@ -10,15 +10,17 @@ import torch.nn.functional as F
 
 from tinyserve.kernels import use_triton
 from tinyserve.kernels.gdn import slot_run
+from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kernels.verify_layout import VerifyLayout, pad_to_layout
 
 
-def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | PoolLayer,
                           cu_seqlens: list[int], slot_ids: list[int]) -> torch.Tensor:
     """x [T, C] packed sequences; weight [C, K]; conv_state [slots, C, K-1] (read, then updated in place).
 
     Returns silu(conv(x)) [T, C]. Sequence i covers x[cu_seqlens[i]:cu_seqlens[i+1]] and continues slot_ids[i].
     """
+    conv_state = PoolLayer.of(conv_state).rows
     if use_triton(x):
         from tinyserve.kernels import conv_triton
         return conv_triton.causal_conv1d_prefill(x, weight, conv_state, cu_seqlens, slot_ids)
@@ -34,35 +36,37 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     return out
 
 
-def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | PoolLayer,
                          slot_ids: torch.Tensor) -> torch.Tensor:
     """One new token per sequence: x [N, C]; conv_state [slots, C, K-1] updated in place. Returns [N, C]."""
+    pool = PoolLayer.of(conv_state)
     if use_triton(x):
         from tinyserve.kernels import conv_triton
-        return conv_triton.causal_conv1d_decode(x, weight, conv_state, slot_ids)
-    # a run of slots is a view; otherwise index_select / index_copy_ (a fraction of advanced indexing's cost)
-    first = slot_run(slot_ids, conv_state)
-    rows = conv_state.narrow(0, first, slot_ids.numel()) if first is not None else \
-        conv_state.index_select(0, slot_ids)
+        return conv_triton.causal_conv1d_decode(x, weight, pool.rows, slot_ids)
+    # a run of slots is a view; otherwise a gather and a scatter (index_select: a fraction of indexing's cost)
+    first = slot_run(slot_ids, pool.pool)
+    rows = pool.rows.narrow(0, first, slot_ids.numel()) if first is not None else \
+        pool.rows.index_select(0, slot_ids)
     window = torch.cat([rows.to(x.dtype), x.unsqueeze(-1)], dim=-1)                                 # [N, C, K]
     if first is not None:
         rows.copy_(window[..., 1:])
     else:
-        conv_state.index_copy_(0, slot_ids, window[..., 1:].to(conv_state.dtype))
+        pool.put((slot_ids,), window[..., 1:])
     return F.silu(torch.linalg.vecdot(window, weight))
 
 
-def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | PoolLayer,
                          lay: VerifyLayout) -> torch.Tensor:
     """Speculative verify: the decode conv (the same per-token sum) over each sequence's 1 + k tokens at once,
     keeping the history after every token in its own slot (lay: kernels.verify_layout.VerifyLayout). x [T, C]."""
+    pool = PoolLayer.of(conv_state)
     if use_triton(x):
         from tinyserve.kernels import conv_triton
-        return conv_triton.causal_conv1d_verify(x, weight, conv_state, lay)
+        return conv_triton.causal_conv1d_verify(x, weight, pool.rows, lay)
     C, K = weight.shape
-    hist = conv_state.index_select(0, lay.in_slots).to(x.dtype)                          # [N, C, K-1]
+    hist = pool.rows.index_select(0, lay.in_slots).to(x.dtype)                           # [N, C, K-1]
     window = torch.cat([hist, pad_to_layout(x, lay).transpose(1, 2)], dim=-1)           # [N, C, K-1+L]
     out = F.silu(torch.linalg.vecdot(window.unfold(2, K, 1), weight[:, None, :]))       # [N, C, L]
     after = window.unfold(2, K - 1, 1)[:, :, 1:]                  # [N, C, L, K-1]: the history after token t
-    conv_state.index_copy_(0, lay.out_slots, lay.unpad(after.transpose(1, 2)).to(conv_state.dtype))
+    pool.put((lay.out_slots,), lay.unpad(after.transpose(1, 2)))
     return lay.unpad(out.transpose(1, 2))

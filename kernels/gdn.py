@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.kernels import use_triton
+from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kernels.verify_layout import VerifyLayout, pad_to_layout
 
 
@@ -22,13 +23,14 @@ def _expand_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           state: torch.Tensor, cu_seqlens: list[int], slot_ids: list[int],
+                           state: torch.Tensor | PoolLayer, cu_seqlens: list[int], slot_ids: list[int],
                            chunk_size: int = 64) -> torch.Tensor:
     """Prefill form. q, k [T, H, dk]; v [T, HV, dv]; g, beta [T, HV] (fp32, g = log-decay <= 0).
 
     Every chunk of every sequence is computed at once (intra-chunk work batched); only the chunk-to-chunk state
     hand-over loops, over chunk index, batched across sequences. Returns o [T, HV, dv] in v's dtype.
     """
+    state = PoolLayer.of(state).rows
     if use_triton(q):
         from tinyserve.kernels import gdn_triton
         return gdn_triton.chunk_gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, slot_ids, chunk_size)
@@ -124,16 +126,20 @@ def _chunk_layout(cu_seqlens: tuple[int, ...], C: int, T: int, device: torch.dev
 
 def slot_run(slot_ids: torch.Tensor, pool: torch.Tensor) -> int | None:
     """The first slot when slot_ids are consecutive ascending slots of a CPU pool (then `pool.narrow` is a view of
-    exactly those rows); None otherwise. Reading the ids is free on the CPU; a GPU kernel indexes directly."""
-    if pool.device.type != "cpu":
+    exactly those rows); None otherwise. Reading the ids is free on the CPU; a GPU kernel indexes directly, and so
+    does a compiled step (torch.compile), whose gather and scatter fuse with the update."""
+    if pool.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     ids = slot_ids.tolist()
     return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
 
 
 def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                      beta: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+                                      beta: torch.Tensor, state: torch.Tensor | PoolLayer,
+                                      slot_ids: torch.Tensor) -> torch.Tensor:
     """One token per sequence. q, k [N, H, dk]; v [N, HV, dv]; g, beta [N, HV]; state [slots, HV, dk, dv]."""
+    pool = PoolLayer.of(state)
+    state = pool.rows
     if use_triton(v):
         from tinyserve.kernels import gdn_triton
         return gdn_triton.recurrent_gated_delta_rule_decode(q, k, v, g, beta, state, slot_ids)
@@ -153,15 +159,18 @@ def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch
     delta = beta.float().unsqueeze(-1) * (v.float() - pred)
     S.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))                     # S += k delta^T
     if first is None:
-        state.index_copy_(0, slot_ids, S.to(state.dtype))
+        pool.put((slot_ids,), S)
     return (q @ S).squeeze(-2).to(v.dtype)                               # S^T q
 
 
 def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                      beta: torch.Tensor, state: torch.Tensor, lay: VerifyLayout) -> torch.Tensor:
+                                      beta: torch.Tensor, state: torch.Tensor | PoolLayer,
+                                      lay: VerifyLayout) -> torch.Tensor:
     """Speculative verify: the decode recurrence (the same ops, so the same numbers as decoding the tokens one step
     at a time) over each sequence's 1 + k tokens, batched over sequences, keeping the state after every token in
     its own slot, so the state after the last accepted token can become the sequence's state as it is."""
+    pool = PoolLayer.of(state)
+    state = pool.rows
     if use_triton(v):
         from tinyserve.kernels import gdn_triton
         return gdn_triton.recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, lay)
@@ -181,5 +190,5 @@ def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch
         S.addcmul_(kp[:, t].unsqueeze(-1), delta.unsqueeze(-2))           # S += k delta^T
         out[:, t] = (qp[:, t].unsqueeze(-2) @ S).squeeze(-2)              # S^T q
         states[:, t] = S
-    state.index_copy_(0, lay.out_slots, lay.unpad(states).to(state.dtype))
+    pool.put((lay.out_slots,), lay.unpad(states))
     return lay.unpad(out).to(v.dtype)

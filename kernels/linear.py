@@ -38,8 +38,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
     if _onednn_ok(x, weight):
         rows = x.numel() // x.shape[-1]
         if _use_onednn["one" if rows == 1 else "few" if rows <= FEW_MAX else "many"]:
+            if torch.compiler.is_compiling():
+                return torch.ops.tinyserve.onednn_linear(x, weight)
             return _onednn_linear(x, weight, None, "none", [], "")
     return F.linear(x, weight)
+
+
+if _onednn_linear is not None:
+    # For torch.compile, the oneDNN GEMM as an opaque op: inductor's own lowering of _linear_pointwise wants the
+    # weight frozen into the graph (a prepacked copy of every weight, per graph), which we do not do.
+    @torch.library.custom_op("tinyserve::onednn_linear", mutates_args=())
+    def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _onednn_linear(x, weight, None, "none", [], "")
+
+    @_onednn_linear_op.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.inference_mode()

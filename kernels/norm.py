@@ -16,7 +16,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     if use_triton(x):
         from tinyserve.kernels import norm_triton
         return norm_triton.rms_norm(x, weight, eps, zero_centred)
-    w = weight.float()
+    w = weight if weight.dtype == torch.float32 else weight.float()
     w = 1.0 + w if zero_centred else w
     if x.dtype == torch.float32 and x.numel() <= _FUSED_MAX_NUMEL:
         return F.rms_norm(x, (x.shape[-1],), w, eps)

@@ -24,6 +24,7 @@ from tinyserve.kernels.gdn import (chunk_gated_delta_rule, recurrent_gated_delta
 from tinyserve.kernels.linear import linear
 from tinyserve.kernels.moe import fused_experts, route
 from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm
+from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kernels.verify_layout import VerifyLayout
 from tinyserve.models.config import ModelConfig  # noqa: F401 - re-exported
 from tinyserve.models.qwen_vision import VisionConfig, VisionTower, mrope_cos_sin
@@ -69,6 +70,15 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    @property
+    def prefill_start(self) -> int:
+        """The first token row of the prefill chunks (after the decode and verify tokens)."""
+        return self.cu_seqlens[self.num_decode + self.num_verify]
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.num_seqs > self.num_decode + self.num_verify
+
 
 class Rotary:
     """The tables of the partial NeoX rotary embedding on the first rotary_dim dims of each head (applied by
@@ -83,6 +93,17 @@ class Rotary:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)           # [T, 1, rd]
+
+
+def norm_scale(shape, device) -> nn.Parameter:
+    """A zero-centred RMSNorm's weight w (every norm but the GDN output norm multiplies by 1 + w), held as that
+    scale, 1 + w in fp32: computed once at load (WeightLoaders.add_norm), not on every step."""
+    return empty_param(shape, torch.float32, device)
+
+
+def scaled_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm by a norm_scale (1 + w already added)."""
+    return rms_norm(x, scale, eps, zero_centred=False)
 
 
 def _linear_weight(shape, dtype, device) -> nn.Parameter:
@@ -147,8 +168,8 @@ class GatedDeltaNet(nn.Module):
         w.add("out_proj.weight", (H, vd), self.out_proj)
         return w
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
-                ssm_state: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_state: PoolLayer,
+                ssm_state: PoolLayer) -> torch.Tensor:
         T = x.shape[0]
         kd, vd = self.kd, self.vd
         qkvz = linear(x, self.in_proj_qkvz)
@@ -164,13 +185,13 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._split_heads(u)
             parts.append(recurrent_gated_delta_rule_decode(q, k, v, g[:nd], beta[:nd], ssm_state,
                                                            batch.state_slots_t[:nd]))
-        vs, ve = nd, batch.cu_seqlens[nd + nv]           # the verify tokens
+        vs, ve = nd, batch.prefill_start                 # the verify tokens
         if nv:
             u = causal_conv1d_verify(mixed[vs:ve], self.conv_weight, conv_state, batch.verify)
             q, k, v = self._split_heads(u)
             parts.append(recurrent_gated_delta_rule_verify(q, k, v, g[vs:ve], beta[vs:ve], ssm_state,
                                                            batch.verify))
-        if batch.num_seqs > nd + nv:
+        if batch.has_prefill:
             cu = [c - ve for c in batch.cu_seqlens[nd + nv:]]
             slots = batch.state_slots[nd + nv:]
             u = causal_conv1d_prefill(mixed[ve:], self.conv_weight, conv_state, cu, slots)
@@ -196,13 +217,13 @@ class GatedAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, device) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.dtype = cfg, dtype
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_rows, self.kv_rows = self.nh * 2 * self.hd, self.nkv * self.hd
         self.qkv_proj = _linear_weight((self.q_rows + 2 * self.kv_rows, cfg.hidden_size), dtype, device)
         self.o_proj = _linear_weight((cfg.hidden_size, self.nh * self.hd), dtype, device)
-        self.q_norm = empty_param((self.hd,), dtype, device)
-        self.k_norm = empty_param((self.hd,), dtype, device)
+        self.q_norm = norm_scale((self.hd,), device)
+        self.k_norm = norm_scale((self.hd,), device)
 
     def weight_loaders(self) -> WeightLoaders:
         w, H = WeightLoaders(), self.cfg.hidden_size
@@ -210,36 +231,36 @@ class GatedAttention(nn.Module):
         w.add_rows("k_proj.weight", (self.kv_rows, H), self.qkv_proj, self.q_rows)
         w.add_rows("v_proj.weight", (self.kv_rows, H), self.qkv_proj, self.q_rows + self.kv_rows)
         w.add("o_proj.weight", (H, self.nh * self.hd), self.o_proj)
-        w.add("q_norm.weight", (self.hd,), self.q_norm)
-        w.add("k_norm.weight", (self.hd,), self.k_norm)
+        w.add_norm("q_norm.weight", (self.hd,), self.q_norm, self.dtype)
+        w.add_norm("k_norm.weight", (self.hd,), self.k_norm, self.dtype)
         return w
 
-    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PoolLayer,
                  cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Project x, store its K and V in the pool; returns (q, gate) for the attention."""
         T, eps = x.shape[0], self.cfg.rms_norm_eps
         qg, k, v = linear(x, self.qkv_proj).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
-        k = apply_rotary(rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, eps), *cos_sin)
+        k = apply_rotary(scaled_rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, eps), *cos_sin)
         store_kv(k, v.view(T, self.nkv, self.hd), kv_cache, batch.slot_mapping)
         return qg.view(T, self.nh, 2 * self.hd).split([self.hd, self.hd], dim=-1)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PoolLayer,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T, eps = x.shape[0], self.cfg.rms_norm_eps
         q, gate = self.write_kv(x, batch, kv_cache, cos_sin)
-        q = apply_rotary(rms_norm(q, self.q_norm, eps), *cos_sin)
+        q = apply_rotary(scaled_rms_norm(q, self.q_norm, eps), *cos_sin)
         scale = self.hd ** -0.5
         nd, nv, parts = batch.num_decode, batch.num_verify, []
         if nd:
             parts.append(paged_attention_decode(q[:nd], kv_cache, batch.page_table[:nd], batch.seq_lens_t[:nd],
                                                 batch.decode_max_len or max(batch.seq_lens[:nd]), scale))
-        ve = batch.cu_seqlens[nd + nv]
+        ve = batch.prefill_start
         if nv:      # each verify token is a decode row of its own length: split-K over a long context, as decode
             lay = batch.verify
             parts.append(paged_attention_decode(q[nd:ve], kv_cache, batch.page_table[nd:nd + nv], lay.token_lens,
                                                 batch.decode_max_len or max(batch.seq_lens[nd:nd + nv]), scale,
                                                 table_rows=lay.token_seq))
-        if batch.num_seqs > nd + nv:
+        if batch.has_prefill:
             cu = [c - ve for c in batch.cu_seqlens[nd + nv:]]
             parts.append(paged_attention_prefill(q[ve:], kv_cache, batch.page_table[nd + nv:], cu,
                                                  batch.seq_lens[nd + nv:], scale))
@@ -307,26 +328,26 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kind: str, moe: bool, dtype, device) -> None:
         super().__init__()
-        self.kind = kind
+        self.kind, self.dtype = kind, dtype
         H = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
-        self.input_layernorm = empty_param((H,), dtype, device)
-        self.post_attention_layernorm = empty_param((H,), dtype, device)
+        self.input_layernorm = norm_scale((H,), device)
+        self.post_attention_layernorm = norm_scale((H,), device)
         self.mixer = (GatedDeltaNet(cfg, dtype, device) if kind == "linear_attention"
                       else GatedAttention(cfg, dtype, device))
         self.mlp = SparseMoE(cfg, dtype, device) if moe else DenseMLP(H, cfg.intermediate_size, dtype, device)
 
     def weight_loaders(self) -> WeightLoaders:
         w, H = WeightLoaders(), self.input_layernorm.shape[0]
-        w.add("input_layernorm.weight", (H,), self.input_layernorm)
-        w.add("post_attention_layernorm.weight", (H,), self.post_attention_layernorm)
+        w.add_norm("input_layernorm.weight", (H,), self.input_layernorm, self.dtype)
+        w.add_norm("post_attention_layernorm.weight", (H,), self.post_attention_layernorm, self.dtype)
         w.merge("linear_attn." if self.kind == "linear_attention" else "self_attn.", self.mixer.weight_loaders())
         w.merge("mlp.", self.mlp.weight_loaders())
         return w
 
     def forward(self, x: torch.Tensor, mix: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        h = x + mix(rms_norm(x, self.input_layernorm, self.eps))
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        h = x + mix(scaled_rms_norm(x, self.input_layernorm, self.eps))
+        return h + self.mlp(scaled_rms_norm(h, self.post_attention_layernorm, self.eps))
 
 
 class NextNHead(nn.Module):
@@ -339,22 +360,22 @@ class NextNHead(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, device) -> None:
         super().__init__()
         H = cfg.hidden_size
-        self.eps = cfg.rms_norm_eps
+        self.eps, self.dtype = cfg.rms_norm_eps, dtype
         self.fc = _linear_weight((H, 2 * H), dtype, device)
-        self.pre_fc_norm_embedding = empty_param((H,), dtype, device)
-        self.pre_fc_norm_hidden = empty_param((H,), dtype, device)
+        self.pre_fc_norm_embedding = norm_scale((H,), device)
+        self.pre_fc_norm_hidden = norm_scale((H,), device)
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0, "full_attention", cfg.num_experts > 0, dtype, device)
                                      for _ in range(cfg.num_mtp_layers)])
-        self.norm = empty_param((H,), dtype, device)
+        self.norm = norm_scale((H,), device)
 
     def weight_loaders(self) -> WeightLoaders:
         w, H = WeightLoaders(), self.norm.shape[0]
         w.add("fc.weight", (H, 2 * H), self.fc)
-        w.add("pre_fc_norm_embedding.weight", (H,), self.pre_fc_norm_embedding)
-        w.add("pre_fc_norm_hidden.weight", (H,), self.pre_fc_norm_hidden)
+        w.add_norm("pre_fc_norm_embedding.weight", (H,), self.pre_fc_norm_embedding, self.dtype)
+        w.add_norm("pre_fc_norm_hidden.weight", (H,), self.pre_fc_norm_hidden, self.dtype)
         for i, layer in enumerate(self.layers):
             w.merge(f"layers.{i}.", layer.weight_loaders())
-        w.add("norm.weight", (H,), self.norm)
+        w.add_norm("norm.weight", (H,), self.norm, self.dtype)
         return w
 
 
@@ -372,7 +393,7 @@ class Qwen3NextForCausalLM(nn.Module):
         self.embed_tokens = empty_param((V, H), dtype, where)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i, t, cfg.is_moe_layer(i), dtype, where)
                                      for i, t in enumerate(cfg.layer_types)])
-        self.norm = empty_param((H,), dtype, where)
+        self.norm = norm_scale((H,), where)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _linear_weight((V, H), dtype, where)
         self.mtp = NextNHead(cfg, dtype, where) if cfg.num_mtp_layers > 0 else None
         if fp8:
@@ -427,7 +448,7 @@ class Qwen3NextForCausalLM(nn.Module):
         w.add("embed_tokens.weight", (V, H), self.embed_tokens)
         for i, layer in enumerate(self.layers):
             w.merge(f"layers.{i}.", layer.weight_loaders())
-        w.add("norm.weight", (H,), self.norm)
+        w.add_norm("norm.weight", (H,), self.norm, self.dtype)
         if not self.cfg.tie_word_embeddings:
             w.add("lm_head.weight", (V, H), self.lm_head)
         if self.mtp is not None:
@@ -470,12 +491,12 @@ class Qwen3NextForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             j = self.pool_index[i]
             if layer.kind == "linear_attention":
-                conv, ssm = state_pool.conv[:, j], state_pool.ssm[:, j]
+                conv, ssm = PoolLayer(state_pool.conv, j), PoolLayer(state_pool.ssm, j)
                 x = layer(x, lambda h: layer.mixer(h, batch, conv, ssm))
             else:
-                kv = kv_pool.layer(j)
+                kv = PoolLayer(kv_pool.buffer, j)
                 x = layer(x, lambda h: layer.mixer(h, batch, kv, cos_sin))
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return scaled_rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def cos_sin(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary tables for the batch: M-RoPE over (t, h, w) rows when it has image positions; otherwise the
@@ -506,8 +527,8 @@ class Qwen3NextForCausalLM(nn.Module):
         e = F.embedding(next_ids, self.embed_tokens)
         if batch.image_rows is not None:    # an image token's embedding is its vision feature row, as the target's
             e[batch.image_rows] = batch.image_embeds.to(e.dtype)
-        e = rms_norm(e, m.pre_fc_norm_embedding, eps)
-        return linear(torch.cat([e, rms_norm(hidden, m.pre_fc_norm_hidden, eps)], dim=-1), m.fc)
+        e = scaled_rms_norm(e, m.pre_fc_norm_embedding, eps)
+        return linear(torch.cat([e, scaled_rms_norm(hidden, m.pre_fc_norm_hidden, eps)], dim=-1), m.fc)
 
     def mtp_hidden(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_pool,
                    kv_layer: int) -> torch.Tensor:
@@ -515,10 +536,10 @@ class Qwen3NextForCausalLM(nn.Module):
         next draft step takes in place of the target's (a chain of drafts)."""
         u = self._mtp_input(next_ids, hidden, batch)
         cos_sin = self.cos_sin(batch)
-        kv = kv_pool.layer(kv_layer)
+        kv = PoolLayer(kv_pool.buffer, kv_layer)
         for layer in self.mtp.layers:
             u = layer(u, lambda h: layer.mixer(h, batch, kv, cos_sin))
-        return rms_norm(u, self.mtp.norm, self.cfg.rms_norm_eps)
+        return scaled_rms_norm(u, self.mtp.norm, self.cfg.rms_norm_eps)
 
     def mtp_kv(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_pool,
                kv_layer: int) -> None:
@@ -528,5 +549,5 @@ class Qwen3NextForCausalLM(nn.Module):
             self.mtp_hidden(next_ids, hidden, batch, kv_pool, kv_layer)
             return
         layer = self.mtp.layers[0]
-        u = rms_norm(self._mtp_input(next_ids, hidden, batch), layer.input_layernorm, self.cfg.rms_norm_eps)
-        layer.mixer.write_kv(u, batch, kv_pool.layer(kv_layer), self.cos_sin(batch))
+        u = scaled_rms_norm(self._mtp_input(next_ids, hidden, batch), layer.input_layernorm, self.cfg.rms_norm_eps)
+        layer.mixer.write_kv(u, batch, PoolLayer(kv_pool.buffer, kv_layer), self.cos_sin(batch))

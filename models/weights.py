@@ -41,6 +41,11 @@ class WeightLoaders:
                 target.copy_((transform(t) if transform else t).reshape(target.shape))
         self.loaders[name] = load
 
+    def add_norm(self, name: str, shape: tuple[int, ...], scale: nn.Parameter, dtype: torch.dtype) -> None:
+        """A zero-centred RMSNorm weight w into its fp32 scale 1 + w, from w rounded to the model's dtype (as the
+        checkpoint's own implementation holds it before adding 1 in fp32)."""
+        self.add(name, shape, scale, lambda t: 1.0 + t.to(dtype).float())
+
     def add_rows(self, name: str, shape: tuple[int, ...], param: nn.Parameter | Fp8Weight, start: int,
                  expert: int | None = None) -> None:
         """A checkpoint tensor that fills rows start:start+shape[0] of a fused parameter (of expert `expert` of

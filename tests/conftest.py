@@ -46,9 +46,10 @@ def engine_for(loaded_model, tokenizer=None, host_state_share: float | None = No
     engine_for(model, engine={"page_size": 16}, cache={"enabled": False, "host": {"size_gb": 0.01}}).
     host_state_share: the share of cache.host.size_gb its plan gives state snapshots (plan.HOST_STATE_SHARE, a
     constant, not a key), for tests that need exact host page and snapshot counts.
-    On CUDA (tests/gpu.sh) CUDA graphs are off unless a test asks for them: capturing them for every engine
-    of the suite would take most of tests/gpu.sh's minutes (tests/test_cuda_graphs.py tests them)."""
-    tables = merge({"engine": {"cuda_graphs": False}}, tables)
+    The static steps are off unless a test asks for them: capturing CUDA graphs (tests/gpu.sh) or compiling the
+    CPU steps for every engine of the suite would take most of a GPU check's minutes, and minutes of CPU
+    (tests/test_cuda_graphs.py and tests/test_compiled.py test them)."""
+    tables = merge({"engine": {"compile_steps": False}}, tables)
     if host_state_share is None:
         return engine_for_model(from_dict(tables), loaded_model, tokenizer)
     default, plan.HOST_STATE_SHARE = plan.HOST_STATE_SHARE, host_state_share

@@ -41,7 +41,7 @@ def server_config(port: int, overrides: dict[str, Any] | None = None) -> dict[st
         "model": {"path": "demo", "device": "cpu", "context_length": 1024},
         "server": {"host": "127.0.0.1", "port": port, "drain_timeout_s": 5.0},
         "engine": {"max_running_requests": 4, "chunked_prefill_size": 256, "page_size": 16,
-                   "kv_cache_tokens": 8192},
+                   "kv_cache_tokens": 8192, "compile_steps": False},
         "cache": {"state_track_interval": 64},
         "log": {"level": "info"},
     }

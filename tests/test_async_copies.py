@@ -27,7 +27,8 @@ def tiered(model, stream, file_dir=None) -> Engine:
     cache = {"host": {"size_gb": 0.05, "write_policy": "write_through"}}
     if file_dir:
         cache["file"] = {"dir": str(file_dir), "size_gb": 1.0, "prefetch_policy": "wait_complete"}
-    cfg = from_dict({"engine": {"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1},
+    cfg = from_dict({"engine": {"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1,
+                                "compile_steps": False},
                      "cache": cache})
     return engine_for_model(cfg, model, copy_stream=stream)
 

@@ -51,7 +51,7 @@ def demo_engine(**engine):
     from tinyserve import config as config_mod
     from tinyserve.build import build_engine
     eng = {"max_running_requests": 8, "page_size": 16, "kv_cache_tokens": 8192, "chunked_prefill_size": 512,
-           **engine}
+           "compile_steps": False, **engine}
     return build_engine(config_mod.from_dict({"model": {"path": "demo", "device": "cpu",
                                                               "context_length": 1024},
                                                     "engine": eng, "cache": {"enabled": False}}))

@@ -2,7 +2,7 @@
 shape (batch size, tokens per sequence) from static buffers, the padding rows and tokens on a scratch KV page and a
 scratch GDN state slot that no request ever holds.
 
-On the CPU the static path is forced on without a capture (ModelRunner.enable_static_steps(capture=False)) and must
+On the CPU the static path is forced on without a capture (ModelRunner.enable_static_steps(build=False)) and must
 give exactly the eager path's greedy tokens on every page size, with the prefix cache on, while the batch shrinks
 and grows, and with NEXTN the unspeculated tokens; the scratch page and slot are never handed out and never written
 by a real sequence. The capture and replay themselves need a GPU (the `gpu` test at the end).
@@ -48,9 +48,9 @@ def moe(tmp_path_factory):
 
 
 def make_engine(model, page_size: int, **tables) -> Engine:
-    """The engines here run eagerly unless a test switches the static path on (cuda_graphs on only where asked)."""
+    """The engines here run eagerly unless a test switches the static path on (engine.compile_steps on only where asked)."""
     defaults = {"engine": {"page_size": page_size, "kv_cache_tokens": 4096, "max_running_requests": MAX_RUNNING,
-                           "chunked_prefill_size": 96, "cuda_graphs": False},
+                           "chunked_prefill_size": 96, "compile_steps": False},
                 "cache": {"state_track_interval": 64}}
     return engine_for(model, **merge(defaults, tables))
 
@@ -156,7 +156,7 @@ def test_static_decode_gives_the_eager_tokens(dense, page_size):
     assert_no_leaks(eager)
 
     eng = make_engine(dense, page_size)
-    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)          # the CPU test switch: no capture
+    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)          # the CPU test switch: no capture
     rec = Recorder(eng.runner.static)
     got = drive(eng, schedule)
     assert got == want
@@ -176,7 +176,7 @@ def test_static_decode_moe(moe):
     schedule = workload(3)[:5]
     want = drive(make_engine(moe, 16), schedule)
     eng = make_engine(moe, 16)
-    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
+    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
     rec = Recorder(eng.runner.static)
     assert drive(eng, schedule) == want and any(n < B for n, B, _ in rec.steps)
     assert_no_leaks(eng)
@@ -202,7 +202,7 @@ def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
     assert drive(eager, schedule) == want
     eng = make_engine(model, page_size, speculative=spec)
     eng.nextn.step_cost = PinnedCost()
-    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
+    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
     rec = Recorder(eng.runner.static)
     assert drive(eng, schedule) == want
     # the same drafts as the eager head's (a wrong draft costs acceptance, not tokens: so compare the counts)
@@ -254,7 +254,7 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
         for name in ("triton", "static"):
             eng = make_engine(model, 16, engine={"kernels": "triton"}, **spec)
             if name == "static":
-                eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
+                eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
                 rec = Recorder(eng.runner.static)
             out[name] = drive(eng, schedule)
     assert out["static"] == out["triton"] == drive(make_engine(model, 16), schedule)       # and the references'
@@ -306,20 +306,19 @@ def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, mtp, monkeyp
         static = StaticStep(model, eng.kv_pool, eng.state_pool, MAX_RUNNING, CTX, max_tokens=3,   # and verifies
                             nextn_kv_layer=eng.nextn.kv_layer if nextn else None)                # and the head
         for B, T in static.shapes:
-            batch = static._batch(B, T, [1] * B, [static.padding_slot] * B)
+            t = static.tensors(B, T, static.width)
             with monkeypatch.context() as m, torch.inference_mode(), NoHostReads():
                 for name in ("tolist", "numpy", "cpu"):
                     m.setattr(torch.Tensor, name, read)
-                static.model(batch, *static._pools())
+                static.eager("step", T, static.max_len, t)
                 if nextn:
-                    model.mtp_hidden(static.input_ids[:B * T], static.draft_in[:B * T], batch, eng.kv_pool,
-                                     eng.nextn.kv_layer)
+                    static.eager("draft", T, static.max_len, t)
 
 
 def test_static_decode_with_a_short_pool(dense):
     """A KV pool shorter than the context: the page table and the attention bound are the pool's length."""
     eng = make_engine(dense, 16, engine={"kv_cache_tokens": 256})
-    eng.runner.enable_static_steps(MAX_RUNNING, capture=False)
+    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
     assert eng.runner.static.max_len == 256 and eng.runner.static.width == 16
     schedule = [(0, tokens(30, 1), 20), (0, tokens(50, 2), 20), (3, tokens(20, 3), 10)]
     want = drive(make_engine(dense, 16, engine={"kv_cache_tokens": 256}), schedule)
@@ -327,12 +326,11 @@ def test_static_decode_with_a_short_pool(dense):
     assert_no_leaks(eng)
 
 
-def test_the_engine_captures_on_cuda_only(dense):
-    static = make_engine(dense, 16, engine={"cuda_graphs": True}).runner.static
-    if TEST_DEVICE == "cpu":
-        assert static is None                          # engine.cuda_graphs is ignored on the CPU
-    else:
-        assert static is not None and sorted(static.graphs) == [(B, 1) for B in graph_batch_sizes(MAX_RUNNING)]
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="on the CPU engine.compile_steps compiles (tests/test_compiled.py)")
+def test_the_engine_captures_on_cuda(dense):
+    static = make_engine(dense, 16, engine={"compile_steps": True}).runner.static
+    assert static is not None and static.for_graphs
+    assert sorted(static.graphs) == [(B, 1) for B in graph_batch_sizes(MAX_RUNNING)]
     assert make_engine(dense, 16).runner.static is None
 
 
@@ -341,7 +339,7 @@ def test_the_plan_counts_the_graphs(dense):
     weights = WeightCount(sum(p.numel() for p in dense.parameters()), 0, 0)
     base = {"model": {"dtype": "float32"}, "engine": {"max_running_requests": 8}}
     on = MemoryPlan.resolve(from_dict(base), mc, "cuda", weights, gpu_free_bytes=8 << 30)
-    off = MemoryPlan.resolve(from_dict(merge(base, {"engine": {"cuda_graphs": False}})), mc, "cuda", weights,
+    off = MemoryPlan.resolve(from_dict(merge(base, {"engine": {"compile_steps": False}})), mc, "cuda", weights,
                              gpu_free_bytes=8 << 30)
     assert on.graph_bytes > 0 and off.graph_bytes == 0
     assert "CUDA graphs" in str(on) and "CUDA graphs" not in str(off)
@@ -357,7 +355,7 @@ def test_the_plan_counts_the_graphs(dense):
 def test_captured_graphs_replay_the_eager_tokens(tmp_path, nextn):
     """On a GPU: the graphs are captured at engine start (one per shape: batch size x tokens per sequence, 1 + the
     draft steps with NEXTN), decode and verify steps replay them, and the greedy tokens equal an engine with
-    engine.cuda_graphs = false and no speculation; after an idle release they are captured again."""
+    engine.compile_steps = false and no speculation; after an idle release they are captured again."""
     folder, _ = make_qwen3_5_text(tmp_path / "q35", with_mtp=nextn, max_position_embeddings=CTX)
     if nextn:
         make_agreeing_head(folder, mix=0.3)
@@ -368,7 +366,7 @@ def test_captured_graphs_replay_the_eager_tokens(tmp_path, nextn):
     want = drive(eager, schedule)
 
     spec = {"speculative": {"num_steps": 3, "max_running": 3}} if nextn else {}
-    eng = make_engine(model, 16, engine={"cuda_graphs": True}, **spec)
+    eng = make_engine(model, 16, engine={"compile_steps": True}, **spec)
     static = eng.runner.static
     shapes = [(B, T) for B in graph_batch_sizes(MAX_RUNNING) for T in range(1, static.max_tokens + 1)]
     assert static is not None and sorted(static.graphs) == shapes

@@ -258,7 +258,7 @@ def test_load_weights_match_transformers(ckpts):
         model = load_model(folder, torch.float32)
         assert torch.equal(model.embed_tokens, hf.model.embed_tokens.weight)
         assert torch.equal(model.lm_head, hf.lm_head.weight)
-        assert torch.equal(model.norm, hf.model.norm.weight)
+        assert torch.equal(model.norm, 1.0 + hf.model.norm.weight)      # a zero-centred norm: held as 1 + w
 
 
 def test_load_dtype(ckpts):
@@ -293,7 +293,7 @@ def test_conditional_loads_the_vision_tower_unless_told_not_to(ckpts, caplog):
     assert len(vision_lines) == 1
     assert model.mtp is not None and model.cfg.num_mtp_layers == 1
     assert torch.equal(model.mtp.fc, hf.mtp_state_dict["mtp.fc.weight"])
-    assert torch.equal(model.mtp.norm, hf.mtp_state_dict["mtp.norm.weight"])
+    assert torch.equal(model.mtp.norm, 1.0 + hf.mtp_state_dict["mtp.norm.weight"])        # held as 1 + w
 
 
 def test_text_and_conditional_load_the_same_text_model(tmp_path):

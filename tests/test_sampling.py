@@ -454,3 +454,28 @@ def test_all_greedy_build_is_cheap_in_structure():
     res = sample(logits, batch)
     assert torch.equal(res.tokens, logits.argmax(-1))
     assert torch.allclose(res.logprobs, torch.log_softmax(logits, -1).max(-1).values)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_top_p_full_vocab_without_sort_matches_reference(scale):
+    # Qwen3.5's vocabulary size, rows whose top 256 tokens hold too little mass: the exact selection by mass
+    # buckets (no full sort), rows with and without a top-k in one batch, checked against a float64 sort.
+    vocab = 248_320
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(3, vocab, generator=g) * scale
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, temperature=0.7),
+              SamplingParams(top_p=0.8, top_k=vocab // 2)]
+    batch = SamplingBatch.build(params, [[]] * 3, [[]] * 3, [0, 1, 2], [], vocab, "cpu")
+    kept = filter_logits(rows, batch)
+    for r, p in enumerate(params):
+        ref_row = rows[r] / p.temperature
+        if p.top_k > 0:
+            ref_row = ref_row.masked_fill(ref_row < torch.topk(ref_row, p.top_k).values[-1], float("-inf"))
+        got = set(torch.isfinite(kept[r]).nonzero().flatten().tolist())
+        probs = torch.softmax(ref_row.double(), -1)
+        ordered, order = torch.sort(probs, descending=True)
+        ahead = dict(zip(order.tolist(), (torch.cumsum(ordered, 0) - ordered).tolist()))
+        want = {t for t, a in ahead.items() if a <= p.top_p}
+        # equal but for tokens whose mass ahead is top_p to fp32's rounding of a sum over ~10^4 probabilities
+        assert all(abs(ahead[t] - p.top_p) < 1e-4 for t in got ^ want), sorted(ahead[t] for t in got ^ want)
+        assert len(got ^ want) <= 4

@@ -457,7 +457,8 @@ from tinyserve.config import from_dict
 from tinyserve.build import engine_for_model
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
-cfg = from_dict({"engine": {"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1},
+cfg = from_dict({"engine": {"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1,
+                            "compile_steps": False},
                  "cache": {"file": {"dir": sys.argv[2], "size_gb": 1.0}}})
 eng = engine_for_model(cfg, load_model(sys.argv[1], torch.float32))
 p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)

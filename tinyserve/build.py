@@ -14,6 +14,7 @@ from tinyserve.blob import model_fingerprint, weights_digest
 from tinyserve.cache import NullCache, PrefixCache
 from tinyserve.config import Config, ConfigError
 from tinyserve.copies import CopyStream, copy_stream_for
+from tinyserve.demo import default_cache_dir
 from tinyserve.file_tier import FileTier
 from tinyserve.host_tier import HostTier
 from tinyserve.engine import Engine
@@ -105,7 +106,7 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
     if plan.device == "cpu":                   # pick this CPU's faster GEMM route on the model's own shapes
         shapes = {tuple(p.shape): p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
         log.info("CPU GEMM route: %s", calibrate_linear(list(shapes.values())))
-    capture_graphs(cfg, plan, runner, kv_pool)
+    static_steps(cfg, plan, runner, kv_pool)
     return Engine(cfg, plan, model, tokenizer, kv_pool=kv_pool, allocator=allocator, state_pool=state_pool,
                   copies=copies, cache=cache, scheduler=scheduler, runner=runner, intake=intake, nextn=nextn,
                   work=work)
@@ -127,19 +128,31 @@ def prefix_cache(cfg: Config, plan: MemoryPlan, model, kv_pool: KVPool, allocato
     return PrefixCache(cfg, allocator, state_pool, plan.page_size, plan.hybrid, host, file, wake=wake)
 
 
-def capture_graphs(cfg: Config, plan: MemoryPlan, runner: ModelRunner, kv_pool: KVPool) -> None:
-    """engine.cuda_graphs on CUDA: decode and NEXTN verify steps go through the runner's static path, whose CUDA
-    graphs are captured here, at start (a server is not ready before), one per batch size up to
-    engine.max_running_requests and tokens per sequence (1 + the draft steps). They need the Triton kernels (the
-    torch references read values on the host)."""
-    if plan.device != "cuda" or not cfg.engine.cuda_graphs:
+def static_steps(cfg: Config, plan: MemoryPlan, runner: ModelRunner, kv_pool: KVPool) -> None:
+    """The static decode / NEXTN verify path (engine.compile_steps), made at start (a server is not ready before):
+    on CUDA its graphs, one per batch size up to engine.max_running_requests and tokens per sequence (1 + the draft
+    steps), which need the Triton kernels (the torch references read values on the host); on the CPU its forwards
+    compiled by torch.compile, inductor's cache in compile_cache_dir."""
+    if not cfg.engine.compile_steps:
+        return
+    if plan.device == "cpu":
+        from tinyserve.compiled import use_cache_dir
+        log.info("compiling the CPU steps (inductor's cache: %s)", use_cache_dir(compile_cache_dir(cfg)))
+        runner.enable_static_steps(cfg.engine.max_running_requests, for_graphs=False)
         return
     if not use_triton(kv_pool.buffer):
         why = triton_problem() if cfg.engine.kernels == "auto" else ""
         log.log(logging.WARNING if why else logging.INFO, "CUDA graphs are off: engine.kernels = %r runs the "
                 "torch references on CUDA%s", cfg.engine.kernels, f" ({why})" if why else "")
         return
-    runner.enable_static_steps(cfg.engine.max_running_requests, capture=True)
+    runner.enable_static_steps(cfg.engine.max_running_requests, for_graphs=True)
+
+
+def compile_cache_dir(cfg: Config) -> Path:
+    """Where the compiled CPU steps are kept between runs: beside the file tier's blobs (cache.file.dir) when it is
+    on, else the per-user cache folder ($XDG_CACHE_HOME/tinyserve, ~/.cache/tinyserve)."""
+    base = Path(cfg.cache.file.dir).expanduser() if cfg.cache.enabled and cfg.cache.file.dir else default_cache_dir()
+    return base / "compiled"
 
 
 def price_drafts(engine: Engine, steps: int = 3) -> None:

@@ -104,7 +104,7 @@ class EngineSection(_Section):
     kv_cache_tokens: int = _opt(0, ge=0)        # 0: derive from memory
     idle_release_s: float = _opt(0.0, ge=0)     # 0: off
     kernels: str = _opt("auto", choices=KERNELS)  # auto: Triton on CUDA, the torch reference on CPU
-    cuda_graphs: bool = True                    # CUDA: decode steps replay graphs captured at start (CPU: ignored)
+    compile_steps: bool = True                  # decode / verify steps: CUDA graphs captured, or compiled on the CPU
 
 
 @dataclass
@@ -347,6 +347,7 @@ REMOVED = {
                               "(chosen by bench/simulate.py on agent traces; docs/cache-sizing.md)",
     "server.keep_billing_header": "Claude Code's per-request x-anthropic-billing-header system block is always "
                                   "dropped (it would defeat the prefix cache)",
+    "engine.cuda_graphs": "engine.compile_steps does it (CUDA graphs on a GPU, torch.compile on the CPU)",
     "metrics": "GET /metrics is always served (behind server.api_key), and usage always reports cached tokens",
 }
 

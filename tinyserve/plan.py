@@ -109,7 +109,7 @@ ATTENTION_MAX_SPLITS = 64         # kernels/attention_triton.py MAX_SPLITS (not 
 
 
 def cuda_graph_bytes(cfg: Config, mc: ModelConfig, dtype: str) -> int:
-    """An estimate of what the CUDA graphs (engine.cuda_graphs) hold for good: they share one memory pool, captured
+    """An estimate of what the CUDA graphs (engine.compile_steps) hold for good: they share one memory pool, captured
     largest first, so it is about the intermediates of the largest step, engine.max_running_requests sequences of
     1 + speculative.num_steps tokens with NEXTN (else 1) (the layer intermediates, the split-K attention's partial
     outputs), the static output rows, and a margin."""
@@ -153,7 +153,7 @@ class MemoryPlan:
     fp8_weights: str = "dequantize"  # how FP8 checkpoint weights are held (fp8_scheme.FP8_WEIGHTS)
     fp8_bytes: int = 0           # the weights kept FP8 (values and scales), a share of weights_bytes
     activation_bytes: int = 0    # estimated peak of one step's intermediates (CUDA plans)
-    graph_bytes: int = 0         # estimated memory the CUDA graphs hold (CUDA plans, engine.cuda_graphs)
+    graph_bytes: int = 0         # estimated memory the CUDA graphs hold (CUDA plans, engine.compile_steps)
     gpu_bytes: int = 0           # CUDA: the device memory the plan was made for (free memory at start)
 
     @property
@@ -212,7 +212,7 @@ class MemoryPlan:
                 gpu_free_bytes = torch.cuda.mem_get_info()[0]
             free = gpu_free_bytes
             activations = activation_bytes(cfg, mc, dtype)
-            graphs = cuda_graph_bytes(cfg, mc, dtype) if e.cuda_graphs else 0
+            graphs = cuda_graph_bytes(cfg, mc, dtype) if e.compile_steps else 0
             kv_tokens = cls._cuda_kv_tokens(cfg, free, weights, state_bytes, per_token, activations, context, graphs)
         else:
             kv_tokens = e.kv_cache_tokens or CPU_DEFAULT_KV_TOKENS
@@ -284,7 +284,7 @@ class MemoryPlan:
         if activations + graphs > rest:
             raise ConfigError(f"the GPU has {free / GIB:.1f} GiB free; one step's activations need about "
                               f"{activations / GIB:.2f} GiB"
-                              + (f" and the CUDA graphs about {graphs / GIB:.2f} GiB (engine.cuda_graphs)"
+                              + (f" and the CUDA graphs about {graphs / GIB:.2f} GiB (engine.compile_steps)"
                                  if graphs else "") + " but engine.mem_fraction_static = "
                               f"{e.mem_fraction_static} leaves {rest / GIB:.2f} GiB; lower "
                               f"engine.chunked_prefill_size or engine.mem_fraction_static",

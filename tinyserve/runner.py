@@ -57,30 +57,46 @@ class ModelRunner:
         self.nextn, self.context_length = nextn, context_length
         self.images = VisionFeatures(model.encode_images, model.device) if model.visual is not None else None
         self._masks: MaskBuffer | None = None      # grammar bitmasks of the constrained rows (made on first use)
-        self.static: StaticStep | None = None      # the static-shape decode / verify path (CUDA graphs); None: eager
+        self.static: StaticStep | None = None      # the static decode / verify path (graphs, compiled); None: eager
 
-    # ---- the static path (CUDA graphs) ----
-    def enable_static_steps(self, max_batch: int, capture: bool) -> None:
-        """Run decode and NEXTN verify steps of up to max_batch sequences through StaticStep from now on; with
-        capture (CUDA, at engine start) replaying its graphs. Without capture (the CPU tests' switch) the padded
-        static batch runs eagerly. A capture that fails leaves every step eager, with the error in the log."""
+    # ---- the static path (CUDA graphs, the CPU's compiled steps) ----
+    def enable_static_steps(self, max_batch: int, for_graphs: bool, build: bool = True) -> None:
+        """Run decode and NEXTN verify steps of up to max_batch sequences through StaticStep from now on: with
+        for_graphs in the CUDA graphs' layout, captured when `build` (at engine start); otherwise in the CPU's, its
+        forwards compiled by torch.compile when `build`. Without `build` (the CPU tests' switch) the static batches
+        run eagerly. A capture or a compile that fails leaves every step eager, with the error in the log."""
         pool_tokens = self.kv_pool.num_pages * self.page_size
         max_len = min(self.context_length, pool_tokens) if self.context_length else pool_tokens
         nextn = self.nextn
         self.static = StaticStep(self.model, self.kv_pool, self.state_pool, max_batch, max_len,
-                                 1 + nextn.num_steps if nextn else 1, nextn.kv_layer if nextn else None)
-        if capture:
+                                 1 + nextn.num_steps if nextn else 1, nextn.kv_layer if nextn else None,
+                                 for_graphs=for_graphs)
+        if build and for_graphs:
             self.capture_graphs()
+        elif build:
+            self._compile()
+
+    def _compile(self) -> None:
+        from tinyserve.compiled import CompiledSteps     # torch.compile's machinery: imported only when used
+        try:
+            compiled = CompiledSteps(self.static)
+            compiled.build()
+        except Exception as e:           # noqa: BLE001 - no compiler, an op inductor cannot lower: eager, as before
+            log.warning("compiling the CPU steps failed, every step runs eagerly (engine.compile_steps = false skips "
+                        "the attempt): %s: %s", type(e).__name__, str(e).strip().splitlines()[0] if str(e) else "")
+            self.static = None
+            return
+        self.static.compiled = compiled
 
     def capture_graphs(self) -> None:
         """(Re)capture the static path's CUDA graphs (at start; after an idle release of the pools)."""
-        if self.static is None:
+        if self.static is None or not self.static.for_graphs:
             return
         try:
             self.static.capture()
         except RuntimeError:             # torch reports a failed capture (a host sync, a forbidden call) as one
             log.exception("capturing the CUDA graphs failed: every step runs eagerly "
-                          "(engine.cuda_graphs = false skips the capture)")
+                          "(engine.compile_steps = false skips the capture)")
             self.static = None
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

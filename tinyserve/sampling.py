@@ -358,8 +358,12 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return x
 
 
-# Below this vocab size a full sort is cheap enough; above it top-p first tries the top _TOP_P_PROBE tokens.
+# Above 4x this vocab size top-p first tries the top _TOP_P_PROBE tokens, then the mass histogram (_top_p_keep).
 _TOP_P_PROBE = 256
+# The mass histogram: buckets of equal width in log-probability below the row's best token, _TOP_P_SPAN nats deep
+# (the last bucket takes everything deeper); only the tokens of the bucket where the mass crosses top_p are sorted.
+_TOP_P_BUCKETS = 4096
+_TOP_P_SPAN = 32.0
 
 
 def candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -368,7 +372,9 @@ def candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, tor
     Returns (values, ids): ids is None when values cover the whole vocab ([S, V]); otherwise values / ids are
     [S, K] candidates sorted descending, and every token outside them is excluded. Removed entries are -inf.
     Order as in SGLang: top-k, top-p on the renormalised top-k set, then min-p relative to the top token.
-    Working on a K-wide candidate set matters on CPU: a full sort of [8, 4096] costs milliseconds.
+    No full-vocabulary sort: a sort of [8, 4096] costs milliseconds on a CPU, and one of 248,320 logits (Qwen3.5's
+    vocabulary) as much as a small model's forward. Every row with a top-k: the top kmax tokens. Top-p on a large
+    vocabulary: the top _TOP_P_PROBE tokens when they hold the mass, else the exact selection of _top_p_keep.
     """
     x = x / batch.temperature[:, None]
     neg_inf = float("-inf")
@@ -376,14 +382,14 @@ def candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, tor
     vals, ids = x, None
     if batch.top_k is not None or batch.top_p is not None:
         kmax = int(batch.top_k.max()) if batch.top_k is not None else V
+        full_lse = None
         if kmax < V:
             # Every row has a top-k: nothing beyond rank kmax can survive.
             vals, ids = torch.topk(x, kmax, dim=-1)
-            full_lse = None
         elif batch.top_p is not None and V > 4 * _TOP_P_PROBE:
             # Probe the top K tokens. Rows with top_k <= K have their whole top-k set inside. Rows without top-k
             # whose top K already hold more than top_p of the mass: every later token has more than top_p ahead
-            # of it, so top-p removes it and the rest needs no sort. Any other row -> full sort.
+            # of it, so top-p removes it. Any other row: the whole vocabulary, without a sort.
             vals, ids = torch.topk(x, _TOP_P_PROBE, dim=-1)
             full_lse = torch.logsumexp(x, dim=-1, keepdim=True)
             mass = torch.exp(vals - full_lse).sum(dim=-1)
@@ -392,11 +398,9 @@ def candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, tor
             else:
                 ok = mass > batch.top_p
             if not bool(ok.all()):
-                vals, ids = torch.sort(x, dim=-1, descending=True)
-                full_lse = None
+                return _min_p(_whole_vocab_top_k_top_p(x, batch), batch), None
         else:
             vals, ids = torch.sort(x, dim=-1, descending=True)
-            full_lse = None
         if batch.top_k is not None:
             kth = vals.gather(1, (batch.top_k.clamp(max=vals.shape[1]) - 1)[:, None])
             vals = vals.masked_fill(vals < kth, neg_inf)  # ties with the k-th value are kept
@@ -417,11 +421,55 @@ def candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, tor
             remove = ahead > batch.top_p[:, None]
             remove[:, 0] = False
             vals = vals.masked_fill(remove, neg_inf)
-    if batch.min_p is not None:
-        # p_v < min_p * p_max  <=>  x_v < x_max + log(min_p)   (log 0 = -inf keeps everything)
-        limit = vals.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)[:, None]
-        vals = vals.masked_fill(vals < limit, neg_inf)
-    return vals, ids
+    return _min_p(vals, batch), ids
+
+
+def _min_p(vals: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.min_p is None:
+        return vals
+    # p_v < min_p * p_max  <=>  x_v < x_max + log(min_p)   (log 0 = -inf keeps everything)
+    limit = vals.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)[:, None]
+    return vals.masked_fill(vals < limit, float("-inf"))
+
+
+def _whole_vocab_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Top-k (where a row has one), then top-p, over whole-vocabulary rows x [S, V]: x with -inf where removed."""
+    V, neg_inf = x.shape[1], float("-inf")
+    if batch.top_k is not None:
+        limited = batch.top_k < V
+        if bool(limited.any()):
+            kmax = int(batch.top_k[limited].max())
+            kth = torch.topk(x, kmax, dim=-1).values.gather(1, (batch.top_k.clamp(max=kmax) - 1)[:, None])
+            x = x.masked_fill((x < kth) & limited[:, None], neg_inf)    # ties with the k-th value are kept
+    return x.masked_fill(~_top_p_keep(x, batch.top_p), neg_inf)
+
+
+def _top_p_keep(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Exact top-p over whole rows x [S, V] without sorting them: bool [S, V], True where the probability mass
+    of the tokens ahead of a token (in descending order) is at most top_p, as a full sort and cumsum keep them.
+
+    The mass goes into _TOP_P_BUCKETS buckets by each token's log-probability below the row's best (one
+    scatter_add). Every token of a bucket whose cumulative mass, its own included, is at most top_p is kept;
+    every token of a bucket after the one where the cumulative mass crosses top_p is removed (more than top_p
+    lies ahead of it); only the tokens of that crossing bucket are sorted: a few hundred of 248,320."""
+    S, V = x.shape
+    probs = torch.softmax(x, dim=-1)
+    depth = x.max(dim=-1, keepdim=True).values - x                            # >= 0; +inf where x = -inf
+    bucket = (depth * (_TOP_P_BUCKETS / _TOP_P_SPAN)).clamp_(max=_TOP_P_BUCKETS - 1).long()
+    mass = torch.zeros(S, _TOP_P_BUCKETS, dtype=probs.dtype, device=x.device).scatter_add_(1, bucket, probs)
+    cum = mass.cumsum(dim=-1)
+    off = top_p >= 1.0                                                        # rows without top-p keep all
+    crossing = (cum <= top_p[:, None]).sum(dim=-1).clamp_(max=_TOP_P_BUCKETS - 1)
+    before = torch.where(crossing > 0, cum.gather(1, (crossing - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    # the crossing bucket's tokens, -inf ones (no mass: never drawn) left out
+    in_crossing = (bucket == crossing[:, None]) & (x > float("-inf")) & ~off[:, None]
+    n = in_crossing.sum(dim=-1)
+    top, ids = torch.topk(x.masked_fill(~in_crossing, float("-inf")), max(int(n.max()), 1), dim=-1)   # sorted
+    valid = torch.arange(ids.shape[1], device=x.device)[None, :] < n[:, None]
+    p = probs.gather(1, ids) * valid
+    ahead = before[:, None] + torch.cumsum(p, dim=-1) - p
+    keep = (bucket < crossing[:, None]) | off[:, None]
+    return keep | torch.zeros_like(keep).scatter_(1, ids, valid & (ahead <= top_p[:, None]))   # distinct ids
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -1,16 +1,20 @@
-"""The static-shape steps that CUDA graphs replay: decode, NEXTN verify, and the NEXTN head's passes after them.
+"""The static-shape steps: decode, NEXTN verify, and the NEXTN head's passes after them.
 
-A step of N sequences of at most T tokens runs as shape (B, T) over buffers sized for the largest step, B the
-smallest graph batch size >= N: nothing inside a forward changes from step to step but the buffers' contents, so on
-CUDA one graph per shape (and per forward: the target's, the NEXTN head's) is captured at start and replayed. On the
-CPU (tests) the padded batch runs eagerly: the same math.
+A step of N sequences of at most T tokens runs as shape (B, T) over buffers sized for the largest step: nothing
+inside a forward changes from step to step but the buffers' contents and, on the CPU, the batch size and the page
+table's width. Two ways to make that fast:
+  - CUDA (engine.compile_steps): B is the smallest graph batch size >= N, the page table spans the whole context, and
+    one graph per shape (and per forward: the target's, the NEXTN head's) is captured at start and replayed;
+  - CPU (engine.compile_steps): B = N, the page table spans the step's pages, and the forwards are compiled once by
+    torch.compile (compiled.py) for every batch size and context length.
+Without either (the CPU tests) the same batches run eagerly: the same math.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -31,34 +35,107 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
 
 
-class StaticStep:
-    """The steps that CUDA graphs replay, run with static shapes: a decode step (every sequence one new token), a
-    NEXTN verify step (the last accepted token plus the drafts, plain decodes among them), and the NEXTN head's
-    passes after them (over the tokens a step committed, then one token per draft). No prefill chunk, no image.
+class ShapeBatch(ForwardBatch):
+    """A static step's batch as its forward sees it: B sequences of T tokens each, every one a decode (T = 1) or a
+    verify (T > 1), described by tensors alone. No host list: the number of sequences and where the prefill rows
+    would begin come from the shapes, so torch.compile traces one graph for every batch size."""
 
-    Every tensor a forward reads lives in a buffer sized for the largest step: token ids, positions, KV slots,
-    verify state slots, lengths and (for the NEXTN head) input hidden rows per token; context lengths, state slots
-    and the page table (whole-context rows) per sequence. N sequences of at most T tokens run as shape (B, T): B the
-    smallest of `sizes` >= N, T in 1 .. max_tokens (1 + the NEXTN draft steps).
+    @property
+    def num_seqs(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def prefill_start(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def has_prefill(self) -> bool:
+        return False
+
+
+class StepTensors(NamedTuple):
+    """What a static forward reads, per token row (B * T) or per sequence (B), views of StaticStep's buffers."""
+    input_ids: torch.Tensor        # [B*T] int64
+    positions: torch.Tensor        # [B*T] int64
+    slot_mapping: torch.Tensor     # [B*T] int64
+    seq_lens: torch.Tensor         # [B] int32: context length after the step
+    page_table: torch.Tensor       # [B, W] int32
+    state_slots: torch.Tensor      # [B] int64: the state each sequence starts from
+    out_slots: torch.Tensor        # [B*T] int64: where the state after each token goes (a verify)
+    token_lens: torch.Tensor       # [B*T] int32: the keys each token sees (a verify)
+
+
+def shape_batch(T: int, max_len: int, t: StepTensors) -> ShapeBatch:
+    """The batch of B = page_table.shape[0] sequences of T tokens (token rows i*T .. i*T+T-1 are sequence i's);
+    max_len bounds the decode attention's context."""
+    B = t.page_table.shape[0]
+    verify = None
+    if T > 1:
+        rows = torch.arange(B * T, device=t.input_ids.device)
+        verify = VerifyLayout(rows=rows.view(B, T), valid=None, in_slots=t.state_slots, out_slots=t.out_slots,
+                              token_seq=rows // T, token_lens=t.token_lens)
+    return ShapeBatch(input_ids=t.input_ids, positions=t.positions, cu_seqlens=[], seq_lens=[],
+                      seq_lens_t=t.seq_lens, page_table=t.page_table, slot_mapping=t.slot_mapping, state_slots=[],
+                      state_slots_t=t.state_slots, num_decode=B if T == 1 else 0, num_verify=0 if T == 1 else B,
+                      verify=verify, decode_max_len=max_len)
+
+
+class StepPools(NamedTuple):
+    """The KV and state pools as the forward takes them (kv_pool.buffer, state_pool.conv / .ssm), the state pool
+    with its scratch slot (StatePool.conv_all)."""
+    buffer: torch.Tensor
+    conv: torch.Tensor | None = None
+    ssm: torch.Tensor | None = None
+
+
+def target_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv: torch.Tensor, conv: torch.Tensor,
+                   ssm: torch.Tensor, t: StepTensors) -> torch.Tensor:
+    """A static target step: the final hidden rows [B * T, H]. kv: the whole KV pool [pages, layers, 2, page_size,
+    ...]; max_len None: the page table's width in tokens."""
+    pools = StepPools(kv, conv, ssm)
+    return model(shape_batch(T, max_len or t.page_table.shape[1] * kv.shape[3], t), pools, pools)
+
+
+def draft_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv_layer: int, kv: torch.Tensor,
+                  hidden: torch.Tensor, t: StepTensors) -> torch.Tensor:
+    """A static NEXTN head pass: token row r embeds input_ids[r] with the hidden row hidden[r] ([B * T, H])."""
+    batch = shape_batch(T, max_len or t.page_table.shape[1] * kv.shape[3], t)
+    return model.mtp_hidden(t.input_ids, hidden, batch, StepPools(kv), kv_layer)
+
+
+class StaticStep:
+    """The static-shape steps: a decode step (every sequence one new token), a NEXTN verify step (the last accepted
+    token plus the drafts, plain decodes among them), and the NEXTN head's passes after them (over the tokens a
+    step committed, then one token per draft). No prefill chunk, no image.
+
+    Every tensor a forward reads lives in a buffer sized for the largest step (StepTensors): token ids, positions,
+    KV slots, verify state slots, lengths and (for the NEXTN head) input hidden rows per token; context lengths,
+    state slots and the page table (whole-context rows) per sequence. N sequences of at most T tokens run as shape
+    (B, T): B the smallest of `sizes` >= N, T in 1 .. max_tokens (1 + the NEXTN draft steps).
       - T = 1: a decode batch of B rows.
       - T > 1: B verifies of T tokens each. A shorter sequence's tokens past its end are padding (token 0 at its
         last real position, KV to the scratch page, the state after it to `padding_slot`); a plain decode among
         them is a verify of one real token, whose state goes to its own slot as a verify's first token's does.
-    Sequences N..B-1 are padding: token 0 at position 0 of a one-token context on the KV pool's scratch page, state
-    from `padding_slot` (the page is never handed out), so every kernel computes them as any row and nothing reads
-    what they produce. `padding_slot` is -1 with the Triton kernels, which read a zero state for it and store none
-    (a padding token would otherwise write a whole fp32 state per GDN layer), and the state pool's scratch slot
-    (never handed out) with the torch references, which index it. The attention's split count comes from
-    `max_len` (the context, at most the pool), not from this step's lengths. So nothing inside a forward changes
-    from step to step but the buffers' contents: on CUDA one graph per shape (and per forward: the target's, the
-    NEXTN head's) is captured at start (`capture`) and replayed; on the CPU (tests) the padded batch runs eagerly,
-    the same math. The logits and the sampling run outside, as for an eager step, on the real rows."""
+    Sequences N..B-1 (CUDA graphs' padding) are padding: token 0 at position 0 of a one-token context on the KV
+    pool's scratch page, state from `padding_slot` (the page is never handed out), so every kernel computes them
+    as any row and nothing reads what they produce. `padding_slot` is -1 with the Triton kernels, which read a zero
+    state for it and store none (a padding token would otherwise write a whole fp32 state per GDN layer), and the
+    state pool's scratch slot (never handed out) with the torch references, which index it.
+
+    for_graphs (CUDA graphs): B from graph_batch_sizes, and the page table and the attention's split count span
+    the whole context (`max_len`, at most the pool), not this step's, so nothing inside a forward changes from step
+    to step but the buffers' contents: one graph per shape (and per forward) is captured at start (`capture`) and
+    replayed. Otherwise (the CPU): B = N, and the page table spans the step's pages (at least 2, so torch.compile
+    sees a width it keeps dynamic): the forwards run as compiled at start (`compiled`, compiled.CompiledSteps), or
+    eagerly. The logits and the sampling run outside, as for an eager step, on the real rows."""
 
     def __init__(self, model: Qwen3NextForCausalLM, kv_pool: KVPool, state_pool: StatePool, max_batch: int,
-                 max_len: int, max_tokens: int = 1, nextn_kv_layer: int | None = None) -> None:
+                 max_len: int, max_tokens: int = 1, nextn_kv_layer: int | None = None,
+                 for_graphs: bool = True) -> None:
         self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
         self.padding_slot = -1 if use_triton(state_pool.ssm_all) else state_pool.scratch_slot
-        self.sizes = graph_batch_sizes(max_batch)
+        self.for_graphs = for_graphs
+        self.sizes = graph_batch_sizes(max_batch) if for_graphs else list(range(1, max_batch + 1))
         self.max_len, self.max_tokens, self.nextn_kv_layer = max_len, max_tokens, nextn_kv_layer
         self.shapes = [(B, T) for T in range(1, max_tokens + 1) for B in self.sizes]
         self.width = -(-max_len // kv_pool.page_size)          # page-table columns: a whole context
@@ -76,17 +153,14 @@ class StaticStep:
         if nextn_kv_layer is not None:                                          # the NEXTN head's input and output
             self.draft_in = torch.zeros((R, H), dtype=model.dtype, device=dev)
             self.draft_out = torch.zeros((R, H), dtype=model.dtype, device=dev)
-        self.layouts = {(b, t): VerifyLayout(                                   # constant per verify shape
-            rows=torch.arange(b * t, device=dev).view(b, t), valid=None, in_slots=self.state_slots[:b],
-            out_slots=self.out_slots[:b * t], token_seq=torch.arange(b, device=dev).repeat_interleave(t),
-            token_lens=self.token_lens[:b * t]) for b, t in self.shapes if t > 1}
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}    # ("step" | "draft", B, T)
         self._captured_on: tuple[int, ...] | None = None      # the pools' addresses the graphs were captured on
+        self.compiled = None                                  # compiled.CompiledSteps (the CPU), once built
         self._pad()
 
     def _pad(self) -> None:
-        """Every row padding (before a capture, whose warm-up runs for real: on the scratch page and padding_slot
-        only)."""
+        """Every row padding (before a capture or a compile, whose warm-ups run for real: on the scratch page and
+        padding_slot only)."""
         scratch_page, pad_slot = self.kv_pool.scratch_page, self.padding_slot
         self.input_ids.zero_()
         self.positions.zero_()
@@ -110,28 +184,68 @@ class StaticStep:
         return self.nextn_kv_layer is not None and len(spans) <= self.sizes[-1] and all(
             n <= self.max_tokens and req.images is None and pos + n <= self.max_len for req, pos, n in spans)
 
-    def _pools(self) -> tuple[KVPool, SimpleNamespace]:
-        """The pools as the forward takes them, the state pool with its scratch slot (StatePool.conv_all)."""
-        return self.kv_pool, SimpleNamespace(conv=self.state_pool.conv_all, ssm=self.state_pool.ssm_all)
+    def pools(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The KV pool and the state pools with their scratch slot (StatePool.conv_all), as the forwards take them."""
+        return self.kv_pool.buffer, self.state_pool.conv_all, self.state_pool.ssm_all
 
     def _pool_addresses(self) -> tuple[int, ...]:
-        return (self.kv_pool.buffer.data_ptr(), self.state_pool.conv_all.data_ptr(),
-                self.state_pool.ssm_all.data_ptr())
+        return tuple(t.data_ptr() for t in self.pools())
+
+    def tensors(self, B: int, T: int, W: int) -> StepTensors:
+        """The buffers as the forward of shape (B, T) with a page table W pages wide reads them."""
+        R = B * T
+        return StepTensors(self.input_ids[:R], self.positions[:R], self.slot_mapping[:R], self.seq_lens[:B],
+                           self.table(B, W), self.state_slots[:B], self.out_slots[:R], self.token_lens[:R])
+
+    def table(self, B: int, W: int) -> torch.Tensor:
+        """The page table of B sequences, W columns: rows of the whole-context table for a graph; on the CPU a
+        contiguous [B, W] block (a compiled graph keeps its strides: one layout for every width)."""
+        return self.page_table[:B, :W] if self.for_graphs else self.page_table.view(-1)[:B * W].view(B, W)
+
+    def table_width(self, pages: int) -> int:
+        """The page-table columns a step whose longest sequence holds `pages` pages reads: the whole context for
+        a graph; on the CPU its own, but at least 2 (torch.compile keeps a width of 1 apart, as a constant)."""
+        return self.width if self.for_graphs else min(self.width, max(pages, 2))
+
+    def forward(self, kind: str, B: int, T: int, W: int) -> torch.Tensor:
+        """The target's ("step") or the NEXTN head's ("draft") forward of shape (B, T) over the filled buffers:
+        its graph when captured, its compiled code when compiled, else eagerly. Returns the [B * T, H] rows (a view
+        of `hidden` / `draft_out` for a graph: read before the next replay)."""
+        graph = self.graphs.get((kind, B, T))
+        if graph is not None:
+            if self._pool_addresses() == self._captured_on:
+                graph.replay()
+                return (self.hidden if kind == "step" else self.draft_out)[:B * T]
+            log.warning("the KV / state pools moved since the CUDA graphs were captured: dropping the graphs")
+            self.graphs.clear()
+        max_len = self.max_len if self.for_graphs else None
+        t = self.tensors(B, T, W)
+        if self.compiled is not None:
+            return self.compiled(kind, T, max_len, t)
+        return self.eager(kind, T, max_len, t)
+
+    def eager(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> torch.Tensor:
+        kv, conv, ssm = self.pools()
+        if kind == "step":
+            return target_forward(self.model, T, max_len, kv, conv, ssm, t)
+        return draft_forward(self.model, T, max_len, self.nextn_kv_layer, kv, self.draft_in[:t.input_ids.shape[0]],
+                             t)
 
     def _batch(self, B: int, T: int, seq_lens: list[int], state_slots: list[int]) -> ForwardBatch:
-        """The forward's batch of shape (B, T) over the buffers (host lists: what the forward reads as shapes)."""
+        """What the runner reads of a static step's batch (the packing, on the host), shaped as an eager one's."""
+        W = self.width
         return ForwardBatch(
             input_ids=self.input_ids[:B * T], positions=self.positions[:B * T],
             cu_seqlens=list(range(0, B * T + 1, T)), seq_lens=seq_lens, seq_lens_t=self.seq_lens[:B],
-            page_table=self.page_table[:B], slot_mapping=self.slot_mapping[:B * T], state_slots=state_slots,
+            page_table=self.page_table[:B, :W], slot_mapping=self.slot_mapping[:B * T], state_slots=state_slots,
             state_slots_t=self.state_slots[:B], num_decode=B if T == 1 else 0, num_verify=0 if T == 1 else B,
-            verify=self.layouts.get((B, T)), decode_max_len=self.max_len)
+            decode_max_len=self.max_len)
 
     def _fill(self, spans: list[tuple[Request, int, list[int], list[int]]]
-              ) -> tuple[int, int, list[int], list[int], list[int], torch.Tensor]:
+              ) -> tuple[int, int, int, list[int], list[int], list[int], torch.Tensor]:
         """Fill the buffers from (request, first position, token ids, state slot after each token) per sequence,
-        padded to a shape. Returns (B, T, context lengths, state slots, cu_seqlens of the real tokens, the real
-        tokens' rows on the device)."""
+        padded to a shape. Returns (B, T, the page-table width to read, context lengths, state slots, cu_seqlens of
+        the real tokens, the real tokens' rows on the device)."""
         N, ps = len(spans), self.kv_pool.page_size
         T = max(len(ids) for _, _, ids, _ in spans)
         B = next(b for b in self.sizes if b >= N)
@@ -152,7 +266,9 @@ class StaticStep:
             real_rows += range(i * T, i * T + n)
             cu.append(cu[-1] + n)
         pad_rows = (B - N) * T
-        w = min(self.width, max(len(req.pages) for req, _, _, _ in spans))  # columns to write; later: never read
+        pages = max(len(req.pages) for req, _, _, _ in spans)
+        W = self.table_width(pages)                            # columns the forward reads
+        w = min(self.width, pages) if self.for_graphs else W   # columns written (a graph's later ones: never read)
         table = [p for req, _, _, _ in spans for p in req.pages[:w] + [scratch_page] * (w - len(req.pages[:w]))]
         R = B * T
         # every buffer with its values, padding sequences last: packed into one host tensor, copied once
@@ -163,28 +279,28 @@ class StaticStep:
                   (self.token_lens[:R], token_lens + [1] * pad_rows),
                   (self.seq_lens[:B], lens + [1] * (B - N)),
                   (self.state_slots[:B], state_slots + [pad_slot] * (B - N)),
-                  (self.page_table[:B, :w], table + [scratch_page] * ((B - N) * w))]
+                  (self.table(B, W)[:, :w], table + [scratch_page] * ((B - N) * w))]
         host = torch.tensor([v for _, values in layout for v in values] + real_rows, dtype=torch.long)
         vals = host.to(self.input_ids.device, non_blocking=True)
         at = 0
         for buf, values in layout:
             buf.copy_(vals[at:at + len(values)].view(buf.shape))
             at += len(values)
-        return B, T, lens + [1] * (B - N), state_slots + [pad_slot] * (B - N), cu + [cu[-1]] * (B - N), vals[at:]
+        return (B, T, W, lens + [1] * (B - N), state_slots + [pad_slot] * (B - N), cu + [cu[-1]] * (B - N),
+                vals[at:])
 
     def run(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, torch.Tensor]:
-        """A target step: fill the buffers from the step's sequences and run the forward, the graph of its shape
-        when captured, else eagerly. Returns the batch and the hidden states of the real tokens, packed as an
-        eager step's (sequence i's at cu_seqlens[i]:cu_seqlens[i+1]; with T = 1 the padding rows follow, in a view
-        of `hidden`: read before the next step)."""
+        """A target step: fill the buffers from the step's sequences and run the forward. Returns the batch and the
+        hidden states of the real tokens, packed as an eager step's (sequence i's at cu_seqlens[i]:cu_seqlens[i+1];
+        with T = 1 the padding rows follow, possibly in a view of `hidden`: read before the next step)."""
         spans = []
         for s in seqs:
             req, n_prompt = s.req, len(s.req.prompt_ids)
             first = req.prompt_ids[s.start] if s.start < n_prompt else req.output_ids[s.start - n_prompt]
             spans.append((req, s.start, [first] + s.draft, s.verify_slots if s.is_verify else [req.state_slot]))
-        B, T, lens, state_slots, cu, real_rows = self._fill(spans)
+        B, T, W, lens, state_slots, cu, real_rows = self._fill(spans)
         batch = self._batch(B, T, lens, state_slots)
-        hidden = self._replay(("step", B, T), lambda: self.model(batch, *self._pools()), self.hidden)
+        hidden = self.forward("step", B, T, W)
         if T == 1:
             return batch, hidden
         return dataclasses.replace(batch, cu_seqlens=cu), hidden[real_rows]   # a copy: safe from the next replay
@@ -193,31 +309,17 @@ class StaticStep:
                   hidden: torch.Tensor) -> torch.Tensor:
         """A NEXTN head pass (fits_draft): request r computes positions pos .. pos+n-1, embedding next_ids (packed
         in span order) with the hidden rows `hidden` [sum n, H] (the target's, or the head's own for a chain
-        step). Returns the head's output rows packed the same way (a view of `draft_out` for one token per
-        sequence: read before the next pass)."""
+        step). Returns the head's output rows packed the same way (possibly a view of `draft_out` for one token
+        per sequence: read before the next pass)."""
         pad_slot, k = self.padding_slot, 0
         filled = []
         for req, pos, n in spans:
             filled.append((req, pos, next_ids[k:k + n], [pad_slot] * n))
             k += n
-        B, T, lens, state_slots, _, real_rows = self._fill(filled)
-        R = B * T
+        B, T, W, _, _, _, real_rows = self._fill(filled)
         self.draft_in.index_copy_(0, real_rows, hidden)   # padding rows keep earlier rows: finite, never read
-        batch = self._batch(B, T, lens, state_slots)
-        out = self._replay(("draft", B, T), lambda: self.model.mtp_hidden(
-            self.input_ids[:R], self.draft_in[:R], batch, self.kv_pool, self.nextn_kv_layer), self.draft_out)
+        out = self.forward("draft", B, T, W)
         return out[:len(spans)] if T == 1 else out[real_rows]
-
-    def _replay(self, key: tuple[str, int, int], forward, out: torch.Tensor) -> torch.Tensor:
-        """The graph of `key` when captured on the pools as they are (its output in `out`), else `forward()`."""
-        graph = self.graphs.get(key)
-        if graph is not None:
-            if self._pool_addresses() == self._captured_on:
-                graph.replay()
-                return out[:key[1] * key[2]]
-            log.warning("the KV / state pools moved since the CUDA graphs were captured: dropping the graphs")
-            self.graphs.clear()
-        return forward()
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -234,16 +336,12 @@ class StaticStep:
         pool, stream = None, torch.cuda.Stream()
         with torch.cuda.stream(stream):
             for B, T in sorted(self.shapes, key=lambda bt: (-bt[0] * bt[1], -bt[1])):
-                batch = self._batch(B, T, [1] * B, [self.padding_slot] * B)
-                R = B * T
+                t, R = self.tensors(B, T, self.width), B * T
                 for kind in kinds:
-                    if kind == "step":
-                        def forward():
-                            self.hidden[:R].copy_(self.model(batch, *self._pools()))
-                    else:
-                        def forward():
-                            self.draft_out[:R].copy_(self.model.mtp_hidden(
-                                self.input_ids[:R], self.draft_in[:R], batch, self.kv_pool, self.nextn_kv_layer))
+                    out = self.hidden if kind == "step" else self.draft_out
+
+                    def forward():
+                        out[:R].copy_(self.eager(kind, T, self.max_len, t))
                     forward()                                                     # warm-up
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()

@@ -1,0 +1,139 @@
+"""The CPU's compiled static steps (compiled.CompiledSteps, engine.compile_steps): the decode step compiled by
+torch.compile at start gives exactly the eager path's greedy tokens while the batch grows and shrinks and the
+context crosses pages, with the prefix cache on; inductor's files land in the folder it was given; a CPU where
+compilation fails (here: no C++ compiler) runs every step eagerly, after one warning.
+
+The smallest shapes only (at most 3 running requests; NEXTN with one draft and 2): each graph costs tens of seconds
+of CPU to compile, so the compiling tests are `slow` (left out of the quick tier).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from checkpoints import make_qwen3_5_text
+from conftest import TEST_DEVICE, assert_no_leaks, engine_for, merge, tokens
+from tinyserve.engine import Engine
+from tinyserve.loader import load_model
+from tinyserve.request import Status
+from tinyserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the compiled steps are the CPU's")
+
+CTX = 256
+MAX_RUNNING = 3
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("q35"), max_position_embeddings=CTX)
+    return load_model(folder, torch.float32, TEST_DEVICE)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh inductor cache: each test compiles for real, into a folder of its own."""
+    import torch._dynamo
+    folder = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    torch._dynamo.reset()
+    yield folder
+    torch._dynamo.reset()
+
+
+def make_engine(model, **tables) -> Engine:
+    defaults = {"engine": {"page_size": 16, "kv_cache_tokens": 2048, "max_running_requests": MAX_RUNNING,
+                           "chunked_prefill_size": 64}, "cache": {"state_track_interval": 32}}
+    return engine_for(model, **merge(defaults, tables))
+
+
+def drive(eng: Engine, schedule: list[tuple[int, list[int], int]]) -> list[list[int]]:
+    """Requests (arrival step, prompt, max_tokens) run offline step by step; each one's greedy tokens."""
+    reqs, step, pending = [], 0, sorted(schedule, key=lambda a: a[0])
+    while pending or any(r.status != Status.FINISHED for r in reqs):
+        while pending and pending[0][0] <= step:
+            _, prompt, n = pending.pop(0)
+            req = eng.intake.make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), None)
+            eng.scheduler.add(req)
+            reqs.append(req)
+        eng._step()
+        step += 1
+    return [r.output_ids for r in reqs]
+
+
+def workload() -> list[tuple[int, list[int], int]]:
+    """One request alone, then three at once (one sharing a prefix with the first: a prefix-cache hit), finishing
+    at different steps; contexts from 3 to ~100 tokens: page tables 1 to 7 pages wide."""
+    shared = tokens(40, 1)
+    return [(0, shared, 12), (14, tokens(3, 2), 40), (15, shared + tokens(9, 3), 25), (16, tokens(30, 4), 60)]
+
+
+@pytest.mark.slow
+def test_compiled_decode_gives_the_eager_tokens(dense, cache_dir):
+    schedule = workload()
+    want = drive(make_engine(dense), schedule)
+    eng = make_engine(dense)
+    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=False)            # compiles, as engine start does
+    static = eng.runner.static
+    assert static is not None and static.compiled is not None
+    calls, eager_calls = [], []
+    compiled_call, eager = static.compiled._call, static.eager
+    static.compiled._call = lambda *a, **k: calls.append(a[2].page_table.shape) or compiled_call(*a, **k)
+    static.eager = lambda *a, **k: eager_calls.append(a) or eager(*a, **k)
+    assert drive(eng, schedule) == want
+    batch_sizes = {shape[0] for shape in calls}
+    assert batch_sizes == {1, 2, 3}, batch_sizes
+    assert len({shape[1] for shape in calls}) >= 4, "page tables of several widths"
+    assert not eager_calls, "every step ran through the graphs compiled at start"
+    assert eng.cache.stats().hit_tokens > 0
+    assert any(cache_dir.rglob("*.so")) or any(cache_dir.rglob("*.cpp")), "inductor's files in its cache folder"
+    assert_no_leaks(eng)
+
+
+def test_a_failed_compile_runs_eagerly_after_one_warning(dense, cache_dir, caplog):
+    from torch._inductor import config as inductor_config
+    schedule = workload()[:2]
+    want = drive(make_engine(dense), schedule)
+    eng = make_engine(dense)
+    with caplog.at_level(logging.WARNING), inductor_config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
+        eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=False)
+        assert eng.runner.static is None
+        assert drive(eng, schedule) == want
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "compiling the CPU steps failed" in warnings[0].getMessage(), warnings
+    assert_no_leaks(eng)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)        # four graphs to compile: minutes on a busy 2-core machine
+def test_compiled_nextn_gives_the_unspeculated_tokens(tmp_path, cache_dir):
+    """NEXTN through the compiled verify step and head passes (one draft: T = 1 and 2, at most 2 sequences):
+    the greedy tokens are those of plain eager decoding, and the drafts (hence the acceptance counts) are the
+    eager head's."""
+    from checkpoints import make_agreeing_head
+    from conftest import PinnedCost
+    folder, _ = make_qwen3_5_text(tmp_path / "mtp", with_mtp=True, max_position_embeddings=CTX)
+    make_agreeing_head(folder, mix=0.3, head_noise=0.05, head_layer=0.5)
+    model = load_model(folder, torch.float32, TEST_DEVICE)
+    schedule = [(0, tokens(20, 5), 30), (0, tokens(5, 6), 24), (10, tokens(40, 7), 16)]
+    small = {"engine": {"max_running_requests": 2}}
+    want = drive(make_engine(model, cache={"enabled": False}, **small), schedule)
+    spec = {"speculative": {"algorithm": "nextn", "num_steps": 1, "num_draft_tokens": 2}}
+    eager = make_engine(model, **spec, **small)
+    eager.nextn.step_cost = PinnedCost()
+    assert drive(eager, schedule) == want
+    eng = make_engine(model, **spec, **small)
+    eng.nextn.step_cost = PinnedCost()
+    eng.runner.enable_static_steps(2, for_graphs=False)
+    static = eng.runner.static
+    assert static is not None and static.compiled is not None and static.max_tokens == 2
+    eager_calls = []
+    eager_forward = static.eager
+    static.eager = lambda *a, **k: eager_calls.append(a) or eager_forward(*a, **k)
+    assert drive(eng, schedule) == want
+    assert eng.nextn.stats.num_accepted_tokens > 0
+    assert eng.nextn.stats == eager.nextn.stats
+    assert not eager_calls, "every verify and head pass ran through the graphs compiled at start"
+    assert_no_leaks(eng)
