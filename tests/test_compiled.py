@@ -120,7 +120,7 @@ def test_compiled_nextn_gives_the_unspeculated_tokens(tmp_path, cache_dir):
     schedule = [(0, tokens(20, 5), 30), (0, tokens(5, 6), 24), (10, tokens(40, 7), 16)]
     small = {"engine": {"max_running_requests": 2}}
     want = drive(make_engine(model, cache={"enabled": False}, **small), schedule)
-    spec = {"speculative": {"algorithm": "nextn", "num_steps": 1, "num_draft_tokens": 2}}
+    spec = {"speculative": {"num_steps": 1}}
     eager = make_engine(model, **spec, **small)
     eager.nextn.step_cost = PinnedCost()
     assert drive(eager, schedule) == want

@@ -65,7 +65,7 @@ def spec_engine(model, page_size: int = 16, static: bool = False, engine: dict |
                      cache=cache or {}, speculative={"num_steps": K, "max_running": 0, **speculative})
     eng.nextn.step_cost = PinnedCost()                  # the depth follows acceptance alone, not timing
     if static:                                           # the CUDA-graph path, run eagerly (the CPU test switch)
-        eng.runner.enable_static_steps(eng.cfg.engine.max_running_requests, capture=False)
+        eng.runner.enable_static_steps(eng.cfg.engine.max_running_requests, for_graphs=True, build=False)
     return eng
 
 
@@ -268,7 +268,7 @@ def test_constrained_and_speculating_requests_in_one_batch(demo_spec, page_size,
                      speculative={"num_steps": K, "max_running": 0})
     eng.nextn.step_cost = PinnedCost()
     if static:
-        eng.runner.enable_static_steps(eng.cfg.engine.max_running_requests, capture=False)
+        eng.runner.enable_static_steps(eng.cfg.engine.max_running_requests, for_graphs=True, build=False)
     for _ in range(2):
         reqs, drafted = drive(eng, [(i // 4, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
         for i in checked:
