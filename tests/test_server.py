@@ -21,6 +21,7 @@ from typing import Any
 import openai
 import pytest
 
+from checkpoints import make_qwen3_5_text
 from server_util import (InProcessServer, ServerProcess, free_port, http, server_config, wait_healthy,
                          write_config)
 
@@ -518,6 +519,14 @@ def test_bad_toml_and_missing_checkpoint_exit_1(tmp_path, xdg):
     path = write_config(tmp_path, server_config(free_port(), {"model": {"path": str(missing)}}))
     result = _run_cli("--check", str(path), env={"XDG_CACHE_HOME": str(xdg)})
     assert result.returncode == 1 and str(missing) in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_checkpoint_without_a_tokenizer_exits_1_naming_the_file(tmp_path, xdg):
+    folder, _ = make_qwen3_5_text(tmp_path / "no-tokenizer")          # weights and config.json only
+    path = write_config(tmp_path, server_config(free_port(), {"model": {"path": str(folder), "dtype": "float32"}}))
+    result = _run_cli(str(path), env={"XDG_CACHE_HOME": str(xdg)})
+    assert result.returncode == 1, result.stderr
+    assert "tokenizer.json" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_check_prints_config_and_plan(tmp_path, xdg):

@@ -24,6 +24,7 @@ from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.loader import load_model
+from tinyserve.model_config import LoaderError
 from tinyserve.models.config import WeightCount
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
 from tinyserve.request import Status
@@ -41,10 +42,14 @@ def build_engine(cfg: Config) -> Engine:
     """Plan from the checkpoint's headers, then load the weights and build the pools, on the calling thread (a
     server calls this on the compute thread)."""
     folder, _, plan = plan_for(cfg)
+    try:                                       # before the weights: a folder without a usable tokenizer fails fast
+        tokenizer = Tokenizer.from_folder(folder)
+    except ValueError as e:                    # no tokenizer.json, one `tokenizers` cannot read, a broken template
+        raise LoaderError(str(e)) from None
     try:
         model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision,
                            fp8_weights=plan.fp8_weights)
-        engine = assemble(cfg, model, Tokenizer.from_folder(folder), plan)
+        engine = assemble(cfg, model, tokenizer, plan)
         price_drafts(engine)                   # NEXTN: the first forwards, before serving
     except RuntimeError as e:                  # torch.OutOfMemoryError (CUDA) or the CPU allocator's failure
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
