@@ -25,6 +25,9 @@ pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the compiled steps
 
 CTX = 256
 MAX_RUNNING = 3
+# one layer of each kind: the graphs hold every op of a deeper model, at half the compile time of the default four
+TWO_LAYERS = {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+              "max_position_embeddings": CTX}
 
 # torch.compile's CPU code is C++ built by the machine's compiler (.ci/run installs g++)
 NEEDS_CXX = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -33,19 +36,34 @@ NEEDS_CXX = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("q35"), max_position_embeddings=CTX)
+    folder, _ = make_qwen3_5_text(tmp_path_factory.mktemp("q35"), **TWO_LAYERS)
     return load_model(folder, torch.float32, TEST_DEVICE)
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """A fresh inductor cache: each test compiles for real, into a folder of its own."""
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One inductor cache for the tests that compile: the NEXTN test's plain decode graphs are those the decode
+    test built (the same shapes), so only its verify and head graphs are compiled anew."""
+    return tmp_path_factory.mktemp("inductor")
+
+
+def _fresh_dynamo(folder, monkeypatch):
     import torch._dynamo
-    folder = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
     torch._dynamo.reset()
     yield folder
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def cache_dir(shared_cache, monkeypatch):
+    yield from _fresh_dynamo(shared_cache, monkeypatch)
+
+
+@pytest.fixture
+def own_cache_dir(tmp_path, monkeypatch):
+    """A cache of its own: nothing compiled before can be reused."""
+    yield from _fresh_dynamo(tmp_path / "inductor", monkeypatch)
 
 
 def make_engine(model, **tables) -> Engine:
@@ -98,7 +116,7 @@ def test_compiled_decode_gives_the_eager_tokens(dense, cache_dir):
     assert_no_leaks(eng)
 
 
-def test_a_failed_compile_runs_eagerly_after_one_warning(dense, cache_dir, caplog):
+def test_a_failed_compile_runs_eagerly_after_one_warning(dense, own_cache_dir, caplog):
     from torch._inductor import config as inductor_config
     schedule = workload()[:2]
     want = drive(make_engine(dense), schedule)
@@ -121,7 +139,7 @@ def test_compiled_nextn_gives_the_unspeculated_tokens(tmp_path, cache_dir):
     eager head's."""
     from checkpoints import make_agreeing_head
     from conftest import PinnedCost
-    folder, _ = make_qwen3_5_text(tmp_path / "mtp", with_mtp=True, max_position_embeddings=CTX)
+    folder, _ = make_qwen3_5_text(tmp_path / "mtp", with_mtp=True, **TWO_LAYERS)
     make_agreeing_head(folder, mix=0.3, head_noise=0.05, head_layer=0.5)
     model = load_model(folder, torch.float32, TEST_DEVICE)
     schedule = [(0, tokens(20, 5), 30), (0, tokens(5, 6), 24), (10, tokens(40, 7), 16)]
