@@ -24,14 +24,17 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
     if use_triton(x):
         from tinyserve.kernels import conv_triton
         return conv_triton.causal_conv1d_prefill(x, weight, conv_state, cu_seqlens, slot_ids)
-    C, K = weight.shape
+    K = weight.shape[1]
     out = torch.empty_like(x)
     for i, slot in enumerate(slot_ids):
         s, e = cu_seqlens[i], cu_seqlens[i + 1]
         history = conv_state[slot].to(x.dtype)                     # [C, K-1]
         window = torch.cat([history, x[s:e].t()], dim=1)           # [C, K-1+L]
-        y = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), groups=C)  # [1, C, L]
-        out[s:e] = F.silu(y[0].t())
+        L = e - s
+        y = window[:, :L] * weight[:, :1]              # the K taps as K multiply-adds (a depthwise F.conv1d costs
+        for tap in range(1, K):                        # several times more on the CPU)
+            y.addcmul_(window[:, tap:tap + L], weight[:, tap:tap + 1])
+        out[s:e] = F.silu(y.t())
         conv_state[slot] = window[:, -(K - 1):].to(conv_state.dtype)
     return out
 
