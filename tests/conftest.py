@@ -25,11 +25,30 @@ from tinyserve.engine import Engine  # noqa: E402
 from tinyserve.loader import load_model  # noqa: E402
 
 
+# The quick tier (`pytest -m "not slow"`, docs/testing.md) runs in-process only: besides the tests marked `slow` by
+# hand, it leaves out every test that starts a server process (through one of these fixtures, or marked), and the
+# modules that run Triton's interpreter, the C++ compiler or the NEXTN case matrix. server_util.ServerProcess
+# refuses to start in the quick tier, so a test that needs a process and is not listed fails there.
+SERVER_FIXTURES = {"server", "special_flag_server", "no_vision", "two_servers"}
+SLOW_MODULES = {"test_compiled", "test_spec_cases", "test_triton_fp8", "test_triton_gdn_prefill",
+                "test_triton_kernels", "test_triton_moe", "test_triton_prefill"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "not slow" in (config.option.markexpr or ""):
+        os.environ["TINYSERVE_QUICK_TIER"] = "1"
+
+
+@pytest.hookimpl(tryfirst=True)         # before -m deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules with a `slow` test first (the order within each group kept): the workers take whole modules in
-    collection order (pyproject's addopts), and a long module handed out last keeps one worker busy alone."""
+    """Modules with a test marked `slow` by hand first (the order within each group kept): the workers take whole
+    modules in collection order (pyproject's addopts), and a long module handed out last keeps one worker busy
+    alone. Then the quick tier's rule above marks the rest of what it leaves out."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)
+    for item in items:
+        if item.path.stem in SLOW_MODULES or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

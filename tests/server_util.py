@@ -95,6 +95,9 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait: bool = True, timeout: float = 180) -> "ServerProcess":
+        if os.environ.get("TINYSERVE_QUICK_TIER"):
+            raise RuntimeError("a server process in the quick tier: mark the test slow, or name its fixture in "
+                               "conftest.SERVER_FIXTURES")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         if wait:

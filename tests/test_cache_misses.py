@@ -86,6 +86,7 @@ def test_no_divergence_without_a_prefix_cache(demo):
     assert eng.stats().cache.divergences == 0
 
 
+@pytest.mark.slow
 def test_divergences_over_http(xdg, tmp_path):
     """Through the server, Claude Code style: the per-request billing header in the system prompt is stripped, so
     turns that differ only there share their prefix (no divergence); turns that ask different questions leave the

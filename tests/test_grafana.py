@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server_util import ServerProcess, free_port, http, server_config
@@ -69,6 +70,7 @@ def test_every_series_the_dashboard_queries_is_exported():
     assert wanted and wanted <= exported, sorted(wanted - exported)
 
 
+@pytest.mark.slow
 def test_a_real_server_exports_what_the_dashboard_needs_of_it(xdg, tmp_path):
     cfg = server_config(free_port(), {"cache": {"host": {"size_gb": 0.01, "min_free_gb": 0},
                                                 "file": {"dir": str(tmp_path / "kv"), "size_gb": 1}}})

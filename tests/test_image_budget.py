@@ -121,6 +121,7 @@ def metric(base_url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+@pytest.mark.slow
 def test_a_burst_of_large_images_stays_within_the_budget_and_is_answered(vl_folder, tmp_path):
     n, queued = 48, 44
     cfg = server_config(free_port(), {

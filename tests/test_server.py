@@ -521,6 +521,7 @@ def test_bad_toml_and_missing_checkpoint_exit_1(tmp_path, xdg):
     assert result.returncode == 1 and str(missing) in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_a_tokenizer_exits_1_naming_the_file(tmp_path, xdg):
     folder, _ = make_qwen3_5_text(tmp_path / "no-tokenizer")          # weights and config.json only
     path = write_config(tmp_path, server_config(free_port(), {"model": {"path": str(folder), "dtype": "float32"}}))

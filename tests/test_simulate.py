@@ -91,6 +91,7 @@ def test_simulator_reproduces_the_engine(hybrid_model, tmp_path, name):
     assert c.file_blobs_written > r_sim.end["file_blobs"], "the file tier evicted"
 
 
+@pytest.mark.slow
 def test_27b_plan_with_tiny_pools(tmp_path):
     """production.toml's plan counts for Qwen3.5-27B (4,224 pages of 64, 4 device snapshots, 41 host ones) in pools
     of a few MB, bytes reported at real scale; the shared 170K prefix is hit by every session after the first."""

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = r"""
 import json, sys, threading
 calls = {}
@@ -55,6 +57,7 @@ NON_COMPUTE = {"frombuffer", "view", "reshape", "numpy", "contiguous", "is_conti
                "is_complex", "_has_torch_function", "_has_torch_function_unary", "_has_torch_function_variadic"}
 
 
+@pytest.mark.slow
 def test_all_torch_compute_runs_on_the_engine_thread(tmp_path, xdg):
     tests = Path(__file__).resolve().parent
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(tests), str(tmp_path / "kv")], capture_output=True,

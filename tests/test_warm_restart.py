@@ -81,6 +81,7 @@ def make_tier(folder: Path, size_bytes: int = 1 << 30) -> FileTier:
     return FileTier(folder, size_bytes, b"\0" * 32, (1,), torch.float32, (1,), torch.float32, (1,))
 
 
+@pytest.mark.slow
 def test_indexing_reads_names_only(tmp_path, monkeypatch):
     folder = tmp_path / "kv"
     blobs = synthetic_blobs(folder, 3000, size=100)
@@ -135,6 +136,7 @@ def test_a_blob_gone_before_its_stat_leaves_the_index(tmp_path, monkeypatch):
     tier.close()
 
 
+@pytest.mark.slow
 def test_restart_among_many_blobs_serves_the_first_request_from_the_file_tier(model, tmp_path):
     folder = tmp_path / "kv"
     prompt = tokens(SESSION, 5)
