@@ -35,7 +35,6 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         from tinyserve.kernels import gdn_triton
         return gdn_triton.chunk_gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, slot_ids, chunk_size)
     T, HV, dv = v.shape
-    dk = q.shape[-1]
     longest = max(cu_seqlens[i + 1] - cu_seqlens[i] for i in range(len(slot_ids)))
     C = min(chunk_size, max(16, 1 << (longest - 1).bit_length()))   # a short prefill: no 64-row chunks of padding
     device = v.device

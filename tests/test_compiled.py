@@ -9,6 +9,7 @@ of CPU to compile, so the compiling tests are `slow` (left out of the quick tier
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import pytest
@@ -91,6 +92,16 @@ def workload() -> list[tuple[int, list[int], int]]:
     at different steps; contexts from 3 to ~100 tokens: page tables 1 to 7 pages wide."""
     shared = tokens(40, 1)
     return [(0, shared, 12), (14, tokens(3, 2), 40), (15, shared + tokens(9, 3), 25), (16, tokens(30, 4), 60)]
+
+
+def test_the_compile_cache_is_the_cache_folder_unless_the_user_chose_one(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from tinyserve.compiled import use_cache_dir
+    ours = tmp_path / "compiled"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())     # what importing torch._dynamo leaves
+    assert use_cache_dir(ours) == ours and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_cache_dir(ours) == tmp_path / "mine"
 
 
 @pytest.mark.slow

@@ -33,8 +33,9 @@ RECOMPILE_LIMIT = 64      # graphs per compiled function: 2 batch-size classes x
 def use_cache_dir(folder: Path) -> Path:
     """Inductor's on-disk cache (generated C++, compiled libraries, FX graphs) in `folder`, unless the user chose
     one with TORCHINDUCTOR_CACHE_DIR. Returns the folder in use."""
-    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")    # importing torch._dynamo sets it to torch's default
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
         return Path(chosen)
     folder.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
