@@ -538,7 +538,7 @@ def bench(dev) -> None:
             torch.cuda.empty_cache()
 
 
-# The released Qwen3.5 / 3.6 27B-class vision_config (shared/reference/qwen-vision.md §1.1); tiny under --dry-run.
+# The released Qwen3.5 / 3.6 27B-class vision_config, as its config.json gives it; tiny under --dry-run.
 VISION_27B = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16,
                   temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=5120, num_position_embeddings=2304)
 VISION_TINY = dict(VISION_27B, depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,

@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from common import (DEFAULT_DIR, ServerProcess, bench_checkpoint, fmt_table, fre
 
 HEADS = {"exact": (0.0, 0.0), "half": (0.0, 0.006), "random": None}     # (mix, head_noise); None: as is
 SPEED_TARGETS = {"exact": 2.2, "half": 1.4, "random": 0.95}
-LLAMA_CPP_SH = Path(__file__).resolve().parent.parent.parent / "shared" / "tools" / "llama-cpp.sh"
+LLAMA_CPP_SH = Path(__file__).resolve().parent / "llama_cpp.sh"      # build and convert (see its header)
 
 
 def spec_checkpoint(base: Path, name: str, root: Path) -> Path:
@@ -148,8 +147,8 @@ def run_tinyserve(folder: Path, spec: bool, args, max_running: int, work: Path, 
 def run_llama(folder: Path, spec: bool, args, work: Path, prompts, env) -> dict:
     gguf = work / f"{folder.name}.gguf"
     if not gguf.exists():
-        subprocess.run(["bash", str(LLAMA_CPP_SH), "convert", str(work / "llama"), str(folder), str(gguf), "f32"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(["bash", str(LLAMA_CPP_SH), "convert", str(folder), str(gguf), "f32"], check=True,
+                       stdout=subprocess.DEVNULL, env={**os.environ, "PYTHON": sys.executable})
     port = free_port()
     argv = [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
             "-c", str(8 * 1024), "-t", str(os.cpu_count())]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import DEFAULT_DIR, ServerProcess, fmt_table, free_port  # noqa: E402
 
-# The released Qwen3.5 / 3.6 27B-class vision_config (shared/reference/qwen-vision.md §1.1).
+# The released Qwen3.5 / 3.6 27B-class vision_config, as its config.json gives it.
 VISION_27B = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16,
                   temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=5120, num_position_embeddings=2304,
                   in_channels=3, hidden_act="gelu_pytorch_tanh")

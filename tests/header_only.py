@@ -15,7 +15,7 @@ import torch
 from tinyserve.model_config import parse_config
 from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
 
-QWEN3_5_27B = {   # text_config of Qwen3.5-27B (shared/reference/qwen-hybrid.md)
+QWEN3_5_27B = {   # text_config of Qwen3.5-27B (its config.json)
     "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "num_hidden_layers": 64,
     "full_attention_interval": 4, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
     "intermediate_size": 17408, "linear_num_key_heads": 16, "linear_num_value_heads": 48,

@@ -36,7 +36,7 @@ def _interpret_triton_language() -> None:
 
 def _round_fp8_like_the_gpu() -> None:
     """The interpreter rounds fp32 -> fp8e4nv wrongly for ~2.5% of values (a mantissa carry into the exponent is
-    dropped; ../shared/reference/triton-on-cpu.md): route that one conversion through torch, which rounds to nearest
+    dropped): route that one conversion through torch, which rounds to nearest
     even as the GPU does. Kernels clamp to +-448 before converting, so saturation never matters."""
     import numpy as np
     import triton.language as tl

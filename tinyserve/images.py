@@ -1,4 +1,4 @@
-"""Image input: data URLs, decoding, and the Qwen2-VL / Qwen3.5 image processor (shared/reference/qwen-vision.md §2).
+"""Image input: data URLs, decoding, and the Qwen2-VL / Qwen3.5 image processor.
 
 `preprocess` reproduces transformers' `Qwen2VLImageProcessorPil` bit for bit: transparency composited onto white,
 `smart_resize` to a multiple of patch * merge pixels within [min_pixels, max_pixels], a PIL bicubic resize of the

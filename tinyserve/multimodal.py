@@ -1,4 +1,4 @@
-"""Images in a request as the engine sees them (shared/reference/qwen-vision.md §3, §5).
+"""Images in a request as the engine sees them (placeholders, grid sizes and M-RoPE positions).
 
 - Where each image sits: the chat template emits one `<|image_pad|>` per image; `expand_image_pads` widens each to
   the image's token count (gh x gw merged tokens) and records its span.
