@@ -1,7 +1,7 @@
 """Qwen3.5 vision: the ViT tower that turns image patches into LM embeddings, and the 3-row (M-RoPE) positions the
 language model uses for prompts that contain images.
 
-Tower (as transformers' Qwen3.5 vision model computes it): patch embedding (a Conv3d with stride = kernel, i.e. a linear map over
+Tower (as transformers computes it): patch embedding (a Conv3d with stride = kernel, i.e. a linear map over
 each flattened patch), a learned square position table resampled bilinearly (align_corners) to each image's patch
 grid, 2-D rotary, pre-norm blocks with full non-causal attention inside each image (images never see each other),
 then a merger that concatenates each 2x2 block of patches into one LM token. Patch rows arrive in the processor's
