@@ -39,7 +39,7 @@ def test_greedy_is_argmax(dtype):
     logits = rand_logits(5).to(dtype)
     params = [SamplingParams(temperature=0.0) for _ in range(5)]
     batch = build(params)
-    assert batch.all_greedy and batch.output_counts is None and batch.seen_mask is None
+    assert batch.all_greedy and batch.output_flat is None and batch.seen_flat is None
     assert batch.temperature is None and batch.seeds is None
     res = sample(logits, batch)
     assert res.tokens.dtype == torch.int64
@@ -327,7 +327,7 @@ def test_penalties_steer_sampling():
 def test_no_penalty_tensors_without_penalties():
     batch = build([SamplingParams(temperature=0.5)] * 3, prompt=[[1, 2]] * 3, output=[[3]] * 3)
     assert not batch.has_penalties
-    assert batch.output_counts is None and batch.seen_mask is None
+    assert batch.output_flat is None and batch.seen_flat is None
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids():

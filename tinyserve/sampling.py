@@ -146,12 +146,14 @@ class SamplingBatch:
     min_p: torch.Tensor | None = None         # float32, 0.0 where off
     seeds: torch.Tensor | None = None         # int64 (the seed's 64 bits)
     positions: torch.Tensor | None = None     # int64, output tokens generated so far = index of this draw
-    # Penalties, per row ([B] / [B, V]).
+    # Penalties: per row ([B]), and the tokens they touch as flat indices row * V + id (each once), so a step
+    # costs what the requests' tokens hold, not B x V (248,320 columns for Qwen3.5).
     presence_penalty: torch.Tensor | None = None
     frequency_penalty: torch.Tensor | None = None
-    output_counts: torch.Tensor | None = None     # [B, V] float32 counts of each output token
+    output_flat: torch.Tensor | None = None       # [M] int64, the output tokens
+    output_counts: torch.Tensor | None = None     # [M] float32, how often each occurs in its row's output
     repetition_penalty: torch.Tensor | None = None
-    seen_mask: torch.Tensor | None = None         # [B, V] bool, token occurs in prompt or output
+    seen_flat: torch.Tensor | None = None         # [N] int64, the tokens of each row's prompt and output
     # logit_bias: logits[bias_rows, bias_cols] += bias_values, one sparse add over the (row, id) pairs set
     bias_rows: torch.Tensor | None = None
     bias_cols: torch.Tensor | None = None
@@ -168,7 +170,7 @@ class SamplingBatch:
 
     @property
     def has_penalties(self) -> bool:
-        return self.output_counts is not None or self.seen_mask is not None
+        return self.output_flat is not None or self.seen_flat is not None
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_ids: list[list[int]], output_ids: list[list[int]],
@@ -215,16 +217,13 @@ class SamplingBatch:
                                                   device=device)
             batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32,
                                                    device=device)
-            flat = _flat_ids(output_ids, V, device, "output_ids")
-            batch.output_counts = torch.bincount(flat, minlength=B * V).view(B, V).to(torch.float32)
+            flat, counts = torch.unique(_flat_ids(output_ids, V, device, "output_ids"), return_counts=True)
+            batch.output_flat, batch.output_counts = flat, counts.to(torch.float32)
         if any(p.repetition_penalty != 1.0 for p in params):
             batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,
                                                     device=device)
             seen = [pr + out for pr, out in zip(prompt_ids, output_ids)]
-            flat = _flat_ids(seen, V, device, "prompt_ids/output_ids")
-            mask = torch.zeros(B * V, dtype=torch.bool, device=device)
-            mask[flat] = True
-            batch.seen_mask = mask.view(B, V)
+            batch.seen_flat = torch.unique(_flat_ids(seen, V, device, "prompt_ids/output_ids"))
 
         # logit_bias: only the (row, id) pairs requests set, so a batch costs what its biases hold, not B x V each
         bias = [(r, t, b) for r, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
@@ -332,13 +331,17 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     Repetition (prompt + output tokens): positive logits divided by the penalty, negative ones multiplied.
     Frequency / presence (output tokens): logit -= frequency * count + presence * (count > 0).
     """
-    x = logits.to(torch.float32)
-    if batch.seen_mask is not None:
-        rp = batch.repetition_penalty[:, None]
-        x = torch.where(batch.seen_mask, torch.where(x > 0, x / rp, x * rp), x)
-    if batch.output_counts is not None:
-        counts = batch.output_counts
-        x = x - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
+    V = logits.shape[1]
+    x = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
+    flat = x.view(-1)                                  # only the touched entries change
+    if batch.seen_flat is not None:
+        rp = batch.repetition_penalty[batch.seen_flat // V]
+        v = flat[batch.seen_flat]
+        flat[batch.seen_flat] = torch.where(v > 0, v / rp, v * rp)
+    if batch.output_flat is not None:
+        rows, counts = batch.output_flat // V, batch.output_counts
+        v = flat[batch.output_flat]
+        flat[batch.output_flat] = v - batch.frequency_penalty[rows] * counts - batch.presence_penalty[rows]
     return x
 
 
