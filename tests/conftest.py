@@ -23,6 +23,8 @@ from tinyserve.build import engine_for_model  # noqa: E402
 from tinyserve.config import from_dict  # noqa: E402
 from tinyserve.engine import Engine  # noqa: E402
 from tinyserve.loader import load_model  # noqa: E402
+from tinyserve.request import Status  # noqa: E402
+from tinyserve.sampling import SamplingParams  # noqa: E402
 
 
 # The quick tier (`pytest -m "not slow"`, docs/testing.md) runs in-process only: besides the tests marked `slow` by
@@ -76,6 +78,22 @@ def engine_for(loaded_model, tokenizer=None, host_state_share: float | None = No
         return engine_for_model(from_dict(tables), loaded_model, tokenizer)
     finally:
         plan.HOST_STATE_SHARE = default
+
+
+def drive(eng: Engine, schedule: list[tuple[int, list[int], int]]) -> list[list[int]]:
+    """Run requests offline step by step: (step it arrives at, prompt, max_tokens) each; the batch grows as they
+    arrive and shrinks as they finish. Returns each request's greedy tokens."""
+    reqs, step = [], 0
+    pending = sorted(schedule, key=lambda a: a[0])
+    while pending or any(r.status != Status.FINISHED for r in reqs):
+        while pending and pending[0][0] <= step:
+            _, prompt, n = pending.pop(0)
+            req = eng.intake.make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), None)
+            eng.scheduler.add(req)
+            reqs.append(req)
+        eng._step()
+        step += 1
+    return [r.output_ids for r in reqs]
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -16,11 +16,9 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_5_text
-from conftest import TEST_DEVICE, assert_no_leaks, engine_for, merge, tokens
+from conftest import TEST_DEVICE, assert_no_leaks, drive, engine_for, merge, tokens
 from tinyserve.engine import Engine
 from tinyserve.loader import load_model
-from tinyserve.request import Status
-from tinyserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the compiled steps are the CPU's")
 
@@ -71,20 +69,6 @@ def make_engine(model, **tables) -> Engine:
     defaults = {"engine": {"page_size": 16, "kv_cache_tokens": 2048, "max_running_requests": MAX_RUNNING,
                            "chunked_prefill_size": 64}, "cache": {"state_track_interval": 32}}
     return engine_for(model, **merge(defaults, tables))
-
-
-def drive(eng: Engine, schedule: list[tuple[int, list[int], int]]) -> list[list[int]]:
-    """Requests (arrival step, prompt, max_tokens) run offline step by step; each one's greedy tokens."""
-    reqs, step, pending = [], 0, sorted(schedule, key=lambda a: a[0])
-    while pending or any(r.status != Status.FINISHED for r in reqs):
-        while pending and pending[0][0] <= step:
-            _, prompt, n = pending.pop(0)
-            req = eng.intake.make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), None)
-            eng.scheduler.add(req)
-            reqs.append(req)
-        eng._step()
-        step += 1
-    return [r.output_ids for r in reqs]
 
 
 def workload() -> list[tuple[int, list[int], int]]:

@@ -15,15 +15,13 @@ import pytest
 import torch
 
 from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
-from conftest import TEST_DEVICE, PinnedCost, assert_no_leaks, engine_for, merge, tokens
+from conftest import TEST_DEVICE, PinnedCost, assert_no_leaks, drive, engine_for, merge, tokens
 from tinyserve.config import from_dict
 from tinyserve.engine import Engine
 from tinyserve.loader import load_model
 from tinyserve.models.config import WeightCount
 from tinyserve.plan import MemoryPlan
-from tinyserve.request import Status
 from tinyserve.static import StaticStep, graph_batch_sizes
-from tinyserve.sampling import SamplingParams
 
 CTX = 512
 MAX_RUNNING = 7                 # sizes 1, 2, 4, 7: steps of 3, 5 and 6 sequences are padded
@@ -98,22 +96,6 @@ class Recorder:
         self.steps.append((n, B, T))
         self.short += any(s.num_tokens < T for s in seqs)      # a sequence with padding tokens after its own
         return batch, hidden
-
-
-def drive(eng: Engine, schedule: list[tuple[int, list[int], int]]) -> list[list[int]]:
-    """Run requests offline step by step: (step it arrives at, prompt, max_tokens) each; the batch grows as they
-    arrive and shrinks as they finish. Returns each request's greedy tokens."""
-    reqs, step = [], 0
-    pending = sorted(schedule, key=lambda a: a[0])
-    while pending or any(r.status != Status.FINISHED for r in reqs):
-        while pending and pending[0][0] <= step:
-            _, prompt, n = pending.pop(0)
-            req = eng.intake.make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), None)
-            eng.scheduler.add(req)
-            reqs.append(req)
-        eng._step()
-        step += 1
-    return [r.output_ids for r in reqs]
 
 
 def workload(seed: int) -> list[tuple[int, list[int], int]]:
