@@ -5,6 +5,8 @@ state slot (`conv_state[slot]`), so prefill chunks and decode steps continue exa
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -15,13 +17,17 @@ from tinyserve.kernels.verify_layout import VerifyLayout, pad_to_layout
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | PoolLayer,
-                          cu_seqlens: list[int], slot_ids: list[int]) -> torch.Tensor:
+                          cu_seqlens: list[int], slot_ids: list[int],
+                          snapshots: Sequence[tuple[int, int, int]] = ()) -> torch.Tensor:
     """x [T, C] packed sequences; weight [C, K]; conv_state [slots, C, K-1] (read, then updated in place).
 
     Returns silu(conv(x)) [T, C]. Sequence i covers x[cu_seqlens[i]:cu_seqlens[i+1]] and continues slot_ids[i].
+    snapshots: (sequence i, offset o, slot): the history after sequence i's first o tokens is also written to `slot`
+    (as gdn.chunk_gated_delta_rule's snapshots).
     """
     conv_state = PoolLayer.of(conv_state).rows
     if use_triton(x):
+        assert not snapshots, "the Triton prefill takes no snapshots inside a chunk (gdn.snapshot_alignment)"
         from tinyserve.kernels import conv_triton
         return conv_triton.causal_conv1d_prefill(x, weight, conv_state, cu_seqlens, slot_ids)
     K = weight.shape[1]
@@ -35,6 +41,8 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: tor
         for tap in range(1, K):                        # several times more on the CPU)
             y.addcmul_(window[:, tap:tap + L], weight[:, tap:tap + 1])
         out[s:e] = F.silu(y.t())
+        for _, offset, snap in (t for t in snapshots if t[0] == i):   # the K-1 inputs before the offset
+            conv_state[snap] = window[:, offset:offset + K - 1].to(conv_state.dtype)
         conv_state[slot] = window[:, -(K - 1):].to(conv_state.dtype)
     return out
 

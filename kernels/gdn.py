@@ -8,6 +8,8 @@ and writes its final state back in place (slots are zeroed by the engine when a 
 from __future__ import annotations
 
 import functools
+import math
+from typing import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,21 +24,37 @@ def _expand_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     return x if r == 1 else x.repeat_interleave(r, dim=-2)
 
 
+SNAPSHOT_ALIGN = 16      # a state snapshot inside a prefill falls on a chunk end: chunks are never shorter than this
+
+
+def snapshot_alignment(device: torch.device) -> int | None:
+    """The multiple of tokens, from a prefill chunk's start, at which the prefill ops also write the state to a
+    snapshot slot in the same forward (`snapshots` below), or None where they cannot (the Triton kernels keep
+    only a low-precision state per chunk: the scheduler ends the chunk at the snapshot instead)."""
+    return None if use_triton(torch.empty(0, device=device)) else SNAPSHOT_ALIGN
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            state: torch.Tensor | PoolLayer, cu_seqlens: list[int], slot_ids: list[int],
-                           chunk_size: int = 64) -> torch.Tensor:
+                           chunk_size: int = 64, snapshots: Sequence[tuple[int, int, int]] = ()) -> torch.Tensor:
     """Prefill form. q, k [T, H, dk]; v [T, HV, dv]; g, beta [T, HV] (fp32, g = log-decay <= 0).
 
     Every chunk of every sequence is computed at once (intra-chunk work batched); only the chunk-to-chunk state
     hand-over loops, over chunk index, batched across sequences. Returns o [T, HV, dv] in v's dtype.
+    snapshots: (sequence i, offset o, slot) with 0 < o < its length and o a multiple of SNAPSHOT_ALIGN: the state
+    after sequence i's first o tokens is also written to `slot` (the prefix cache's snapshots inside a chunk).
     """
     state = PoolLayer.of(state).rows
     if use_triton(q):
+        assert not snapshots, "the Triton prefill takes no snapshots inside a chunk (snapshot_alignment)"
         from tinyserve.kernels import gdn_triton
         return gdn_triton.chunk_gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, slot_ids, chunk_size)
     T, HV, dv = v.shape
     longest = max(cu_seqlens[i + 1] - cu_seqlens[i] for i in range(len(slot_ids)))
     C = min(chunk_size, max(16, 1 << (longest - 1).bit_length()))   # a short prefill: no 64-row chunks of padding
+    for _, offset, _ in snapshots:                                  # every snapshot on a chunk end
+        assert offset % SNAPSHOT_ALIGN == 0, f"a snapshot at {offset} tokens is not on a {SNAPSHOT_ALIGN} boundary"
+        C = math.gcd(C, offset)
     device = v.device
     q = _expand_heads(q, HV).float()
     k = _expand_heads(k, HV).float()
@@ -76,11 +94,16 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     S = state.index_select(0, slots).float()                              # [N, HV, dk, dv]
     out = torch.empty_like(U)
     last_decay = G_last.exp()[..., None, None]
-    for sel, seqs in lay.steps:                                           # chunk position c = 0, 1, ...
+    due: dict[int, list[tuple[int, int]]] = {}                            # chunk position -> (sequence, slot)
+    for i, offset, slot in snapshots:
+        due.setdefault(offset // C - 1, []).append((i, slot))
+    for c, (sel, seqs) in enumerate(lay.steps):                           # chunk position c = 0, 1, ...
         S_c = S[seqs]
         V_new = U[sel] - W[sel] @ S_c
         out[sel] = q_decayed[sel] @ S_c + QK[sel] @ V_new
         S[seqs] = S_c * last_decay[sel] + k_tail[sel].transpose(-1, -2) @ V_new
+        for i, slot in due.get(c, ()):
+            state[slot] = S[i].to(state.dtype)
     state.index_copy_(0, slots, S.to(state.dtype))
 
     o = out.transpose(1, 2).reshape(-1, HV, dv)                           # [NC*C, HV, dv]

@@ -65,6 +65,9 @@ class ForwardBatch:
     # Decode attention's bound on the decode and verify rows' lengths (None: their max). A static batch (runner.py,
     # CUDA graphs) fixes it to the context length, so nothing in its forward changes from step to step.
     decode_max_len: int | None = None
+    # GDN state snapshots inside the prefill chunks: (prefill sequence i, counted from the first prefill, offset o
+    # from its chunk's start, state slot): the conv and SSM state after its first o tokens are also written there.
+    prefill_snapshots: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -194,9 +197,10 @@ class GatedDeltaNet(nn.Module):
         if batch.has_prefill:
             cu = [c - ve for c in batch.cu_seqlens[nd + nv:]]
             slots = batch.state_slots[nd + nv:]
-            u = causal_conv1d_prefill(mixed[ve:], self.conv_weight, conv_state, cu, slots)
+            snaps = batch.prefill_snapshots
+            u = causal_conv1d_prefill(mixed[ve:], self.conv_weight, conv_state, cu, slots, snaps)
             q, k, v = self._split_heads(u)
-            parts.append(chunk_gated_delta_rule(q, k, v, g[ve:], beta[ve:], ssm_state, cu, slots))
+            parts.append(chunk_gated_delta_rule(q, k, v, g[ve:], beta[ve:], ssm_state, cu, slots, snapshots=snaps))
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         y = gated_rms_norm(o, z.reshape(T, self.nv, self.dv), self.norm_weight, self.cfg.rms_norm_eps)
         return linear(y.reshape(T, vd), self.out_proj)

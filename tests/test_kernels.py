@@ -92,6 +92,43 @@ def test_chunk_gdn_continuation_equals_one_pass(chunk_size):
     torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
 
 
+def test_chunk_gdn_snapshots_inside_a_chunk_are_the_state_there():
+    """Snapshots written by the forward (the prefix cache's, inside a prefill chunk) hold the state after exactly
+    their offset, as the token-by-token recurrence gives it; the outputs and final states do not change."""
+    cu, slots = [0, 120, 168, 201], [1, 2, 3]
+    q, k, v, g, beta = gdn_inputs(cu[-1], 2, 4, seed=5)
+    snaps = [(0, 16, 4), (0, 112, 5), (1, 32, 6), (2, 16, 7)]
+    initial = torch.randn(8, 4, DK, DV, generator=torch.Generator().manual_seed(6))
+    plain, with_snaps = initial.clone(), initial.clone()
+    o_plain = chunk_gated_delta_rule(q, k, v, g, beta, plain, cu, slots)
+    o_snaps = chunk_gated_delta_rule(q, k, v, g, beta, with_snaps, cu, slots, snapshots=snaps)
+    torch.testing.assert_close(o_snaps, o_plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(with_snaps[1:4], plain[1:4], atol=1e-5, rtol=1e-5)
+    for i, offset, slot in snaps:
+        t = slice(cu[i], cu[i] + offset)
+        _, S = delta_rule_loop(expand(q[t], 4), expand(k[t], 4), v[t], g[t], beta[t], initial[slots[i]])
+        torch.testing.assert_close(with_snaps[slot], S, atol=1e-4, rtol=1e-4)
+
+
+def test_conv_snapshots_inside_a_chunk_are_the_history_there():
+    """A snapshot's conv history is what a prefill that stopped at its offset leaves (offsets shorter than the
+    history included); the outputs and final histories do not change."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(C, K, generator=gen)
+    x = torch.randn(50, C, generator=gen)
+    cu, slots, snaps = [0, 34, 50], [1, 2], [(0, 16, 3), (0, 32, 4), (1, 1, 5)]
+    initial = torch.randn(6, C, K - 1, generator=gen)
+    plain, with_snaps = initial.clone(), initial.clone()
+    out_plain = causal_conv1d_prefill(x, weight, plain, cu, slots)
+    out_snaps = causal_conv1d_prefill(x, weight, with_snaps, cu, slots, snaps)
+    torch.testing.assert_close(out_snaps, out_plain)
+    torch.testing.assert_close(with_snaps[1:3], plain[1:3])
+    for i, offset, slot in snaps:
+        stopped = initial.clone()
+        causal_conv1d_prefill(x[cu[i]:cu[i] + offset], weight, stopped, [0, offset], [slots[i]])
+        torch.testing.assert_close(with_snaps[slot], stopped[slots[i]])
+
+
 @pytest.mark.parametrize("slot_list", [[4, 1, 2], [1, 2, 3], [4]], ids=["scattered", "run", "lone"])  # runs: views
 @pytest.mark.parametrize("H,HV", [(2, 2), (2, 4), (2, 6)])
 def test_recurrent_decode_matches_loop(H, HV, slot_list):

@@ -181,3 +181,37 @@ def test_a_running_requests_lock_pins_its_pages_not_its_snapshots(model, cold):
     assert x_pages[0] == tree.match(x).pages[:len(x_pages[0])]
     tree.lock(m.node, -1)
     assert_no_leaks(eng)
+
+
+
+def record_prefills(eng: Engine) -> list[tuple[int, int, int]]:
+    """(start, tokens, snapshots written in the forward) of every prefill chunk eng runs from now on."""
+    seen, step = [], eng.runner.step
+
+    def recording(seqs, *args):
+        seen.extend((s.start, s.num_tokens, len(s.snapshots)) for s in seqs if not s.is_decode)
+        return step(seqs, *args)
+    eng.runner.step = recording
+    return seen
+
+
+def test_a_prompts_snapshots_are_written_inside_its_one_prefill_forward(model, cold):
+    """A fresh prompt is prefilled in one forward: the interval snapshots and the page-aligned prompt end inside it
+    are written by that forward (kernels.gdn's snapshots), not by ending the chunk at each. Each one resumes a later
+    request exactly where a cold run would be. Where no snapshot slot is free the chunk ends at the snapshot (and
+    advance weighs it against the cached ones)."""
+    prompt = tokens(100, 60)                     # due: intervals at 32 and 64, the prompt end's page at 96
+    for slots, chunks in ((64, [(0, 100, 3)]), (2, [(0, 96, 2), (96, 4, 0)]),
+                          (1, [(0, 64, 1), (64, 32, 0), (96, 4, 0)])):
+        eng = engine(model, state_slots=slots)
+        prefills = record_prefills(eng)
+        (req,) = eng.run_requests([prompt], GREEDY)
+        assert prefills == chunks, slots
+        assert req.output_ids == cold.generate([prompt], GREEDY)[0]
+        if slots == 64:
+            for cut in (32, 64, 96):             # a branch after each snapshot resumes from it
+                other = prompt[:cut] + tokens(20, cut)
+                (r,) = eng.run_requests([other], GREEDY)
+                assert r.cached_tokens == cut
+                assert r.output_ids == cold.generate([other], GREEDY)[0]
+        assert_no_leaks(eng)

@@ -21,6 +21,7 @@ from tinyserve.engine import Engine
 from tinyserve.intake import Intake, RequestError, image_processor_for
 from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
 from tinyserve.kernels.fp8_weight import Fp8Weight
+from tinyserve.kernels.gdn import snapshot_alignment
 from tinyserve.kernels.linear import calibrate as calibrate_linear
 from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.loader import load_model
@@ -81,6 +82,10 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
     """The engine's parts, sized by the plan. copy_stream: where tier copies run (copies.py); by default the
     device's own (CUDA: a stream of its own, the CPU: at once)."""
     mc, device = model.cfg, model.device
+    try:                                       # engine.kernels: the Triton kernels or the torch references
+        set_kernel_backend(cfg.engine.kernels)
+    except RuntimeError as e:
+        raise ConfigError(str(e), "engine.kernels") from None
     eos_token_ids = sorted(set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
     kv_pool = KVPool(plan.kv_pages, plan.page_size, plan.kv_layers, mc.num_key_value_heads, mc.head_dim,
                      torch_dtype(plan.kv_dtype), device)
@@ -98,16 +103,13 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
     if plan.nextn_layers:
         nextn = NextN(cfg.speculative.num_steps, cfg.speculative.max_running, kv_layer=len(mc.attn_layer_ids))
     scheduler = Scheduler(allocator, state_pool, plan.page_size, cfg.engine.max_running_requests,
-                          cfg.engine.chunked_prefill_size, cache, lookahead=nextn.num_steps if nextn else 0)
+                          cfg.engine.chunked_prefill_size, cache, lookahead=nextn.num_steps if nextn else 0,
+                          snapshot_align=snapshot_alignment(device) if plan.hybrid else None)
     runner = ModelRunner(model, kv_pool, state_pool, eos_token_ids, nextn, plan.context_length)
     vision = model.visual is not None
     intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, eos_token_ids, tokenizer,
                     mc.image_token_id, image_processor_for(model) if vision else None,
                     weights_digest(model.visual) if vision else b"")
-    try:                                       # engine.kernels: the Triton kernels or the torch references
-        set_kernel_backend(cfg.engine.kernels)
-    except RuntimeError as e:
-        raise ConfigError(str(e), "engine.kernels") from None
     if plan.device == "cpu":                   # pick this CPU's faster GEMM route on the model's own shapes
         shapes = {tuple(p.shape): p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
         log.info("CPU GEMM route: %s", calibrate_linear(list(shapes.values())))

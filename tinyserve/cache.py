@@ -4,6 +4,9 @@
                 ready(req)          may req be admitted now? (the prefetch policy)
     admission:  admit(req)          promote host / file copies onto the device, match, share the matched pages,
                                     copy the state snapshot, lock the path; returns the Admission to apply
+    scheduling: snapshots_due(req, end)   prefill positions before `end` where a state snapshot is due;
+                snapshot_slot(req, pos)   a free slot for the forward to write one into, inside a prefill chunk;
+                keep_snapshot(req, pos) / drop_snapshot(req, pos)   after that forward (or not at all)
     each step:  advance(req, pos, is_decode, slot)   take the state snapshots that fall due (from `slot`, the
                                     state at pos: a speculative verify keeps one per verified token)
     end:        finish(req)         cache what the request computed;  release(req): unlock (also on preemption)
@@ -41,6 +44,7 @@ class CacheRun:
                                                                # a branch point (kept longer than interval ones)
     track_slot: int | None = None           # copy of the state at the last page boundary
     track_pos: int = -1
+    written: dict[int, int] = field(default_factory=dict)      # position -> snapshot slot a forward writes into
     read: Future | None = None              # file-tier blobs being read for this prompt
     read_first_page: int = 0
     read_deadline: float = 0.0
@@ -97,7 +101,10 @@ class Cache(Protocol):
     def on_arrival(self, req: Request) -> None: ...
     def ready(self, req: Request) -> bool: ...
     def admit(self, req: Request) -> Admission: ...
-    def next_snapshot(self, req: Request) -> int | None: ...
+    def snapshots_due(self, req: Request, end: int) -> list[int]: ...
+    def snapshot_slot(self, req: Request, pos: int) -> int | None: ...
+    def keep_snapshot(self, req: Request, pos: int) -> None: ...
+    def drop_snapshot(self, req: Request, pos: int) -> None: ...
     def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None: ...
     def finish(self, req: Request) -> None: ...
     def release(self, req: Request) -> None: ...
@@ -125,8 +132,17 @@ class NullCache:
 
     skips_unready = False
 
-    def next_snapshot(self, req: Request) -> int | None:
+    def snapshots_due(self, req: Request, end: int) -> list[int]:
+        return []
+
+    def snapshot_slot(self, req: Request, pos: int) -> int | None:
         return None
+
+    def keep_snapshot(self, req: Request, pos: int) -> None:
+        raise AssertionError("no snapshot is due without a prefix cache")
+
+    def drop_snapshot(self, req: Request, pos: int) -> None:
+        raise AssertionError("no snapshot is due without a prefix cache")
 
     def admit(self, req: Request) -> Admission:
         self.state_pool.zero(req.state_slot)
@@ -287,11 +303,30 @@ class PrefixCache:
         out, self._divergences = self._divergences, []
         return out
 
-    def next_snapshot(self, req: Request) -> int | None:
-        """The next prefill position where a snapshot is due (a prefill chunk ends there)."""
+    def snapshots_due(self, req: Request, end: int) -> list[int]:
+        """The prefill positions strictly between req's computed tokens and `end` where a state snapshot is due, in
+        order (one at `end` itself is taken after the step, by advance)."""
         run = self.runs.get(req.request_id)
-        later = [p for p in run.snapshot_points if p > req.num_computed] if run else []
-        return min(later) if later else None
+        return [p for p in run.snapshot_points if req.num_computed < p < end] if run else []
+
+    def snapshot_slot(self, req: Request, pos: int) -> int | None:
+        """A free snapshot slot for the forward to write req's state at prefill position pos into (then
+        keep_snapshot or drop_snapshot; release gives it back if neither came), or None. Never one taken from a
+        cached snapshot: under pressure the chunk ends at pos and advance weighs the snapshot against the others,
+        one at a time."""
+        slot = self.state_pool.alloc_snapshot()
+        if slot is not None:
+            self.runs[req.request_id].written[pos] = slot
+        return slot
+
+    def keep_snapshot(self, req: Request, pos: int) -> None:
+        """The forward wrote req's state at pos: cache tokens [0, pos) with it."""
+        run = self.runs[req.request_id]
+        slot = run.written.pop(pos)
+        self.tree.insert(req.cache_ids[:pos], req.pages[:pos // self.page_size], slot, resume=pos in run.resume_points)
+
+    def drop_snapshot(self, req: Request, pos: int) -> None:
+        self.state_pool.free_snapshot(self.runs[req.request_id].written.pop(pos))
 
     # ---- after each step ----
     def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None:
@@ -346,6 +381,8 @@ class PrefixCache:
             self.tree.lock(run.node, -1)
         if run.track_slot is not None:
             self.state_pool.free_snapshot(run.track_slot)
+        for slot in run.written.values():              # scheduled, never written (an abort before the step)
+            self.state_pool.free_snapshot(slot)
         if run.read is not None:
             run.read.cancel()
 

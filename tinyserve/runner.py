@@ -160,6 +160,9 @@ class ModelRunner:
             ids += req.all_ids[s.start:s.start + 1] + s.draft if s.is_verify else req.all_ids[s.start:s.start + s.num_tokens]
         batch = self._batch([(s.req, s.start, s.num_tokens) for s in seqs], ids, [s.req.state_slot for s in seqs],
                             num_decode)
+        first_prefill = num_decode + num_verify
+        batch.prefill_snapshots = tuple((i - first_prefill, pos - s.start, slot)
+                                        for i, s in enumerate(seqs) for pos, slot in s.snapshots)
         if num_verify:
             vs, cu = seqs[num_decode:num_decode + num_verify], batch.cu_seqlens
             batch.num_verify = num_verify

@@ -32,6 +32,8 @@ class ScheduledSeq:
     is_decode: bool       # one new token after the request's own previous one (decided here, once)
     draft: list[int] = field(default_factory=list)          # NEXTN drafts verified after the last token
     verify_slots: list[int] = field(default_factory=list)   # state slot after each of the 1 + len(draft) tokens
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # a prefill's (position, snapshot slot): the
+    #                                                                 state there, written by the forward itself
 
     @property
     def is_verify(self) -> bool:
@@ -40,8 +42,11 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, max_running: int,
-                 chunked_prefill_size: int, cache: Cache, lookahead: int = 0) -> None:
+                 chunked_prefill_size: int, cache: Cache, lookahead: int = 0, snapshot_align: int | None = None) -> None:
         self.allocator, self.state_pool, self.cache = allocator, state_pool, cache
+        # a prefill chunk runs past a due state snapshot that lies a multiple of this from its start (the forward
+        # writes the state there into the cache's slot: kernels.gdn.snapshot_alignment); None: chunks end there
+        self.snapshot_align = snapshot_align
         self.lookahead = lookahead            # NEXTN: tokens of pages a decode takes ahead for its draft chain
         self.page_size, self.max_running = page_size, max_running
         self.chunk_budget = chunked_prefill_size
@@ -115,16 +120,16 @@ class Scheduler:
         for req in sorted(prefilling, key=lambda r: r.admit_order):
             if budget <= 0 or req.status != Status.RUNNING:
                 continue
-            n = self._prefill_chunk(req, budget)
-            if n == 0:
+            chunk = self._prefill_chunk(req, budget)
+            if chunk is None:
                 scheduled = {id(s.req) for s in batch}
                 newer = [r for r in self.running if r.admit_order > req.admit_order and id(r) not in scheduled]
                 if newer:
                     self.preempt(max(newer, key=lambda r: r.admit_order))
-                    n = self._prefill_chunk(req, budget)
-            if n:
-                batch.append(self._prefill(req, n))
-                budget -= n
+                    chunk = self._prefill_chunk(req, budget)
+            if chunk is not None:
+                batch.append(chunk)
+                budget -= chunk.num_tokens
             else:
                 starved = True
         # 3. admit waiting requests in arrival order (not while a running request waits for pages); one whose
@@ -143,8 +148,8 @@ class Scheduler:
             start = self.cache.admit(req)              # the cached prefix it resumes from
             req.pages, req.num_computed = start.pages, start.num_computed
             req.cached_tokens, req.cached_by_tier = start.cached_tokens, start.cached_by_tier
-            n = self._prefill_chunk(req, budget)
-            if n == 0:                                     # not even one page free: wait for room
+            chunk = self._prefill_chunk(req, budget)
+            if chunk is None:                              # not even one page free: wait for room
                 self.release(req)
                 break
             self.waiting.remove(req)
@@ -152,33 +157,43 @@ class Scheduler:
             self._admit_counter += 1
             req.admit_order = self._admit_counter
             self.running.append(req)
-            batch.append(self._prefill(req, n))
-            budget -= n
+            batch.append(chunk)
+            budget -= chunk.num_tokens
         return batch
-
-    @staticmethod
-    def _prefill(req: Request, n: int) -> ScheduledSeq:
-        return ScheduledSeq(req, req.num_computed, n, req.num_computed + n == req.num_tokens, is_decode=False)
 
     def _pages_for(self, req: Request, new_tokens: int) -> int:
         need = -(-(req.num_computed + new_tokens) // self.page_size)
         return max(0, need - len(req.pages))
 
-    def _prefill_chunk(self, req: Request, budget: int) -> int:
-        """Tokens of req's remaining prefill that fit the budget and the free pages (allocated here)."""
-        n = min(req.num_tokens - req.num_computed, budget)
-        due = self.cache.next_snapshot(req)
-        if due is not None:                                # end the chunk where a snapshot is due
-            n = min(n, due - req.num_computed)
+    def _prefill_chunk(self, req: Request, budget: int) -> ScheduledSeq | None:
+        """The next chunk of req's prefill that fits the budget and the free pages (allocated here); None if not one
+        token fits. A state snapshot due inside it is written by the forward into a snapshot slot where it lies on
+        the kernels' alignment and the cache has a slot; otherwise the chunk ends there (the next one starts from
+        it, and the snapshot is taken after the step)."""
+        start = req.num_computed
+        n = min(req.num_tokens - start, budget)
+        snapshots: list[tuple[int, int]] = []
+        for pos in self.cache.snapshots_due(req, start + n):
+            slot = None
+            if self.snapshot_align and (pos - start) % self.snapshot_align == 0:
+                slot = self.cache.snapshot_slot(req, pos)
+            if slot is None:
+                n = pos - start
+                break
+            snapshots.append((pos, slot))
         self.cache.make_room(self._pages_for(req, n))
-        free_tokens = self.allocator.num_free * self.page_size + (len(req.pages) * self.page_size - req.num_computed)
+        free_tokens = self.allocator.num_free * self.page_size + (len(req.pages) * self.page_size - start)
         n = min(n, free_tokens)
+        for pos, slot in snapshots:
+            if pos >= start + n:                           # cut off by the free pages: taken in a later chunk
+                self.cache.drop_snapshot(req, pos)
+        snapshots = [(pos, slot) for pos, slot in snapshots if pos < start + n]
         if n <= 0:
-            return 0
+            return None
         pages = self.allocator.alloc(self._pages_for(req, n))
         assert pages is not None
         req.pages += pages
-        return n
+        return ScheduledSeq(req, start, n, start + n == req.num_tokens, is_decode=False, snapshots=snapshots)
 
     def _verify(self, req: Request) -> ScheduledSeq | None:
         """req's drafts as a verify, when its pages and a state slot per draft are free without preempting."""
@@ -229,6 +244,8 @@ class Scheduler:
             if s.is_verify:
                 self._advance_verify(s, committed[i])
             elif s.req.status == Status.RUNNING:
+                for pos, _ in s.snapshots:                 # written inside the chunk
+                    self.cache.keep_snapshot(s.req, pos)
                 s.req.num_computed = s.start + s.num_tokens
                 self.cache.advance(s.req, s.req.num_computed, s.is_decode)
 
