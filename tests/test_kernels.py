@@ -390,3 +390,32 @@ def test_an_old_triton_is_not_used(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.7.1+git1234")
     assert kernels.triton_available()
     monkeypatch.setattr(kernels, "_triton", None)          # the next caller checks the real version again
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dense projections: the CPU GEMM routes
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build")
+def test_every_cpu_gemm_route_gives_the_plain_product(monkeypatch):
+    """Each route `calibrate` may choose (oneDNN on the plain weight or on its packed copy, MKL) computes x W^T for
+    every bucket's row counts, and a packed copy goes when its weight goes."""
+    import gc
+    from tinyserve.kernels import linear as lin
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 80, generator=gen)
+    for route in lin.ROUTES:
+        monkeypatch.setitem(lin._route, "few", route)
+        monkeypatch.setitem(lin._route, "many", route)
+        monkeypatch.setattr(lin, "_packed", {})
+        assert lin.pack([w]) == (w.numel() * 4 if route == "onednn-packed" else 0)
+        for rows in (1, 2, 8, 16, 17, 300):
+            x = torch.randn(rows, 80, generator=gen)
+            torch.testing.assert_close(lin.linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-5)
+    monkeypatch.setitem(lin._route, "few", "onednn-packed")
+    monkeypatch.setattr(lin, "_packed", {})
+    doomed = torch.randn(64, 80, generator=gen)
+    lin.pack([w, doomed])
+    assert len(lin._packed) == 2
+    del doomed
+    gc.collect()
+    assert len(lin._packed) == 1, "a packed copy outlived its weight"

@@ -22,12 +22,12 @@ from tinyserve.intake import Intake, RequestError, image_processor_for
 from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
 from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.gdn import snapshot_alignment
-from tinyserve.kernels.linear import calibrate as calibrate_linear
+from tinyserve.kernels.linear import calibrate as calibrate_linear, pack as pack_weights
 from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.loader import load_model
 from tinyserve.model_config import LoaderError
 from tinyserve.models.config import WeightCount
-from tinyserve.plan import GIB, MemoryPlan, dtype_name, plan_for, torch_dtype
+from tinyserve.plan import GIB, MemoryPlan, dtype_name, host_available_bytes, plan_for, torch_dtype
 from tinyserve.request import Status
 from tinyserve.runner import ModelRunner
 from tinyserve.sampling import SamplingParams
@@ -110,9 +110,14 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
     intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, eos_token_ids, tokenizer,
                     mc.image_token_id, image_processor_for(model) if vision else None,
                     weights_digest(model.visual) if vision else b"")
-    if plan.device == "cpu":                   # pick this CPU's faster GEMM route on the model's own shapes
-        shapes = {tuple(p.shape): p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
-        log.info("CPU GEMM route: %s", calibrate_linear(list(shapes.values())))
+    if plan.device == "cpu":                   # pick this CPU's fastest GEMM route on the model's own shapes
+        dense = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
+        shapes = {tuple(p.shape): p for p in dense}
+        # packed copies of the weights where they pay, if they take at most a quarter of the memory left
+        may_pack = 4 * sum(p.numel() * p.element_size() for p in dense) <= host_available_bytes()
+        routes = calibrate_linear(list(shapes.values()), may_pack=may_pack)
+        added = pack_weights(dense)
+        log.info("CPU GEMM route: %s%s", routes, f" (packed weight copies: {added / GIB:.2f} GiB)" if added else "")
     static_steps(cfg, plan, runner, kv_pool)
     return Engine(cfg, plan, model, tokenizer, kv_pool=kv_pool, allocator=allocator, state_pool=state_pool,
                   copies=copies, cache=cache, scheduler=scheduler, runner=runner, intake=intake, nextn=nextn,
