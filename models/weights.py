@@ -71,3 +71,28 @@ class WeightLoaders:
             self.loaders[prefix + n] = other.loaders[n]
             if n in other.parts:
                 self.parts[prefix + n] = other.parts[n]
+
+
+def place_on_huge_pages(module: nn.Module) -> tuple[int, object | None]:
+    """Move a CPU module's parameters into one anonymous mapping advised MADV_HUGEPAGE (Linux; the default "madvise"
+    THP setting otherwise leaves them on 4 KB pages). A decode step reads every weight once, and 2 MB pages spare it
+    most TLB misses: ~10% more tokens/s for a lone decode on the bench model (2-core AMD EPYC). Only the weights,
+    which live as long as the process: torch's own THP switch (THP_MEM_ALLOC_ENABLE) advises every large block, and
+    the freed ones stay resident (a server's RSS grew ~190 MB in 30 s of tests/test_soak.py). Returns the bytes
+    moved and the mapping, which the caller keeps alive with the module; (0, None) where madvise is missing."""
+    import mmap
+    params = [p for p in dict(module.named_parameters()).values() if p.device.type == "cpu" and p.numel()]
+    if not params or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return 0, None
+    align = 64                                           # every weight on a cache line, as torch's allocator does
+    sizes = [-(-p.numel() * p.element_size() // align) * align for p in params]
+    mapping = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    offset = 0
+    for p, size in zip(params, sizes):
+        view = buffer[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+        view.copy_(p.data)
+        p.data = view
+        offset += size
+    return offset, mapping

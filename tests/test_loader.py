@@ -553,3 +553,23 @@ def test_fp8_block_qwen3_5_exact_ignore_names(ckpts, tmp_path, prefix):
     assert t["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"].dtype == torch.float8_e4m3fn
     assert t["mtp.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     assert_same_params(load_model(dst, torch.float32), load_model(ref, torch.float32))
+
+
+def test_weights_moved_onto_huge_pages_keep_their_values_and_ties():
+    """models.weights.place_on_huge_pages: every parameter lands in the one advised mapping, 64-byte aligned, with
+    its values; a tied parameter stays one tensor."""
+    import mmap
+    from tinyserve.models.weights import place_on_huge_pages
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(50, 24), torch.nn.Linear(24, 50, bias=False), torch.nn.LayerNorm(24))
+    net[1].weight = net[0].weight                            # tied, as a tied LM head
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    moved, mapping = place_on_huge_pages(net)
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        assert (moved, mapping) == (0, None)
+        return
+    start = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    assert moved == len(mapping) and net[1].weight is net[0].weight
+    for n, p in net.named_parameters():
+        assert torch.equal(p, before[n]) and p.data_ptr() % 64 == 0
+        assert start <= p.data_ptr() < start + moved

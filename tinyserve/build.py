@@ -27,6 +27,7 @@ from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.loader import load_model
 from tinyserve.model_config import LoaderError
 from tinyserve.models.config import WeightCount
+from tinyserve.models.weights import place_on_huge_pages
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, host_available_bytes, plan_for, torch_dtype
 from tinyserve.request import Status
 from tinyserve.runner import ModelRunner
@@ -110,6 +111,8 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
     intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, eos_token_ids, tokenizer,
                     mc.image_token_id, image_processor_for(model) if vision else None,
                     weights_digest(model.visual) if vision else b"")
+    if plan.device == "cpu" and not hasattr(model, "huge_pages"):
+        _, model.huge_pages = place_on_huge_pages(model)   # before pack: its copies follow the weights' addresses
     if plan.device == "cpu":                   # pick this CPU's fastest GEMM route on the model's own shapes
         dense = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
         shapes = {tuple(p.shape): p for p in dense}
