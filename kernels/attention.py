@@ -39,7 +39,6 @@ def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor | PoolLayer,
     if use_triton(q):
         from tinyserve.kernels import attention_triton
         return attention_triton.paged_attention_prefill(q, kv_cache, page_table, cu_seqlens, seq_lens, scale)
-    H, hd = q.shape[1], q.shape[2]
     out = torch.empty_like(q)
     page_size = kv_cache.shape[2]
     for i in range(len(seq_lens)):

@@ -275,7 +275,7 @@ class VisionTower(nn.Module):
     # ---- forward ----
     def _positions(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per patch row: the resampled position embedding (float32) and the rotary cos/sin [N, head_dim]."""
-        cfg, dev, side, m = self.cfg, self.device, self.cfg.table_side, self.cfg.spatial_merge_size
+        dev, side, m = self.device, self.cfg.table_side, self.cfg.spatial_merge_size
         table = self.pos_table.float().view(side, side, -1)
         pos, ang = [], []
         for t, h, w in grids:
