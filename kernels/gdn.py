@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 

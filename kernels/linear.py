@@ -74,7 +74,8 @@ def _pack_one(weight: torch.Tensor) -> torch.Tensor:
 
 def pack(weights: list[torch.Tensor]) -> int:
     """Give each weight its packed copy if a route of `calibrate`'s choice uses one; returns the bytes added. A copy
-    lives as long as its weight (a new model's weights at the same address get their own)."""
+    is found by its weight's address and lives as long as its weight (a new model's weights at the same address get
+    their own), so a weight must not move after this (build.py places the weights on huge pages first)."""
     if "onednn-packed" not in _route.values():
         return 0
     added = 0

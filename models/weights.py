@@ -81,7 +81,7 @@ def place_on_huge_pages(module: nn.Module) -> tuple[int, object | None]:
     the freed ones stay resident (a server's RSS grew ~190 MB in 30 s of tests/test_soak.py). Returns the bytes
     moved and the mapping, which the caller keeps alive with the module; (0, None) where madvise is missing."""
     import mmap
-    params = [p for p in dict(module.named_parameters()).values() if p.device.type == "cpu" and p.numel()]
+    params = [p for p in module.parameters() if p.device.type == "cpu" and p.numel()]     # tied ones once
     if not params or not hasattr(mmap, "MADV_HUGEPAGE"):
         return 0, None
     align = 64                                           # every weight on a cache line, as torch's allocator does

@@ -411,6 +411,15 @@ def test_every_cpu_gemm_route_gives_the_plain_product(monkeypatch):
         for rows in (1, 2, 8, 16, 17, 300):
             x = torch.randn(rows, 80, generator=gen)
             torch.testing.assert_close(lin.linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-5)
+    # the packed route reads the copy (here one of 2 W under W's address), for its rows only
+    monkeypatch.setitem(lin._route, "few", "onednn-packed")
+    monkeypatch.setitem(lin._route, "many", "onednn")
+    monkeypatch.setattr(lin, "_packed", {(w.data_ptr(), tuple(w.shape)): lin._pack_one(2 * w)})
+    x = torch.randn(8, 80, generator=gen)
+    torch.testing.assert_close(lin.linear(x, w), 2 * (x @ w.t()), atol=1e-4, rtol=1e-5)
+    for rows in (1, 17):
+        torch.testing.assert_close(lin.linear(x[:1].expand(rows, 80), w), x[:1].expand(rows, 80) @ w.t(),
+                                   atol=1e-4, rtol=1e-5)
     monkeypatch.setitem(lin._route, "few", "onednn-packed")
     monkeypatch.setattr(lin, "_packed", {})
     doomed = torch.randn(64, 80, generator=gen)

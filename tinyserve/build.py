@@ -111,9 +111,9 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
     intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, eos_token_ids, tokenizer,
                     mc.image_token_id, image_processor_for(model) if vision else None,
                     weights_digest(model.visual) if vision else b"")
-    if plan.device == "cpu" and not hasattr(model, "huge_pages"):
-        _, model.huge_pages = place_on_huge_pages(model)   # before pack: its copies follow the weights' addresses
     if plan.device == "cpu":                   # pick this CPU's fastest GEMM route on the model's own shapes
+        if not hasattr(model, "huge_pages"):   # once per model, before pack: its copies follow the weights' addresses
+            _, model.huge_pages = place_on_huge_pages(model)
         dense = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
         shapes = {tuple(p.shape): p for p in dense}
         # packed copies of the weights where they pay, if they take at most a quarter of the memory left

@@ -184,16 +184,15 @@ class Scheduler:
         self.cache.make_room(self._pages_for(req, n))
         free_tokens = self.allocator.num_free * self.page_size + (len(req.pages) * self.page_size - start)
         n = min(n, free_tokens)
-        for pos, slot in snapshots:
-            if pos >= start + n:                           # cut off by the free pages: taken in a later chunk
-                self.cache.drop_snapshot(req, pos)
-        snapshots = [(pos, slot) for pos, slot in snapshots if pos < start + n]
+        kept = [s for s in snapshots if s[0] < start + n]              # positions ascend: a prefix
+        for pos, _ in snapshots[len(kept):]:                           # cut off by the free pages: a later chunk's
+            self.cache.drop_snapshot(req, pos)
         if n <= 0:
             return None
         pages = self.allocator.alloc(self._pages_for(req, n))
         assert pages is not None
         req.pages += pages
-        return ScheduledSeq(req, start, n, start + n == req.num_tokens, is_decode=False, snapshots=snapshots)
+        return ScheduledSeq(req, start, n, start + n == req.num_tokens, is_decode=False, snapshots=kept)
 
     def _verify(self, req: Request) -> ScheduledSeq | None:
         """req's drafts as a verify, when its pages and a state slot per draft are free without preempting."""
