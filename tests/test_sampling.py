@@ -9,6 +9,7 @@ from tinyserve.sampling import (
     SamplingBatch,
     SamplingParams,
     apply_penalties,
+    draw,
     filter_logits,
     random_uniform,
     sample,
@@ -244,6 +245,63 @@ def test_top_p_large_vocab_matches_reference(peaked):
         assert set(torch.isfinite(kept[r]).nonzero().flatten().tolist()) == expected
     tokens = sample(rows, batch).tokens
     assert all(torch.isfinite(kept[r, tokens[r]]) for r in range(2))
+
+
+@pytest.mark.parametrize("scale", [0.02, 1.0, 4.0])
+def test_top_p_on_qwens_vocabulary_keeps_what_a_full_sort_keeps(scale):
+    # 248,320 logits: near-flat rows (what a random model gives), spread ones, peaked ones; one row with
+    # suppressed tokens, one without top-p in the same batch.
+    vocab = 248_320
+    rows = torch.randn(3, vocab, generator=torch.Generator().manual_seed(11)) * scale
+    rows[1, ::7] = float("-inf")
+    params = [SamplingParams(top_p=0.95), SamplingParams(top_p=0.5, temperature=0.7), SamplingParams()]
+    kept = torch.isfinite(filter_logits(rows, SamplingBatch.build(params, [[]] * 3, [[]] * 3, [0, 1, 2], [],
+                                                                    vocab, "cpu")))
+    assert torch.equal(kept[2], torch.isfinite(rows[2]))
+    for r, p in enumerate(params[:2]):
+        x = rows[r] / p.temperature
+        order = torch.argsort(x, descending=True)
+        probs = torch.softmax(x, -1)[order].double()          # float32 probabilities, as sampling has them
+        ahead = torch.cumsum(probs, 0) - probs
+        n = int((ahead <= p.top_p).sum())                      # a full sort keeps the first n
+        k = int(kept[r].sum())
+        assert x[kept[r]].min() >= x[~kept[r]].max()          # the kept ones are the best k
+        # exactly n, but for tokens whose mass ahead is within float32 rounding of top_p
+        differ = ahead[min(k, n):max(k, n)]
+        assert bool(((differ - p.top_p).abs() < 1e-5).all()), (k, n)
+
+
+@pytest.mark.parametrize("top_p, min_p", [(0.9, 0.0), (0.3, 0.0), (0.9, 0.2)])
+def test_top_p_draws_on_a_large_vocabulary_follow_the_kept_distribution(top_p, min_p):
+    # A large vocabulary without top-k draws by rejection (no top-p set is built): 8 likely tokens, a long flat
+    # tail; top_p 0.3 rejects most first draws, so later rounds are exercised too.
+    vocab, n = 4096, 3000
+    row = torch.full((vocab,), -9.0)
+    row[torch.arange(8) * 500] = torch.tensor([2.0, 1.8, 1.5, 1.2, 1.0, 0.8, 0.5, 0.2])
+    params = SamplingParams(top_p=top_p, min_p=min_p)
+    batch = SamplingBatch.build([params] * n, [[]] * n, [[]] * n, list(range(n)), [], vocab, "cpu")
+    kept = filter_logits(row[None], SamplingBatch.build([params], [[]], [[]], [0], [], vocab, "cpu"))[0]
+    allowed = torch.isfinite(kept).nonzero().flatten()
+    assert 1 < len(allowed) <= 8
+    tokens = sample(row.expand(n, -1), batch).tokens
+    assert set(tokens.tolist()) <= set(allowed.tolist())
+    counts = torch.bincount(tokens, minlength=vocab)[allowed].double()
+    expected = torch.softmax(kept[allowed], -1).double() * n
+    assert float(((counts - expected) ** 2 / expected).sum()) < 30       # df <= 7: p ~ 1e-4
+
+
+def test_draw_is_the_inverse_cdf_in_vocabulary_order():
+    g = torch.Generator().manual_seed(3)
+    perms = torch.stack([torch.randperm(1000, generator=g) for _ in range(3)])
+    w = torch.zeros(3, 1000).scatter_(1, perms[:, :300], torch.rand(3, 300, generator=g) + 0.01)
+    u = torch.tensor([1e-12, 0.5, 1.0 - 1e-12], dtype=torch.float64)
+    tokens = draw(w, None, u)
+    assert bool((w.gather(1, tokens[:, None]) > 0).all())                 # never a zero-weight token
+    cdf = torch.cumsum(w.double(), 1)
+    assert torch.equal(tokens, (cdf < u[:, None] * cdf[:, -1:]).sum(1))
+    # From candidates in any order (the 300 positive tokens and 100 zero-weight ones): the same draw.
+    cand = perms[:, :400][:, torch.randperm(400, generator=g)]
+    assert torch.equal(draw(w.gather(1, cand), cand, u), tokens)
 
 
 @pytest.mark.parametrize("top_k", [0, 100, 300])

@@ -2,12 +2,13 @@
 
 The engine calls `SamplingBatch.build(...)` and `sample(logits, batch)` once per step for all running requests.
 All math is batched over [B, V] tensors in float32; Python only loops over the (few) requests to gather their
-parameters. Randomness comes from a counter-based hash of (seed, output position, vocab index), so a request's
-draw at position p depends only on its own seed and p: not on the batch it shares, its row, or preemption.
+parameters. Randomness comes from a counter-based hash of (seed, output position), so a request's draw at
+position p depends only on its own seed and p: not on the batch it shares, its row, or preemption.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -286,14 +287,11 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-_vocab_offsets: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
 def random_uniform(seeds: torch.Tensor, positions: torch.Tensor, tokens: int | torch.Tensor) -> torch.Tensor:
     """U(0, 1) float64: element (r, v) = hash(seeds[r], positions[r], v).
 
-    tokens: the vocab size (all ids, result [S, V]) or an [S, K] tensor of token ids (result [S, K]); a token's
-    number is the same either way.
+    tokens: a count n (counters 0..n-1, result [S, n]) or an [S, K] tensor of counters (result [S, K]); a
+    counter's number is the same either way.
 
     Per row a key is derived from (seed, position); the vocab axis then walks the splitmix64 sequence from that
     key, so every (seed, position, v) gets its own well-mixed 64-bit word. The top 53 bits give the uniform,
@@ -301,24 +299,58 @@ def random_uniform(seeds: torch.Tensor, positions: torch.Tensor, tokens: int | t
     """
     key = _mix64(_mix64(seeds + _GOLDEN) ^ (positions * _GOLDEN))  # [S]
     if isinstance(tokens, int):
-        cache_key = (tokens, seeds.device)
-        offsets = _vocab_offsets.get(cache_key)
-        if offsets is None:
-            offsets = torch.arange(1, tokens + 1, dtype=torch.int64, device=seeds.device) * _GOLDEN
-            _vocab_offsets[cache_key] = offsets
-        offsets = offsets[None, :]
+        offsets = torch.arange(1, tokens + 1, dtype=torch.int64, device=seeds.device)[None, :] * _GOLDEN
     else:
         offsets = (tokens.to(torch.int64) + 1) * _GOLDEN
     bits = _mix64(key[:, None] + offsets)
     return (_shr(bits, 11).to(torch.float64) + 0.5) * (2.0 ** -53)
 
 
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, tokens: int | torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) float32, shaped as random_uniform: argmax(logits + g) is a draw from softmax(logits)
-    (the exponential race argmax(p / E) with E = -log u, in log space)."""
-    u = random_uniform(seeds, positions, tokens)
-    # -log u in float64 keeps u close to 1 from collapsing to E = 0; the outer log is fine in float32.
-    return -torch.log((-torch.log(u)).to(torch.float32))
+def row_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One U(0, 1) float64 per row, keyed by (seed, position): the coin of that row's draw."""
+    zero = torch.zeros(seeds.shape[0], 1, dtype=torch.int64, device=seeds.device)
+    return random_uniform(seeds, positions, zero).squeeze(1)
+
+
+# Rows longer than 4 blocks draw in two steps: block sums, then a cumsum inside the chosen block. A cumsum over
+# 248,320 weights is a sequential scan (~1 ns a token on a CPU); a sum is vectorised.
+_DRAW_BLOCK = 512
+
+
+def draw(weights: torch.Tensor, ids: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """Each row's token drawn by the inverse CDF at u [S] from its weights (>= 0, unnormalised) over the
+    candidates ids [S, K], or over the whole vocabulary when ids is None.
+
+    The walk goes in vocab-id order, so a token's share of [0, 1) does not depend on which zero-weight tokens are
+    candidates too: the same u draws the same token from the candidates as from the whole vocabulary with the
+    rest at zero (up to rounding in the last bit). A zero-weight token is never drawn. One pass over the row: a
+    noise value for each of 248,320 tokens (Gumbel-max) costs ten times as much on a CPU."""
+    if ids is not None:
+        ids, order = torch.sort(ids, dim=-1)
+        weights = weights.gather(1, order)
+    S, K = weights.shape
+    B = _DRAW_BLOCK
+    start = torch.zeros(S, dtype=torch.int64, device=weights.device)
+    target = u.to(torch.float64)
+    if K > 4 * B:
+        whole = K // B * B
+        sums = torch.cat([weights[:, :whole].reshape(S, -1, B).sum(dim=-1), weights[:, whole:].sum(-1, True)], 1)
+        cum = sums.to(torch.float64).cumsum(dim=-1)
+        target = target * cum[:, -1]
+        block = torch.searchsorted(cum, target[:, None]).squeeze(1).clamp_(max=cum.shape[1] - 1)
+        target = target - torch.where(block > 0, cum.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+        start = block * B
+        at = start[:, None] + torch.arange(B, device=weights.device)
+        weights = weights.gather(1, at.clamp(max=K - 1)) * (at < K)
+    else:
+        target = None
+    cum = weights.to(torch.float64).cumsum(dim=-1)
+    # The first entry that reaches the target, kept inside (0, total] against rounding: cum[i - 1] < target
+    # <= cum[i] means token i has weight.
+    target = u.to(torch.float64) * cum[:, -1] if target is None else target
+    target = torch.minimum(target.clamp(min=1e-300), cum[:, -1])
+    at = start + torch.searchsorted(cum, target[:, None]).squeeze(1)
+    return at if ids is None else ids.gather(1, at[:, None]).squeeze(1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -363,10 +395,19 @@ def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 # Above 4x this vocab size top-p first tries the top _TOP_P_PROBE tokens, then the mass histogram (_top_p_keep).
 _TOP_P_PROBE = 256
-# The mass histogram: buckets of equal width in log-probability below the row's best token, _TOP_P_SPAN nats deep
-# (the last bucket takes everything deeper); only the tokens of the bucket where the mass crosses top_p are sorted.
+# The mass histogram: buckets of equal width in log-probability below the row's best token, down to the row's
+# worst token or _TOP_P_SPAN nats (the last bucket takes everything deeper); only the tokens of the bucket where the
+# mass crosses top_p are sorted.
 _TOP_P_BUCKETS = 4096
 _TOP_P_SPAN = 32.0
+
+
+def _scaled(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """x / temperature per row; a pass over [S, V] saved when every row has temperature 1, and a multiply where
+    one is needed (a division costs three times as much on a CPU)."""
+    if bool((batch.temperature == 1.0).all()):
+        return x
+    return x * (1.0 / batch.temperature)[:, None]
 
 
 def candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -379,13 +420,13 @@ def candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, tor
     vocabulary) as much as a small model's forward. Every row with a top-k: the top kmax tokens. Top-p on a large
     vocabulary: the top _TOP_P_PROBE tokens when they hold the mass, else the exact selection of _top_p_keep.
     """
-    x = x / batch.temperature[:, None]
+    x = _scaled(x, batch)
     neg_inf = float("-inf")
     V = x.shape[1]
     vals, ids = x, None
     if batch.top_k is not None or batch.top_p is not None:
         kmax = int(batch.top_k.max()) if batch.top_k is not None else V
-        full_lse = None
+        full_probs = None                   # the probe's probabilities over the whole vocabulary
         if kmax < V:
             # Every row has a top-k: nothing beyond rank kmax can survive.
             vals, ids = torch.topk(x, kmax, dim=-1)
@@ -393,38 +434,80 @@ def candidates(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, tor
             # Probe the top K tokens. Rows with top_k <= K have their whole top-k set inside. Rows without top-k
             # whose top K already hold more than top_p of the mass: every later token has more than top_p ahead
             # of it, so top-p removes it. Any other row: the whole vocabulary, without a sort.
+            full_probs = torch.softmax(x, dim=-1)
+            unlimited = batch.top_k >= V if batch.top_k is not None else None
+            # K tokens hold at most K times the best one's mass: when that is short of top_p, skip the probe.
+            may_fit = full_probs.amax(dim=-1) * _TOP_P_PROBE > batch.top_p
+            short_k = batch.top_k <= _TOP_P_PROBE if unlimited is not None else None
+            if not bool((may_fit if short_k is None else may_fit | short_k).all()):
+                return _min_p(_whole_vocab_top_k_top_p(x, batch, full_probs), batch), None
             vals, ids = torch.topk(x, _TOP_P_PROBE, dim=-1)
-            full_lse = torch.logsumexp(x, dim=-1, keepdim=True)
-            mass = torch.exp(vals - full_lse).sum(dim=-1)
-            if batch.top_k is not None:
-                ok = (batch.top_k <= _TOP_P_PROBE) | ((batch.top_k >= V) & (mass > batch.top_p))
-            else:
-                ok = mass > batch.top_p
+            whole, full_probs = full_probs, full_probs.gather(1, ids)
+            mass = full_probs.sum(dim=-1)
+            ok = mass > batch.top_p if short_k is None else short_k | (unlimited & (mass > batch.top_p))
             if not bool(ok.all()):
-                return _min_p(_whole_vocab_top_k_top_p(x, batch), batch), None
+                return _min_p(_whole_vocab_top_k_top_p(x, batch, whole), batch), None
         else:
             vals, ids = torch.sort(x, dim=-1, descending=True)
         if batch.top_k is not None:
             kth = vals.gather(1, (batch.top_k.clamp(max=vals.shape[1]) - 1)[:, None])
             vals = vals.masked_fill(vals < kth, neg_inf)  # ties with the k-th value are kept
         if batch.top_p is not None:
-            if full_lse is None:
-                # The candidates hold each row's whole (top-k) distribution.
-                probs = torch.softmax(vals, dim=-1)
-            else:
-                # Probe: rows without top-k normalise over the full vocab, not just the K candidates.
-                lse = torch.logsumexp(vals, dim=-1, keepdim=True)
-                if batch.top_k is not None:
-                    lse = torch.where((batch.top_k >= V)[:, None], full_lse, lse)
-                else:
-                    lse = full_lse
-                probs = torch.exp(vals - lse)
+            # The candidates hold each row's whole (top-k) distribution, but for the probe's rows without a top-k,
+            # whose mass is normalised over the whole vocabulary.
+            probs = torch.softmax(vals, dim=-1)
+            if full_probs is not None:
+                probs = full_probs if batch.top_k is None else torch.where(unlimited[:, None], full_probs, probs)
             ahead = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each token
             # Keep a token while the mass ahead of it is at most top_p; the first token always stays.
             remove = ahead > batch.top_p[:, None]
             remove[:, 0] = False
             vals = vals.masked_fill(remove, neg_inf)
     return _min_p(vals, batch), ids
+
+
+def draw_filtered(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each sampled row's token, drawn from the distribution `candidates` keeps of x ([S, V] logits after
+    penalties) with the row's coins of (seed, position)."""
+    if batch.top_p is not None and batch.top_k is None and x.shape[1] > 4 * _TOP_P_PROBE:
+        return _draw_top_p(_scaled(x, batch), batch)
+    vals, ids = candidates(x, batch)
+    return draw(torch.softmax(vals, dim=-1), ids, row_uniform(batch.seeds, batch.positions))
+
+
+def _draw_top_p(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Top-p (and min-p) draws over whole-vocabulary rows x [S, V], temperature applied, without a sort or a
+    mask of the top-p set (the rejection scheme of FlashInfer's top-p sampling).
+
+    A token is in the top-p set when the tokens more likely than it hold at most top_p of the mass. Each round
+    draws from the tokens still allowed; a token outside the set is rejected, and so is every token as likely
+    as it or less (more mass lies ahead of them), so the next round allows only the more likely ones. The allowed
+    tokens always hold the whole set, so the accepted draw follows the top-p distribution exactly (tokens tied with
+    the last one kept are all kept, where a sort would keep some). A flat row (a random model keeps most of
+    248,320 tokens) accepts in the first round with probability ~top_p: four passes over the row, where building
+    the set costs a dozen."""
+    S = x.shape[0]
+    probs = torch.softmax(x, dim=-1)
+    tokens = draw(probs, None, row_uniform(batch.seeds, batch.positions)) if batch.min_p is None else None
+    top_p = batch.top_p.tolist()
+    min_p = batch.min_p.tolist() if batch.min_p is not None else [0.0] * S
+    out = []
+    for i in range(S):
+        p = probs[i]
+        # allowed: p > floor; min-p keeps p >= min_p x the best token's probability
+        floor = math.nextafter(float(p.max()) * min_p[i], -math.inf) if min_p[i] > 0 else -1.0
+        t = tokens[i] if tokens is not None else None
+        for r in itertools.count():
+            if t is None:
+                u = random_uniform(batch.seeds[i:i + 1], batch.positions[i:i + 1],
+                                   torch.full((1, 1), r, dtype=torch.int64, device=x.device))
+                t = draw(torch.nn.functional.threshold(p, floor, 0.0)[None], None, u[:, 0])[0]
+            pt = float(p[t])
+            if top_p[i] >= 1.0 or float(torch.nn.functional.threshold(p, pt, 0.0).sum()) <= top_p[i]:
+                break
+            floor, t = pt, None
+        out.append(t)
+    return torch.stack(out)
 
 
 def _min_p(vals: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -435,8 +518,9 @@ def _min_p(vals: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return vals.masked_fill(vals < limit, float("-inf"))
 
 
-def _whole_vocab_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Top-k (where a row has one), then top-p, over whole-vocabulary rows x [S, V]: x with -inf where removed."""
+def _whole_vocab_top_k_top_p(x: torch.Tensor, batch: SamplingBatch, probs: torch.Tensor | None) -> torch.Tensor:
+    """Top-k (where a row has one), then top-p, over whole-vocabulary rows x [S, V]: x with -inf where removed.
+    probs: softmax(x) when the caller has it."""
     V, neg_inf = x.shape[1], float("-inf")
     if batch.top_k is not None:
         limited = batch.top_k < V
@@ -444,10 +528,11 @@ def _whole_vocab_top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> torch.Ten
             kmax = int(batch.top_k[limited].max())
             kth = torch.topk(x, kmax, dim=-1).values.gather(1, (batch.top_k.clamp(max=kmax) - 1)[:, None])
             x = x.masked_fill((x < kth) & limited[:, None], neg_inf)    # ties with the k-th value are kept
-    return x.masked_fill(~_top_p_keep(x, batch.top_p), neg_inf)
+            probs = None
+    return x.masked_fill(~_top_p_keep(x, batch.top_p, probs), neg_inf)
 
 
-def _top_p_keep(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_keep(x: torch.Tensor, top_p: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
     """Exact top-p over whole rows x [S, V] without sorting them: bool [S, V], True where the probability mass
     of the tokens ahead of a token (in descending order) is at most top_p, as a full sort and cumsum keep them.
 
@@ -456,23 +541,35 @@ def _top_p_keep(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     every token of a bucket after the one where the cumulative mass crosses top_p is removed (more than top_p
     lies ahead of it); only the tokens of that crossing bucket are sorted: a few hundred of 248,320."""
     S, V = x.shape
-    probs = torch.softmax(x, dim=-1)
-    depth = x.max(dim=-1, keepdim=True).values - x                            # >= 0; +inf where x = -inf
-    bucket = (depth * (_TOP_P_BUCKETS / _TOP_P_SPAN)).clamp_(max=_TOP_P_BUCKETS - 1).long()
+    if probs is None:
+        probs = torch.softmax(x, dim=-1)
+    best = x.amax(dim=-1, keepdim=True)
+    # Buckets span the row's depth (best - worst), at most _TOP_P_SPAN nats: a flat row spreads over all of them.
+    span = (best - x.amin(dim=-1, keepdim=True)).clamp_(min=1e-6, max=_TOP_P_SPAN)
+    depth = (best - x).mul_(_TOP_P_BUCKETS / span)                          # +inf where x = -inf
+    bucket = depth.clamp_(max=_TOP_P_BUCKETS - 1).to(torch.int64)
     mass = torch.zeros(S, _TOP_P_BUCKETS, dtype=probs.dtype, device=x.device).scatter_add_(1, bucket, probs)
     cum = mass.cumsum(dim=-1)
-    off = top_p >= 1.0                                                        # rows without top-p keep all
     crossing = (cum <= top_p[:, None]).sum(dim=-1).clamp_(max=_TOP_P_BUCKETS - 1)
     before = torch.where(crossing > 0, cum.gather(1, (crossing - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-    # the crossing bucket's tokens, -inf ones (no mass: never drawn) left out
-    in_crossing = (bucket == crossing[:, None]) & (x > float("-inf")) & ~off[:, None]
-    n = in_crossing.sum(dim=-1)
-    top, ids = torch.topk(x.masked_fill(~in_crossing, float("-inf")), max(int(n.max()), 1), dim=-1)   # sorted
-    valid = torch.arange(ids.shape[1], device=x.device)[None, :] < n[:, None]
-    p = probs.gather(1, ids) * valid
+    keep = bucket < crossing[:, None]
+    off = top_p >= 1.0
+    if bool(off.any()):
+        keep |= off[:, None]                                                # rows without top-p keep all
+    # The crossing bucket's tokens, packed per row into [S, n] (-inf ones have no mass: never kept).
+    rows, cols = (bucket == crossing[:, None]).nonzero(as_tuple=True)
+    counts = torch.bincount(rows, minlength=S)
+    slot = torch.arange(rows.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[rows]
+    n = max(int(counts.max()), 1) if rows.numel() else 1
+    packed = torch.full((S, n), float("-inf"), device=x.device).index_put_((rows, slot), x[rows, cols])
+    ids = torch.zeros(S, n, dtype=torch.int64, device=x.device).index_put_((rows, slot), cols)
+    top, order = torch.sort(packed, dim=-1, descending=True)
+    ids = ids.gather(1, order)
+    p = probs.gather(1, ids) * (top > float("-inf"))                        # padding: no mass
     ahead = before[:, None] + torch.cumsum(p, dim=-1) - p
-    keep = (bucket < crossing[:, None]) | off[:, None]
-    return keep | torch.zeros_like(keep).scatter_(1, ids, valid & (ahead <= top_p[:, None]))   # distinct ids
+    kept = (ahead <= top_p[:, None]) & (p > 0)
+    keep[torch.arange(S, device=x.device)[:, None].expand_as(ids)[kept], ids[kept]] = True
+    return keep
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -496,11 +593,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         tokens = torch.argmax(x, dim=-1)
     else:
         xs = x if batch.sample_rows is None else x.index_select(0, batch.sample_rows)
-        vals, ids = candidates(xs, batch)
-        # The noise of token v depends only on (seed, position, v), so drawing among candidates is the same
-        # draw as over the full vocab with the excluded tokens at -inf.
-        noise = gumbel_noise(batch.seeds, batch.positions, V if ids is None else ids)
-        drawn = pick(vals + noise, ids)
+        drawn = draw_filtered(xs, batch)
         if batch.sample_rows is None:
             tokens = drawn
         else:
@@ -534,12 +627,6 @@ def process_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return x
 
 
-def pick(scores: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """Vocab id of each row's largest score; scores are over the candidates `ids` ([S, K]) or the full vocab."""
-    best = torch.argmax(scores, dim=-1)
-    return best if ids is None else ids.gather(1, best[:, None]).squeeze(1)
-
-
 def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(logprob of each row's token, top-n ids, top-n logprobs) under the raw model distribution (vLLM's default
@@ -557,9 +644,8 @@ def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
 # Speculative decoding (NEXTN / MTP): draft draws and the accept walk (Leviathan et al. 2023, Chen et al. 2023)
 
 
-def to_probs(vals: torch.Tensor, ids: torch.Tensor | None, V: int) -> torch.Tensor:
-    """softmax of `candidates`' output as full-vocab float32 probabilities [S, V], zero outside the kept set."""
-    probs = torch.softmax(vals, dim=-1)
+def to_probs(probs: torch.Tensor, ids: torch.Tensor | None, V: int) -> torch.Tensor:
+    """Probabilities over `candidates`' ids as full-vocab float32 [S, V], zero outside the kept set."""
     if ids is None:
         return probs
-    return torch.zeros(vals.shape[0], V, dtype=torch.float32, device=vals.device).scatter_(1, ids, probs)
+    return torch.zeros(probs.shape[0], V, dtype=torch.float32, device=probs.device).scatter_(1, ids, probs)

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tinyserve.sampling import (SamplingBatch, candidates, check_logits, gumbel_noise, pick, process_logits,
-                                random_uniform, to_probs, token_logprobs)
+from tinyserve.sampling import (SamplingBatch, candidates, check_logits, draw, draw_filtered, process_logits,
+                                random_uniform, row_uniform, to_probs, token_logprobs)
 
 if TYPE_CHECKING:
     from tinyserve.request import Request
@@ -147,7 +147,7 @@ class StepCost:
 # The draft and verify maths: lossless in distribution
 
 # Speculative decoding (NEXTN): XORed into a request's seed so the draft's draw and the accept coin at an output
-# position are independent of the target's own Gumbel noise there (which the bonus / corrected token uses).
+# position are independent of the target's own coin there (which draws the bonus / corrected token).
 DRAFT_SALT = 0x6A09E667F3BCC908
 ACCEPT_SALT = 0xBB67AE8584CAA73B - (1 << 64)        # as the signed int64 torch stores
 
@@ -159,7 +159,7 @@ def draw_drafts(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tenso
     output_ids = committed outputs + the drafts drawn so far (so penalties / min_tokens / position match).
     Greedy rows (temperature 0): argmax of the processed logits (penalties, min_tokens, grammar mask as `sample`).
     Sampled rows: drawn from q = softmax of the processed logits after `sample`'s filters (temperature, top-k,
-    top-p, min-p), with Gumbel noise keyed by (seed ^ DRAFT_SALT, position).
+    top-p, min-p), by the inverse CDF at a coin keyed by (seed ^ DRAFT_SALT, position).
     Returns (tokens [B] int64, q [B, V] float32 full-vocab probabilities, zero outside the kept set; rows of
     greedy requests are zero) - q is None when all rows are greedy.
     """
@@ -169,11 +169,11 @@ def draw_drafts(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tenso
         return torch.argmax(x, dim=-1), None
     xs = x if batch.sample_rows is None else x.index_select(0, batch.sample_rows)
     vals, ids = candidates(xs, batch)
-    # Not the target's noise at this position: that one draws the bonus / corrected token in verify_drafts, and
+    # Not the target's coin at this position: that one draws the bonus / corrected token in verify_drafts, and
     # the accept test is only unbiased when the draft is independent of it.
-    noise = gumbel_noise(batch.seeds ^ DRAFT_SALT, batch.positions, V if ids is None else ids)
-    drawn = pick(vals + noise, ids)
-    q = to_probs(vals, ids, V)  # exactly the distribution of `drawn` (Gumbel-max over the same vals)
+    weights = torch.softmax(vals, dim=-1)
+    drawn = draw(weights, ids, row_uniform(batch.seeds ^ DRAFT_SALT, batch.positions))
+    q = to_probs(weights, ids, V)  # exactly the distribution `drawn` came from
     if batch.sample_rows is None:
         return drawn, q
     tokens = torch.argmax(x, dim=-1)
@@ -209,7 +209,7 @@ def verify_drafts(target_logits: torch.Tensor, batch: SamplingBatch, drafts: lis
     argmax; all accepted: the bonus is row k's argmax (exactly what plain greedy decoding gives).
     Sampled rows: accept d_j with probability min(1, p(d_j) / q(d_j)), p = row j-1's distribution as `sample`
     draws it, coin keyed by (seed ^ ACCEPT_SALT, position); the first rejection commits a draw from
-    norm(max(0, p - q)) with `sample`'s Gumbel noise at that position; all accepted: the bonus is `sample`'s draw
+    norm(max(0, p - q)) with `sample`'s coin at that position; all accepted: the bonus is `sample`'s draw
     at row k (so k = 0 equals `sample` token for token).
     """
     R, V = check_logits(target_logits, batch, "verify_drafts")
@@ -242,12 +242,11 @@ def verify_drafts(target_logits: torch.Tensor, batch: SamplingBatch, drafts: lis
     if not batch.all_greedy:
         rows = batch.sample_rows
         xs, d, hd = (x, nd, has_draft) if rows is None else (x[rows], nd[rows], has_draft[rows])
-        vals, ids = candidates(xs, batch)
-        noise = gumbel_noise(batch.seeds, batch.positions, V if ids is None else ids)
-        bonus = pick(vals + noise, ids)  # `sample`'s draw, same noise
+        bonus = draw_filtered(xs, batch)  # `sample`'s draw, same coins
         if n_drafts == 0:
             fix_s, acc_s = bonus, torch.zeros_like(hd)
         else:
+            vals, ids = candidates(xs, batch)
             p = torch.softmax(vals, dim=-1)  # over the candidates (the whole vocab when ids is None)
             cand = ids if ids is not None else torch.arange(V, device=device)[None, :]
             is_d = cand == d[:, None]
@@ -265,8 +264,7 @@ def verify_drafts(target_logits: torch.Tensor, batch: SamplingBatch, drafts: lis
             # u < p / q, multiplied out: q(d) = 0 (the draft can't have drawn d) accepts iff p(d) > 0.
             acc_s = coin * q_d.to(torch.float64) < p_d.to(torch.float64)
             resid = (p - q).clamp_(min=0.0)
-            # Gumbel-max over log of the unnormalised residual draws from norm(max(0, p - q)).
-            corrected = pick(torch.log(resid) + noise, ids)
+            corrected = draw(resid, ids, row_uniform(batch.seeds, batch.positions))  # from norm(max(0, p - q))
             # No residual mass means p == q, where rejection has probability 0; draw from p then, as the bonus.
             fix_s = torch.where(hd & (resid.sum(dim=-1) > 0), corrected, bonus)
         if rows is None:
