@@ -168,6 +168,24 @@ def write_qwen_tokenizer(folder: Path) -> None:
     _write_chatml_config(folder)
 
 
+def cpu_server_config(folder: Path, port: int, extra: str = "") -> str:
+    """A tinyserve TOML serving `folder` on the CPU in fp32 at 127.0.0.1:port, 8 requests at a time; `extra`
+    appends tables of its own."""
+    return f"""
+[model]
+path = "{folder}"
+device = "cpu"
+dtype = "float32"
+[server]
+host = "127.0.0.1"
+port = {port}
+[engine]
+max_running_requests = 8
+[log]
+level = "warning"
+{extra}"""
+
+
 def load_hf(folder: Path, dtype=None):
     """The transformers model of a checkpoint (AutoModelForCausalLM; fp32 unless told, eval mode)."""
     import torch

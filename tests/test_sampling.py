@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyserve.sampling import (
-    SamplingBatch,
-    SamplingParams,
-    apply_penalties,
-    draw,
-    filter_logits,
-    random_uniform,
-    sample,
-)
+from tinyserve.draws import draw, random_uniform
+from tinyserve.sampling import SamplingBatch, SamplingParams, apply_penalties, filter_logits, sample
 
 V = 32
 

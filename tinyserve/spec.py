@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tinyserve.sampling import (SamplingBatch, candidates, check_logits, draw, draw_filtered, process_logits,
-                                random_uniform, row_uniform, to_probs, token_logprobs)
+from tinyserve.draws import draw, random_uniform, row_uniform
+from tinyserve.sampling import (SamplingBatch, candidates, check_logits, draw_filtered, process_logits, to_probs,
+                                token_logprobs)
 
 if TYPE_CHECKING:
     from tinyserve.request import Request
