@@ -57,6 +57,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def traced_routes() -> dict[str, str]:
+    """The route of each row-count bucket as a compiled graph holds it: MKL or oneDNN (whether oneDNN reads the
+    packed copy is decided inside its op, at run time)."""
+    return {kind: "mkl" if r == "mkl" else "onednn" for kind, r in _route.items()}
+
+
 def _bucket(rows: int) -> str:
     return "one" if rows == 1 else "few" if rows <= FEW_MAX else "many"
 

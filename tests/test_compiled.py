@@ -1,7 +1,8 @@
 """The CPU's compiled static steps (compiled.CompiledSteps, engine.compile_steps): the decode step compiled by
 torch.compile at start gives exactly the eager path's greedy tokens while the batch grows and shrinks and the
-context crosses pages, with the prefix cache on; inductor's files land in the folder it was given; a CPU where
-compilation fails (here: no C++ compiler) runs every step eagerly, after one warning.
+context crosses pages, with the prefix cache on; the graphs are saved in the folder it was given and a restart
+loads them (a damaged file is compiled again); a CPU where compilation fails (here: no C++ compiler) runs every step
+eagerly, after one warning.
 
 The smallest shapes only (at most 3 running requests; NEXTN with one draft and 2): each graph costs tens of seconds
 of CPU to compile, so the compiling tests are `slow` (left out of the quick tier).
@@ -90,10 +91,12 @@ def test_the_compile_cache_is_the_cache_folder_unless_the_user_chose_one(tmp_pat
 
 @pytest.mark.slow
 @NEEDS_CXX
-def test_compiled_decode_gives_the_eager_tokens(dense, cache_dir):
+def test_compiled_decode_gives_the_eager_tokens(dense, cache_dir, caplog):
     schedule = workload()
     want = drive(make_engine(dense), schedule)
     eng = make_engine(dense)
+    steps = cache_dir / "tinyserve-steps"
+    others = set(steps.glob("*.bin"))           # the NEXTN test's graphs, where it ran first in this process
     eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=False)            # compiles, as engine start does
     static = eng.runner.static
     assert static is not None and static.compiled is not None
@@ -107,8 +110,21 @@ def test_compiled_decode_gives_the_eager_tokens(dense, cache_dir):
     assert len({shape[1] for shape in calls}) >= 4, "page tables of several widths"
     assert not eager_calls, "every step ran through the graphs compiled at start"
     assert eng.cache.stats().hit_tokens > 0
-    assert any(cache_dir.rglob("*.so")) or any(cache_dir.rglob("*.cpp")), "inductor's files in its cache folder"
+    assert static.compiled.compiled == 2 and static.compiled.loaded == 0, "one graph for 1 sequence, one for 2-3"
     assert_no_leaks(eng)
+
+    # a restart: the graphs come back from their files (no tracing); one file damaged is compiled again
+    saved = sorted(set(steps.glob("*.bin")) - others)
+    assert len(saved) == 2, saved
+    saved[0].write_bytes(saved[0].read_bytes()[:1000])
+    again = make_engine(dense)
+    with caplog.at_level(logging.WARNING, logger="tinyserve.compiled"):
+        again.runner.enable_static_steps(MAX_RUNNING, for_graphs=False)
+    compiled = again.runner.static.compiled
+    assert (compiled.compiled, compiled.loaded) == (1, 1)
+    assert any("could not load the saved graph" in r.getMessage() for r in caplog.records)
+    assert drive(again, schedule) == want
+    assert_no_leaks(again)
 
 
 def test_a_failed_compile_runs_eagerly_after_one_warning(dense, own_cache_dir, caplog):

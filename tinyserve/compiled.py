@@ -4,35 +4,43 @@ GEMMs instead of some two thousand eager ops, each paying Python's and the dispa
 What is compiled: static.target_forward (a decode step, T = 1, and a NEXTN verify, T = 1 + drafts) and, with NEXTN,
 static.draft_forward (the head's passes), per tokens per sequence T, with the batch size and the page table's width
 dynamic: one graph for a lone sequence (what one request decodes through, fully specialised) and one for 2 ..
-max_running_requests sequences, at any context length. All of them are compiled at start, before the server
-answers /health, by running each once on padding rows (the scratch page and slot), and never again: a step whose
-shapes no graph covers (a guard that fails) runs eagerly, with one warning, instead of compiling for seconds in
-the middle of serving. Inductor keeps what it built in `cache_dir`, so a restart only traces.
+max_running_requests sequences (two where a GEMM route splits the range), at any context length. All of them are
+made at start, before the server answers /health, and never again: a step whose shapes no graph covers runs
+eagerly, with one warning, instead of compiling for seconds in the middle of serving.
+
+Each graph is compiled ahead of time (torch.compile's `aot_compile`) and saved whole, dynamo's bytecode and shape
+guards with inductor's library, as one file in the cache folder, named by a hash of everything it was traced from
+(the source of tinyserve, torch, the model's tensors, the pools' shapes, the GEMM routes, the CPU, the example
+shapes): a restart loads the file instead of tracing the model again, and a change to any of these compiles anew.
 
 The weights are not frozen into the graphs (freezing copies them, once per graph): the GEMMs stay kernels.linear's
 calls on the route chosen at start, and inductor fuses everything between them: norms, activations, rotary, the
-GDN recurrence and conv, the attention's gathers, the KV and state writes (in place in the pools).
+GDN recurrence and conv, the attention's gathers, the KV and state writes (in place in the pools). The graphs read
+the weights from the model they are called with.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch._dynamo
 
+import tinyserve.static
+from tinyserve.kernels import linear, use_triton
 from tinyserve.static import StaticStep, StepTensors, draft_forward, target_forward
 
 log = logging.getLogger("tinyserve.compiled")
 
-RECOMPILE_LIMIT = 64      # graphs per compiled function: 2 batch-size classes x T x (widths 2+, and any split)
-
 
 def use_cache_dir(folder: Path) -> Path:
-    """Inductor's on-disk cache (generated C++, compiled libraries, FX graphs) in `folder`, unless the user chose
-    one with TORCHINDUCTOR_CACHE_DIR. Returns the folder in use."""
+    """Inductor's on-disk cache (generated C++, compiled libraries, FX graphs) and our saved graphs in `folder`,
+    unless the user chose one with TORCHINDUCTOR_CACHE_DIR. Returns the folder in use."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")    # importing torch._dynamo sets it to torch's default
     if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
@@ -42,72 +50,140 @@ def use_cache_dir(folder: Path) -> Path:
     return folder
 
 
+def _shape_guards_only(entries: list[Any]) -> list[bool]:
+    """The guards a saved graph keeps: the sizes' ranges that tell its graphs apart. The rest (the model object,
+    every tensor's dtype and static sizes, globals) is what the file's name hashes, and cannot all be saved."""
+    return [e.guard_type == "SHAPE_ENV" for e in entries]
+
+
+def _source_hash() -> str:
+    """A hash of tinyserve's own source (models and kernels included): what the graphs were traced through."""
+    h = hashlib.sha256()
+    root = Path(tinyserve.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    for module in ("tinyserve.models", "tinyserve.kernels"):       # installed beside tinyserve/ or inside it
+        folder = Path(sys.modules[module].__file__).parent
+        if root not in folder.parents:
+            for path in sorted(folder.rglob("*.py")):
+                h.update(f"{module}/{path.relative_to(folder)}".encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"T{tuple(value.shape)}{value.stride()}{value.dtype}{value.device.type}"
+    if isinstance(value, tuple):
+        return "(" + ",".join(_describe(v) for v in value) + ")"
+    return repr(value) if isinstance(value, (int, str, type(None))) else type(value).__name__
+
+
 class CompiledSteps:
     """The compiled forwards of a StaticStep (for_graphs False), called as static.forward calls them."""
 
     def __init__(self, static: StaticStep) -> None:
         assert not static.for_graphs and static.model.device.type == "cpu"
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
         self.static = static
-        self._target = torch.compile(target_forward, fullgraph=True)
-        self._draft = torch.compile(draft_forward, fullgraph=True) if static.nextn_kv_layer is not None else None
+        self.folder = Path(cache_dir()) / "tinyserve-steps"
+        # (kind, T, lone sequence) -> the graphs for it; more than one where a size guard split the batch range
+        self.graphs: dict[tuple[str, int, bool], list[Any]] = {}
+        self._forwards = {"step": target_forward, "draft": draft_forward}
         self._warned = False
+        model = static.model
+        fingerprint = [torch.__version__, sys.version, _source_hash(), torch.backends.cpu.get_cpu_capability(),
+                       repr(model.cfg), str(model.dtype), repr(sorted(linear.traced_routes().items())),
+                       str(use_triton(static.kv_pool.buffer))]
+        fingerprint += [f"{n}{_describe(p)}" for n, p in model.state_dict(keep_vars=True).items()]
+        self._fingerprint = hashlib.sha256("\n".join(fingerprint).encode()).hexdigest()
+        self.loaded = self.compiled = 0
 
     def build(self) -> float:
-        """Compile every graph a step can need by running each shape once on padding rows: per forward and T, one
-        sequence and then 2 and the most (the dynamic graph, and whatever guard its range splits on). Logs a line
-        per graph and the total; returns the seconds taken. Raises what the compiler raised."""
+        """Make every graph a step can need, for each forward and T: one sequence, then 2 and the most sequences
+        with page tables 2, 3 and the whole context wide; a shape the graphs so far do not cover (their size
+        guards) gets its own, loaded from the cache folder or compiled and saved. Logs a line per graph and the
+        total; returns the seconds taken. Raises what the compiler raised."""
         st, start = self.static, time.perf_counter()
         st._pad()
-        kinds = ["step"] + (["draft"] if self._draft is not None else [])
+        kinds = ["step"] + (["draft"] if st.nextn_kv_layer is not None else [])
         widths = sorted({min(st.width, w) for w in (2, 3, st.width)})
-        count = 0
         with torch.inference_mode():
             for kind in kinds:
-                name = "decode / verify" if kind == "step" else "NEXTN head"
                 for T in range(1, st.max_tokens + 1):
                     for B in sorted({1, min(2, st.sizes[-1]), st.sizes[-1]}):
                         for W in widths:
-                            t0 = time.perf_counter()
-                            self._call(kind, T, st.tensors(B, T, W), mark=True)
-                            took = time.perf_counter() - t0
-                            if took > 0.5:    # a new graph (a cached one is a call of a few milliseconds)
-                                count += 1
-                                log.info("compiled the %s forward for %d sequence(s) x %d token(s) (page table %d "
-                                         "wide) in %.1f s", name, B, T, W, took)
+                            args = self._args(kind, T, st.tensors(B, T, W))
+                            graphs = self.graphs.setdefault((kind, T, B == 1), [])
+                            if not any(g.guard_check(*args) for g in graphs):
+                                graphs.append(self._load_or_compile(kind, T, B, W, args))
+        for graphs in self.graphs.values():
+            if len(graphs) == 1:      # the only graph of its kind covers every shape routed to it: checked above
+                graphs[0].disable_guard_check()
         total = time.perf_counter() - start
-        log.info("compiled %d CPU step graphs (%s; tokens per sequence 1..%d; any batch size up to %d, any "
-                 "context) in %.1f s", count, " and ".join(kinds), st.max_tokens, st.sizes[-1], total)
+        log.info("CPU step graphs ready in %.1f s: %d compiled, %d loaded from %s (%s; tokens per sequence 1..%d; "
+                 "any batch size up to %d, any context)", total, self.compiled, self.loaded, self.folder,
+                 " and ".join(kinds), st.max_tokens, st.sizes[-1])
         return total
 
-    def _call(self, kind: str, T: int, t: StepTensors, mark: bool = False) -> torch.Tensor:
+    def _args(self, kind: str, T: int, t: StepTensors) -> tuple:
         st = self.static
         kv, conv, ssm = st.pools()
-        hidden = st.draft_in[:t.input_ids.shape[0]] if kind == "draft" else None
-        if mark:                # the batch size and the page table's width dynamic (a size of 1 stays a constant)
-            for x in (*t, hidden) if hidden is not None else t:
-                torch._dynamo.maybe_mark_dynamic(x, 0)
-            torch._dynamo.maybe_mark_dynamic(t.page_table, 1)
         if kind == "step":
-            return self._target(st.model, T, None, kv, conv, ssm, t)
-        return self._draft(st.model, T, None, st.nextn_kv_layer, kv, hidden, t)
+            return (st.model, T, None, kv, conv, ssm, t)
+        return (st.model, T, None, st.nextn_kv_layer, kv, st.draft_in[:t.input_ids.shape[0]], t)
+
+    def _load_or_compile(self, kind: str, T: int, B: int, W: int, args: tuple) -> Any:
+        name = "decode / verify" if kind == "step" else "NEXTN head"
+        key = hashlib.sha256(f"{self._fingerprint}\n{kind}\n{_describe(args[1:])}".encode()).hexdigest()[:32]
+        path = self.folder / f"{kind}-{B}x{T}-{key}.bin"
+        t0 = time.perf_counter()
+        if path.exists():
+            try:
+                with path.open("rb") as f:
+                    graph = torch.compiler.load_compiled_function(f, f_globals=vars(tinyserve.static))
+                if graph.guard_check(*args):
+                    self.loaded += 1
+                    log.info("loaded the %s forward for %d sequence(s) x %d token(s) in %.1f s", name, B, T,
+                             time.perf_counter() - t0)
+                    return graph
+                raise ValueError("its shape guards refuse the shape it was saved for")
+            except Exception as e:    # noqa: BLE001 - a truncated file, another torch: compile it again
+                log.warning("could not load the saved graph %s, compiling it again: %s: %s", path, type(e).__name__,
+                            str(e).strip().splitlines()[0] if str(e).strip() else "")
+        if B > 1:                     # the batch size and the page table's width dynamic (1 stays a constant)
+            for x in args[-1] + ((args[5],) if kind == "draft" else ()):
+                torch._dynamo.maybe_mark_dynamic(x, 0)
+        torch._dynamo.maybe_mark_dynamic(args[-1].page_table, 1)
+        compile_fn: Callable = torch.compile(self._forwards[kind], fullgraph=True,
+                                             options={"guard_filter_fn": _shape_guards_only})
+        graph = compile_fn.aot_compile((args, {}))
+        graph(*args)                  # runs once, as it will serve (on padding rows)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        graph.save_compiled_function(str(path))
+        self.compiled += 1
+        log.info("compiled the %s forward for %d sequence(s) x %d token(s) (page table %d wide) in %.1f s", name, B,
+                 T, W, time.perf_counter() - t0)
+        return graph
+
+    def _call(self, kind: str, T: int, t: StepTensors) -> torch.Tensor:
+        args = self._args(kind, T, t)
+        graphs = self.graphs.get((kind, T, t.page_table.shape[0] == 1), [])
+        if len(graphs) == 1:
+            return graphs[0](*args)
+        for graph in graphs:
+            if graph.guard_check(*args):
+                return graph(*args)
+        raise LookupError("no graph covers this shape")
 
     def __call__(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> torch.Tensor:
-        """The forward through the graphs compiled at start; eagerly (with one warning) where none fits."""
-        # Only the guards that tell the graphs apart are checked (5-10% of a lone decode step's time on the bench
-        # model): build() ran every shape static.py routes here (B, T, and the page table's width from 2 up), and
-        # nothing else a guard reads (the weights, the pools' shapes, the kernel backend) changes while serving.
+        """The forward through the graphs made at start; eagerly (with one warning) where none covers the shape."""
         try:
-            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
-                return self._call(kind, T, t)
-        except RuntimeError as e:
-            if "recompil" not in str(e).lower():
-                raise
+            return self._call(kind, T, t)
+        except LookupError as e:
             if not self._warned:
                 self._warned = True
                 log.warning("a %s step of %d sequence(s) x %d token(s) needs a graph not compiled at start: such "
-                            "steps run eagerly (%s)", kind, t.page_table.shape[0], T, str(e).splitlines()[0])
+                            "steps run eagerly (%s)", kind, t.page_table.shape[0], T, e)
             return self.static.eager(kind, T, max_len, t)
-
