@@ -61,6 +61,13 @@ class BenchModelSpec:
         return kw
 
 
+# A model whose decode step is bound by reading its weights on a CPU (~190M parameters, 0.76 GB in fp32: a GEMV
+# costs what a 4-row GEMM does), for NEXTN's speed-up where it should pay (bench/spec.py --model memory-bound).
+MEMORY_BOUND = BenchModelSpec(hidden_size=1024, num_hidden_layers=12, intermediate_size=3584, num_attention_heads=16,
+                              num_key_value_heads=4, linear_num_key_heads=8, linear_num_value_heads=16,
+                              max_shard_size="400MB")
+
+
 def _perturb_1d(model, seed: int) -> None:
     """Random values for every 1-D weight (norms initialise to 0/1, A_log and dt_bias to constants)."""
     import torch
@@ -168,9 +175,9 @@ def write_qwen_tokenizer(folder: Path) -> None:
     _write_chatml_config(folder)
 
 
-def cpu_server_config(folder: Path, port: int, extra: str = "") -> str:
-    """A tinyserve TOML serving `folder` on the CPU in fp32 at 127.0.0.1:port, 8 requests at a time; `extra`
-    appends tables of its own."""
+def cpu_server_config(folder: Path, port: int, extra: str = "", compile_steps: bool = True) -> str:
+    """A tinyserve TOML serving `folder` on the CPU in fp32 at 127.0.0.1:port, 8 requests at a time, its steps
+    compiled unless told; `extra` appends tables of its own."""
     return f"""
 [model]
 path = "{folder}"
@@ -181,6 +188,7 @@ host = "127.0.0.1"
 port = {port}
 [engine]
 max_running_requests = 8
+compile_steps = {str(compile_steps).lower()}
 [log]
 level = "warning"
 {extra}"""

@@ -26,7 +26,8 @@ from tinyserve.config import ConfigError
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
 from tinyserve.build import price_drafts
-from tinyserve.spec import PROBE_EVERY, DepthControl, StepCost
+from tinyserve.request import Request
+from tinyserve.spec import ALPHA_START, PROBE_EVERY, DepthControl, NextN, StepCost
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 SPEC = {"num_steps": 3, "max_running": 0}          # speculate at any load
@@ -317,6 +318,21 @@ def test_depth_follows_acceptance_and_probes_with_back_off():
     assert depths.index(1) == 2 * PROBE_EVERY - 1
     d.observe(1, 1)                                    # a good probe: back to the short wait, alpha recovers
     assert d.probe_every == PROBE_EVERY and d.alpha > 0
+
+
+def test_a_new_request_starts_from_the_acceptance_of_every_requests_rounds():
+    cheap = PinnedCost(0.1)
+    nextn = NextN(num_steps=3, max_running=0, kv_layer=0)
+    assert nextn.alpha == ALPHA_START
+    old = Request("old", [1, 2], SamplingParams(), seed=0)
+    old.depth = DepthControl(3, alpha=nextn.alpha)
+    for _ in range(20):                                # a head that never agrees with this traffic
+        nextn.observe(old, 3, 0)
+    assert nextn.stats.num_drafts == 20 and old.depth.alpha == pytest.approx(nextn.alpha)
+    assert DepthControl(3, alpha=nextn.alpha).next_depth(cheap) == 0   # the next request does not draft deep
+    for _ in range(20):
+        nextn.observe(old, 3, 3)
+    assert DepthControl(3, alpha=nextn.alpha).next_depth(cheap) == 3
 
 
 def test_step_cost_prices_a_round_from_measured_steps():

@@ -33,7 +33,7 @@ from tinyserve.request import Status
 from tinyserve.runner import ModelRunner
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import Scheduler
-from tinyserve.spec import FixedDepth, NextN, NextNStats
+from tinyserve.spec import ALPHA_START, FixedDepth, NextN, NextNStats
 from tinyserve.state import StatePool
 from tinyserve.tokenizer import Tokenizer
 
@@ -199,6 +199,6 @@ def price_drafts(engine: Engine, steps: int = 3) -> None:
             engine.run_step(sched)
     if req.status != Status.FINISHED:
         sched.abort(req)
-    nextn.stats = NextNStats()
+    nextn.stats, nextn.alpha = NextNStats(), ALPHA_START      # the throw-away prompt says nothing of real traffic
     log.info("NEXTN: a decode step with 0..%d drafts takes %s ms here", k,
              ", ".join(f"{t * 1000:.1f}" for t in nextn.step_cost.seconds))

@@ -313,9 +313,7 @@ class Engine:
             req, (n, reason) = o.seq.req, kept[id(o.seq)]
             drafted = len(o.seq.draft)
             if drafted:
-                self.nextn.stats.observe(drafted, o.accepted)
-                if req.depth is not None:
-                    req.depth.observe(drafted, o.accepted)
+                self.nextn.observe(req, drafted, o.accepted)
             if reason:
                 sched.finish(req, reason)
             event = self._event(req, self._token_events(req, o, n))

@@ -17,7 +17,8 @@ those pages to. Where nothing is drafted the head computes only that KV (its fc 
 part of one layer.
 
 How deep to draft (DepthControl): each request keeps an estimate of the chance that a draft token is accepted
-given the ones before it were (alpha, an exponential average over its recent rounds), and drafts the depth d in
+given the ones before it were (alpha, an exponential average over its recent rounds, starting from the same average
+over every request's rounds), and drafts the depth d in
 0..num_steps that maximises the expected tokens per round, (1 - alpha^(d+1)) / (1 - alpha), over the round's time.
 What a round costs depends on the machine and the model (a verify of d + 1 tokens and d passes of the NEXTN head,
 against one decode step), so StepCost holds the measured seconds of a single-request step at each depth: timed at
@@ -46,7 +47,7 @@ PROBE_EVERY_MAX = 256      # ... doubled after each failed probe, up to this
 COST_PER_DRAFT = 0.25      # a draft token's cost in decode steps where StepCost has measured nothing
 COST_DECAY = 0.9           # weight of the previous measurement in StepCost's averages
 ALPHA_DECAY = 0.7          # weight of the previous estimate in the exponential average of the acceptance rate
-ALPHA_START = 0.8          # a new request starts by drafting deep (its estimate is refined from its first round)
+ALPHA_START = 0.8          # before any round, a new request starts by drafting deep
 
 
 @dataclass
@@ -100,11 +101,16 @@ class DepthControl:
         """A round verified `drafted` drafts and accepted the first `accepted` of them."""
         if drafted == 0:
             return
-        tried = accepted + (1 if accepted < drafted else 0)     # drafts compared against the target
-        self.alpha = ALPHA_DECAY * self.alpha + (1 - ALPHA_DECAY) * accepted / tried
+        self.alpha = updated_alpha(self.alpha, drafted, accepted)
         if self.probing:
             self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, PROBE_EVERY_MAX)
             self.probing = False
+
+
+def updated_alpha(alpha: float, drafted: int, accepted: int) -> float:
+    """The acceptance estimate after a round that accepted the first `accepted` of `drafted` drafts."""
+    tried = accepted + (1 if accepted < drafted else 0)         # drafts compared against the target
+    return ALPHA_DECAY * alpha + (1 - ALPHA_DECAY) * accepted / tried
 
 
 @dataclass
@@ -322,6 +328,14 @@ class NextN:
         self.kv_layer = kv_layer           # the NEXTN layer's index in the KV pool (after the target's attention)
         self.step_cost = StepCost()        # what a draft costs here, for the draft depth
         self.stats = NextNStats()
+        self.alpha = ALPHA_START           # the acceptance estimate over every request's rounds: a new request's start
+
+    def observe(self, req: Request, drafted: int, accepted: int) -> None:
+        """A round of req verified `drafted` drafts (at least one) and accepted the first `accepted` of them."""
+        self.stats.observe(drafted, accepted)
+        self.alpha = updated_alpha(self.alpha, drafted, accepted)
+        if req.depth is not None:
+            req.depth.observe(drafted, accepted)
 
     def allows(self, num_running: int) -> bool:
         return self.max_running == 0 or num_running <= self.max_running
@@ -336,7 +350,7 @@ class NextN:
         if outputs[-1] in runner.eos_token_ids or outputs[-1] in req.params.stop_token_ids:
             return 0                                   # it is about to finish
         if req.depth is None:
-            req.depth = DepthControl(self.num_steps)
+            req.depth = DepthControl(self.num_steps, alpha=self.alpha)
         depth = req.depth.next_depth(self.step_cost)
         room_pages = len(req.pages) * runner.page_size - next_pos + 1   # draft step j writes KV at next_pos + j-2
         return max(0, min(depth, req.params.max_tokens - len(outputs) - 1,
