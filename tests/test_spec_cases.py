@@ -31,7 +31,7 @@ from tinyserve.grammar import Constraint
 from tinyserve.loader import load_model
 from tinyserve.request import Request, Status
 from tinyserve.sampling import SamplingParams
-from tinyserve.spec import PROBE_EVERY, PROBE_EVERY_MAX
+from tinyserve.spec import ALPHA_START, PROBE_EVERY, PROBE_EVERY_MAX
 
 K = 3                                                    # speculative.num_steps
 FAMILIES = {"qwen3_5": make_qwen3_5_text, "qwen3_next": make_qwen3_next}
@@ -308,6 +308,7 @@ def test_a_cached_prefix_drafts_as_if_it_had_speculated(attentive_model, page_si
         (req, *_), _ = drive(eng, first_run)
         kv = nextn_kv(eng, a + req.output_ids)
         drafts: dict[str, list] = {}
+        eng.nextn.alpha = ALPHA_START        # where a new request's depth starts follows the engine's rounds so far
         (turn2,), _ = drive(eng, [(0, a + req.output_ids + tokens(6, 903), greedy(30))], drafts)
         assert turn2.cached_tokens >= len(a) + 32 - page_size
         assert_no_leaks(eng)
