@@ -61,8 +61,9 @@ class BenchModelSpec:
         return kw
 
 
-# A model whose decode step is bound by reading its weights on a CPU (~190M parameters, 0.76 GB in fp32: a GEMV
-# costs what a 4-row GEMM does), for NEXTN's speed-up where it should pay (bench/spec.py --model memory-bound).
+# A model whose decode step is bound by reading its weights on a CPU (~190M parameters, 0.76 GB in fp32: 4 rows of
+# its GEMMs cost ~1.3x one row on a 2-core AMD EPYC), for NEXTN where it should pay (bench/spec.py --model
+# memory-bound).
 MEMORY_BOUND = BenchModelSpec(hidden_size=1024, num_hidden_layers=12, intermediate_size=3584, num_attention_heads=16,
                               num_key_value_heads=4, linear_num_key_heads=8, linear_num_value_heads=16,
                               max_shard_size="400MB")

@@ -14,14 +14,14 @@ aggregate tokens/s of 8 concurrent requests, speculation off vs on; the accept l
 default speculative.max_running (4) turns speculation off; the row "8, forced" sets max_running = 0 to show why.
 Targets: single stream >= 2.2x (exact, 3 steps), >= 1.4x (half), >= 0.95x (random); >= 0.95x at 8 in every case.
 `--model memory-bound` runs the same on a ~190M-parameter model (bench/common.MEMORY_BOUND, 0.76 GB in fp32) whose
-decode step reads weights rather than paying per-op overhead: there a 4-token verify should cost what one token
-does; targets 1.8x (exact), 1.2x (half), 0.95x (random).
+decode step reads weights rather than paying per-op overhead: there a verify's GEMMs cost little more than one
+token's; targets 1.8x (exact), 1.2x (half), 0.95x (random). `--eager` serves with engine.compile_steps = false.
 
 With --llama-server, llama.cpp's server runs beside it on the same checkpoints (converted with its own converter,
 which keeps mtp.*), with and without `--spec-type draft-mtp --spec-draft-n-max STEPS`: its speed-up is the anchor.
 
-    python bench/spec.py [--dir DIR] [--model bench|memory-bound] [--eager] [--new-tokens 256] [--rounds 3] [--num-steps 3]
-                         [--llama-server PATH]
+    python bench/spec.py [--dir DIR] [--model bench|memory-bound] [--eager] [--new-tokens 256] [--rounds 3]
+                         [--num-steps 3] [--llama-server PATH]
 """
 from __future__ import annotations
 
