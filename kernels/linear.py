@@ -16,6 +16,7 @@ copy costs the weights' size again. `calibrate` times it too when the caller can
 """
 from __future__ import annotations
 
+import os
 import time
 import weakref
 
@@ -24,6 +25,14 @@ import torch.nn.functional as F
 
 from tinyserve.kernels.fp8 import fp8_linear
 from tinyserve.kernels.fp8_weight import Fp8Weight
+
+# oneDNN keeps each GEMM it has set up, per row count and weight shape (~0.6 MB each), in two caches of 1,024 by
+# default: prefill chunks of every length grew a server's memory by ~600 MB before they filled. The steady shapes
+# (each weight shape x the decode batch sizes) stay well under this bound; the variable ones are evicted. Read at
+# oneDNN's first use, so here; a value set in the environment wins.
+CACHED_GEMMS = 256
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(CACHED_GEMMS))
+os.environ.setdefault("LRU_CACHE_CAPACITY", str(CACHED_GEMMS))         # ideep's, inside torch
 
 _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
     else None

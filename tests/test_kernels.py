@@ -3,6 +3,10 @@ transformers' chunked delta rule, torch conv1d over the whole history, dense cau
 the norm formulas written out here. fp32, tiny shapes."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -428,3 +432,32 @@ def test_every_cpu_gemm_route_gives_the_plain_product(monkeypatch):
     del doomed
     gc.collect()
     assert len(lin._packed) == 1, "a packed copy outlived its weight"
+
+
+GEMM_GROWTH = r"""
+import sys
+import torch
+if sys.argv[1] == "ours":
+    import tinyserve.kernels.linear  # noqa: F401  (sets oneDNN's cache sizes)
+w = torch.randn(256, 64)
+def rss_mb():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
+start = rss_mb()
+with torch.inference_mode():
+    for rows in range(17, 1217):
+        torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 64), w, None, "none", [], "")
+print(rss_mb() - start)
+"""
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not os.path.exists("/proc/self/status"),
+                    reason="oneDNN is not in this torch build, or no /proc to read memory from")
+def test_onednn_keeps_a_bounded_number_of_gemms():
+    """oneDNN keeps every GEMM it has set up, per row count (~0.6 MB each, 1,024 in each of two caches by default):
+    prefill chunks of every length grew a server by ~600 MB. Importing our linear module bounds both caches, so
+    1,200 row counts grow a fresh process by well under what they do with oneDNN's defaults."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    growth = {which: float(subprocess.run([sys.executable, "-c", GEMM_GROWTH, which], env=env, check=True,
+                                          capture_output=True, text=True).stdout)
+              for which in ("default", "ours")}
+    assert growth["ours"] < 0.6 * growth["default"], growth
