@@ -355,7 +355,8 @@ def test_streamed_thinking_is_signed(client):
 
 def test_output_config_format_constrains_the_text(client):
     """Structured outputs: output_config.format's schema constrains the text, so the SDK's messages.parse gets a
-    valid object even from the random demo model."""
+    valid object even from the random demo model. Greedy (the SDK's parse takes no temperature): sampled at
+    Anthropic's default temperature 1, the random model's integer can run on past max_tokens."""
     from pydantic import BaseModel
 
     class Answer(BaseModel):
@@ -363,12 +364,12 @@ def test_output_config_format_constrains_the_text(client):
         level: int
 
     r = client.messages.parse(model="tinyserve", max_tokens=48, messages=USER, output_format=Answer,
-                              thinking={"type": "disabled"})
+                              thinking={"type": "disabled"}, extra_body={"temperature": 0})
     assert isinstance(r.parsed_output, Answer)
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
               "additionalProperties": False}
-    r = create(client, max_tokens=32, output_config={"format": {"type": "json_schema", "schema": schema}},
-               thinking={"type": "disabled"})
+    r = create(client, max_tokens=32, temperature=0, thinking={"type": "disabled"},
+               output_config={"format": {"type": "json_schema", "schema": schema}})
     assert json.loads(r.content[-1].text)["city"] in ("Paris", "Rome")
 
 
