@@ -43,10 +43,11 @@ What it checks:
     is its first 40 %). Everything it holds is bounded by the config (pools, a 10 MB host tier, a page-bounded radix
     tree, a file tier already full, so its in-memory index no longer grows) or by a constant (oneDNN's caches of the
     GEMMs it has set up, kernels/linear.CACHED_GEMMS: with oneDNN's defaults the prefill chunks' many row counts grew
-    it from ~370 to ~990 MB in 30 s on a 2-core AMD EPYC); in a 240 s run it plateaus from ~40 s in. A leak of per-request state (a Request with its token lists, its stream, its
-    detokenizer: tens of KB) times the requests served after warm-up breaks the bound: a few dozen of them in the
-    default 30 s run (23 on a busy 2-core machine: leaks >= ~700 KB per request), ~100 in a 50 s run (>= ~130 KB),
-    ~500 in a 240 s run (>= ~32 KB); the test prints its own figure. A leaked object of ours, aiohttp's or
+    it from ~370 to ~990 MB in 30 s on a 2-core AMD EPYC; bounded, it stays at ~541 MB from ~5 s in). A leak of
+    per-request state (a Request with its token lists, its stream, its detokenizer: tens of KB) times the requests
+    served after warm-up breaks the bound: a few dozen of them in the default 30 s run (23 on a busy 2-core machine:
+    leaks >= ~700 KB per request), ~100 in a 50 s run (>= ~130 KB), ~500 in a 240 s run (>= ~32 KB); the test
+    prints its own figure. A leaked object of ours, aiohttp's or
     asyncio's fails the live-objects check whatever its size. (Checked by injecting leaks into the launcher: holding
     each RequestStream fails the live-objects check; 256 KB of bytes per request fails this one in a 50 s run.)
 """
