@@ -4,8 +4,9 @@ context crosses pages, with the prefix cache on; the graphs are saved in the fol
 loads them (a damaged file is compiled again); a CPU where compilation fails (here: no C++ compiler) runs every step
 eagerly, after one warning.
 
-The smallest shapes only (at most 3 running requests; NEXTN with one draft and 2): each graph costs tens of seconds
-of CPU to compile, so the compiling tests are `slow` (left out of the quick tier).
+The smallest shapes only (at most 3 running requests): each graph costs 5-15 s of CPU to compile, so the compiling
+tests are `slow` (left out of the quick tier). The NEXTN graphs: tests/test_compiled_nextn.py (a module of its own, so
+a second test worker compiles them meanwhile).
 """
 from __future__ import annotations
 
@@ -42,12 +43,11 @@ def dense(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shared_cache(tmp_path_factory):
-    """One inductor cache for the tests that compile: the NEXTN test's plain decode graphs are those the decode
-    test built (the same shapes), so only its verify and head graphs are compiled anew."""
+    """One inductor cache for the module: the restart's graph that is compiled again reuses inductor's cached code."""
     return tmp_path_factory.mktemp("inductor")
 
 
-def _fresh_dynamo(folder, monkeypatch):
+def fresh_dynamo(folder, monkeypatch):
     import torch._dynamo
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
     torch._dynamo.reset()
@@ -57,13 +57,13 @@ def _fresh_dynamo(folder, monkeypatch):
 
 @pytest.fixture
 def cache_dir(shared_cache, monkeypatch):
-    yield from _fresh_dynamo(shared_cache, monkeypatch)
+    yield from fresh_dynamo(shared_cache, monkeypatch)
 
 
 @pytest.fixture
 def own_cache_dir(tmp_path, monkeypatch):
     """A cache of its own: nothing compiled before can be reused."""
-    yield from _fresh_dynamo(tmp_path / "inductor", monkeypatch)
+    yield from fresh_dynamo(tmp_path / "inductor", monkeypatch)
 
 
 def make_engine(model, **tables) -> Engine:
@@ -138,38 +138,4 @@ def test_a_failed_compile_runs_eagerly_after_one_warning(dense, own_cache_dir, c
         assert drive(eng, schedule) == want
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "compiling the CPU steps failed" in warnings[0].getMessage(), warnings
-    assert_no_leaks(eng)
-
-
-@pytest.mark.slow
-@NEEDS_CXX
-@pytest.mark.timeout(1800)        # four graphs to compile: minutes on a busy 2-core machine
-def test_compiled_nextn_gives_the_unspeculated_tokens(tmp_path, cache_dir):
-    """NEXTN through the compiled verify step and head passes (one draft: T = 1 and 2, at most 2 sequences):
-    the greedy tokens are those of plain eager decoding, and the drafts (hence the acceptance counts) are the
-    eager head's."""
-    from checkpoints import make_agreeing_head
-    from conftest import PinnedCost
-    folder, _ = make_qwen3_5_text(tmp_path / "mtp", with_mtp=True, **TWO_LAYERS)
-    make_agreeing_head(folder, mix=0.3, head_noise=0.05, head_layer=0.5)
-    model = load_model(folder, torch.float32, TEST_DEVICE)
-    schedule = [(0, tokens(20, 5), 30), (0, tokens(5, 6), 24), (10, tokens(40, 7), 16)]
-    small = {"engine": {"max_running_requests": 2}}
-    want = drive(make_engine(model, cache={"enabled": False}, **small), schedule)
-    spec = {"speculative": {"num_steps": 1}}
-    eager = make_engine(model, **spec, **small)
-    eager.nextn.step_cost = PinnedCost()
-    assert drive(eager, schedule) == want
-    eng = make_engine(model, **spec, **small)
-    eng.nextn.step_cost = PinnedCost()
-    eng.runner.enable_static_steps(2, for_graphs=False)
-    static = eng.runner.static
-    assert static is not None and static.compiled is not None and static.max_tokens == 2
-    eager_calls = []
-    eager_forward = static.eager
-    static.eager = lambda *a, **k: eager_calls.append(a) or eager_forward(*a, **k)
-    assert drive(eng, schedule) == want
-    assert eng.nextn.stats.num_accepted_tokens > 0
-    assert eng.nextn.stats == eager.nextn.stats
-    assert not eager_calls, "every verify and head pass ran through the graphs compiled at start"
     assert_no_leaks(eng)

@@ -1,0 +1,56 @@
+"""The CPU's compiled static steps with NEXTN (compiled.CompiledSteps): the verify step and the head's passes
+compiled at start give the greedy tokens of plain eager decoding, and the eager head's drafts. One draft and at most
+2 running requests (T = 1 and 2 tokens per sequence, a lone sequence and a batch: 8 graphs, ~1 minute of CPU), so
+the module is `slow` (left out of the quick tier); the plain decode graphs and their saved files:
+tests/test_compiled.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import make_qwen3_5_text
+from conftest import TEST_DEVICE, assert_no_leaks, drive, tokens
+from test_compiled import NEEDS_CXX, TWO_LAYERS, fresh_dynamo, make_engine
+from tinyserve.loader import load_model
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the compiled steps are the CPU's")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    yield from fresh_dynamo(tmp_path / "inductor", monkeypatch)
+
+
+@pytest.mark.slow
+@NEEDS_CXX
+@pytest.mark.timeout(1800)        # eight graphs to compile: minutes on a busy 2-core machine
+def test_compiled_nextn_gives_the_unspeculated_tokens(tmp_path, cache_dir):
+    """NEXTN through the compiled verify step and head passes (one draft: T = 1 and 2, at most 2 sequences):
+    the greedy tokens are those of plain eager decoding, and the drafts (hence the acceptance counts) are the
+    eager head's."""
+    from checkpoints import make_agreeing_head
+    from conftest import PinnedCost
+    folder, _ = make_qwen3_5_text(tmp_path / "mtp", with_mtp=True, **TWO_LAYERS)
+    make_agreeing_head(folder, mix=0.3, head_noise=0.05, head_layer=0.5)
+    model = load_model(folder, torch.float32, TEST_DEVICE)
+    schedule = [(0, tokens(20, 5), 30), (0, tokens(5, 6), 24), (10, tokens(40, 7), 16)]
+    small = {"engine": {"max_running_requests": 2}}
+    want = drive(make_engine(model, cache={"enabled": False}, **small), schedule)
+    spec = {"speculative": {"num_steps": 1}}
+    eager = make_engine(model, **spec, **small)
+    eager.nextn.step_cost = PinnedCost()
+    assert drive(eager, schedule) == want
+    eng = make_engine(model, **spec, **small)
+    eng.nextn.step_cost = PinnedCost()
+    eng.runner.enable_static_steps(2, for_graphs=False)
+    static = eng.runner.static
+    assert static is not None and static.compiled is not None and static.max_tokens == 2
+    eager_calls = []
+    eager_forward = static.eager
+    static.eager = lambda *a, **k: eager_calls.append(a) or eager_forward(*a, **k)
+    assert drive(eng, schedule) == want
+    assert eng.nextn.stats.num_accepted_tokens > 0
+    assert eng.nextn.stats == eager.nextn.stats
+    assert not eager_calls, "every verify and head pass ran through the graphs compiled at start"
+    assert_no_leaks(eng)
