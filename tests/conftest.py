@@ -36,13 +36,6 @@ SLOW_MODULES = {"test_compiled", "test_compiled_nextn", "test_spec_cases", "test
                 "test_triton_gdn_prefill", "test_triton_kernels", "test_triton_moe", "test_triton_prefill"}
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: one test worker more than this process may use cores. Many tests wait on another process (a
-    server, the C++ compiler of a compiled step) for much of their time; on a 2-core machine a third worker took the
-    suite from ~285 s to ~250 s (docs/testing.md)."""
-    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
-
-
 def pytest_configure(config: pytest.Config) -> None:
     if "not slow" in (config.option.markexpr or ""):
         os.environ["TINYSERVE_QUICK_TIER"] = "1"
