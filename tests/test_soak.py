@@ -39,11 +39,12 @@ What it checks:
   - the restart: the first process exits 0 within its drain, the second one hits the file tier; the second also
     exits 0; neither log has a traceback or an ERROR / CRITICAL line.
   - resident memory flat after warm-up: the second process's VmRSS (/proc/PID/status, every second) in the last
-    third of its run stays within RSS_SLACK_MB (16 MB, 3-5 % of its 330-540 MB) of its warm-up maximum (the warm-up
+    third of its run (every sample but its highest: a transient shows in one sample, a leak in all that follow)
+    stays within RSS_SLACK_MB (16 MB, 3-5 % of its 330-540 MB) of its warm-up maximum (the warm-up
     is its first 40 %). Everything it holds is bounded by the config (pools, a 10 MB host tier, a page-bounded radix
     tree, a file tier already full, so its in-memory index no longer grows) or by a constant (oneDNN's caches of the
     GEMMs it has set up, kernels/linear.CACHED_GEMMS: with oneDNN's defaults the prefill chunks' many row counts grew
-    it from ~370 to ~990 MB in 30 s on a 2-core AMD EPYC; bounded, it stays at ~541 MB from ~5 s in). A leak of
+    it from ~370 to ~990 MB in 30 s on a 2-core AMD EPYC; bounded, it stays at 535-546 MB from ~5 s in). A leak of
     per-request state (a Request with its token lists, its stream, its detokenizer: tens of KB) times the requests
     served after warm-up breaks the bound: a few dozen of them in the default 30 s run (23 on a busy 2-core machine:
     leaks >= ~700 KB per request), ~100 in a 50 s run (>= ~130 KB), ~500 in a 240 s run (>= ~32 KB); the test
@@ -737,9 +738,12 @@ def test_soak_sessions_disconnects_bad_bodies_flushes_and_a_restart(xdg, tmp_pat
     # resident memory flat after warm-up
     warm, late, served_after_warmup = rss_windows(soak, rss, marks)
     assert len(warm) >= 3 and len(late) >= 3, (warm, late)
-    growth_mb = (max(late) - max(warm)) / 1024
+    # the last third's second-highest sample: a leak's growth stays from one sample to the next; a transient (one
+    # step's buffers, oneDNN setting up a GEMM as it evicts another) shows in one sample (+19 MB once, at the end)
+    late_level = sorted(late)[-2]
+    growth_mb = (late_level - max(warm)) / 1024
     leak_kb = RSS_SLACK_MB * 1024 / max(served_after_warmup, 1)
-    print(f"SOAK RSS: warm-up max {max(warm) / 1024:.1f} MB, last-third max {max(late) / 1024:.1f} MB "
+    print(f"SOAK RSS: warm-up max {max(warm) / 1024:.1f} MB, last third's second-highest {late_level / 1024:.1f} MB "
           f"(growth {growth_mb:+.1f} MB, bound {RSS_SLACK_MB:g} MB); {served_after_warmup} requests served after "
           f"warm-up: a leak of >= {leak_kb:.0f} KB per request would have broken the bound")
     assert growth_mb <= RSS_SLACK_MB, [(round(t), round(kb / 1024, 1)) for t, ph, kb in rss if ph == 1]
