@@ -15,7 +15,6 @@ import re
 import shutil
 import sys
 
-import openai
 import pytest
 import torch
 
@@ -353,6 +352,7 @@ def test_step_cost_prices_a_round_from_measured_steps():
 
 @pytest.mark.slow
 def test_server_reports_speculation_and_keeps_the_text(xdg, tmp_path):
+    openai = pytest.importorskip("openai")   # the test extra has it; a CUDA image running tests/gpu.sh may not
     from tinyserve.demo import ensure_demo_checkpoint
     folder = tmp_path / "model"
     shutil.copytree(ensure_demo_checkpoint(), folder)
