@@ -488,7 +488,11 @@ def _chunk_tiles(capability: tuple[int, int] | None) -> dict:
     in a tl.dot recurrence over a loop at 4 warps there (triton-lang/triton#10590; flash-linear-attention #945
     measured its chunk state kernel non-deterministic on B300 at BV 64 / 4 warps and deterministic, and fastest
     among the safe settings, at BV 32 / 2 warps), so the state pass takes BV 32 / 2 warps there, and the output
-    kernel stays at 4 warps (fla #1228: 8 warps race in its output kernel)."""
+    kernel stays at 4 warps (fla #1228: 8 warps race in its output kernel). Hopper (H200, Triton 3.6): the output
+    kernel's dk loop pipelined (num_stages 2) over fp32 operands (bf16x3 dots) with a partial last dk tile returns
+    NaN or faults (illegal address) at dk 80 and 200, and is exact unpipelined; chunk_gated_delta_rule runs fp32
+    inputs at num_stages 1 everywhere (the GPU's models run bf16). The state kernel there faults at num_stages 1
+    (dk 128, BV 32, bf16) and is exact at 2."""
     hopper = capability is not None and capability[0] == 9
     datacenter_blackwell = capability is not None and capability[0] == 10
     state = dict(BV=32, num_warps=2, num_stages=2) if datacenter_blackwell else \
@@ -533,6 +537,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         return {key: max(16, min(val, triton.next_power_of_2(DK if key == "BK" else DV))) if key in ("BK", "BV")
                 else val for key, val in t.items()}
     solve, wy, st, out = fit(tiles["solve"]), fit(tiles["wy"]), fit(tiles["state"]), fit(tiles["output"])
+    if q.dtype == torch.float32:
+        out["num_stages"] = 1                                 # see _chunk_tiles: pipelined, it fails on Hopper
     _chunk_solve_kernel[(NC, HV)](
         k, g, beta, gcum, tm, chunks, HV, R, DK,
         k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), PREC=prec, **solve)
