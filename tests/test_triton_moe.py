@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_setup import DEV, ON_GPU, backend, both, gen_, gpu, needs_gpu, rnd, tol  # noqa: F401  (first)
+from triton_setup import DEV, ON_GPU, backend, both, fp8_dot_tol, gen_, gpu, needs_gpu, rnd, tol  # noqa: F401  (first)
 from tinyserve.kernels.fp8 import quantize_activations  # noqa: E402
 from tinyserve.kernels.fp8_weight import ACT_GROUP, FP8, FP8_MAX, Fp8Weight  # noqa: E402
 from tinyserve.kernels.moe import fused_experts, route  # noqa: E402
@@ -45,9 +45,9 @@ def naive(x, w_gate_up, w_down, topk_weights, topk_ids) -> torch.Tensor:
     return out
 
 
-def assert_close_scaled(tri: torch.Tensor, ref: torch.Tensor, dtype) -> None:
+def assert_close_scaled(tri: torch.Tensor, ref: torch.Tensor, dtype, act_quant: bool = False) -> None:
     scale = max(ref.float().abs().max().item(), 1e-6)
-    torch.testing.assert_close(tri.float() / scale, ref.float() / scale, **tol(dtype))
+    torch.testing.assert_close(tri.float() / scale, ref.float() / scale, **fp8_dot_tol(dtype, act_quant))
 
 
 # --- routing ---------------------------------------------------------------------------------------------------
@@ -316,7 +316,7 @@ def test_triton_fp8_grouped_gemm(act_quant, dtype, rows_per_expert):
         out = torch.empty((T * top_k, w.shape[1]), dtype=dtype, device=DEV)
         with backend("triton"):
             moe_triton._grouped_gemm(a, w, out, div, rw, sorted_ids, expert_ids, padded_len, tiles)
-        assert_close_scaled(out, grouped_gemm_reference(a, w, div, rw, topk_ids), dtype)
+        assert_close_scaled(out, grouped_gemm_reference(a, w, div, rw, topk_ids), dtype, act_quant)
 
 
 # Each case w8a8 and w8a16, the two in different dtypes: each dtype meets every case and both schemes.

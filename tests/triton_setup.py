@@ -97,6 +97,17 @@ def tol(dtype):
             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}[dtype]
 
 
+def fp8_dot_tol(dtype, act_quant: bool) -> dict:
+    """tol(dtype), but for an FP8 x FP8 dot (w8a8) compiled on a GPU at least 1e-3 of the output's scale: Hopper's FP8
+    tensor-core dot keeps only ~14 bits of its sum inside an instruction (DeepSeek-V3 report, section 3.3.2; the
+    kernels add each 128-wide group's dot into an fp32 accumulator). Measured on an H200 with fp32 activations:
+    2.7e-4 of the scale where tiles of 64 rows and more take wgmma; fp32's own tolerance is 2e-5."""
+    t = tol(dtype)
+    if act_quant and ON_GPU:
+        t = {key: max(val, 1e-3) for key, val in t.items()}
+    return t
+
+
 def paged_kv(lengths: list[int], page_size: int, NKV: int, HD: int, kv_dtype, gen, spare_pages: int):
     """A KV pool (one layer's view of a two-layer pool) holding each sequence's context of lengths[i] random
     tokens on scattered pages, with spare_pages pages no sequence uses. Returns (cache, pages per sequence,
