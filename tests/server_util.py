@@ -6,6 +6,7 @@ Both serve on 127.0.0.1 on a free port from a TOML config written to a tmp folde
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -20,6 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+
+
+def lazy_import(name: str):
+    """The module `name`, executed on its first attribute access: every test worker collects every test module, and
+    the openai and anthropic clients take ~2.3 s of CPU to import, which only the workers that run their tests pay."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

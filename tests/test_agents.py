@@ -23,11 +23,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import anthropic
-import openai
 import pytest
 
-from server_util import ServerProcess, free_port, http, server_config
+from server_util import ServerProcess, free_port, http, lazy_import, server_config
+anthropic = lazy_import("anthropic")
+openai = lazy_import("openai")
 
 PARSERS = {"parsers": {"reasoning": "qwen3", "tool_call": "qwen3_coder"}}
 BIG = {"model": {"context_length": 4096}, "engine": {"kv_cache_tokens": 16384}}

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import anthropic
 import pytest
 
-from server_util import ServerProcess, free_port, http, server_config
+from server_util import ServerProcess, free_port, http, lazy_import, server_config
+anthropic = lazy_import("anthropic")
 
 PARSERS = {"parsers": {"reasoning": "qwen3", "tool_call": "qwen3_coder"}}
 API_KEY = "anthropic-test-key"

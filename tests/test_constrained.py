@@ -16,13 +16,13 @@ from dataclasses import replace
 from typing import Any
 
 import jsonschema
-import openai
 import pytest
 import torch
 
-from server_util import ServerProcess, free_port, http, server_config
+from server_util import ServerProcess, free_port, http, lazy_import, server_config
 from tinyserve.grammar import Constraint, GrammarCompiler, MaskBuffer, apply_mask, unpack_bitmask
 from tinyserve.sampling import SamplingBatch, SamplingParams, sample
+openai = lazy_import("openai")
 
 SCHEMA = {"type": "object",
           "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]},

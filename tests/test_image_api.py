@@ -16,14 +16,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import numpy as np
-import openai
 import pytest
 from PIL import Image
 
 from checkpoints import make_qwen3_5_vl
-from server_util import ServerProcess, free_port, http, server_config
+from server_util import ServerProcess, free_port, http, lazy_import, server_config
 
 from tinyserve.anthropic import parse_messages_request
 from tinyserve.images import ImageProcessorConfig, ImageSource, image_token_count
@@ -31,6 +29,8 @@ from tinyserve.openai_api import parse_chat_request
 from tinyserve.protocol import APIError, RemoteImage
 from tinyserve.responses import parse_responses_request
 from tinyserve.tokenizer import IMAGE_MARKER, MessageError, Tokenizer, content_text
+anthropic = lazy_import("anthropic")
+openai = lazy_import("openai")
 
 MAX_IMAGES = 2
 MAX_PIXELS = 96 * 64                 # the largest test image fits; 128x64 does not

@@ -14,10 +14,10 @@ import json
 from collections import defaultdict
 from typing import Any
 
-import openai
 import pytest
 
-from server_util import ServerProcess, free_port, http, server_config
+from server_util import ServerProcess, free_port, http, lazy_import, server_config
+openai = lazy_import("openai")
 
 CONTEXT = 1024
 SYSTEM = {"role": "system", "content": "you are a helpful assistant"}

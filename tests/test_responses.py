@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import openai
 import pytest
 
-from server_util import ServerProcess, free_port, http, server_config
+from server_util import ServerProcess, free_port, http, lazy_import, server_config
+openai = lazy_import("openai")
 
 PARSERS = {"parsers": {"reasoning": "qwen3", "tool_call": "qwen3_coder"}}
 SHELL_TOOL = {"type": "function", "name": "shell", "description": "Run a shell command",

@@ -18,14 +18,14 @@ import time
 import uuid
 from typing import Any
 
-import openai
 import pytest
 
 from checkpoints import make_qwen3_5_text
-from server_util import (InProcessServer, ServerProcess, free_port, http, server_config, wait_healthy,
+from server_util import (InProcessServer, ServerProcess, free_port, http, lazy_import, server_config, wait_healthy,
                          write_config)
 
 from tinyserve import config as config_mod
+openai = lazy_import("openai")
 
 PARSERS = {"parsers": {"reasoning": "qwen3", "tool_call": "qwen3_coder"}}
 BODY_LIMIT_MB = 0.05            # the shared server rejects bodies over 50 KB
