@@ -12,15 +12,15 @@
 # else the tests need is installed from .gpu-wheels when that folder is in the checkout (tests/gpu_wheels.sh makes it
 # where pip can download). The kernel tests run one process per file, side by side (a kernel's illegal memory access
 # leaves the CUDA context unusable, which would fail every later test of its process); the engine tests run in one
-# (-o addopts= drops pyproject's xdist workers: one GPU, and pytest-xdist may be missing). Each step has its own time
-# limit and a failing one does not stop the next; the exit status is 1 if any failed.
+# process, or on 4 workers where pytest-xdist is installed (-o addopts= drops pyproject's one worker per core). Each
+# step has its own time limit and a failing one does not stop the next; the exit status is 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tinyserve-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -d .gpu-wheels ]; then
-    python3 -m pip install -q --no-index --find-links .gpu-wheels llguidance tomli-w 2>&1 | tail -3
+    python3 -m pip install -q --no-index --find-links .gpu-wheels llguidance tomli-w pytest-xdist execnet 2>&1 | tail -3
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 status=0
@@ -57,7 +57,10 @@ if wanted kernels; then      # the files side by side (each mostly compiles kern
     done
     echo "== kernels: $((SECONDS - t0)) s"
 fi
-stage engine 360 env TINYSERVE_TEST_DEVICE=cuda python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts= \
+# the engine tests on 4 workers where pytest-xdist is there (each its own small model on the one GPU; most of a test's
+# time is the CPU's: Python, and Triton compiling kernels for new shapes)
+workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")
+stage engine 360 env TINYSERVE_TEST_DEVICE=cuda python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts= $workers \
     tests/test_parity.py tests/test_engine.py tests/test_spec.py tests/test_tiers.py tests/test_async_copies.py tests/test_cuda_graphs.py
 stage gpu_check 75 python3 bench/gpu_check.py --skip-tests
 # fla (the GDN peer bench/gpu.py times) only now: where it is importable, transformers' Qwen3-Next runs its Triton

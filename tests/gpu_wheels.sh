@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 rm -rf .gpu-wheels
 python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .gpu-wheels \
-    llguidance tomli-w fla-core
+    llguidance tomli-w fla-core pytest-xdist execnet
 du -sh .gpu-wheels && ls .gpu-wheels
