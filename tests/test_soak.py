@@ -40,15 +40,16 @@ What it checks:
     exits 0; neither log has a traceback or an ERROR / CRITICAL line.
   - resident memory flat after warm-up: the second process's VmRSS (/proc/PID/status, every second) in the last
     third of its run (every sample but its highest: a transient shows in one sample, a leak in all that follow)
-    stays within RSS_SLACK_MB (16 MB, 3-5 % of its 330-540 MB) of its warm-up maximum (the warm-up
-    is its first 40 %). Everything it holds is bounded by the config (pools, a 10 MB host tier, a page-bounded radix
-    tree, a file tier already full, so its in-memory index no longer grows) or by a constant (oneDNN's caches of the
-    GEMMs it has set up, kernels/linear.CACHED_GEMMS: with oneDNN's defaults the prefill chunks' many row counts grew
-    it from ~370 to ~990 MB in 30 s on a 2-core AMD EPYC; bounded, it stays at 535-546 MB from ~5 s in). A leak of
+    stays within RSS_SLACK_MB (16 MB, ~5 % of its ~315 MB) of its warm-up maximum (the warm-up is its first 40 %).
+    Everything it holds is bounded by the config (pools, a 10 MB host tier, a page-bounded radix tree, a file tier
+    already full, so its in-memory index no longer grows) or by a constant: oneDNN's caches of the GEMMs it has set
+    up, one per row count (~0.6 MB each). The server runs here with those caches at ONEDNN_CACHED_GEMMS: at the
+    product's kernels/linear.CACHED_GEMMS (256) they keep filling for minutes as prompts of new lengths arrive
+    (bounded, but 480-620 MB and still rising in the last third of 30 s runs; +46 MB there once in CI), which no
+    short run can tell from a leak; at 8 the RSS is flat at ~315 MB from the first second. A leak of
     per-request state (a Request with its token lists, its stream, its detokenizer: tens of KB) times the requests
-    served after warm-up breaks the bound: a few dozen of them in the default 30 s run (23 on a busy 2-core machine:
-    leaks >= ~700 KB per request), ~100 in a 50 s run (>= ~130 KB), ~500 in a 240 s run (>= ~32 KB); the test
-    prints its own figure. A leaked object of ours, aiohttp's or
+    served after warm-up breaks the bound: ~240 of them in the default 30 s run alone on a 2-core AMD EPYC (leaks
+    >= ~70 KB per request; fewer on a busy machine), more in a longer run; the test prints its own figure. A leaked object of ours, aiohttp's or
     asyncio's fails the live-objects check whatever its size. (Checked by injecting leaks into the launcher: holding
     each RequestStream fails the live-objects check; 256 KB of bytes per request fails this one in a 50 s run.)
 """
@@ -87,6 +88,7 @@ RSS_EVERY_S = 1.0
 MAX_IDLE_INSTANCES = 32       # live instances of any one class once the server is idle and flushed
 RSS_WARMUP = 0.4              # share of the second process's run that is warm-up
 RSS_SLACK_MB = float(os.environ.get("TINYSERVE_SOAK_RSS_SLACK_MB", "16"))
+ONEDNN_CACHED_GEMMS = 8       # oneDNN's two caches of set-up GEMMs in the server (see the docstring)
 
 # The real CLI, with test hooks: RadixCache.check() after every engine step, GET /_soak/pools and /_soak/objects.
 LAUNCHER = r'''
@@ -609,7 +611,9 @@ def test_soak_sessions_disconnects_bad_bodies_flushes_and_a_restart(xdg, tmp_pat
         "cache": {"state_track_interval": 64, "host": {"size_gb": 0.01, "min_free_gb": 0},
                   "file": {"dir": str(tmp_path / "kv"), "size_gb": FILE_GB}},
         "log": {"level": "info"}})
-    server = SoakServer(tmp_path, cfg, env={"XDG_CACHE_HOME": str(xdg), "OMP_NUM_THREADS": "1"})
+    server = SoakServer(tmp_path, cfg, env={"XDG_CACHE_HOME": str(xdg), "OMP_NUM_THREADS": "1",
+                                            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_CACHED_GEMMS),
+                                            "LRU_CACHE_CAPACITY": str(ONEDNN_CACHED_GEMMS)})
     server.start()
     rss: list[tuple[float, int, int]] = []           # (seconds since the start of traffic, phase, kB)
     marks: dict[str, float] = {}                     # sigterm, ready, end: seconds since the start of traffic
