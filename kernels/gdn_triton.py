@@ -479,10 +479,10 @@ def _split_dtype(k: torch.Tensor, v: torch.Tensor) -> torch.dtype | None:
     return torch.bfloat16 if not _INTERPRETED and k.dtype == v.dtype == torch.bfloat16 else None
 
 
-def _chunk_tiles(capability: tuple[int, int] | None) -> dict:
-    """Launch settings of the four chunk kernels for a CUDA capability; None (not on CUDA, as when
-    bench/gpu_check.py --compile records the launches) gets the portable set. All fit shared memory and compile
-    without spills for sm_89, sm_90 and sm_120 (ptxas). The state kernel's dv block is 32 on sm_90, where wgmma
+def _chunk_tiles(capability: tuple[int, int] | None, fp32: bool = False) -> dict:
+    """Launch settings of the four chunk kernels for a CUDA capability and fp32 or 16-bit inputs; None (not on
+    CUDA, as when bench/gpu_check.py --compile records the launches) gets the portable set. All fit shared memory
+    and compile without spills for sm_89, sm_90 and sm_120 (ptxas). The state kernel's dv block is 32 on sm_90, where wgmma
     reads S from shared memory, and 16 elsewhere, where mma.sync holds all of S's dk tile x BV in every warp's
     registers (32 reaches 255 registers on sm_89). Datacenter Blackwell (sm_100 / sm_103): Triton 3.6-3.7 races
     in a tl.dot recurrence over a loop at 4 warps there (triton-lang/triton#10590; flash-linear-attention #945
@@ -490,9 +490,9 @@ def _chunk_tiles(capability: tuple[int, int] | None) -> dict:
     among the safe settings, at BV 32 / 2 warps), so the state pass takes BV 32 / 2 warps there, and the output
     kernel stays at 4 warps (fla #1228: 8 warps race in its output kernel). Hopper (H200, Triton 3.6): the output
     kernel's dk loop pipelined (num_stages 2) over fp32 operands (bf16x3 dots) with a partial last dk tile returns
-    NaN or faults (illegal address) at dk 80 and 200, and is exact unpipelined; chunk_gated_delta_rule runs fp32
-    inputs at num_stages 1 everywhere (the GPU's models run bf16). The state kernel there faults at num_stages 1
-    (dk 128, BV 32, bf16) and is exact at 2."""
+    NaN or faults (illegal address) at dk 80 and 200, and is exact unpipelined: fp32 inputs take num_stages 1
+    everywhere (the GPU's models run bf16). The state kernel there faults at num_stages 1 (dk 128, BV 32, bf16)
+    and is exact at 2."""
     hopper = capability is not None and capability[0] == 9
     datacenter_blackwell = capability is not None and capability[0] == 10
     state = dict(BV=32, num_warps=2, num_stages=2) if datacenter_blackwell else \
@@ -500,7 +500,7 @@ def _chunk_tiles(capability: tuple[int, int] | None) -> dict:
     return dict(solve=dict(BK=32, num_warps=4),
                 wy=dict(BK=32, BV=32, num_warps=4),
                 state=state,
-                output=dict(BK=64, BV=64, num_warps=4, num_stages=2))
+                output=dict(BK=64, BV=64, num_warps=4, num_stages=1 if fp32 else 2))
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -531,14 +531,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     h = torch.empty((NC, HV, DK, DV), dtype=low, device=v.device)      # the state before each chunk
     R = HV // H
     cap = torch.cuda.get_device_capability(v.device) if v.device.type == "cuda" else None
-    tiles = _chunk_tiles(cap)
+    tiles = _chunk_tiles(cap, fp32=q.dtype == torch.float32)
 
     def fit(t: dict) -> dict:                 # blocks no wider than the (power-of-two) head dims, at least 16
         return {key: max(16, min(val, triton.next_power_of_2(DK if key == "BK" else DV))) if key in ("BK", "BV")
                 else val for key, val in t.items()}
     solve, wy, st, out = fit(tiles["solve"]), fit(tiles["wy"]), fit(tiles["state"]), fit(tiles["output"])
-    if q.dtype == torch.float32:
-        out["num_stages"] = 1                                 # see _chunk_tiles: pipelined, it fails on Hopper
     _chunk_solve_kernel[(NC, HV)](
         k, g, beta, gcum, tm, chunks, HV, R, DK,
         k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), PREC=prec, **solve)

@@ -50,8 +50,9 @@ What it checks:
     per-request state (a Request with its token lists, its stream, its detokenizer: tens of KB) times the requests
     served after warm-up breaks the bound: ~240 of them in the default 30 s run alone on a 2-core AMD EPYC (leaks
     >= ~70 KB per request; fewer on a busy machine), more in a longer run; the test prints its own figure. A
-    leaked object of ours, aiohttp's or asyncio's fails the live-objects check whatever its size. (Checked by injecting leaks into the launcher: holding
-    each RequestStream fails the live-objects check; 256 KB of bytes per request fails this one in a 50 s run.)
+    leaked object of ours, aiohttp's or asyncio's fails the live-objects check whatever its size. (Checked by
+    injecting leaks into the launcher: holding each RequestStream fails the live-objects check; 256 KB of bytes per
+    request fails this one in a 50 s run.)
 """
 from __future__ import annotations
 
