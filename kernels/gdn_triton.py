@@ -480,19 +480,18 @@ def _split_dtype(k: torch.Tensor, v: torch.Tensor) -> torch.dtype | None:
 
 
 def _chunk_tiles(capability: tuple[int, int] | None, fp32: bool = False) -> dict:
-    """Launch settings of the four chunk kernels for a CUDA capability and fp32 or 16-bit inputs; None (not on
-    CUDA, as when bench/gpu_check.py --compile records the launches) gets the portable set. All fit shared memory
-    and compile without spills for sm_89, sm_90 and sm_120 (ptxas). The state kernel's dv block is 32 on sm_90, where wgmma
-    reads S from shared memory, and 16 elsewhere, where mma.sync holds all of S's dk tile x BV in every warp's
-    registers (32 reaches 255 registers on sm_89). Datacenter Blackwell (sm_100 / sm_103): Triton 3.6-3.7 races
-    in a tl.dot recurrence over a loop at 4 warps there (triton-lang/triton#10590; flash-linear-attention #945
-    measured its chunk state kernel non-deterministic on B300 at BV 64 / 4 warps and deterministic, and fastest
-    among the safe settings, at BV 32 / 2 warps), so the state pass takes BV 32 / 2 warps there, and the output
-    kernel stays at 4 warps (fla #1228: 8 warps race in its output kernel). Hopper (H200, Triton 3.6): the output
-    kernel's dk loop pipelined (num_stages 2) over fp32 operands (bf16x3 dots) with a partial last dk tile returns
-    NaN or faults (illegal address) at dk 80 and 200, and is exact unpipelined: fp32 inputs take num_stages 1
-    everywhere (the GPU's models run bf16). The state kernel there faults at num_stages 1 (dk 128, BV 32, bf16)
-    and is exact at 2."""
+    """Launch settings of the four chunk kernels for a CUDA capability and fp32 or 16-bit inputs; None (not on CUDA,
+    as when bench/gpu_check.py --compile records the launches) gets the portable set. All fit shared memory and
+    compile without spills for sm_89, sm_90 and sm_120 (ptxas). The state kernel's dv block is 32 on sm_90, where
+    wgmma reads S from shared memory, and 16 elsewhere, where mma.sync holds all of S's dk tile x BV in every warp's
+    registers (32 reaches 255 registers on sm_89). Datacenter Blackwell (sm_100 / sm_103): Triton 3.6-3.7 races in a
+    tl.dot recurrence over a loop at 4 warps there (triton-lang/triton#10590; flash-linear-attention #945 measured
+    its chunk state kernel non-deterministic on B300 at BV 64 / 4 warps and deterministic, and fastest among the
+    safe settings, at BV 32 / 2 warps), so the state pass takes BV 32 / 2 warps there, and the output kernel stays
+    at 4 warps (fla #1228: 8 warps race in its output kernel). Hopper (H200, Triton 3.6): the output kernel's dk
+    loop pipelined (num_stages 2) over fp32 operands (bf16x3 dots) with a partial last dk tile returns NaN or faults
+    (illegal address) at dk 80 and 200, and is exact unpipelined: fp32 inputs take num_stages 1 everywhere (the
+    GPU's models run bf16). The state kernel there faults at num_stages 1 (dk 128, BV 32, bf16) and is exact at 2."""
     hopper = capability is not None and capability[0] == 9
     datacenter_blackwell = capability is not None and capability[0] == 10
     state = dict(BV=32, num_warps=2, num_stages=2) if datacenter_blackwell else \
