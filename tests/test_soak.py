@@ -509,12 +509,13 @@ class Session(threading.Thread):
                 self.soak.fail(f"{route}: {type(e).__name__}: {e} on a raw connection (not during the restart)")
             return None
 
-    def status_of(self, route: str, got: bytes) -> None:
+    def status_of(self, route: str, got: bytes, sent_restarting: bool) -> None:
         m = re.match(rb"HTTP/1\.1 (\d{3})", got)
         if m:
             status = int(m.group(1))
             self.soak.count(route, status)
-            if status == 503 and self.soak.restarting.is_set() and re.search(rb"shutting down|still loading", got):
+            restarting = sent_restarting or self.soak.restarting.is_set()
+            if status == 503 and restarting and re.search(rb"shutting down|still loading", got):
                 with self.soak.lock:
                     self.soak.restart_retries["503 (raw client, gone)"] += 1
             elif status >= 500:
@@ -526,6 +527,7 @@ class Session(threading.Thread):
         route = "/v1/chat/completions" if chat else "/v1/completions"
         body = (self.chat_body if chat else self.completion_body)(True, self.rng.randint(40, 300))
         body["ignore_eos"] = True
+        sent_restarting = self.soak.restarting.is_set()
         sock = self.raw(route, json.dumps(body).encode())
         if sock is None:
             return
@@ -536,18 +538,21 @@ class Session(threading.Thread):
                 if not chunk:
                     break
                 got += chunk
+                if answered_whole(got):   # not a stream (a loading server's 503): the connection stays open
+                    break
         except OSError as e:
-            if not self.soak.restarting.is_set():
+            if not (sent_restarting or self.soak.restarting.is_set()):
                 self.soak.fail(f"{route}: {type(e).__name__}: {e} while streaming (not during the restart)")
         finally:
             sock.close()
-            self.status_of(route, got)
+            self.status_of(route, got, sent_restarting)
 
     def do_cancel(self, _: bool) -> None:
         """A blocking request, abandoned before (or just as) its answer comes: running or still queued."""
         route = self.rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/messages"])
         maker = {"/v1/chat/completions": self.chat_body, "/v1/completions": self.completion_body,
                  "/v1/messages": self.messages_body}[route]
+        sent_restarting = self.soak.restarting.is_set()
         sock = self.raw(route, json.dumps(maker(False, self.rng.randint(20, 200))).encode())
         if sock is None:
             return
@@ -560,7 +565,7 @@ class Session(threading.Thread):
             pass
         finally:
             sock.close()
-        self.status_of(route, got)
+        self.status_of(route, got, sent_restarting)
 
     def do_truncated(self, _: bool) -> None:
         """Content-Length promises more than is sent, then the client goes away."""
@@ -585,6 +590,15 @@ class Session(threading.Thread):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+
+def answered_whole(got: bytes) -> bool:
+    """True once `got` holds a whole answer other than a 200 stream (headers and Content-Length bytes of body)."""
+    head, sep, body = got.partition(b"\r\n\r\n")
+    if not sep or head.startswith(b"HTTP/1.1 200"):
+        return False
+    m = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    return m is not None and len(body) >= int(m.group(1))
+
 
 def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
