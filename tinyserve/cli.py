@@ -254,11 +254,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.check:
             return check(cfg, args.gpu_memory_gb)
-        return asyncio.run(serve(cfg))
+        code = asyncio.run(serve(cfg))
     except (ConfigError, LoaderError) as e:
         return _fail(e)
     except KeyboardInterrupt:                         # Ctrl-C before the signal handlers were installed
         return 0
+    return _leave(code)
+
+
+def _leave(code: int) -> int:
+    """Exit now after a served run, when nothing of ours runs any more (engine.stop joined the engine's threads):
+    the exit handlers run (logs flushed, torch's helpers stopped), the interpreter's teardown does not (~0.5 s of
+    freeing torch's objects that a service manager or a restart would wait for). Otherwise return the code for
+    the normal exit, which joins what still runs."""
+    import atexit
+    import threading
+    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        return code
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _fail(error: Exception) -> int:
