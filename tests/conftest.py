@@ -3,6 +3,13 @@ and the no-leak check that also asserts the prefix cache's invariants."""
 from __future__ import annotations
 
 import os
+import sys
+
+# Python's compiled bytecode kept where the environment turns it off (PYTHONDONTWRITEBYTECODE): each test worker and
+# each of the suite's ~50 server processes would compile the tests and tinyserve from source again (~4 s a worker).
+# Set here, before the workers and the servers start, so they inherit it.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # One OpenMP thread per torch-running thread in the test process: the tests run engines both offline (main thread)
 # and served (the compute thread), and two multi-threaded OpenMP teams on a 2-core machine crawl. Tests are not
