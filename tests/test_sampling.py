@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,7 +60,7 @@ def test_logits_are_not_modified():
 
 def test_empty_batch():
     res = sample(torch.zeros(0, V), build([]))
-    assert res.tokens.shape == (0,) and res.logprobs.shape == (0,)
+    assert res.tokens.shape == (0,) and res.logprobs is None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -469,6 +471,7 @@ def test_logit_bias_is_one_sparse_add_before_every_filter():
               SamplingParams(temperature=0.9, top_k=4, seed=1, logit_bias={7: 3.0, 2: -100.0}),
               SamplingParams(temperature=0.0, logit_bias={int(logits[3].argmax()): -100}),
               SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=1.0, logit_bias={9: 100})]
+    params = [dataclasses.replace(p, logprobs=0) for p in params]       # the chosen tokens' logprobs too
     batch = build(params)
     assert batch.bias_rows.tolist() == [1, 2, 2, 3, 5] and batch.bias_values.numel() == 5
     dense = torch.zeros(6, V)
@@ -497,7 +500,7 @@ def test_build_rejects_bad_inputs():
 
 def test_all_greedy_build_is_cheap_in_structure():
     # The all-greedy, no-penalty batch carries no per-row tensors at all.
-    batch = SamplingBatch.build([SamplingParams(temperature=0.0)] * 8, [[1] * 50] * 8, [[2] * 10] * 8,
+    batch = SamplingBatch.build([SamplingParams(temperature=0.0, logprobs=0)] * 8, [[1] * 50] * 8, [[2] * 10] * 8,
                                 list(range(8)), [0], 4096, "cpu")
     tensors = [name for name, value in vars(batch).items() if isinstance(value, torch.Tensor)]
     assert tensors == []

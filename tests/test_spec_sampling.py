@@ -7,6 +7,8 @@ test catches a wrong accept rule). No model is needed: target and draft logits a
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import pytest
 
@@ -207,7 +209,7 @@ MIXED = [SamplingParams(temperature=0.8),
 
 def test_k0_equals_sample_token_for_token():
     n = 200
-    params = [MIXED[i % len(MIXED)] for i in range(n)]
+    params = [dataclasses.replace(MIXED[i % len(MIXED)], logprobs=0) for i in range(n)]   # the chosen logprobs
     outputs = [[(i * 7) % V, (i * 3) % V][: i % 3] for i in range(n)]
     prompts = [[1, 2, 3]] * n
     seeds = [1000 + i for i in range(n)]
@@ -222,6 +224,8 @@ def test_k0_equals_sample_token_for_token():
     ref = sample(logits, build(sp, seeds=seeds))
     res = verify_drafts(logits, verify_batch(sp, [[]] * n, seeds=seeds), [[]] * n)
     assert [t[0] for t in res.tokens] == ref.tokens.tolist()
+    # no row asks for logprobs: none computed (a logsumexp over the vocabulary per token saved)
+    assert ref.logprobs is None and all(lp == [None] for lp in res.logprobs)
 
 
 def test_draw_drafts_greedy_and_sampled_rows():

@@ -36,7 +36,7 @@ class SeqOutput:
     """What one sequence of the step produced, before the engine applies stops."""
     seq: ScheduledSeq
     tokens: list[int]                                  # a verify: accepted drafts + bonus; otherwise one token
-    logprobs: list[float]
+    logprobs: list[float | None]                       # None where no row of the step asks for logprobs
     top: list[list[tuple[int, float]]] | None = None   # per token, when the request asks for top logprobs
     accepted: int = 0                                  # drafts accepted (a verify)
 
@@ -263,7 +263,8 @@ class ModelRunner:
                                      [r.output_ids for r in reqs], [r.seed for r in reqs], self.eos_token_ids,
                                      self.vocab_size, self.device, masks)
             r = sample(logits, sb)
-            tokens, lps = r.tokens.tolist(), r.logprobs.tolist()
+            tokens = r.tokens.tolist()
+            lps = r.logprobs.tolist() if r.logprobs is not None else [None] * len(tokens)
             top = None
             if r.top_ids is not None:
                 top = [list(zip(i, lp)) for i, lp in zip(r.top_ids.tolist(), r.top_logprobs.tolist())]

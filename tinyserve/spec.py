@@ -196,7 +196,7 @@ class VerifyResult:
 
     tokens: list[list[int]]       # the accepted drafts, then the bonus / corrected token: accepted[i] + 1 tokens
     accepted: list[int]           # a_i: drafts accepted
-    logprobs: list[list[float]]   # raw target log_softmax of each committed token (as SampleResult.logprobs)
+    logprobs: list[list[float | None]]   # raw target log_softmax of each committed token (None: no row asks)
     top: list[list[list[tuple[int, float]]]] | None = None  # per committed token its top-n (id, logprob) of the
     # raw target, n = that row's params.logprobs ([] where 0 / None); None when no row asks for a top-n list
 
@@ -285,7 +285,7 @@ def verify_drafts(target_logits: torch.Tensor, batch: SamplingBatch, drafts: lis
     chosen, top_ids, top_lp = token_logprobs(raw, committed, batch)
 
     acc_host, tok_host = torch.stack([accept.to(torch.int64), committed]).tolist()
-    lp_host = chosen.tolist()
+    lp_host = chosen.tolist() if chosen is not None else [None] * len(tok_host)
     tid_host = top_ids.tolist() if top_ids is not None else None
     tlp_host = top_lp.tolist() if top_lp is not None else None
     result = VerifyResult(tokens=[], accepted=[], logprobs=[], top=[] if tid_host is not None else None)
