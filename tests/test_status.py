@@ -217,6 +217,13 @@ def test_tinyserve_status_exits_1_when_the_server_does_not_answer(server):
     assert out.returncode == 1 and "401" in out.stderr and "API key" in out.stderr
 
 
+def test_tinyserve_status_imports_no_torch():
+    """`tinyserve status` answers in a blink: what it imports (the CLI, the page's rendering) loads no torch."""
+    code = "import sys, tinyserve.cli, tinyserve.status; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
+
+
 @pytest.mark.parametrize("row, text", [
     ({"value": 0.5625, "format": "percent"}, "56.3%"),                   # a tie: halves round up, as toFixed does
     ({"value": 0.885, "format": "percent"}, "88.5%"),

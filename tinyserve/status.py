@@ -23,7 +23,6 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from .metrics import sample_key as key
-from .protocol import APIError, dumps
 
 log = logging.getLogger("tinyserve.status")
 
@@ -303,6 +302,7 @@ class History:
 def add_routes(app: web.Application, state_of: Callable[[web.Application], Any]) -> None:
     """Serve the page and its numbers on `app`; state_of(app) is the API's ServerState (its metrics, its engine
     (None while loading) and the History this module samples into while the app runs)."""
+    from .protocol import APIError, dumps    # the server's side only: `tinyserve status` imports no torch
     async def scrape(state: Any) -> dict[str, float] | None:
         """Every /metrics sample now (None while the model loads)."""
         engine = state.engine
