@@ -415,7 +415,7 @@ class Session(threading.Thread):
                 with self.soak.lock:
                     self.soak.actions[kind] += 1
                 getattr(self, "do_" + kind.split("_")[0])(kind.endswith("_stream"))
-        except Exception as e:                          # noqa: BLE001 - a client bug must fail the test too
+        except Exception:                          # noqa: BLE001 - a client bug must fail the test too
             self.soak.fail(f"session {self.index} crashed: {traceback.format_exc()}")
 
     # ---- normal turns: the whole history again, one more user message after the answer ----

@@ -533,7 +533,7 @@ def process_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
-              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(logprob of each row's token, top-n ids, top-n logprobs) under the raw model distribution (vLLM's default
     "raw_logprobs"); the top-n pair is None when no row asks for it, all three when no row asks for logprobs at
     all (a logsumexp over the whole vocabulary per token, 248K rows with Qwen3.5's, that nobody reads)."""

@@ -303,6 +303,7 @@ def add_routes(app: web.Application, state_of: Callable[[web.Application], Any])
     """Serve the page and its numbers on `app`; state_of(app) is the API's ServerState (its metrics, its engine
     (None while loading) and the History this module samples into while the app runs)."""
     from .protocol import APIError, dumps    # the server's side only: `tinyserve status` imports no torch
+
     async def scrape(state: Any) -> dict[str, float] | None:
         """Every /metrics sample now (None while the model loads)."""
         engine = state.engine
