@@ -124,3 +124,14 @@ def test_gpu_prefill_model_shapes(HV):
     assert err <= 2e-2 * max(ref32.abs().max().item(), 1.0), f"max error {err}"
     torch.testing.assert_close(tri_state, ref_state, atol=1e-3, rtol=1e-3)
     assert torch.equal(tri_state[[0, 2, 4]], state[[0, 2, 4]])
+
+
+def test_fp32_output_kernel_is_never_pipelined():
+    """The chunk output kernel over fp32 inputs runs unpipelined on every device (on an H200 under Triton 3.6 its
+    pipelined dk loop returned NaN or faulted at dk 80 and 200); 16-bit inputs keep 2 stages, and the state kernel
+    keeps the 2 stages it needs on Hopper (1 faulted there)."""
+    from tinyserve.kernels.gdn_triton import _chunk_tiles
+    for cap in (None, (8, 9), (9, 0), (10, 0), (12, 0)):
+        assert _chunk_tiles(cap, fp32=True)["output"]["num_stages"] == 1, cap
+        assert _chunk_tiles(cap, fp32=False)["output"]["num_stages"] == 2, cap
+    assert _chunk_tiles((9, 0), fp32=True)["state"]["num_stages"] == 2
