@@ -33,6 +33,27 @@ from tinyserve.loader import load_model  # noqa: E402
 from tinyserve.request import Status  # noqa: E402
 from tinyserve.sampling import SamplingParams  # noqa: E402
 
+if torch.cuda.is_available():
+    # The engine tests' xdist workers share one GPU: each sizes its pools (engine.mem_fraction_static of what
+    # torch.cuda.mem_get_info reports free) in an equal share of the card, or the first engine takes 90% of it and
+    # every other worker runs out of memory.
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _mem_get_info = torch.cuda.mem_get_info
+
+    def _mem_get_info_of_this_worker(device=None):
+        free, total = _mem_get_info(device)
+        return max(0, min(free, total // _workers - torch.cuda.memory_reserved(device))), total
+
+    if _workers > 1:
+        torch.cuda.mem_get_info = _mem_get_info_of_this_worker
+
+    @pytest.fixture(autouse=True)
+    def _release_cached_gpu_memory():
+        """The kernel test files run side by side on one GPU (tests/gpu.sh): a test's freed tensors go back to the
+        device, not to this process's allocator cache, where the other files could not have them."""
+        yield
+        torch.cuda.empty_cache()
+
 
 # The quick tier (`pytest -m "not slow"`, docs/testing.md) runs in-process only: besides the tests marked `slow` by
 # hand, it leaves out every test that starts a server process (through one of these fixtures, or marked), and the

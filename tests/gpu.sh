@@ -45,15 +45,15 @@ if wanted kernels; then      # the files side by side (each mostly compiles kern
         name=kernels.$(basename "$f" .py)
         name=${name/test_triton_/}
         (timeout 300 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider -o addopts= "$f" > "$OUT/$name.txt" 2>&1
-         echo $? > "$OUT/$name.rc") &
+         echo "== exit $?" >> "$OUT/$name.txt") &
     done
     wait
-    for rc_file in "$OUT"/kernels.*.rc; do
-        name=$(basename "$rc_file" .rc)
-        rc=$(cat "$rc_file")
-        echo "== $name: exit $rc"
+    for log in "$OUT"/kernels.*.txt; do
+        name=$(basename "$log" .txt)
+        rc=$(tail -1 "$log" | sed -n 's/^== exit //p')
+        echo "== $name: exit ${rc:-?}"
         grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/$name.txt" | tail -12
-        [ "$rc" -eq 0 ] || status=1
+        [ "${rc:-1}" -eq 0 ] || status=1
     done
     echo "== kernels: $((SECONDS - t0)) s"
 fi
