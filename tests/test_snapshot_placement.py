@@ -198,11 +198,12 @@ def record_prefills(eng: Engine) -> list[tuple[int, int, int]]:
 def test_a_prompts_snapshots_are_written_inside_its_one_prefill_forward(model, cold):
     """A fresh prompt is prefilled in one forward: the interval snapshots and the page-aligned prompt end inside it
     are written by that forward (kernels.gdn's snapshots), not by ending the chunk at each. Each one resumes a later
-    request exactly where a cold run would be. Where no snapshot slot is free the chunk ends at the snapshot (and
-    advance weighs it against the cached ones)."""
+    request exactly where a cold run would be. Where no snapshot slot is free, a chunk's first snapshot takes the
+    slot of the cached one least worth keeping; a later one ends the chunk (advance weighs it against the cached
+    ones, its own chunk's included, after the step)."""
     prompt = tokens(100, 60)                     # due: intervals at 32 and 64, the prompt end's page at 96
     for slots, chunks in ((64, [(0, 100, 3)]), (2, [(0, 96, 2), (96, 4, 0)]),
-                          (1, [(0, 64, 1), (64, 32, 0), (96, 4, 0)])):
+                          (1, [(0, 64, 1), (64, 36, 1)])):
         eng = engine(model, state_slots=slots)
         prefills = record_prefills(eng)
         (req,) = eng.run_requests([prompt], GREEDY)
@@ -214,4 +215,8 @@ def test_a_prompts_snapshots_are_written_inside_its_one_prefill_forward(model, c
                 (r,) = eng.run_requests([other], GREEDY)
                 assert r.cached_tokens == cut
                 assert r.output_ids == cold.generate([other], GREEDY)[0]
+        if slots == 1:                           # the prompt end's state, written over the evicted one, resumes
+            other = prompt[:96] + tokens(20, 96)
+            (r,) = eng.run_requests([other], GREEDY)
+            assert r.cached_tokens == 96 and r.output_ids == cold.generate([other], GREEDY)[0]
         assert_no_leaks(eng)

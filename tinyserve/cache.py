@@ -5,7 +5,7 @@
     admission:  admit(req)          promote host / file copies onto the device, match, share the matched pages,
                                     copy the state snapshot, lock the path; returns the Admission to apply
     scheduling: snapshots_due(req, end)   prefill positions before `end` where a state snapshot is due;
-                snapshot_slot(req, pos)   a free slot for the forward to write one into, inside a prefill chunk;
+                snapshot_slot(req, pos, evict)   a slot for the forward to write one into, inside a prefill chunk;
                 keep_snapshot(req, pos) / drop_snapshot(req, pos)   after that forward (or not at all)
     each step:  advance(req, pos, is_decode, slot)   take the state snapshots that fall due (from `slot`, the
                                     state at pos: a speculative verify keeps one per verified token)
@@ -102,7 +102,7 @@ class Cache(Protocol):
     def ready(self, req: Request) -> bool: ...
     def admit(self, req: Request) -> Admission: ...
     def snapshots_due(self, req: Request, end: int) -> list[int]: ...
-    def snapshot_slot(self, req: Request, pos: int) -> int | None: ...
+    def snapshot_slot(self, req: Request, pos: int, evict: bool = False) -> int | None: ...
     def keep_snapshot(self, req: Request, pos: int) -> None: ...
     def drop_snapshot(self, req: Request, pos: int) -> None: ...
     def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None: ...
@@ -135,7 +135,7 @@ class NullCache:
     def snapshots_due(self, req: Request, end: int) -> list[int]:
         return []
 
-    def snapshot_slot(self, req: Request, pos: int) -> int | None:
+    def snapshot_slot(self, req: Request, pos: int, evict: bool = False) -> int | None:
         return None
 
     def keep_snapshot(self, req: Request, pos: int) -> None:
@@ -309,14 +309,19 @@ class PrefixCache:
         run = self.runs.get(req.request_id)
         return [p for p in run.snapshot_points if req.num_computed < p < end] if run else []
 
-    def snapshot_slot(self, req: Request, pos: int) -> int | None:
-        """A free snapshot slot for the forward to write req's state at prefill position pos into (then
-        keep_snapshot or drop_snapshot; release gives it back if neither came), or None. Never one taken from a
-        cached snapshot: under pressure the chunk ends at pos and advance weighs the snapshot against the others,
-        one at a time."""
-        slot = self.state_pool.alloc_snapshot()
+    def snapshot_slot(self, req: Request, pos: int, evict: bool = False) -> int | None:
+        """A snapshot slot for the forward to write req's state at prefill position pos into (then keep_snapshot or
+        drop_snapshot; release gives it back if neither came), or None. evict: under pressure the cached snapshot
+        least worth keeping gives its slot up, as it would to advance's snapshot after the step (a full cache must
+        not cut every prefill at its snapshots); the scheduler asks so once per chunk, because a snapshot is weighed
+        against the others only once it is in the tree, after the step."""
+        run = self.runs[req.request_id]
+        if not evict:
+            slot = self.state_pool.alloc_snapshot()
+        elif (slot := self.tree.alloc_snapshot(resume=pos in run.resume_points)) is not None:
+            self.state_pool.fence([slot])        # the forward writes it: a save of its old snapshot must be done
         if slot is not None:
-            self.runs[req.request_id].written[pos] = slot
+            run.written[pos] = slot
         return slot
 
     def keep_snapshot(self, req: Request, pos: int) -> None:

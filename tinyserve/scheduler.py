@@ -176,7 +176,7 @@ class Scheduler:
         for pos in self.cache.snapshots_due(req, start + n):
             slot = None
             if self.snapshot_align and (pos - start) % self.snapshot_align == 0:
-                slot = self.cache.snapshot_slot(req, pos)
+                slot = self.cache.snapshot_slot(req, pos, evict=not snapshots)
             if slot is None:
                 n = pos - start
                 break
