@@ -24,6 +24,7 @@ def _expand_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     return x if r == 1 else x.repeat_interleave(r, dim=-2)
 
 
+TORCH_CHUNK = 32         # the torch prefill's chunk length (below)
 SNAPSHOT_ALIGN = 16      # a state snapshot inside a prefill falls on a chunk end: chunks are never shorter than this
 
 
@@ -51,7 +52,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         return gdn_triton.chunk_gated_delta_rule(q, k, v, g, beta, state, cu_seqlens, slot_ids, chunk_size)
     T, HV, dv = v.shape
     longest = max(cu_seqlens[i + 1] - cu_seqlens[i] for i in range(len(slot_ids)))
-    C = min(chunk_size, max(16, 1 << (longest - 1).bit_length()))   # a short prefill: no 64-row chunks of padding
+    # 32-token chunks on the CPU: the intra-chunk work grows with the chunk's length, the hand-over loop with their
+    # number; 32 was 1.1-1.5x faster than 64 from 8 prompts of 40 tokens to one of 2,000 (2-core EPYC, fp32)
+    C = min(chunk_size, TORCH_CHUNK, max(16, 1 << (longest - 1).bit_length()))   # a short prefill: less padding
     for _, offset, _ in snapshots:                                  # every snapshot on a chunk end
         assert offset % SNAPSHOT_ALIGN == 0, f"a snapshot at {offset} tokens is not on a {SNAPSHOT_ALIGN} boundary"
         C = math.gcd(C, offset)
