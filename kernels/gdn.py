@@ -170,7 +170,7 @@ def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch
         from tinyserve.kernels import gdn_triton
         return gdn_triton.recurrent_gated_delta_rule_decode(q, k, v, g, beta, state, slot_ids)
     HV = v.shape[1]
-    q = _expand_heads(q, HV).float().unsqueeze(-2)                       # [N, HV, 1, dk]
+    q = _expand_heads(q, HV).float()
     k = _expand_heads(k, HV).float()
     # One gathered fp32 copy of the states, updated in place, written back once (no per-op temporaries of the
     # state's size: it is the largest tensor a decode step touches after the weights). Slots that form one run
@@ -180,13 +180,24 @@ def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch
     S = state.narrow(0, first, slot_ids.numel()) if first is not None else state.index_select(0, slot_ids)
     if S.dtype != torch.float32:
         S = S.float()
-    S.mul_(g.float().exp()[..., None, None])                             # [N, HV, dk, dv]
-    pred = (k.unsqueeze(-2) @ S).squeeze(-2)                             # S^T k: [N, HV, dv]
-    delta = beta.float().unsqueeze(-1) * (v.float() - pred)
-    S.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))                     # S += k delta^T
+    out = _delta_rule_step(S, q, k, g.float(), beta.float(), v.float())
     if first is None:
         pool.put((slot_ids,), S)
-    return (q @ S).squeeze(-2).to(v.dtype)                               # S^T q
+    return out.to(v.dtype)
+
+
+def _delta_rule_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule, S [N, HV, dk, dv] updated in place; q, k [N, HV, dk]; v [N, HV, dv];
+    g, beta [N, HV] (fp32). Returns o = S'^T q [N, HV, dv], where S' = a S + k delta^T, a = exp(g) and
+    delta = beta (v - a S^T k). S is read once for both S^T k and S^T q (o = a S^T q + (q . k) delta), then
+    updated in one pass: the state is the largest thing a decode step reads after the weights."""
+    a = g.exp().unsqueeze(-1)                                              # [N, HV, 1]
+    kS, qS = (torch.stack((k, q), dim=-2) @ S).unbind(-2)                  # S^T k, S^T q: [N, HV, dv]
+    delta = beta.unsqueeze(-1) * (v - a * kS)
+    out = a * qS + (q * k).sum(-1, keepdim=True) * delta
+    S.mul_(a.unsqueeze(-1)).addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))  # S = a S + k delta^T
+    return out
 
 
 def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -210,11 +221,7 @@ def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch
     states = S.new_empty((N, L) + S.shape[1:])
     out = S.new_empty((N, L, HV, dv))
     for t in range(L):
-        S.mul_(gp[:, t].exp()[..., None, None])
-        pred = (kp[:, t].unsqueeze(-2) @ S).squeeze(-2)                    # S^T k
-        delta = bp[:, t].unsqueeze(-1) * (vp[:, t] - pred)
-        S.addcmul_(kp[:, t].unsqueeze(-1), delta.unsqueeze(-2))           # S += k delta^T
-        out[:, t] = (qp[:, t].unsqueeze(-2) @ S).squeeze(-2)              # S^T q
+        out[:, t] = _delta_rule_step(S, qp[:, t], kp[:, t], gp[:, t], bp[:, t], vp[:, t])
         states[:, t] = S
     pool.put((lay.out_slots,), lay.unpad(states))
     return lay.unpad(out).to(v.dtype)
