@@ -105,12 +105,13 @@ def pack(weights: list[torch.Tensor]) -> int:
 
 if _onednn_linear is not None:
     # For torch.compile, the oneDNN GEMM as an opaque op: inductor's own lowering of _linear_pointwise wants the
-    # weight frozen into the graph (a prepacked copy of every weight, per graph), which we do not do.
-    @torch.library.custom_op("tinyserve::onednn_linear", mutates_args=())
-    def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _onednn(x, weight)
+    # weight frozen into the graph (a prepacked copy of every weight, per graph), which we do not do. Defined on a
+    # Library rather than with torch.library.custom_op: ~3 us less per call (its wrappers), some 40 calls a step.
+    _lib = torch.library.Library("tinyserve", "FRAGMENT")
+    _lib.define("onednn_linear(Tensor x, Tensor weight) -> Tensor")
+    _lib.impl("onednn_linear", lambda x, weight: _onednn(x, weight), "CPU")
 
-    @_onednn_linear_op.register_fake
+    @torch.library.register_fake("tinyserve::onednn_linear", lib=_lib)
     def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
