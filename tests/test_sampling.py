@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tinyserve.draws import draw, random_uniform
-from tinyserve.sampling import SamplingBatch, SamplingParams, apply_penalties, filter_logits, sample
+from tinyserve.sampling import SamplingBatch, SamplingParams, apply_penalties, filter_logits, sample, top_n
 
 V = 32
 
@@ -533,3 +533,20 @@ def test_top_p_full_vocab_without_sort_matches_reference(scale):
         # equal but for tokens whose mass ahead is top_p to fp32's rounding of a sum over ~10^4 probabilities
         assert all(abs(ahead[t] - p.top_p) < 1e-4 for t in got ^ want), sorted(ahead[t] for t in got ^ want)
         assert len(got ^ want) <= 4
+
+
+@pytest.mark.parametrize("V", [248320, 248321, 4096, 1000])
+@pytest.mark.parametrize("values", ["normal", "ties", "minus_inf"])
+def test_top_n_equals_torch_topk(V, values):
+    """The block search returns torch.topk's values exactly (ties and -inf included, a row that is not a whole
+    number of blocks, rows too short for blocks), with ids that point at them, each once."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(3, V, generator=g) if values == "normal" else torch.randint(0, 7, (3, V), generator=g).float()
+    if values == "minus_inf":
+        x[:, ::3] = float("-inf")
+    for n in (1, 5, 20, 256):
+        expected, _ = torch.topk(x, n, dim=-1)
+        vals, ids = top_n(x, n)
+        assert torch.equal(vals, expected), n
+        assert torch.equal(x.gather(1, ids), vals), n
+        assert all(len(set(row)) == n for row in ids.tolist()), n
