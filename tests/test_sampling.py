@@ -544,7 +544,7 @@ def test_top_n_equals_torch_topk(V, values):
     x = torch.randn(3, V, generator=g) if values == "normal" else torch.randint(0, 7, (3, V), generator=g).float()
     if values == "minus_inf":
         x[:, ::3] = float("-inf")
-    for n in (1, 5, 20, 256):
+    for n in (0, 1, 5, 20, 256):
         expected, _ = torch.topk(x, n, dim=-1)
         vals, ids = top_n(x, n)
         assert torch.equal(vals, expected), n
