@@ -38,13 +38,13 @@ if torch.cuda.is_available():
     # torch.cuda.mem_get_info reports free) in an equal share of the card, or the first engine takes 90% of it and
     # every other worker runs out of memory.
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    _mem_get_info = torch.cuda.mem_get_info
-
-    def _mem_get_info_of_this_worker(device=None):
-        free, total = _mem_get_info(device)
-        return max(0, min(free, total // _workers - torch.cuda.memory_reserved(device))), total
-
     if _workers > 1:
+        _mem_get_info = torch.cuda.mem_get_info
+
+        def _mem_get_info_of_this_worker(device=None):
+            free, total = _mem_get_info(device)
+            return max(0, min(free, total // _workers - torch.cuda.memory_reserved(device))), total
+
         torch.cuda.mem_get_info = _mem_get_info_of_this_worker
 
     @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from tinyserve.kv import KVPool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
 from tinyserve.multimodal import VisionFeatures, rope_rows
 from tinyserve.request import Request
-from tinyserve.sampling import SamplingBatch, sample
+from tinyserve.sampling import SamplingBatch, sample, top_n
 from tinyserve.scheduler import ScheduledSeq
 from tinyserve.spec import NextN, verify_drafts
 from tinyserve.state import StatePool
@@ -232,15 +232,15 @@ class ModelRunner:
             done = len(req.prompt_logprobs)                # rows 0 .. done-1 ran in an earlier chunk
             assert done >= s.start, "a request computing its prompt's logprobs resumes from no cached prefix"
             end = min(s.start + s.num_tokens, len(req.prompt_ids) - 1)
-            top_n = req.params.prompt_logprobs
+            n_top = req.params.prompt_logprobs
             for q in range(done, end, PROMPT_LOGPROB_ROWS):
                 q_end = min(q + PROMPT_LOGPROB_ROWS, end)
                 row = batch.cu_seqlens[i] + q - s.start
                 logp = torch.log_softmax(self.model.compute_logits(hidden[row:row + q_end - q]).float(), dim=-1)
                 targets = torch.tensor(req.prompt_ids[q + 1:q_end + 1], device=self.device)
                 chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-                if top_n:
-                    top_lp, top_ids = torch.topk(logp, min(top_n, logp.shape[1]), dim=-1)
+                if n_top:
+                    top_lp, top_ids = top_n(logp, min(n_top, logp.shape[1]))
                     tops = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
                 else:
                     tops = [[] for _ in chosen]
