@@ -7,7 +7,7 @@ times both on the model's own weight shapes at start, separately for one row (a 
 (a batch of decodes) and many rows (prefill), and `linear` follows its choice. Measured on one Intel CPU here:
 MKL's GEMV won for one row, oneDNN for 8 and 256 rows. Until calibrated, oneDNN is used where available. Greedy
 tokens do not depend on the route (both are exact GEMMs; only summation order differs). Inside a compiled CPU step
-one row is a fused multiply-and-sum instead (see `linear`).
+one or two rows are a fused multiply-and-sum instead (see `linear`).
 
 oneDNN also has a third route: a copy of each weight laid out ahead of time in its own blocked format (`pack`). It
 reads that ~1.4x faster than the plain [N, K] weight it reorders on every call, for 2 to 8 rows (a batch of decodes,
@@ -16,9 +16,11 @@ copy costs the weights' size again. `calibrate` times it too when the caller can
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,8 @@ _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.b
     else None
 BUCKETS = {"one": 1, "few": 8, "many": 256}   # row-count buckets and the row count each is timed at
 FEW_MAX = 16                                    # "few": 2..16 rows (a batch of decodes); "many": more
+FUSED_ROWS = 2                  # rows a compiled CPU step of fixed row counts multiplies in its own code (`linear`)
+_fused_rows = 1                 # FUSED_ROWS while such a step is traced (`fused_rows`); a batch of any size: 1
 ROUTES = ("onednn", "onednn-packed", "mkl")
 _route = dict.fromkeys(BUCKETS, "onednn" if _onednn_linear is not None else "mkl")
 _calibrated = False                    # once per process: every engine in it then computes the same way
@@ -54,16 +58,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight)
     rows = x.numel() // x.shape[-1]
-    if rows == 1 and x.dtype == torch.float32 and x.device.type == "cpu" and torch.compiler.is_compiling():
-        # A compiled lone decode (compiled.py): a multiply-and-sum that inductor fuses into the step's own C++, one
-        # pass over the weight as any GEMV makes, without a call out of the graph: ~20% more tokens/s than oneDNN's
-        # GEMV on a 2-core AMD EPYC (the bench model, fp32).
-        return (x.reshape(1, -1) * weight).sum(-1).reshape(*x.shape[:-1], weight.shape[0])
+    if rows <= _fused_rows and x.dtype == torch.float32 and x.device.type == "cpu" and torch.compiler.is_compiling():
+        # A compiled lone decode, or a lone 2-token verify (compiled.py): a multiply-and-sum per row that inductor
+        # fuses into the step's own C++, one pass over the weight for both rows, without a call out of the graph.
+        # On a 2-core AMD EPYC (fp32): ~20% more tokens/s than oneDNN's GEMV for one row (the bench model); for two
+        # rows 1.08x one row's time where oneDNN takes 1.3x (0.76 GB of weights).
+        x2 = x.reshape(rows, -1)
+        y = torch.stack([(x2[r] * weight).sum(-1) for r in range(rows)]) if rows > 1 else (x2 * weight).sum(-1)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
     if _onednn_ok(x, weight) and _route[_bucket(rows)] != "mkl":
         if torch.compiler.is_compiling():
             return torch.ops.tinyserve.onednn_linear(x, weight)
         return _onednn(x, weight)
     return F.linear(x, weight)
+
+
+@contextlib.contextmanager
+def fused_rows(n: int) -> Iterator[None]:
+    """While a CPU step is compiled whose row count the graph fixes (one sequence): up to n rows (at most FUSED_ROWS)
+    are multiplied in the step's own code. A graph for any batch size keeps 1: a branch on its symbolic row count
+    would specialize it to the size it was traced at."""
+    global _fused_rows
+    before, _fused_rows = _fused_rows, min(n, FUSED_ROWS)
+    try:
+        yield
+    finally:
+        _fused_rows = before
 
 
 def traced_routes() -> dict[str, str]:

@@ -154,6 +154,40 @@ def test_recurrent_decode_matches_loop(H, HV, slot_list):
         assert torch.equal(state[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("lens", [[3, 1, 4], [2, 2], [4]], ids=["ragged", "even", "lone"])
+def test_recurrent_verify_equals_decode_steps(lens):
+    """The torch verify (a compiled CPU step's): sequences of 1 + k tokens at once give the outputs of decoding them
+    one by one, and the state after each real token lands in its own slot; padding (a ragged batch) writes nothing
+    else."""
+    from tinyserve.kernels.gdn import recurrent_gated_delta_rule_verify
+    from tinyserve.kernels.verify_layout import verify_layout
+    H, HV, n = 2, 4, len(lens)
+    cu = [0]
+    for m in lens:
+        cu.append(cu[-1] + m)
+    out_slots = [list(range(n + cu[i], n + cu[i + 1])) for i in range(n)]      # each token its own fresh slot
+    gen = torch.Generator().manual_seed(len(lens))
+    state = torch.randn(n + cu[-1] + 2, HV, DK, DV, generator=gen) * 0.5
+    before = state.clone()
+    q, k, v, g, beta = gdn_inputs(cu[-1], H, HV, seed=7)
+    lay = verify_layout(cu, [30 + m for m in lens], list(range(n)), out_slots, "cpu")
+    out = recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, lay)
+    for i in range(n):
+        rows = slice(cu[i], cu[i + 1])
+        dec_state, dec = before.clone(), []
+        for j, t in enumerate(range(rows.start, rows.stop)):
+            dec.append(recurrent_gated_delta_rule_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                                         beta[t:t + 1], dec_state, torch.tensor([i])))
+            torch.testing.assert_close(state[out_slots[i][j]], dec_state[i], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out[rows], torch.cat(dec), atol=1e-6, rtol=1e-6)
+        o_ref, S_ref = delta_rule_loop(expand(q[rows], HV), expand(k[rows], HV), v[rows], g[rows], beta[rows],
+                                       before[i])
+        torch.testing.assert_close(state[out_slots[i][-1]], S_ref, atol=1e-5, rtol=1e-5)
+    written = {s for slots in out_slots for s in slots}
+    for untouched in sorted(set(range(state.shape[0])) - written):
+        assert torch.equal(state[untouched], before[untouched])
+
+
 def test_chunk_prefill_then_decode_equals_loop():
     q, k, v, g, beta = gdn_inputs(40, 2, 4, seed=11)
     state = torch.zeros(3, 4, DK, DV)

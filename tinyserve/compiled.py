@@ -161,7 +161,8 @@ class CompiledSteps:
         compile_fn: Callable = torch.compile(self._forwards[kind], fullgraph=True,
                                              options={"guard_filter_fn": _shape_guards_only, "size_asserts": False,
                                                       "alignment_asserts": False, "scalar_asserts": False})
-        graph = compile_fn.aot_compile((args, {}))
+        with linear.fused_rows(linear.FUSED_ROWS if B == 1 else 1):
+            graph = compile_fn.aot_compile((args, {}))
         graph(*args)                  # runs once, as it will serve (on padding rows)
         self.folder.mkdir(parents=True, exist_ok=True)
         graph.save_compiled_function(str(path))
