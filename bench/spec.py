@@ -1,5 +1,6 @@
 """NEXTN speculative decoding, measured as a user runs it: `tinyserve CONFIG` processes over HTTP, speculation off
-and on, each in its own clean process, one after the other, with the ratios printed from the one run.
+and on, each in its own clean process, all up side by side (started one after another) and measured in alternating
+rounds, with the ratios printed from the one run.
 
 Random NEXTN heads accept almost nothing, so two of the three checkpoints (built once from the ~31M bench
 checkpoint, see tests/checkpoints.make_agreeing_head) agree with the model by construction:
@@ -36,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,23 +106,43 @@ def metric(url: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-async def measure(url: str, path: str, mk_body, prog, prompts: list[list[int]], new_tokens: int,
-                  rounds: int) -> tuple[float, float]:
-    """(median single-stream decode tokens/s, median aggregate tokens/s of len(prompts) concurrent requests)."""
+@dataclass
+class Target:
+    """A server the rounds measure: its URL, streaming path, request body and progress reader."""
+    url: str
+    path: str
+    body: Callable[[list[int], int], dict]
+    progress: Callable[[dict], tuple]
+
+
+async def measure(targets: list[Target], prompts: list[list[int]], new_tokens: int,
+                  rounds: int) -> list[tuple[float, float]]:
+    """Per target: (median single-stream decode tokens/s, median aggregate tokens/s of len(prompts) concurrent
+    requests). The targets take turns within every round, so a machine that speeds up or slows down for a while
+    (other tenants, frequency) moves them alike."""
     import aiohttp
-    single, many = [], []
+    single: list[list[float]] = [[] for _ in targets]
+    many: list[list[float]] = [[] for _ in targets]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        await stream_sse(session, url + path, mk_body(prompts[0], 8), prog)                 # warm-up
+        # warm-up, not counted: one request and one concurrent batch each, full length, so that every graph, GEMM
+        # shape and draft depth a round meets has run once (first calls pay one-off set-up) and the acceptance
+        # estimate has seen this head
+        for t in targets:
+            await stream_sse(session, t.url + t.path, t.body(prompts[-1], new_tokens), t.progress)
+            await stream_many(session, t.url + t.path, [t.body(p, new_tokens // 2) for p in prompts], t.progress)
         for r in range(rounds):
-            res = await stream_sse(session, url + path, mk_body(prompts[r % len(prompts)], new_tokens), prog)
-            single.append((res.count - 1) / (res.end - res.first))
-            wall, results = await stream_many(session, url + path, [mk_body(p, new_tokens // 2) for p in prompts],
-                                              prog)
-            many.append(sum(x.count for x in results) / wall)
-    return statistics.median(single), statistics.median(many)
+            for i, t in enumerate(targets):
+                res = await stream_sse(session, t.url + t.path, t.body(prompts[r % len(prompts)], new_tokens),
+                                       t.progress)
+                single[i].append((res.count - 1) / (res.end - res.first))
+            for i, t in enumerate(targets):
+                wall, results = await stream_many(session, t.url + t.path,
+                                                  [t.body(p, new_tokens // 2) for p in prompts], t.progress)
+                many[i].append(sum(x.count for x in results) / wall)
+    return [(statistics.median(a), statistics.median(b)) for a, b in zip(single, many)]
 
 
-def run_tinyserve(folder: Path, spec: bool, args, max_running: int, work: Path, prompts, env) -> dict:
+def start_tinyserve(folder: Path, spec: bool, args, max_running: int, work: Path, env) -> ServerProcess:
     port = free_port()
     cfg = work / f"{folder.name}-{'spec' if spec else 'plain'}-{max_running}.toml"
     cfg.write_text(tinyserve_config(folder, port, spec, args, max_running))
@@ -128,15 +151,13 @@ def run_tinyserve(folder: Path, spec: bool, args, max_running: int, work: Path, 
     srv = ServerProcess("tinyserve", argv, f"http://127.0.0.1:{port}", cfg.with_suffix(".log"), env=env)
     try:
         srv.wait_ready(3600)        # a cold start compiles every step's graph: minutes per graph on a larger model
-        one, eight = asyncio.run(measure(srv.url, "/v1/completions", body, progress, prompts, args.new_tokens,
-                                         args.rounds))
-        accept = metric(srv.url, "tinyserve:spec_decode_mean_accept_length")
-    finally:
+    except BaseException:
         srv.stop()
-    return {"one": one, "eight": eight, "accept": accept}
+        raise
+    return srv
 
 
-def run_llama(folder: Path, spec: bool, args, work: Path, prompts, env) -> dict:
+def start_llama(folder: Path, spec: bool, args, work: Path, env) -> ServerProcess:
     gguf = work / f"{folder.name}.gguf"
     if not gguf.exists():
         subprocess.run(["bash", str(LLAMA_CPP_SH), "convert", str(folder), str(gguf), "f32"], check=True,
@@ -150,11 +171,26 @@ def run_llama(folder: Path, spec: bool, args, work: Path, prompts, env) -> dict:
                         work / f"llama-{folder.name}-{spec}.log", env=env)
     try:
         srv.wait_ready()
-        one, eight = asyncio.run(measure(srv.url, "/completion", llama_body, llama_progress, prompts,
-                                         args.new_tokens, args.rounds))
-    finally:
+    except BaseException:
         srv.stop()
-    return {"one": one, "eight": eight, "accept": None}
+        raise
+    return srv
+
+
+def side_by_side(starts: list[Callable[[], ServerProcess]], targets: Callable[[ServerProcess], Target], args,
+                 prompts) -> tuple[list[tuple[float, float]], list[float | None]]:
+    """Start the servers one after another (each ready, its graphs compiled or loaded, before the next starts),
+    measure them in alternating rounds, stop them; returns the measures and each one's NEXTN accept length."""
+    servers: list[ServerProcess] = []
+    try:
+        for start in starts:
+            servers.append(start())
+        measured = asyncio.run(measure([targets(s) for s in servers], prompts, args.new_tokens, args.rounds))
+        accepts = [metric(s.url, "tinyserve:spec_decode_mean_accept_length") for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+    return measured, accepts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,24 +214,28 @@ def main(argv: list[str] | None = None) -> int:
     load = load_average()
     rows, misses = [], []
     for name, folder in folders.items():
-        plain = run_tinyserve(folder, False, args, 4, work, prompts, env)
-        spec = run_tinyserve(folder, True, args, 4, work, prompts, env)
-        forced = run_tinyserve(folder, True, args, 0, work, prompts, env)
-        one, eight, eight_forced = (spec["one"] / plain["one"], spec["eight"] / plain["eight"],
-                                    forced["eight"] / plain["eight"])
-        rows.append((name, f"{plain['one']:.1f}", f"{spec['one']:.1f}", f"{one:.2f}x", f"{plain['eight']:.1f}",
-                     f"{spec['eight']:.1f}", f"{eight:.2f}x", f"{forced['eight']:.1f} ({eight_forced:.2f}x)",
-                     f"{spec['accept']:.2f}" if spec["accept"] else "-"))
+        (plain, spec, forced), accepts = side_by_side(
+            [lambda: start_tinyserve(folder, False, args, 4, work, env),
+             lambda: start_tinyserve(folder, True, args, 4, work, env),
+             lambda: start_tinyserve(folder, True, args, 0, work, env)],
+            lambda s: Target(s.url, "/v1/completions", body, progress), args, prompts)
+        accept = accepts[1]
+        one, eight, eight_forced = spec[0] / plain[0], spec[1] / plain[1], forced[1] / plain[1]
+        rows.append((name, f"{plain[0]:.1f}", f"{spec[0]:.1f}", f"{one:.2f}x", f"{plain[1]:.1f}",
+                     f"{spec[1]:.1f}", f"{eight:.2f}x", f"{forced[1]:.1f} ({eight_forced:.2f}x)",
+                     f"{accept:.2f}" if accept else "-"))
         target = SPEED_TARGETS[args.model][name]
         if one < target:
             misses.append(f"{name}: single stream {one:.2f}x < {target}x")
         if eight < 0.95:
             misses.append(f"{name}: 8 concurrent {eight:.2f}x < 0.95x")
         if args.llama_server:
-            lp, ls = (run_llama(folder, s, args, work, prompts, env) for s in (False, True))
-            rows.append((f"{name} (llama.cpp)", f"{lp['one']:.1f}", f"{ls['one']:.1f}",
-                         f"{ls['one'] / lp['one']:.2f}x", f"{lp['eight']:.1f}", f"{ls['eight']:.1f}",
-                         f"{ls['eight'] / lp['eight']:.2f}x", "-", "-"))
+            (lp, ls), _ = side_by_side([lambda: start_llama(folder, False, args, work, env),
+                                        lambda: start_llama(folder, True, args, work, env)],
+                                       lambda s: Target(s.url, "/completion", llama_body, llama_progress), args,
+                                       prompts)
+            rows.append((f"{name} (llama.cpp)", f"{lp[0]:.1f}", f"{ls[0]:.1f}", f"{ls[0] / lp[0]:.2f}x",
+                         f"{lp[1]:.1f}", f"{ls[1]:.1f}", f"{ls[1] / lp[1]:.2f}x", "-", "-"))
     print(f"NEXTN speculative decoding on {base.name} ({'eager' if args.eager else 'compiled'} steps), "
           f"{args.num_steps} steps, {args.new_tokens} new tokens, median of "
           f"{args.rounds}; CPU, fp32, OMP_NUM_THREADS={os.cpu_count()}; load before: {load}; logs in {work}\n")
