@@ -148,13 +148,7 @@ def start_tinyserve(folder: Path, spec: bool, args, max_running: int, work: Path
     cfg.write_text(tinyserve_config(folder, port, spec, args, max_running))
     exe = Path(sys.executable).parent / "tinyserve"
     argv = [str(exe), str(cfg)] if exe.exists() else [sys.executable, "-m", "tinyserve.cli", str(cfg)]
-    srv = ServerProcess("tinyserve", argv, f"http://127.0.0.1:{port}", cfg.with_suffix(".log"), env=env)
-    try:
-        srv.wait_ready(3600)        # a cold start compiles every step's graph: minutes per graph on a larger model
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
+    return ServerProcess("tinyserve", argv, f"http://127.0.0.1:{port}", cfg.with_suffix(".log"), env=env)
 
 
 def start_llama(folder: Path, spec: bool, args, work: Path, env) -> ServerProcess:
@@ -167,14 +161,8 @@ def start_llama(folder: Path, spec: bool, args, work: Path, env) -> ServerProces
             "-c", str(8 * 1024), "-t", str(os.cpu_count())]
     if spec:
         argv += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(args.num_steps)]
-    srv = ServerProcess("llama-server", argv, f"http://127.0.0.1:{port}",
-                        work / f"llama-{folder.name}-{spec}.log", env=env)
-    try:
-        srv.wait_ready()
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
+    return ServerProcess("llama-server", argv, f"http://127.0.0.1:{port}", work / f"llama-{folder.name}-{spec}.log",
+                         env=env)
 
 
 def side_by_side(starts: list[Callable[[], ServerProcess]], targets: Callable[[ServerProcess], Target], args,
@@ -185,6 +173,7 @@ def side_by_side(starts: list[Callable[[], ServerProcess]], targets: Callable[[S
     try:
         for start in starts:
             servers.append(start())
+            servers[-1].wait_ready(3600)    # a cold start compiles every step's graph: minutes on a larger model
         measured = asyncio.run(measure([targets(s) for s in servers], prompts, args.new_tokens, args.rounds))
         accepts = [metric(s.url, "tinyserve:spec_decode_mean_accept_length") for s in servers]
     finally:

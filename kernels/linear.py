@@ -74,12 +74,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def fused_rows(n: int) -> Iterator[None]:
-    """While a CPU step is compiled whose row count the graph fixes (one sequence): up to n rows (at most FUSED_ROWS)
-    are multiplied in the step's own code. A graph for any batch size keeps 1: a branch on its symbolic row count
-    would specialize it to the size it was traced at."""
+def fused_rows(fixed_rows: bool) -> Iterator[None]:
+    """While a CPU step is compiled: with fixed_rows (one sequence, a row count the graph fixes) up to FUSED_ROWS
+    rows are multiplied in the step's own code; otherwise one. A graph for any batch size must not branch on its
+    symbolic row count, which would specialize it to the size it was traced at."""
     global _fused_rows
-    before, _fused_rows = _fused_rows, min(n, FUSED_ROWS)
+    before, _fused_rows = _fused_rows, FUSED_ROWS if fixed_rows else 1
     try:
         yield
     finally:

@@ -161,7 +161,7 @@ class CompiledSteps:
         compile_fn: Callable = torch.compile(self._forwards[kind], fullgraph=True,
                                              options={"guard_filter_fn": _shape_guards_only, "size_asserts": False,
                                                       "alignment_asserts": False, "scalar_asserts": False})
-        with linear.fused_rows(linear.FUSED_ROWS if B == 1 else 1):
+        with linear.fused_rows(fixed_rows=B == 1):
             graph = compile_fn.aot_compile((args, {}))
         graph(*args)                  # runs once, as it will serve (on padding rows)
         self.folder.mkdir(parents=True, exist_ok=True)
