@@ -10,7 +10,7 @@ eagerly, with one warning, instead of compiling for seconds in the middle of ser
 
 Each graph is compiled ahead of time (torch.compile's `aot_compile`) and saved whole, dynamo's bytecode and shape
 guards with inductor's library, as one file in the cache folder, named by a hash of everything it was traced from
-(the source of tinyserve, torch, the model's tensors, the pools' shapes, the GEMM routes, the CPU, the example
+(the source it runs through, torch, the model's tensors, the pools' shapes, the GEMM routes, the CPU, the example
 shapes): a restart loads the file instead of tracing the model again, and a change to any of these compiles anew.
 
 The weights are not frozen into the graphs (freezing copies them, once per graph): the GEMMs stay kernels.linear's
@@ -57,18 +57,17 @@ def _shape_guards_only(entries: list[Any]) -> list[bool]:
 
 
 def _source_hash() -> str:
-    """A hash of tinyserve's own source (models and kernels included): what the graphs were traced through."""
+    """A hash of the source the graphs are traced through: the model and the kernels, static.py's forwards and
+    this module (how they are traced). The rest of tinyserve (the API, the engine) runs outside the graphs, so
+    editing it compiles nothing anew."""
     h = hashlib.sha256()
-    root = Path(tinyserve.__file__).parent
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
-    for module in ("tinyserve.models", "tinyserve.kernels"):       # installed beside tinyserve/ or inside it
+    files = [("static.py", Path(tinyserve.static.__file__)), ("compiled.py", Path(__file__))]
+    for module in ("tinyserve.models", "tinyserve.kernels"):
         folder = Path(sys.modules[module].__file__).parent
-        if root not in folder.parents:
-            for path in sorted(folder.rglob("*.py")):
-                h.update(f"{module}/{path.relative_to(folder)}".encode())
-                h.update(path.read_bytes())
+        files += [(f"{module}/{p.relative_to(folder)}", p) for p in sorted(folder.rglob("*.py"))]
+    for name, path in files:
+        h.update(name.encode())
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 
