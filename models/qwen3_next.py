@@ -242,11 +242,25 @@ class GatedAttention(nn.Module):
     def write_kv(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PoolLayer,
                  cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Project x, store its K and V in the pool; returns (q, gate) for the attention."""
-        T, eps = x.shape[0], self.cfg.rms_norm_eps
         qg, k, v = linear(x, self.qkv_proj).split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
-        k = apply_rotary(scaled_rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, eps), *cos_sin)
+        self._store_kv(k, v, batch, kv_cache, cos_sin)
+        return qg.view(x.shape[0], self.nh, 2 * self.hd).split([self.hd, self.hd], dim=-1)
+
+    def write_kv_only(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PoolLayer,
+                      cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """write_kv without the queries: only the K and V rows of qkv_proj are read, not the query and gate rows."""
+        w = self.qkv_proj
+        if isinstance(w, torch.Tensor):       # an Fp8Weight is not sliced: it multiplies whole
+            k, v = linear(x, w[self.q_rows:]).split([self.kv_rows, self.kv_rows], dim=-1)
+        else:
+            k, v = linear(x, w)[:, self.q_rows:].split([self.kv_rows, self.kv_rows], dim=-1)
+        self._store_kv(k, v, batch, kv_cache, cos_sin)
+
+    def _store_kv(self, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv_cache: PoolLayer,
+                  cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        T = k.shape[0]
+        k = apply_rotary(scaled_rms_norm(k.view(T, self.nkv, self.hd), self.k_norm, self.cfg.rms_norm_eps), *cos_sin)
         store_kv(k, v.view(T, self.nkv, self.hd), kv_cache, batch.slot_mapping)
-        return qg.view(T, self.nh, 2 * self.hd).split([self.hd, self.hd], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: PoolLayer,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -554,4 +568,4 @@ class Qwen3NextForCausalLM(nn.Module):
             return
         layer = self.mtp.layers[0]
         u = scaled_rms_norm(self._mtp_input(next_ids, hidden, batch), layer.input_layernorm, self.cfg.rms_norm_eps)
-        layer.mixer.write_kv(u, batch, PoolLayer(kv_pool.buffer, kv_layer), self.cos_sin(batch))
+        layer.mixer.write_kv_only(u, batch, PoolLayer(kv_pool.buffer, kv_layer), self.cos_sin(batch))

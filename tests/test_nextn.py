@@ -132,3 +132,23 @@ def test_mtp_position_offset_cancels(case):
         ours = model.mtp_forward(nxt, hidden, make_batch(list(range(20)), 0, [3, 5], 0), kv,
                                  len(model.cfg.attn_layer_ids))
     assert (ours - a).abs().max().item() < 1e-4
+
+
+def test_mtp_kv_writes_the_heads_kv(case):
+    """mtp_kv (a position nothing is drafted from: only its K and V rows of the projection) stores in the head's
+    pool layer exactly what mtp_hidden stores there, and nothing anywhere else."""
+    _, _, _, model = case
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(21, model.cfg.hidden_size, generator=gen)
+    nxt = torch.randint(0, model.cfg.vocab_size, (21,), generator=gen)
+    n_attn = len(model.cfg.attn_layer_ids)
+    full, _ = pools(model)
+    kv_only, _ = pools(model)
+    with torch.inference_mode():
+        for a, b in ((0, 20), (20, 21)):                  # a chunk, then one position (as a quiet decode step)
+            batch = make_batch(list(range(a, b)), a, [3, 5], 0)
+            model.mtp_hidden(nxt[a:b], hidden[a:b], batch, full, n_attn)
+            model.mtp_kv(nxt[a:b], hidden[a:b], batch, kv_only, n_attn)
+    assert full.buffer[:, n_attn].abs().sum() > 0
+    # a GEMM over fewer weight rows may sum in another order: equal to rounding
+    torch.testing.assert_close(kv_only.buffer, full.buffer, rtol=0, atol=1e-6)

@@ -2,11 +2,12 @@
 GEMMs instead of some two thousand eager ops, each paying Python's and the dispatcher's overhead.
 
 What is compiled: static.target_forward (a decode step, T = 1, and a NEXTN verify, T = 1 + drafts) and, with NEXTN,
-static.draft_forward (the head's passes), per tokens per sequence T, with the batch size and the page table's width
-dynamic: one graph for a lone sequence (what one request decodes through, fully specialised) and one for 2 ..
-max_running_requests sequences (two where a GEMM route splits the range), at any context length. All of them are
-made at start, before the server answers /health, and never again: a step whose shapes no graph covers runs
-eagerly, with one warning, instead of compiling for seconds in the middle of serving.
+static.draft_forward (the head's passes) and static.head_kv_forward (its KV alone), per tokens per sequence T, with
+the batch size and the page table's width dynamic: one graph for a lone sequence (what one request decodes through,
+fully specialised) and one for 2 .. max_running_requests sequences (two where a GEMM route splits the range), at
+any context length. All of them are made at start, before the server answers /health, and never again: a step
+whose shapes no graph covers runs eagerly, with one warning, instead of compiling for seconds in the middle of
+serving.
 
 Each graph is compiled ahead of time (torch.compile's `aot_compile`) and saved whole, dynamo's bytecode and shape
 guards with inductor's library, as one file in the cache folder, named by a hash of everything it was traced from
@@ -33,7 +34,7 @@ import torch._dynamo
 
 import tinyserve.static
 from tinyserve.kernels import linear, use_triton
-from tinyserve.static import StaticStep, StepTensors, draft_forward, target_forward
+from tinyserve.static import StaticStep, StepTensors, draft_forward, head_kv_forward, target_forward
 
 log = logging.getLogger("tinyserve.compiled")
 
@@ -89,7 +90,7 @@ class CompiledSteps:
         self.folder = Path(cache_dir()) / "tinyserve-steps"
         # (kind, T, lone sequence) -> the graphs for it; more than one where a size guard split the batch range
         self.graphs: dict[tuple[str, int, bool], list[Any]] = {}
-        self._forwards = {"step": target_forward, "draft": draft_forward}
+        self._forwards = {"step": target_forward, "draft": draft_forward, "head_kv": head_kv_forward}
         self._warned = False
         model = static.model
         fingerprint = [torch.__version__, sys.version, _source_hash(), torch.backends.cpu.get_cpu_capability(),
@@ -106,7 +107,7 @@ class CompiledSteps:
         total; returns the seconds taken. Raises what the compiler raised."""
         st, start = self.static, time.perf_counter()
         st._pad()
-        kinds = ["step"] + (["draft"] if st.nextn_kv_layer is not None else [])
+        kinds = st.kinds()
         widths = sorted({min(st.width, w) for w in (2, 3, st.width)})
         with torch.inference_mode():
             for kind in kinds:
@@ -134,7 +135,7 @@ class CompiledSteps:
         return (st.model, T, None, st.nextn_kv_layer, kv, st.draft_in[:t.input_ids.shape[0]], t)
 
     def _load_or_compile(self, kind: str, T: int, B: int, W: int, args: tuple) -> Any:
-        name = "decode / verify" if kind == "step" else "NEXTN head"
+        name = {"step": "decode / verify", "draft": "NEXTN head", "head_kv": "NEXTN head's KV"}[kind]
         key = hashlib.sha256(f"{self._fingerprint}\n{kind}\n{_describe(args[1:])}".encode()).hexdigest()[:32]
         path = self.folder / f"{kind}-{B}x{T}-{key}.bin"
         t0 = time.perf_counter()
@@ -152,7 +153,7 @@ class CompiledSteps:
                 log.warning("could not load the saved graph %s, compiling it again: %s: %s", path, type(e).__name__,
                             str(e).strip().splitlines()[0] if str(e).strip() else "")
         if B > 1:                     # the batch size and the page table's width dynamic (1 stays a constant)
-            for x in args[-1] + ((args[5],) if kind == "draft" else ()):
+            for x in args[-1] + ((args[5],) if kind != "step" else ()):
                 torch._dynamo.maybe_mark_dynamic(x, 0)
         torch._dynamo.maybe_mark_dynamic(args[-1].page_table, 1)
         # no size, stride and alignment asserts on the outputs of the ops called out of the graph (the GEMMs): they

@@ -185,6 +185,9 @@ class ModelRunner:
 
     def nextn_kv(self, spans: list[tuple[Request, int, int]], next_ids: list[int], hidden: torch.Tensor) -> None:
         """Only the NEXTN head's KV over spans (as nextn_head writes it), where nothing is drafted."""
+        if self.static is not None and self.static.fits_draft(spans):
+            self.static.run_draft(spans, next_ids, hidden, kv_only=True)
+            return
         batch = self._batch(spans, next_ids, [0] * len(spans), 0, image_shift=1)
         self.model.mtp_kv(batch.input_ids, hidden, batch, self.kv_pool, self.nextn.kv_layer)
 

@@ -103,10 +103,17 @@ def draft_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv_l
     return model.mtp_hidden(t.input_ids, hidden, batch, StepPools(kv), kv_layer)
 
 
+def head_kv_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv_layer: int, kv: torch.Tensor,
+                    hidden: torch.Tensor, t: StepTensors) -> None:
+    """A static pass of the NEXTN head's KV alone (positions nothing is drafted from), fed as draft_forward."""
+    batch = shape_batch(T, max_len or t.page_table.shape[1] * kv.shape[3], t)
+    model.mtp_kv(t.input_ids, hidden, batch, StepPools(kv), kv_layer)
+
+
 class StaticStep:
     """The static-shape steps: a decode step (every sequence one new token), a NEXTN verify step (the last accepted
     token plus the drafts, plain decodes among them), and the NEXTN head's passes after them (over the tokens a
-    step committed, then one token per draft). No prefill chunk, no image.
+    step committed, then one token per draft; its KV alone where nothing is drafted). No prefill chunk, no image.
 
     Every tensor a forward reads lives in a buffer sized for the largest step (StepTensors): token ids, positions,
     KV slots, verify state slots, lengths and (for the NEXTN head) input hidden rows per token; context lengths,
@@ -153,7 +160,7 @@ class StaticStep:
         if nextn_kv_layer is not None:                                          # the NEXTN head's input and output
             self.draft_in = torch.zeros((R, H), dtype=model.dtype, device=dev)
             self.draft_out = torch.zeros((R, H), dtype=model.dtype, device=dev)
-        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}    # ("step" | "draft", B, T)
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}    # (kind, B, T): KINDS
         self._captured_on: tuple[int, ...] | None = None      # the pools' addresses the graphs were captured on
         self.compiled = None                                  # compiled.CompiledSteps (the CPU), once built
         self._pad()
@@ -207,15 +214,25 @@ class StaticStep:
         a graph; on the CPU its own, but at least 2 (torch.compile keeps a width of 1 apart, as a constant)."""
         return self.width if self.for_graphs else min(self.width, max(pages, 2))
 
-    def forward(self, kind: str, B: int, T: int, W: int) -> torch.Tensor:
-        """The target's ("step") or the NEXTN head's ("draft") forward of shape (B, T) over the filled buffers:
-        its graph when captured, its compiled code when compiled, else eagerly. Returns the [B * T, H] rows (a view
-        of `hidden` / `draft_out` for a graph: read before the next replay)."""
+    def kinds(self) -> list[str]:
+        """The forwards this step has: the target's ("step"); with NEXTN the head's ("draft") and its KV alone
+        ("head_kv")."""
+        return ["step"] + (["draft", "head_kv"] if self.nextn_kv_layer is not None else [])
+
+    def output(self, kind: str) -> torch.Tensor | None:
+        """The buffer a captured forward of this kind writes its rows to (the head's KV pass: none)."""
+        return {"step": self.hidden, "draft": self.draft_out}.get(kind)
+
+    def forward(self, kind: str, B: int, T: int, W: int) -> torch.Tensor | None:
+        """A forward of shape (B, T) over the filled buffers: its graph when captured, its compiled code when
+        compiled, else eagerly. Returns the [B * T, H] rows (a view of `output(kind)` for a graph: read before the
+        next replay); the head's KV pass returns None."""
         graph = self.graphs.get((kind, B, T))
         if graph is not None:
             if self._pool_addresses() == self._captured_on:
                 graph.replay()
-                return (self.hidden if kind == "step" else self.draft_out)[:B * T]
+                out = self.output(kind)
+                return None if out is None else out[:B * T]
             log.warning("the KV / state pools moved since the CUDA graphs were captured: dropping the graphs")
             self.graphs.clear()
         max_len = self.max_len if self.for_graphs else None
@@ -224,12 +241,12 @@ class StaticStep:
             return self.compiled(kind, T, max_len, t)
         return self.eager(kind, T, max_len, t)
 
-    def eager(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> torch.Tensor:
+    def eager(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> torch.Tensor | None:
         kv, conv, ssm = self.pools()
         if kind == "step":
             return target_forward(self.model, T, max_len, kv, conv, ssm, t)
-        return draft_forward(self.model, T, max_len, self.nextn_kv_layer, kv, self.draft_in[:t.input_ids.shape[0]],
-                             t)
+        head = draft_forward if kind == "draft" else head_kv_forward
+        return head(self.model, T, max_len, self.nextn_kv_layer, kv, self.draft_in[:t.input_ids.shape[0]], t)
 
     def _batch(self, B: int, T: int, seq_lens: list[int], state_slots: list[int]) -> ForwardBatch:
         """What the runner reads of a static step's batch (the packing, on the host), shaped as an eager one's."""
@@ -305,12 +322,12 @@ class StaticStep:
             return batch, hidden
         return dataclasses.replace(batch, cu_seqlens=cu), hidden[real_rows]   # a copy: safe from the next replay
 
-    def run_draft(self, spans: list[tuple[Request, int, int]], next_ids: list[int],
-                  hidden: torch.Tensor) -> torch.Tensor:
+    def run_draft(self, spans: list[tuple[Request, int, int]], next_ids: list[int], hidden: torch.Tensor,
+                  kv_only: bool = False) -> torch.Tensor | None:
         """A NEXTN head pass (fits_draft): request r computes positions pos .. pos+n-1, embedding next_ids (packed
         in span order) with the hidden rows `hidden` [sum n, H] (the target's, or the head's own for a chain
         step). Returns the head's output rows packed the same way (possibly a view of `draft_out` for one token
-        per sequence: read before the next pass)."""
+        per sequence: read before the next pass); with kv_only, writes only the head's KV and returns None."""
         pad_slot, k = self.padding_slot, 0
         filled = []
         for req, pos, n in spans:
@@ -318,7 +335,9 @@ class StaticStep:
             k += n
         B, T, W, _, _, _, real_rows = self._fill(filled)
         self.draft_in.index_copy_(0, real_rows, hidden)   # padding rows keep earlier rows: finite, never read
-        out = self.forward("draft", B, T, W)
+        out = self.forward("head_kv" if kv_only else "draft", B, T, W)
+        if out is None:
+            return None
         return out[:len(spans)] if T == 1 else out[real_rows]
 
     @torch.inference_mode()
@@ -332,16 +351,18 @@ class StaticStep:
         self.graphs.clear()
         self._pad()
         torch.cuda.synchronize()
-        kinds = ["step"] + (["draft"] if self.nextn_kv_layer is not None else [])
+        kinds = self.kinds()
         pool, stream = None, torch.cuda.Stream()
         with torch.cuda.stream(stream):
             for B, T in sorted(self.shapes, key=lambda bt: (-bt[0] * bt[1], -bt[1])):
                 t, R = self.tensors(B, T, self.width), B * T
                 for kind in kinds:
-                    out = self.hidden if kind == "step" else self.draft_out
+                    out = self.output(kind)
 
                     def forward():
-                        out[:R].copy_(self.eager(kind, T, self.max_len, t))
+                        rows = self.eager(kind, T, self.max_len, t)
+                        if out is not None:
+                            out[:R].copy_(rows)
                     forward()                                                     # warm-up
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
