@@ -26,7 +26,7 @@ from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
 from tinyserve.build import price_drafts
 from tinyserve.request import Request
-from tinyserve.spec import ALPHA_START, PROBE_EVERY, DepthControl, NextN, StepCost
+from tinyserve.spec import ALPHA_START, PROBE_EVERY, PROBE_EVERY_MAX, DepthControl, NextN, StepCost
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 SPEC = {"num_steps": 3, "max_running": 0}          # speculate at any load
@@ -332,6 +332,29 @@ def test_a_new_request_starts_from_the_acceptance_of_every_requests_rounds():
     for _ in range(20):
         nextn.observe(old, 3, 3)
     assert DepthControl(3, alpha=nextn.alpha).next_depth(cheap) == 3
+
+
+def test_a_new_request_waits_for_its_first_probe_as_the_last_probe_left():
+    cheap = PinnedCost(0.1)
+    nextn = NextN(num_steps=3, max_running=0, kv_layer=0)
+
+    def first_probe() -> tuple[Request, int]:
+        req = Request("r", [1, 2], SamplingParams(), seed=0)
+        req.depth = DepthControl(3, alpha=0.0, probe_every=nextn.probe_every)   # a head that disagrees
+        depths = [req.depth.next_depth(cheap) for _ in range(PROBE_EVERY_MAX)]
+        return req, depths.index(1) + 1
+    req, wait = first_probe()
+    assert wait == PROBE_EVERY
+    nextn.observe(req, 1, 0)                           # it fails: the next request waits twice as long
+    req, wait = first_probe()
+    assert wait == 2 * PROBE_EVERY
+    nextn.observe(req, 1, 0)
+    assert first_probe()[1] == 4 * PROBE_EVERY
+    nextn.observe(req, 3, 0)                           # a round that was no probe leaves the wait as it was
+    req, wait = first_probe()
+    assert wait == 4 * PROBE_EVERY
+    nextn.observe(req, 1, 1)                           # a probe accepted: back to the short wait
+    assert first_probe()[1] == PROBE_EVERY
 
 
 def test_step_cost_prices_a_round_from_measured_steps():

@@ -347,11 +347,12 @@ def probe_steps(steps: list[int]) -> list[int]:
 
 
 def test_probes_back_off_while_the_head_disagrees(tmp_path):
-    """A random head: the depth falls to 0, and the wait between probes doubles after each failed one."""
+    """A random head: the depth falls to 0, and the wait between probes doubles after each failed one; a request
+    that comes after starts from the wait the last probe left, not from PROBE_EVERY."""
     folder, _ = make_qwen3_5_text(tmp_path, with_mtp=True, max_position_embeddings=2048)
     model = load_model(folder, torch.float32, TEST_DEVICE)
     eng = spec_engine(model)
-    arrivals = [(0, tokens(20, 1000), greedy(8 * PROBE_EVERY))]
+    arrivals = [(0, tokens(20, 1000), greedy(8 * PROBE_EVERY)), (10 * PROBE_EVERY, tokens(20, 1001), greedy(80))]
     reqs, drafted = drive(eng, arrivals)
     assert [r.output_ids for r in reqs] == oracle(model, [p for _, p, _ in arrivals], [sp for _, _, sp in arrivals])
     steps = drafted[reqs[0].request_id]
@@ -359,6 +360,8 @@ def test_probes_back_off_while_the_head_disagrees(tmp_path):
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 2 and all(b >= 2 * a - 1 for a, b in zip(gaps, gaps[1:])), (steps, gaps)
     assert gaps[-1] >= 2 * PROBE_EVERY and len(probes) <= 4, (steps, gaps)   # not one every PROBE_EVERY steps
+    later = drafted[reqs[1].request_id]
+    assert len(later) > 2 * PROBE_EVERY and not probe_steps(later[:2 * PROBE_EVERY]), later
     assert_no_leaks(eng)
 
 

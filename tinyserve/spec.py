@@ -24,7 +24,9 @@ What a round costs depends on the machine and the model (a verify of d + 1 token
 against one decode step), so StepCost holds the measured seconds of a single-request step at each depth: timed at
 start (Engine.price_drafts) and kept current by the steps that run. At depth 0 the request decodes plainly and
 probes with one draft after `PROBE_EVERY` plain steps, backing off (doubling the wait, up to `PROBE_EVERY_MAX`)
-while probes keep failing, so a head that never agrees costs little, and one that agrees again is found.
+while probes keep failing, so a head that never agrees costs little, and one that agrees again is found. A new
+request starts from the wait the last probe of any request left, as it starts from every request's alpha: with a
+head that disagrees with this traffic, short requests would otherwise spend their first steps probing.
 """
 from __future__ import annotations
 
@@ -117,6 +119,7 @@ def updated_alpha(alpha: float, drafted: int, accepted: int) -> float:
 class FixedDepth:
     """A DepthControl that always drafts `depth` (Engine.price_drafts times each depth with it)."""
     depth: int
+    probing: bool = False                    # it never probes
 
     def next_depth(self, cost: "StepCost") -> int:
         return self.depth
@@ -329,13 +332,17 @@ class NextN:
         self.step_cost = StepCost()        # what a draft costs here, for the draft depth
         self.stats = NextNStats()
         self.alpha = ALPHA_START           # the acceptance estimate over every request's rounds: a new request's start
+        self.probe_every = PROBE_EVERY     # the wait before a probe that the last probe left: a new request's start
 
     def observe(self, req: Request, drafted: int, accepted: int) -> None:
         """A round of req verified `drafted` drafts (at least one) and accepted the first `accepted` of them."""
         self.stats.observe(drafted, accepted)
         self.alpha = updated_alpha(self.alpha, drafted, accepted)
         if req.depth is not None:
+            probe = req.depth.probing
             req.depth.observe(drafted, accepted)
+            if probe:
+                self.probe_every = req.depth.probe_every
 
     def allows(self, num_running: int) -> bool:
         return self.max_running == 0 or num_running <= self.max_running
@@ -350,7 +357,7 @@ class NextN:
         if outputs[-1] in runner.eos_token_ids or outputs[-1] in req.params.stop_token_ids:
             return 0                                   # it is about to finish
         if req.depth is None:
-            req.depth = DepthControl(self.num_steps, alpha=self.alpha)
+            req.depth = DepthControl(self.num_steps, alpha=self.alpha, probe_every=self.probe_every)
         depth = req.depth.next_depth(self.step_cost)
         room_pages = len(req.pages) * runner.page_size - next_pos + 1   # draft step j writes KV at next_pos + j-2
         return max(0, min(depth, req.params.max_tokens - len(outputs) - 1,
