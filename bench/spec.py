@@ -11,8 +11,10 @@ checkpoint, see tests/checkpoints.make_agreeing_head) agree with the model by co
 The models compute exactly what a real one of their shape does (zero weights are still multiplied).
 
 Per checkpoint: single-stream decode tokens/s (one greedy request, from its first token to its last) and the
-aggregate tokens/s of 8 concurrent requests, speculation off vs on; the accept length from /metrics. At 8 the
-default speculative.max_running (4) turns speculation off; the row "8, forced" sets max_running = 0 to show why.
+aggregate tokens/s of 8 concurrent requests, speculation off vs on (medians over the rounds; a ratio is the
+median of each round's ratio, the servers of a round measured one right after the other); the accept length from
+/metrics. At 8 the default speculative.max_running (4) turns speculation off; the row "8, forced" sets
+max_running = 0 to show why.
 Targets: single stream >= 2.2x (exact, 3 steps), >= 1.4x (half), >= 0.95x (random); >= 0.95x at 8 in every case.
 `--model memory-bound` runs the same on a ~190M-parameter model (bench/common.MEMORY_BOUND, 0.76 GB in fp32) whose
 decode step reads weights rather than paying per-op overhead: there a verify's GEMMs cost little more than one
@@ -116,10 +118,10 @@ class Target:
 
 
 async def measure(targets: list[Target], prompts: list[list[int]], new_tokens: int,
-                  rounds: int) -> list[tuple[float, float]]:
-    """Per target: (median single-stream decode tokens/s, median aggregate tokens/s of len(prompts) concurrent
+                  rounds: int) -> list[tuple[list[float], list[float]]]:
+    """Per target and round: (single-stream decode tokens/s, aggregate tokens/s of len(prompts) concurrent
     requests). The targets take turns within every round, so a machine that speeds up or slows down for a while
-    (other tenants, frequency) moves them alike."""
+    (other tenants, frequency) moves them alike: compare them round by round (`ratio`)."""
     import aiohttp
     single: list[list[float]] = [[] for _ in targets]
     many: list[list[float]] = [[] for _ in targets]
@@ -139,7 +141,12 @@ async def measure(targets: list[Target], prompts: list[list[int]], new_tokens: i
                 wall, results = await stream_many(session, t.url + t.path,
                                                   [t.body(p, new_tokens // 2) for p in prompts], t.progress)
                 many[i].append(sum(x.count for x in results) / wall)
-    return [(statistics.median(a), statistics.median(b)) for a, b in zip(single, many)]
+    return list(zip(single, many))
+
+
+def ratio(a: list[float], b: list[float]) -> float:
+    """The median over rounds of a's tokens/s over b's in the same round."""
+    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def start_tinyserve(folder: Path, spec: bool, args, max_running: int, work: Path, env) -> ServerProcess:
@@ -166,7 +173,7 @@ def start_llama(folder: Path, spec: bool, args, work: Path, env) -> ServerProces
 
 
 def side_by_side(starts: list[Callable[[], ServerProcess]], targets: Callable[[ServerProcess], Target], args,
-                 prompts) -> tuple[list[tuple[float, float]], list[float | None]]:
+                 prompts) -> tuple[list[tuple[list[float], list[float]]], list[float | None]]:
     """Start the servers one after another (each ready, its graphs compiled or loaded, before the next starts),
     measure them in alternating rounds, stop them; returns the measures and each one's NEXTN accept length."""
     servers: list[ServerProcess] = []
@@ -208,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
              lambda: start_tinyserve(folder, True, args, 4, work, env),
              lambda: start_tinyserve(folder, True, args, 0, work, env)],
             lambda s: Target(s.url, "/v1/completions", body, progress), args, prompts)
-        accept = accepts[1]
-        one, eight, eight_forced = spec[0] / plain[0], spec[1] / plain[1], forced[1] / plain[1]
-        rows.append((name, f"{plain[0]:.1f}", f"{spec[0]:.1f}", f"{one:.2f}x", f"{plain[1]:.1f}",
-                     f"{spec[1]:.1f}", f"{eight:.2f}x", f"{forced[1]:.1f} ({eight_forced:.2f}x)",
+        accept, med = accepts[1], statistics.median
+        one, eight, eight_forced = ratio(spec[0], plain[0]), ratio(spec[1], plain[1]), ratio(forced[1], plain[1])
+        rows.append((name, f"{med(plain[0]):.1f}", f"{med(spec[0]):.1f}", f"{one:.2f}x", f"{med(plain[1]):.1f}",
+                     f"{med(spec[1]):.1f}", f"{eight:.2f}x", f"{med(forced[1]):.1f} ({eight_forced:.2f}x)",
                      f"{accept:.2f}" if accept else "-"))
         target = SPEED_TARGETS[args.model][name]
         if one < target:
@@ -223,11 +230,12 @@ def main(argv: list[str] | None = None) -> int:
                                         lambda: start_llama(folder, True, args, work, env)],
                                        lambda s: Target(s.url, "/completion", llama_body, llama_progress), args,
                                        prompts)
-            rows.append((f"{name} (llama.cpp)", f"{lp[0]:.1f}", f"{ls[0]:.1f}", f"{ls[0] / lp[0]:.2f}x",
-                         f"{lp[1]:.1f}", f"{ls[1]:.1f}", f"{ls[1] / lp[1]:.2f}x", "-", "-"))
+            rows.append((f"{name} (llama.cpp)", f"{med(lp[0]):.1f}", f"{med(ls[0]):.1f}",
+                         f"{ratio(ls[0], lp[0]):.2f}x", f"{med(lp[1]):.1f}", f"{med(ls[1]):.1f}",
+                         f"{ratio(ls[1], lp[1]):.2f}x", "-", "-"))
     print(f"NEXTN speculative decoding on {base.name} ({'eager' if args.eager else 'compiled'} steps), "
           f"{args.num_steps} steps, {args.new_tokens} new tokens, median of "
-          f"{args.rounds}; CPU, fp32, OMP_NUM_THREADS={os.cpu_count()}; load before: {load}; logs in {work}\n")
+          f"{args.rounds} rounds (a ratio: of each round's ratio); CPU, fp32, OMP_NUM_THREADS={os.cpu_count()}; load before: {load}; logs in {work}\n")
     print(fmt_table(rows, ("head", "1 plain tok/s", "1 spec tok/s", "1 ratio", "8 plain tok/s", "8 spec tok/s",
                            "8 ratio", "8 spec forced (max_running=0)", "accept length")))
     print("\ntargets: " + ("all met" if not misses else "MISSED: " + "; ".join(misses)))
