@@ -160,7 +160,7 @@ class StaticStep:
         if nextn_kv_layer is not None:                                          # the NEXTN head's input and output
             self.draft_in = torch.zeros((R, H), dtype=model.dtype, device=dev)
             self.draft_out = torch.zeros((R, H), dtype=model.dtype, device=dev)
-        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}    # (kind, B, T): KINDS
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}    # (kind, B, T): kinds()
         self._captured_on: tuple[int, ...] | None = None      # the pools' addresses the graphs were captured on
         self.compiled = None                                  # compiled.CompiledSteps (the CPU), once built
         self._pad()
