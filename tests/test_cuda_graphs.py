@@ -62,17 +62,19 @@ class Recorder:
         self._run, self._run_draft = static.run, static.run_draft
         static.run, static.run_draft = self.run, self.run_draft
 
-    def run_draft(self, spans, next_ids, hidden):
-        """The NEXTN head's passes: (spans, padded size, tokens per span); the real tokens' KV in their pages."""
-        out = self._run_draft(spans, next_ids, hidden)
+    def run_draft(self, spans, next_ids, hidden, kv_only=False):
+        """The NEXTN head's passes: (spans, padded size, tokens per span, KV only); the real tokens' KV in their
+        pages."""
+        out = self._run_draft(spans, next_ids, hidden, kv_only=kv_only)
         st, n, T = self.static, len(spans), max(k for _, _, k in spans)
         B, ps, page = next(b for b in st.sizes if b >= n), st.kv_pool.page_size, st.kv_pool.scratch_page
         real = torch.tensor([i * T + t for i, (_, _, k) in enumerate(spans) for t in range(k)])
         assert not (st.slot_mapping[real] // ps == page).any()
         padding = torch.tensor([r for r in range(B * T) if r not in set(real.tolist())], dtype=torch.long)
         assert (st.slot_mapping[padding] == page * ps).all()
-        assert out.shape[0] == len(real) == len(next_ids) == hidden.shape[0]
-        self.drafts.append((n, B, T))
+        assert len(real) == len(next_ids) == hidden.shape[0]
+        assert out is None if kv_only else out.shape[0] == len(real)
+        self.drafts.append((n, B, T, kv_only))
         return out
 
     def run(self, seqs):
@@ -195,9 +197,12 @@ def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
     assert any(n < B and T > 1 for n, B, T in rec.steps), "a verify batch with padding sequences"
     assert rec.short > 0, "a verify batch with sequences of different lengths"
     assert eng.nextn.stats.num_accepted_tokens > 0
-    # the NEXTN head ran static too: over the tokens each step committed (1 .. 1 + drafts), then chain steps
-    assert any(T > 1 for _, _, T in rec.drafts) and any(T == 1 for _, _, T in rec.drafts)
-    assert any(n < B for n, B, _ in rec.drafts)
+    # the NEXTN head ran static too: over the tokens each step committed (1 .. 1 + drafts), then chain steps; and
+    # its KV alone over the tokens of steps that drafted nothing
+    heads = [(n, B, T) for n, B, T, kv_only in rec.drafts if not kv_only]
+    assert any(T > 1 for _, _, T in heads) and any(T == 1 for _, _, T in heads)
+    assert any(n < B for n, B, _ in heads)
+    assert any(kv_only for *_, kv_only in rec.drafts)
     assert_no_leaks(eng)
     check_scratch(eng)
 
