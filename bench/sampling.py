@@ -9,7 +9,7 @@ filter (a trained model's top few hundred tokens usually hold the mass).
 
 Per setting: the decode tokens/s of one request (first streamed token to last, 48 new tokens, eos ignored) and the
 aggregate tokens/s of 8 concurrent requests; in every round the settings take turns, in an order that rotates,
-each right after a greedy run of the same prompts, its ratio taken to that run (the machine's speed drifts 20-30%
+each right after a greedy run of as many prompts, its ratio taken to that run (the machine's speed drifts 20-30%
 within minutes); each figure the median of --rounds. Target: every setting at least 0.90x greedy's tokens/s.
 
     python bench/sampling.py [--rounds 3] [--new-tokens 48] [--config my.toml]
@@ -60,8 +60,9 @@ def progress(event: dict):
 
 async def measure(url: str, args) -> dict[str, tuple[list[float], list[float], list[float], list[float]]]:
     """{setting: per round (single-request decode tok/s, its ratio to greedy's, aggregate tok/s of 8 concurrent,
-    its ratio)}. Greedy runs right before each setting, one request and 8 alike, and each ratio is to that greedy
-    run: a machine that drifts within a round moves both."""
+    its ratio)}. Greedy runs right before each setting, one request and 8 alike (prompts of its own, as every run
+    has: none is in the prefix cache), and each ratio is to that greedy run: a machine that drifts within a round
+    moves both."""
     import aiohttp
     names = [n for n in SETTINGS if n != "greedy"]
     out: dict[str, tuple[list[float], list[float], list[float], list[float]]] = {
@@ -86,8 +87,9 @@ async def measure(url: str, args) -> dict[str, tuple[list[float], list[float], l
         for r in range(args.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
                 p = token_prompts(9, 32, 64, FIRST_SPECIAL_ID, f"{r}{n}")
-                g1, s1 = await one(session, "greedy", p[0], r), await one(session, n, p[0], r)
-                g8, s8 = await eight(session, "greedy", p[1:], r), await eight(session, n, p[1:], r)
+                g = token_prompts(9, 32, 64, FIRST_SPECIAL_ID, f"{r}{n}greedy")     # its own: no prefix cache hit
+                g1, s1 = await one(session, "greedy", g[0], r), await one(session, n, p[0], r)
+                g8, s8 = await eight(session, "greedy", g[1:], r), await eight(session, n, p[1:], r)
                 for name, (x1, x8) in (("greedy", (g1, g8)), (n, (s1, s8))):
                     out[name][0].append(x1)
                     out[name][1].append(x1 / g1)
