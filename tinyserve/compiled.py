@@ -34,7 +34,7 @@ import torch._dynamo
 
 import tinyserve.static
 from tinyserve.kernels import linear, use_triton
-from tinyserve.static import StaticStep, StepTensors, draft_forward, head_kv_forward, target_forward
+from tinyserve.static import FORWARDS, StaticStep, StepTensors
 
 log = logging.getLogger("tinyserve.compiled")
 
@@ -90,7 +90,6 @@ class CompiledSteps:
         self.folder = Path(cache_dir()) / "tinyserve-steps"
         # (kind, T, lone sequence) -> the graphs for it; more than one where a size guard split the batch range
         self.graphs: dict[tuple[str, int, bool], list[Any]] = {}
-        self._forwards = {"step": target_forward, "draft": draft_forward, "head_kv": head_kv_forward}
         self._warned = False
         model = static.model
         fingerprint = [torch.__version__, sys.version, _source_hash(), torch.backends.cpu.get_cpu_capability(),
@@ -114,7 +113,7 @@ class CompiledSteps:
                 for T in range(1, st.max_tokens + 1):
                     for B in sorted({1, min(2, st.sizes[-1]), st.sizes[-1]}):
                         for W in widths:
-                            args = self._args(kind, T, st.tensors(B, T, W))
+                            args = st.args(kind, T, None, st.tensors(B, T, W))
                             graphs = self.graphs.setdefault((kind, T, B == 1), [])
                             if not any(g.guard_check(*args) for g in graphs):
                                 graphs.append(self._load_or_compile(kind, T, B, W, args))
@@ -126,13 +125,6 @@ class CompiledSteps:
                  "any batch size up to %d, any context)", total, self.compiled, self.loaded, self.folder,
                  " and ".join(kinds), st.max_tokens, st.sizes[-1])
         return total
-
-    def _args(self, kind: str, T: int, t: StepTensors) -> tuple:
-        st = self.static
-        kv, conv, ssm = st.pools()
-        if kind == "step":
-            return (st.model, T, None, kv, conv, ssm, t)
-        return (st.model, T, None, st.nextn_kv_layer, kv, st.draft_in[:t.input_ids.shape[0]], t)
 
     def _load_or_compile(self, kind: str, T: int, B: int, W: int, args: tuple) -> Any:
         name = {"step": "decode / verify", "draft": "NEXTN head", "head_kv": "NEXTN head's KV"}[kind]
@@ -158,7 +150,7 @@ class CompiledSteps:
         torch._dynamo.maybe_mark_dynamic(args[-1].page_table, 1)
         # no size, stride and alignment asserts on the outputs of the ops called out of the graph (the GEMMs): they
         # cost ~0.15 ms a step of 8 sequences, and every input is one of static.py's own fixed buffers
-        compile_fn: Callable = torch.compile(self._forwards[kind], fullgraph=True,
+        compile_fn: Callable = torch.compile(FORWARDS[kind], fullgraph=True,
                                              options={"guard_filter_fn": _shape_guards_only, "size_asserts": False,
                                                       "alignment_asserts": False, "scalar_asserts": False})
         with linear.fused_rows(fixed_rows=B == 1):
@@ -172,7 +164,7 @@ class CompiledSteps:
         return graph
 
     def _call(self, kind: str, T: int, t: StepTensors) -> torch.Tensor:
-        args = self._args(kind, T, t)
+        args = self.static.args(kind, T, None, t)
         graphs = self.graphs.get((kind, T, t.page_table.shape[0] == 1), [])
         if len(graphs) == 1:
             return graphs[0](*args)

@@ -110,6 +110,9 @@ def head_kv_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv
     model.mtp_kv(t.input_ids, hidden, batch, StepPools(kv), kv_layer)
 
 
+FORWARDS = {"step": target_forward, "draft": draft_forward, "head_kv": head_kv_forward}   # by kind
+
+
 class StaticStep:
     """The static-shape steps: a decode step (every sequence one new token), a NEXTN verify step (the last accepted
     token plus the drafts, plain decodes among them), and the NEXTN head's passes after them (over the tokens a
@@ -217,7 +220,7 @@ class StaticStep:
     def kinds(self) -> list[str]:
         """The forwards this step has: the target's ("step"); with NEXTN the head's ("draft") and its KV alone
         ("head_kv")."""
-        return ["step"] + (["draft", "head_kv"] if self.nextn_kv_layer is not None else [])
+        return list(FORWARDS) if self.nextn_kv_layer is not None else ["step"]
 
     def output(self, kind: str) -> torch.Tensor | None:
         """The buffer a captured forward of this kind writes its rows to (the head's KV pass: none)."""
@@ -241,12 +244,15 @@ class StaticStep:
             return self.compiled(kind, T, max_len, t)
         return self.eager(kind, T, max_len, t)
 
-    def eager(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> torch.Tensor | None:
+    def args(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> tuple:
+        """What FORWARDS[kind] is called with, eagerly or compiled."""
         kv, conv, ssm = self.pools()
         if kind == "step":
-            return target_forward(self.model, T, max_len, kv, conv, ssm, t)
-        head = draft_forward if kind == "draft" else head_kv_forward
-        return head(self.model, T, max_len, self.nextn_kv_layer, kv, self.draft_in[:t.input_ids.shape[0]], t)
+            return (self.model, T, max_len, kv, conv, ssm, t)
+        return (self.model, T, max_len, self.nextn_kv_layer, kv, self.draft_in[:t.input_ids.shape[0]], t)
+
+    def eager(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> torch.Tensor | None:
+        return FORWARDS[kind](*self.args(kind, T, max_len, t))
 
     def _batch(self, B: int, T: int, seq_lens: list[int], state_slots: list[int]) -> ForwardBatch:
         """What the runner reads of a static step's batch (the packing, on the host), shaped as an eager one's."""
