@@ -252,7 +252,7 @@ BAD = [
     ("missing-max-tokens", {"messages": USER}, "max_tokens"),
     ("wrong-block-type", {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}],
                           "max_tokens": 4}, "messages[0].content[0].type"),
-    ("bad-role", {"messages": [{"role": "system", "content": "hi"}], "max_tokens": 4}, "messages[0].role"),
+    ("bad-role", {"messages": [{"role": "tool", "content": "hi"}], "max_tokens": 4}, "messages[0].role"),
     ("image", {"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}], "max_tokens": 4},
      "messages[0].content[0]: this model takes no image input"),        # the demo model has no vision tower

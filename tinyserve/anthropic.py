@@ -188,10 +188,14 @@ def _messages(value: Any, images: list[ImageInput], fetch: bool = False) -> list
         if not isinstance(m, dict):
             raise bad_request(f"{p} must be an object with role and content", p)
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise bad_request(f"{p}.role must be 'user' or 'assistant'; got {role!r}", f"{p}.role")
+        if role not in ("user", "assistant", "system"):
+            raise bad_request(f"{p}.role must be 'user', 'assistant' or 'system'; got {role!r}", f"{p}.role")
         if "content" not in m:
             raise bad_request(f"{p}.content is required", f"{p}.content")
+        if role == "system":                          # mid-conversation system text (Claude Code's environment,
+            blocks = _text_blocks(m["content"], f"{p}.content")   # reminders): a user turn in place (tokenizer)
+            out.append({"role": "system", "content": _join(blocks)})
+            continue
         allowed = USER_BLOCKS if role == "user" else ASSISTANT_BLOCKS
         blocks = _text_blocks(m["content"], f"{p}.content", allowed)
         if role == "user":

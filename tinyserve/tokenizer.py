@@ -185,6 +185,15 @@ def content_text(content: Any, param: str, images: bool = True) -> str | None:
     return out.result()
 
 
+def late_system_text(text: str) -> str:
+    """A system message sent after the conversation started (Claude Code's environment and reminders, a late
+    "developer" message) as the text of a user turn in its place. Qwen's templates take a system message only first
+    ("System message must be at the beginning."); moving it there would change the prompt's start on every turn and
+    lose the prefix cache, so it stays where it was sent, marked as the system's as Claude Code marks system text
+    inside user turns."""
+    return f"<system-reminder>\n{text}\n</system-reminder>"
+
+
 def tool_call_arguments(arguments: Any, param: str) -> dict:
     """An earlier tool call's arguments as a mapping: templates iterate `arguments | items` (vLLM parses them too)."""
     if arguments is None:
@@ -201,16 +210,25 @@ def tool_call_arguments(arguments: Any, param: str) -> dict:
 
 def normalise_messages(messages: list[dict]) -> list[dict]:
     """OpenAI-shaped messages -> what Qwen-style templates expect, without touching the caller's dicts: content
-    parts joined, images as IMAGE_MARKER (content_text), tool-call arguments parsed (tool_call_arguments). Raises
-    MessageError."""
-    out = []
+    parts joined, images as IMAGE_MARKER (content_text), tool-call arguments parsed (tool_call_arguments). Qwen's
+    templates take one system message, first ("System message must be at the beginning."): the system messages
+    that open the conversation are joined into one, and a later one becomes a user turn in its place
+    (late_system_text). Raises MessageError."""
+    out: list[dict] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise MessageError(f"messages[{i}] must be an object", f"messages[{i}]")
         msg = dict(msg)
+        system = msg.get("role") in SYSTEM_ROLES
+        if system:
+            msg["role"] = "system"                   # templates know "system", not OpenAI's "developer"
         if "content" in msg:
-            msg["content"] = content_text(msg["content"], f"messages[{i}].content",
-                                          images=msg.get("role") not in SYSTEM_ROLES)
+            msg["content"] = content_text(msg["content"], f"messages[{i}].content", images=not system)
+        if system and len(out) == 1 and out[0].get("role") == "system":
+            out[0]["content"] = "\n\n".join(t for t in (out[0].get("content"), msg.get("content")) if t)
+            continue
+        if system and out:
+            msg = {"role": "user", "content": late_system_text(msg.get("content") or "")}
         calls = msg.get("tool_calls")
         if isinstance(calls, list):
             new_calls = []
