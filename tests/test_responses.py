@@ -307,6 +307,7 @@ def test_parsed_items_and_their_stream():
 
 def test_history_becomes_chat_messages():
     from tinyserve.responses import parse_responses_request
+    from tinyserve.tokenizer import normalise_messages
     req = parse_responses_request({"instructions": "Sys.", "input": [
         {"role": "developer", "content": "Dev."},
         {"role": "user", "content": "Q"},
@@ -318,8 +319,10 @@ def test_history_becomes_chat_messages():
         {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "y"}]},
         {"role": "user", "content": "Q2"}], "tools": [SHELL_TOOL], "tool_choice": {"type": "function",
                                                                                    "name": "shell"}})
-    assert req.chat.messages == [
-        {"role": "system", "content": "Sys.\n\nDev."},
+    assert req.chat.messages[:2] == [{"role": "system", "content": "Sys."}, {"role": "system", "content": "Dev."}]
+    assert normalise_messages(req.chat.messages[:2]) == [{"role": "system", "content": "Sys.\n\nDev."}]
+    assert req.chat.messages[1:] == [
+        {"role": "system", "content": "Dev."},
         {"role": "user", "content": "Q"},
         {"role": "assistant", "content": "A", "reasoning_content": "think", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "shell", "arguments": {"command": ["ls"]}}},

@@ -84,13 +84,15 @@ def left_out_tools(req: Any) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # Tools: every protocol's tool list and tool_choice, as the template, the tool parser and the grammar take them
 
-ToolReader = Callable[[dict[str, Any], str], "dict[str, Any] | None"]   # (one tool, its param) -> a function tool
+# (one tool, its param) -> its function tool, or several (a group of tools), or None (left out)
+ToolReader = Callable[[dict[str, Any], str], "dict[str, Any] | list[dict[str, Any]] | None"]
 
 
 def function_tools(value: Any, read: ToolReader, shape: str = "an object") -> list[dict[str, Any]]:
     """A protocol's `tools` -> OpenAI function tools. `read(tool, param)` checks one tool object of the protocol's
-    shape and returns its function tool (through function_tool), or None for a tool left out of the prompt
-    (leave_out); an entry that is no object must be `shape`."""
+    shape and returns its function tool (through function_tool), a list of them (a group, such as a Responses
+    namespace), or None for a tool left out of the prompt (leave_out); an entry that is no object must be
+    `shape`."""
     if value is None:
         return []
     if not isinstance(value, list):
@@ -101,7 +103,9 @@ def function_tools(value: Any, read: ToolReader, shape: str = "an object") -> li
         if not isinstance(tool, dict):
             raise bad_request(f"{p} must be {shape}", p)
         fn = read(tool, p)
-        if fn is not None:
+        if isinstance(fn, list):
+            out.extend(fn)
+        elif fn is not None:
             out.append(fn)
     return out
 

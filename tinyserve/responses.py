@@ -9,7 +9,8 @@ qwen3_coder tool parsers (chat.ChatFormat) and written as Responses output items
 
 Mapping (request):
   instructions (string)              -> a system message first; it and the system / developer messages that open
-                                        `input` are joined ("\\n\\n") into one system message
+                                        `input` are joined ("\\n\\n") into one system message; a later one is a
+                                        user turn in its place (tokenizer.normalise_messages)
   input: a string                    -> one user message
   input: message items               -> role user | assistant | system | developer (developer -> system), content a
                                         string or input_text / output_text parts (joined with "\\n", as the chat route
@@ -31,6 +32,9 @@ Mapping (request):
   tools of any other type            -> hosted tools this server cannot run (web_search, file_search, local_shell,
                                         image_generation, ...): left out of the prompt, logged once per type,
                                         counted in tinyserve:tools_left_out; echoed on the response as sent
+  tools: namespace (a group of        -> its function and custom tools, each shown to the model as NAMESPACE.NAME;
+  function / custom tools: Codex's      a call of one comes back under its own name with "namespace" set, and a
+  multi_agent_v1)                       function_call / custom_tool_call item with a namespace renders as that name
   custom_tool_call items             -> the assistant turn's tool_calls ({"input": ...} as the arguments)
   custom_tool_call_output items      -> "tool" messages, as function_call_output
   tool_choice                        -> auto | none | required | {"type": "function" | "custom", "name"}; required
@@ -53,7 +57,7 @@ Mapping (response): responses_output.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .chat import (FREEFORM_INPUT, ChatFormat, ChatRequest, TranslatedRequest, chat_tools, freeform_tool, function_tool,
@@ -83,6 +87,13 @@ STATELESS = ("this server is stateless: it stores no responses, so send the whol
 class ResponsesRequest(TranslatedRequest):
     echo: dict[str, Any]              # request fields the response object repeats
     logprobs: bool = False            # include message.output_text.logprobs (with the top_logprobs alternatives)
+    # the tools of `namespace` groups, by the name the model sees ("NAMESPACE.NAME") -> (namespace, name)
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def qualified_name(namespace: str | None, name: str) -> str:
+    """The name the model sees for a tool of a namespace group (and writes in its calls): NAMESPACE.NAME."""
+    return f"{namespace}.{name}" if namespace else name
 
 
 def _string(item: dict, name: str, p: str) -> str:
@@ -143,8 +154,15 @@ def _reasoning_text(item: dict, p: str) -> str:
     return _parts_text(summary, f"{p}.summary", ("summary_text",)) if summary else ""
 
 
+def _namespace(item: dict, p: str) -> str | None:
+    value = item.get("namespace")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise bad_request(f"{p}.namespace must be a non-empty string", f"{p}.namespace")
+    return value
+
+
 def _function_call(item: dict, p: str) -> dict[str, Any]:
-    call_id, name = _string(item, "call_id", p), _string(item, "name", p)
+    call_id, name = _string(item, "call_id", p), qualified_name(_namespace(item, p), _string(item, "name", p))
     try:
         args = tool_call_arguments(item.get("arguments"), f"{p}.arguments")
     except MessageError as e:
@@ -190,7 +208,8 @@ def _input(value: Any, images: list[ImageInput], fetch: bool = False) -> list[di
         elif kind == "function_call":
             assistant().setdefault("tool_calls", []).append(_function_call(item, p))
         elif kind == "custom_tool_call":
-            call_id, name = _string(item, "call_id", p), _string(item, "name", p)
+            call_id = _string(item, "call_id", p)
+            name = qualified_name(_namespace(item, p), _string(item, "name", p))
             if not isinstance(item.get("input"), str):
                 raise bad_request(f"{p}.input must be a string", f"{p}.input")
             arguments = {FREEFORM_INPUT: item["input"]}       # rendered as the model writes such a call
@@ -212,41 +231,54 @@ def _input(value: Any, images: list[ImageInput], fetch: bool = False) -> list[di
     return out
 
 
-def _merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """instructions and the system / developer messages that open the input -> one system message (templates take
-    one system message, first)."""
-    k = 0
-    while k < len(messages) and messages[k]["role"] == "system":
-        k += 1
-    if k < 2:
-        return messages
-    text = "\n\n".join(m["content"] for m in messages[:k] if m["content"])
-    return [{"role": "system", "content": text}] + messages[k:]
-
-
-def _tools(body: dict, custom: dict[str, dict[str, Any]], left_out: list[str]
+def _tools(body: dict, custom: dict[str, dict[str, Any]], left_out: list[str], namespaced: dict[str, tuple[str, str]]
            ) -> tuple[list[dict[str, Any]] | None, Any, list[dict[str, Any]], Any]:
     """Responses tools + tool_choice -> chat tools + tool_choice, and both as the response echoes them. Custom
-    tools' input formats land in `custom` (by name), the types of the tools left out in `left_out`."""
+    tools' input formats land in `custom` (by name), the types of the tools left out in `left_out`, the tools of
+    namespace groups in `namespaced` (the model sees each as NAMESPACE.NAME)."""
     echoed: list[dict[str, Any]] = []
 
-    def read(tool: dict[str, Any], p: str) -> dict[str, Any] | None:
+    def read_one(tool: dict[str, Any], p: str, namespace: str | None = None) -> dict[str, Any]:
+        """A function or custom tool -> the function tool the template shows (under its qualified name)."""
+        name = tool.get("name")
+        if namespace is not None and isinstance(name, str) and name:
+            namespaced[qualified_name(namespace, name)] = (namespace, name)
+            tool = {**tool, "name": qualified_name(namespace, name)}
+        if tool.get("type") == "custom":
+            fn, fmt = freeform_tool(tool, p)
+            custom[fn["function"]["name"]] = fmt
+            return fn
+        return function_tool(tool, p)
+
+    def read(tool: dict[str, Any], p: str) -> dict[str, Any] | list[dict[str, Any]] | None:
         kind = tool.get("type")
         if kind == "function":
-            fn = function_tool(tool, p)
+            fn = read_one(tool, p)
             echoed.append({"type": "function", "name": fn["function"]["name"],
                            "description": fn["function"].get("description"),
                            "parameters": fn["function"]["parameters"], "strict": tool.get("strict")})
             return fn
         if kind == "custom":
-            fn, fmt = freeform_tool(tool, p)
-            custom[fn["function"]["name"]] = fmt
+            fn = read_one(tool, p)
             echoed.append({"type": "custom", "name": fn["function"]["name"],
-                           "description": tool.get("description"), "format": fmt})
+                           "description": tool.get("description"), "format": custom[fn["function"]["name"]]})
             return fn
+        if kind == "namespace":                      # a group of function / custom tools the client runs (Codex's
+            namespace = _string(tool, "name", p)     # multi_agent_v1): each offered as NAMESPACE.NAME
+            inner = tool.get("tools")
+            if not isinstance(inner, list) or not inner:
+                raise bad_request(f"{p}.tools must be a non-empty list of function or custom tools", f"{p}.tools")
+            fns = []
+            for j, member in enumerate(inner):
+                q = f"{p}.tools[{j}]"
+                if not isinstance(member, dict) or member.get("type") not in ("function", "custom"):
+                    raise bad_request(f'{q}.type must be "function" or "custom"', f"{q}.type")
+                fns.append(read_one(member, q, namespace))
+            echoed.append(tool)
+            return fns
         if not isinstance(kind, str) or not kind:
-            raise bad_request(f"{p}.type must be \"function\", \"custom\" or a hosted tool's type; got {kind!r}",
-                              f"{p}.type")
+            raise bad_request(f"{p}.type must be \"function\", \"custom\", \"namespace\" or a hosted tool's type; "
+                              f"got {kind!r}", f"{p}.type")
         leave_out(left_out, kind, "/v1/responses")   # a hosted tool: nothing here can run it
         echoed.append(tool)
         return None
@@ -263,10 +295,11 @@ def _tools(body: dict, custom: dict[str, dict[str, Any]], left_out: list[str]
                 not in ("function", "custom", "allowed_tools") else ""
             raise bad_request('tool_choice must be "auto", "none", "required" or {"type": "function" | "custom", '
                               f'"name": ...}}{hosted}', "tool_choice")
-        if (choice["name"] in custom) != (kind == "custom"):
-            raise bad_request(f"tool_choice names {kind} tool {choice['name']!r}, which is not a {kind} tool in "
-                              "tools", "tool_choice")
-        chat_choice = named_tool(tools, choice["name"], "tool_choice", noun=f"{kind} tool")
+        name = qualified_name(_namespace(choice, "tool_choice"), choice["name"])
+        if (name in custom) != (kind == "custom"):
+            raise bad_request(f"tool_choice names {kind} tool {name!r}, which is not a {kind} tool in tools",
+                              "tool_choice")
+        chat_choice = named_tool(tools, name, "tool_choice", noun=f"{kind} tool")
     elif choice not in ("auto", "none", "required"):
         raise bad_request(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "name": ...}}; '
                           f"got {choice!r}", "tool_choice")
@@ -353,10 +386,10 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
         if not isinstance(instructions, str):
             raise bad_request("instructions must be a string", "instructions")
         messages.insert(0, {"role": "system", "content": instructions})
-    messages = _merge_leading_system(messages)
     custom: dict[str, dict[str, Any]] = {}
     left_out: list[str] = []
-    tools, tool_choice, echoed_tools, echoed_choice = _tools(body, custom, left_out)
+    namespaced: dict[str, tuple[str, str]] = {}
+    tools, tool_choice, echoed_tools, echoed_choice = _tools(body, custom, left_out, namespaced)
     template_kwargs, reasoning = _reasoning(body)
     text = _text(body)
     metadata = body.get("metadata")
@@ -388,7 +421,7 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
             "reasoning": reasoning, "store": False, "temperature": params.temperature, "text": text,
             "tool_choice": echoed_choice, "tools": echoed_tools, "top_logprobs": top_logprobs, "top_p": params.top_p,
             "truncation": truncation or "disabled", "user": user}
-    return ResponsesRequest(chat, echo, logprobs)
+    return ResponsesRequest(chat, echo, logprobs, namespaced)
 
 
 class Responses(Endpoint[ResponsesRequest]):

@@ -74,10 +74,15 @@ def custom_tool_call_item(item_id: str, call_id: str, name: str, input: str, sta
 
 
 def call_item(req: ResponsesRequest, call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    """A parsed call as its output item: a custom_tool_call for a freeform tool, else a function_call."""
+    """A parsed call as its output item: a custom_tool_call for a freeform tool, else a function_call; a tool of a
+    namespace group under its own name, with the namespace beside it."""
     if name in req.chat.custom_tools:
-        return custom_tool_call_item(new_id("ctc_"), call_id, name, freeform_input(arguments))
-    return function_call_item(new_id("fc_"), call_id, name, arguments)
+        item = custom_tool_call_item(new_id("ctc_"), call_id, name, freeform_input(arguments))
+    else:
+        item = function_call_item(new_id("fc_"), call_id, name, arguments)
+    if name in req.namespaced:
+        item["namespace"], item["name"] = req.namespaced[name]
+    return item
 
 
 def response_body(req: ResponsesRequest, meta: Meta, output: list[dict[str, Any]], status: str,
