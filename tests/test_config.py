@@ -85,10 +85,13 @@ def test_float_keys_accept_integers_and_store_floats() -> None:
     assert isinstance(cfg.server.drain_timeout_s, float)
 
 
-def test_example_loads_with_the_demo_and_small_pools() -> None:
+def test_example_loads_with_the_demo_for_agents() -> None:
+    """The shipped config takes a coding agent's session as it comes: the checkpoint's context, a derived pool (two
+    full-length requests on the CPU: tests/test_plan.py) and the parsers agents need."""
     cfg = load(EXAMPLE)
-    assert cfg.model.path == "demo" and cfg.model.device == "auto"
-    assert cfg.engine.kv_cache_tokens == 16384 and cfg.engine.max_running_requests == 8
+    assert cfg.model.path == "demo" and cfg.model.device == "auto" and cfg.model.context_length == 0
+    assert cfg.engine.kv_cache_tokens == 0 and cfg.engine.max_running_requests == 8
+    assert (cfg.parsers.reasoning, cfg.parsers.tool_call) == ("qwen3", "qwen3_coder")
 
 
 def test_production_loads_as_the_48gb_setup() -> None:

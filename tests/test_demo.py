@@ -80,7 +80,7 @@ def test_config(demo):
     assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
             cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim) == (2, 4, 16, 16, 4)
     assert cfg.partial_rotary_factor == 0.25 and cfg.rope_theta == 1e7
-    assert cfg.intermediate_size == 128 and cfg.max_position_embeddings == 4096
+    assert cfg.intermediate_size == 128 and cfg.max_position_embeddings == 262144   # Qwen3.5's own: agents' sessions fit
     assert cfg.num_mtp_layers == 1 and not cfg.interleaved_gdn_proj
     assert set(cfg.eos_token_ids) == set(tok.eos_token_ids) == {tok.token_to_id("<|im_end|>"),
                                                                  tok.token_to_id("<|endoftext|>")}
@@ -98,6 +98,11 @@ def test_tokenizer(demo):
     assert "".join(det.add(i) for i in ids) + det.flush() == text
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], enable_thinking=False)
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    # as Qwen3.5's template, one system message, first; the opening ones are joined, a later one is a user turn
+    prompt = tok.apply_chat_template([{"role": "system", "content": "A"}, {"role": "developer", "content": "B"},
+                                      {"role": "user", "content": "hi"}, {"role": "system", "content": "C"}])
+    assert prompt == ("<|im_start|>system\nA\n\nB<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                      "<|im_start|>user\n<system-reminder>\nC\n</system-reminder><|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_weights_load(demo):

@@ -18,7 +18,7 @@ from tinyserve import cli
 from tinyserve import plan as planmod
 from tinyserve.config import ConfigError, from_dict
 from tinyserve.loader import read_checkpoint
-from tinyserve.plan import (CPU_DEFAULT_KV_TOKENS, GIB, SNAPSHOTS_PER_RUNNING_REQUEST, MemoryPlan, activation_bytes,
+from tinyserve.plan import (CPU_KV_CONTEXTS, GIB, SNAPSHOTS_PER_RUNNING_REQUEST, MemoryPlan, activation_bytes,
                             host_available_bytes, kv_bytes_per_token, state_bytes_per_slot)
 
 
@@ -40,14 +40,15 @@ def test_headers_alone_give_the_config_and_the_weight_count(header_folder):
     assert 27.0e9 < weights.values < 27.6e9 and weights.fp8_values == 0     # a "27B" model, MTP layer included
 
 
-def test_derived_sizes(header_folder):
+def test_derived_sizes(header_folder, monkeypatch):
+    monkeypatch.setattr(planmod, "host_available_bytes", lambda: 256 * GIB)
     mc, weights = read_checkpoint(header_folder)
     cfg = from_dict({"model": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"},
                      "engine": {"max_running_requests": 2}})
     plan = MemoryPlan.resolve(cfg, mc, "cpu", weights)
     assert plan.dtype == "bfloat16" and plan.kv_dtype == "fp8_e4m3"
     assert plan.weights_bytes == 2 * weights.values
-    assert plan.kv_tokens == CPU_DEFAULT_KV_TOKENS and plan.context_length == 262144
+    assert plan.kv_tokens == CPU_KV_CONTEXTS * 262144 and plan.context_length == 262144
     assert plan.kv_bytes_per_token == 16 * 2 * 4 * 256 * 1           # 16 attention layers, K and V, fp8
     # 48 GDN layers: conv state (bf16) + SSM state (fp32) per slot
     assert plan.state_bytes_per_slot == 48 * ((2 * 16 * 128 + 48 * 128) * 3 * 2 + 48 * 128 * 128 * 4)
@@ -55,6 +56,24 @@ def test_derived_sizes(header_folder):
     assert plan.host_pages == plan.host_snapshots == 0 and plan.file_dir == ""
     assert kv_bytes_per_token(mc, "fp8_e4m3") == plan.kv_bytes_per_token
     assert state_bytes_per_slot(mc, "bfloat16") == plan.state_bytes_per_slot
+
+
+def test_cpu_kv_pool_holds_full_length_sessions_within_host_memory(header_folder, monkeypatch):
+    """engine.kv_cache_tokens = 0 on the CPU: two full-length requests where a quarter of the available memory holds
+    them, else what that quarter holds; less than one full-length request fails naming the key to change."""
+    mc, weights = read_checkpoint(header_folder)
+    cfg = from_dict({"model": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3", "context_length": 65536}})
+    per_token = kv_bytes_per_token(mc, "fp8_e4m3")
+    monkeypatch.setattr(planmod, "host_available_bytes", lambda: 64 * GIB)
+    assert MemoryPlan.resolve(cfg, mc, "cpu", weights).kv_tokens == 2 * 65536
+    monkeypatch.setattr(planmod, "host_available_bytes", lambda: 12 * GIB)
+    assert MemoryPlan.resolve(cfg, mc, "cpu", weights).kv_tokens == 3 * GIB // per_token // 16 * 16
+    monkeypatch.setattr(planmod, "host_available_bytes", lambda: 4 * GIB)
+    with pytest.raises(ConfigError) as e:
+        MemoryPlan.resolve(cfg, mc, "cpu", weights)
+    assert e.value.key == "model.context_length" and "engine.kv_cache_tokens" in str(e.value)
+    explicit = from_dict({"model": {"context_length": 65536}, "engine": {"kv_cache_tokens": 4096}})
+    assert MemoryPlan.resolve(explicit, mc, "cpu", weights).kv_tokens == 4096
 
 
 def test_host_tier_split_and_explicit_keys(header_folder, monkeypatch):
@@ -68,7 +87,8 @@ def test_host_tier_split_and_explicit_keys(header_folder, monkeypatch):
     assert plan.host_snapshots == int(0.5 * GIB // plan.state_bytes_per_slot)
     page_bytes = plan.kv_bytes_per_token * 64
     assert plan.host_pages == (GIB - plan.host_snapshots * plan.state_bytes_per_slot) // page_bytes
-    off = MemoryPlan.resolve(from_dict({"cache": {"enabled": False, "host": {"size_gb": 1.0}}}), mc, "cpu", weights)
+    off = MemoryPlan.resolve(from_dict({"engine": {"kv_cache_tokens": 4096},
+                                        "cache": {"enabled": False, "host": {"size_gb": 1.0}}}), mc, "cpu", weights)
     assert off.snapshot_slots == 0 and off.host_pages == 0      # no prefix cache: no snapshots, no tiers
 
 
@@ -76,7 +96,8 @@ def test_a_host_tier_larger_than_the_host_fails_naming_the_key(header_folder):
     mc, weights = read_checkpoint(header_folder)
     too_big = host_available_bytes() / GIB * 2 + 1
     with pytest.raises(ConfigError, match="cache.host.size_gb") as e:
-        MemoryPlan.resolve(from_dict({"cache": {"host": {"size_gb": too_big}}}), mc, "cpu", weights)
+        MemoryPlan.resolve(from_dict({"engine": {"kv_cache_tokens": 4096}, "cache": {"host": {"size_gb": too_big}}}),
+                           mc, "cpu", weights)
     assert e.value.key == "cache.host.size_gb"
 
 
@@ -101,14 +122,15 @@ def test_planning_needs_no_torch(header_folder):
     """A CPU plan (what `tinyserve --check` prints) comes from config.json and the headers without importing torch,
     so it answers at once even for a 27B release."""
     code = ("import sys; from tinyserve.config import from_dict; from tinyserve.plan import plan_for; "
-            f"plan_for(from_dict({{'model': {{'path': {str(header_folder)!r}, 'device': 'cpu'}}}})); "
+            f"plan_for(from_dict({{'model': {{'path': {str(header_folder)!r}, 'device': 'cpu', "
+            "'context_length': 32768}})); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 
 
 def test_check_fails_naming_the_host_key(header_folder, tmp_path):
-    out = check(tmp_path, {"model": {"path": str(header_folder), "device": "cpu"},
+    out = check(tmp_path, {"model": {"path": str(header_folder), "device": "cpu"}, "engine": {"kv_cache_tokens": 4096},
                            "cache": {"host": {"size_gb": host_available_bytes() / GIB * 2 + 1}}})
     assert out.returncode == 1 and "cache.host.size_gb" in out.stderr and "Traceback" not in out.stderr
 

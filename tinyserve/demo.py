@@ -19,11 +19,13 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from tinyserve.tokenizer import bytes_to_unicode
 
-DEMO_VERSION = "demo-v2"
+DEMO_VERSION = "demo-v3"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 PARSER_TAGS = {"<think>", "</think>", "<tool_call>", "</tool_call>"}
 EOS_TOKEN = "<|im_end|>"
 NUM_MERGES = 400
+# Qwen3.5's own context: coding agents open sessions of 16-48K tokens and grow them from there
+DEMO_CONTEXT = 262144
 SEED = 20240607
 # The folder is complete when all of these exist (it is renamed into place only after all are written).
 _FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -117,7 +119,8 @@ def build_demo_tokenizer() -> Tokenizer:
     return tok
 
 
-# A ChatML template in the Qwen3 style, with tools in the qwen3_coder XML calling format.
+# A ChatML template in the Qwen3 style, with tools in the qwen3_coder XML calling format; as Qwen3.5's own, it takes a
+# system message only first.
 CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
 {%- if content is none -%}{{- '' -}}{%- elif content is string -%}{{- content -}}
 {%- else -%}{%- for part in content -%}{%- if part is mapping and part.text is defined -%}{{- part.text -}}{%- endif -%}{%- endfor -%}
@@ -151,7 +154,9 @@ CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
 {%- for message in messages[ns.start:] -%}
     {%- set index = loop.index0 + ns.start -%}
     {%- set content = render_content(message.content) -%}
-    {%- if message.role == 'user' or message.role == 'system' -%}
+    {%- if message.role == 'system' -%}
+        {{- raise_exception('System message must be at the beginning.') -}}
+    {%- elif message.role == 'user' -%}
         {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' -}}
     {%- elif message.role == 'assistant' -%}
         {%- set reasoning = '' -%}
@@ -219,7 +224,7 @@ def demo_config(vocab_size: int, eos_ids: list[int], bos_id: int) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                             "mrope_section": [2, 1, 1], "mrope_interleaved": True},
         "rope_theta": 10000000.0,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": DEMO_CONTEXT,
         "rms_norm_eps": 1e-6,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -299,7 +304,7 @@ def write_demo_tokenizer_files(folder: Path) -> None:
     eos_ids = [eos_id, bos_id]   # <|im_end|> ends a chat turn, <|endoftext|> a plain completion
     _write_json(folder / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 4096,
+        "model_max_length": DEMO_CONTEXT,
         "bos_token": None,
         "eos_token": EOS_TOKEN,
         "pad_token": "<|endoftext|>",

@@ -22,7 +22,10 @@ from tinyserve.models.config import ModelConfig, WeightCount
 DTYPE_TABLE: dict[str, tuple[str, int]] = {"bfloat16": ("bfloat16", 2), "float16": ("float16", 2),
                                            "float32": ("float32", 4), "fp8_e4m3": ("float8_e4m3fn", 1)}
 assert set(DTYPES + KV_CACHE_DTYPES) - {"auto"} == set(DTYPE_TABLE), "config.py's dtype names and this table"
-CPU_DEFAULT_KV_TOKENS = 32768       # engine.kv_cache_tokens = 0 on the CPU: a modest pool
+# engine.kv_cache_tokens = 0 on the CPU: room for this many full-length requests (an agent's session at the full
+# context, and its side requests and other sessions beside it), within this share of the host's available memory
+CPU_KV_CONTEXTS = 2
+CPU_KV_MEMORY_SHARE = 0.25
 SNAPSHOTS_PER_RUNNING_REQUEST = 4   # cache.state_slots = 0: device snapshots per engine.max_running_requests
 # Share of the host tier kept for recurrent-state snapshots (hybrid models): a budget of their own, because too few
 # host state slots strand host KV (a page without a state above it is no hit). bench/simulate.py chose 0.25 on agent
@@ -215,7 +218,8 @@ class MemoryPlan:
             graphs = cuda_graph_bytes(cfg, mc, dtype) if e.compile_steps else 0
             kv_tokens = cls._cuda_kv_tokens(cfg, free, weights, state_bytes, per_token, activations, context, graphs)
         else:
-            kv_tokens = e.kv_cache_tokens or CPU_DEFAULT_KV_TOKENS
+            kv_tokens = e.kv_cache_tokens or cls._cpu_kv_tokens(context, per_token,
+                                                                 host_available_bytes() if check_host else None)
         kv_pages = max(1, kv_tokens // e.page_size)
 
         host_pages = host_snapshots = 0
@@ -243,6 +247,22 @@ class MemoryPlan:
                    kv_layers=len(mc.attn_layer_ids) + nextn_layers,
                    host_pages=host_pages, host_snapshots=host_snapshots,
                    file_dir=c.file.dir if file_on else "", file_bytes=int(c.file.size_gb * GIB) if file_on else 0)
+
+    @staticmethod
+    def _cpu_kv_tokens(context: int, per_token: int, available: int | None) -> int:
+        """The CPU's derived KV pool: CPU_KV_CONTEXTS requests of `context` tokens, or as many tokens as
+        CPU_KV_MEMORY_SHARE of the `available` host memory holds (None: not this machine, no cap), but never less
+        than one full-length request: a pool that cannot hold one fails, naming the key to change."""
+        wanted = CPU_KV_CONTEXTS * context
+        if available is None:
+            return wanted
+        fits = int(available * CPU_KV_MEMORY_SHARE) // per_token
+        if fits < context:
+            raise ConfigError(f"a KV pool for one request of model.context_length = {context} tokens needs "
+                              f"{context * per_token / GIB:.2f} GiB, more than {CPU_KV_MEMORY_SHARE:.0%} of the "
+                              f"{available / GIB:.1f} GiB this host has available; lower model.context_length or "
+                              f"set engine.kv_cache_tokens", "model.context_length")
+        return min(wanted, fits)
 
     @staticmethod
     def _cuda_kv_tokens(cfg: Config, free: int, weights: int, state_bytes: int, per_token: int, activations: int,
