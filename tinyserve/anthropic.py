@@ -2,12 +2,19 @@
 
 A Messages request is translated into the chat request the OpenAI route builds (chat.ChatRequest), so all protocols
 render the same prompt through the same template and share the prefix cache; the answer is split by the same qwen3
-reasoning and qwen3_coder tool parsers (chat.ChatFormat) and written as Anthropic content blocks.
+reasoning and qwen3_coder tool parsers (chat.ChatFormat) and written as Anthropic content blocks
+(anthropic_output.py).
 
 Mapping (request):
   system (string or text blocks)   -> one system message first; a text block starting with
                                       "x-anthropic-billing-header:" (Claude Code's per-request hash) is dropped:
                                       it would change every prompt's prefix
+  a system message in messages     -> (Claude Code's environment and reminders, the mid-conversation-system beta) a
+                                      user turn in its place (tokenizer.late_system_text: Qwen's templates take a
+                                      system message only first, and moving it there would change the prompt's start
+                                      every turn); its tool_addition / tool_removal blocks (the
+                                      mid-conversation-tool-changes beta) render there as the tools the model may
+                                      call from then on, or no longer, and the tool parser follows them
   text blocks                      -> content (joined with "\\n", as the chat route joins text parts)
   image blocks (user, and inside   -> the image marker in place (tokenizer.ContentJoiner), the image in
   tool_result content)                request.images: source base64 (media_type png | jpeg | webp | gif) or url
@@ -17,7 +24,9 @@ Mapping (request):
                                       "Tool loaded: NAME" (every tool is in the prompt from the first turn, deferred
                                       or not, so the prompt's start never changes)
   thinking (assistant)             -> reasoning_content (the template shows it only for turns after the last user
-                                      query, as Qwen3 does); redacted_thinking is opaque and dropped
+                                      query, as Qwen3 does); a block whose text was omitted carries it in its
+                                      signature (anthropic_output.THINKING_SIGNATURE); redacted_thinking is opaque
+                                      and dropped
   document blocks                  -> 400 (not supported)
   tools of type "custom" (or none) -> OpenAI function tools; server tools (web_search_20250305, code_execution,
                                       web_fetch, tool_search, bash / text_editor ...) are left out of the prompt,
@@ -27,32 +36,36 @@ Mapping (request):
                                       (with the qwen3_coder parser on, decoding is constrained to one call whose
                                       input follows the tool's input_schema; grammar.py)
   thinking.type enabled|adaptive / disabled -> enable_thinking true / false; absent: the template's default (Qwen3.5
-                                      thinks); budget_tokens is accepted and not enforced
+                                      thinks); budget_tokens is accepted and not enforced; display "summarized"
+                                      (the whole thinking is shown) or "omitted" (blocks come with empty text, the
+                                      text in the signature)
   model                            -> any name is accepted (Claude Code sends its own); responses carry the served
                                       name
   a last assistant message         -> a prefill: the prompt is cut after its text and the answer continues it
   output_config.format             -> json_schema: the text after any thinking is constrained to the schema (as
   (and the older output_format)       response_format; the SDK's messages.parse); output_config.effort accepted
   tool_choice.disable_parallel_tool_use -> at most one tool_use block
-  metadata, service_tier, cache_control, inference_geo, speed, context_management: type-checked, no effect
-                                      (docs/api.md); container, mcp_servers: 400
-Mapping (response): thinking blocks carry signature "" (there is nothing to sign; the key is there because clients
-require it; a stream sends it as a signature_delta before the block stops); tool_use ids are "toolu_..."; stop_reason end_turn | max_tokens | stop_sequence | tool_use. Usage
-follows Anthropic's split: input_tokens is the uncached part of the prompt, cache_read_input_tokens the prompt
-tokens served from the prefix cache, cache_creation_input_tokens 0 (writing the cache costs nothing extra here), so
-their sum is the prompt length.
+  context_management               -> its edits are applied (context_edits.py) and reported
+  anthropic-beta header            -> each value is one of BETAS (accepted: what it means here) or refused by name,
+                                      in Anthropic's words, as Anthropic refuses a value it does not know
+  metadata, service_tier, cache_control, inference_geo, speed: type-checked, no effect (docs/api.md); container,
+                                      mcp_servers: 400
+A prompt longer than the context is a 400 worded as Anthropic's ("prompt is too long: N tokens > M maximum"):
+Claude Code reads the numbers to compact the conversation.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .chat import (ChatFormat, ChatRequest, ChatStreamChoice, TranslatedRequest, chat_tools, function_tool,
-                   function_tools, leave_out, named_tool)
-from .protocol import (APIError, ChoiceResult, Delta, Endpoint, GenerationOptions, ImageInput, Meta, NamedEventStream,
-                       Usage, bad_request, boolean_field, ignored_fields, image_bytes, image_from_url, integer_field,
-                       number_field, parse_response_format, refused_fields, stop_strings)
+from .anthropic_output import MessagesStream, error_body, message_body, thinking_from_signature
+from .chat import ChatFormat, ChatRequest, TranslatedRequest, chat_tools, function_tool, function_tools, leave_out, \
+    named_tool
+from .context_edits import Edit, apply_edits, parse_edits
+from .protocol import (APIError, ChoiceResult, Endpoint, GenerationOptions, ImageInput, Meta, Usage, bad_request,
+                       boolean_field, ignored_fields, image_bytes, image_from_url, integer_field, number_field,
+                       parse_response_format, refused_fields, stop_strings)
 from .sampling import SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, ContentJoiner, Tokenizer
 
@@ -60,25 +73,51 @@ if TYPE_CHECKING:
     from .grammar import Constraint
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+__all__ = ["Messages", "MessagesRequest", "error_body", "is_anthropic_path", "parse_messages_request"]
 
-# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors). Statuses are the server's own
-# (a full queue is 503 + Retry-After, not Anthropic's 529); the type says what kind of failure it is.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+# The anthropic-beta values this server knows (Claude Code sends a list on every request), each with what it means
+# here. A value not in this table is refused, naming it, as Anthropic refuses one it does not know: Claude Code then
+# drops the beta and asks again.
+BETAS = {
+    "claude-code-20250219": "Claude Code's requests: nothing changes",
+    "interleaved-thinking-2025-05-14": "thinking between tool calls: the parsers read reasoning wherever it is",
+    "context-management-2025-06-27": "context_management edits are applied (context_edits.py)",
+    "effort-2025-11-24": "output_config.effort is accepted (Qwen's templates take no effort)",
+    "thinking-token-count-2026-05-13": "usage.output_tokens_details.thinking_tokens",
+    "advanced-tool-use-2025-11-20": "defer_loading tools and tool_reference blocks (every tool is in the prompt)",
+    "tool-search-tool-2025-10-19": "defer_loading tools and tool_reference blocks (every tool is in the prompt)",
+    "mid-conversation-system-2026-04-07": "system messages in messages: a user turn in place",
+    "mid-conversation-tool-changes-2026-07-01": "tool_addition / tool_removal blocks in system messages",
+    "prompt-caching-2024-07-31": "cache_control is accepted: the prefix cache needs no marks",
+    "extended-cache-ttl-2025-04-11": "cache_control ttl is accepted: the prefix cache keeps what fits",
+    "token-efficient-tools-2025-02-19": "tool calls stream as they are parsed",
+    "fine-grained-tool-streaming-2025-05-14": "tool calls stream as they are parsed",
+    "output-128k-2025-02-19": "max_tokens is cut to what the context holds",
+    "context-1m-2025-08-07": "the context is model.context_length",
+    "structured-outputs-2025-11-13": "output_config.format / output_format json_schema (constrained decoding)",
+    "structured-outputs-2025-12-15": "output_config.format / output_format json_schema (constrained decoding)",
+    "web-search-2025-03-05": "server tools are left out of the prompt (tinyserve:tools_left_out)",
+    "web-fetch-2025-09-10": "server tools are left out of the prompt (tinyserve:tools_left_out)",
+    "code-execution-2025-05-22": "server tools are left out of the prompt (tinyserve:tools_left_out)",
+    "code-execution-2025-08-25": "server tools are left out of the prompt (tinyserve:tools_left_out)",
+}
+THINKING_DISPLAYS = ("summarized", "omitted")
 
 
 def is_anthropic_path(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
-def error_body(err: APIError) -> dict[str, Any]:
-    """{"type": "error", "error": {"type", "message"}}; the field in question, when known, leads the message."""
-    kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
-    message = err.message
-    if err.param and err.param not in message:
-        message = f"{err.param}: {message}"
-    return {"type": "error", "error": {"type": kind, "message": message}}
+def check_betas(headers: Any) -> set[str]:
+    """The anthropic-beta values a request names (comma-separated, in one header or several: `headers` is aiohttp's
+    multidict), each one of BETAS; any other is a 400 naming it."""
+    values = {v.strip() for header in headers.getall("anthropic-beta", []) for v in header.split(",")} - {""}
+    unknown = sorted(values - BETAS.keys())
+    if unknown:
+        shown = ", ".join(f"`{v}`" for v in unknown)
+        raise APIError(400, f"Unexpected value(s) {shown} for the `anthropic-beta` header; this server knows "
+                            f"{', '.join(sorted(BETAS))} (docs/api.md)")
+    return values
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -87,6 +126,11 @@ def error_body(err: APIError) -> dict[str, Any]:
 @dataclass
 class MessagesRequest(TranslatedRequest):
     """A Messages request, as the chat request it renders as."""
+
+    omit_thinking: bool = False        # thinking.display "omitted": blocks carry their text in the signature
+    edits: list[Edit] = field(default_factory=list)              # context_management
+    applied_edits: list[dict[str, Any]] = field(default_factory=list)   # what they cleared, once rendered
+    count_thinking_tokens: bool = False   # the thinking-token-count beta: usage.output_tokens_details
 
 
 def _text_blocks(value: Any, param: str, allowed: tuple[str, ...] = ("text",)) -> list[dict[str, Any]]:
@@ -177,9 +221,51 @@ USER_BLOCKS = ("text", "image", "tool_result")
 ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 
 
-def _messages(value: Any, images: list[ImageInput], fetch: bool = False) -> list[dict[str, Any]]:
+SYSTEM_BLOCKS = ("text", "tool_addition", "tool_removal")
+# How a system message's tool changes read where they happen (the template shows the first tools in <tools>)
+ADDED_TOOL = "This function can be called from here on, as those in <tools>:\n<tools>\n{}\n</tools>"
+REMOVED_TOOL = "The function {} can no longer be called."
+
+
+def _system_turn(blocks: list[dict[str, Any]], p: str, changes: list[tuple[str, Any]], left_out: list[str]) -> str:
+    """A system message inside messages -> its text, with each tool_addition / tool_removal rendered in place;
+    the changes are appended to `changes` as ("add", function tool) / ("remove", name), in order."""
+    parts = []
+    for j, b in enumerate(blocks):
+        q = f"{p}.content[{j}]"
+        tool = b.get("tool")
+        if b["type"] == "text":
+            parts.append(b["text"])
+        elif b["type"] == "tool_addition":
+            if not isinstance(tool, dict) or tool.get("type") != "tool_definition" or \
+                    not isinstance(tool.get("definition"), dict):
+                raise bad_request(f'{q}.tool must be {{"type": "tool_definition", "definition": {{...}}}}', f"{q}.tool")
+            fn = _read_tool(tool["definition"], f"{q}.tool.definition", left_out)
+            if fn is not None:
+                changes.append(("add", fn))
+                parts.append(ADDED_TOOL.format(json.dumps(fn, ensure_ascii=False)))
+        else:
+            name = tool.get("name") if isinstance(tool, dict) and tool.get("type") == "tool_reference" else None
+            if not isinstance(name, str) or not name:
+                raise bad_request(f'{q}.tool must be {{"type": "tool_reference", "name": ...}}', f"{q}.tool")
+            changes.append(("remove", name))
+            parts.append(REMOVED_TOOL.format(name))
+    return "\n".join(parts)
+
+
+def _thinking_text(block: dict[str, Any], q: str) -> str:
+    """A thinking block's text; one whose text was omitted in our answer has it in its signature."""
+    if not isinstance(block.get("thinking"), str):
+        raise bad_request(f"{q}.thinking must be a string", f"{q}.thinking")
+    if block["thinking"]:
+        return block["thinking"]
+    return thinking_from_signature(block.get("signature")) or ""
+
+
+def _messages(value: Any, images: list[ImageInput], changes: list[tuple[str, Any]], left_out: list[str],
+              fetch: bool = False) -> list[dict[str, Any]]:
     """Anthropic turns -> chat messages (OpenAI shape, tool results as "tool" messages, in the client's order); the
-    image blocks are appended to `images` in the same order."""
+    image blocks are appended to `images` in the same order, the system messages' tool changes to `changes`."""
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list", "messages")
     out: list[dict[str, Any]] = []
@@ -192,9 +278,9 @@ def _messages(value: Any, images: list[ImageInput], fetch: bool = False) -> list
             raise bad_request(f"{p}.role must be 'user', 'assistant' or 'system'; got {role!r}", f"{p}.role")
         if "content" not in m:
             raise bad_request(f"{p}.content is required", f"{p}.content")
-        if role == "system":                          # mid-conversation system text (Claude Code's environment,
-            blocks = _text_blocks(m["content"], f"{p}.content")   # reminders): a user turn in place (tokenizer)
-            out.append({"role": "system", "content": _join(blocks)})
+        if role == "system":                          # Claude Code's environment, reminders and tool changes: a user
+            blocks = _text_blocks(m["content"], f"{p}.content", SYSTEM_BLOCKS)     # turn in place (tokenizer)
+            out.append({"role": "system", "content": _system_turn(blocks, p, changes, left_out)})
             continue
         allowed = USER_BLOCKS if role == "user" else ASSISTANT_BLOCKS
         blocks = _text_blocks(m["content"], f"{p}.content", allowed)
@@ -222,9 +308,7 @@ def _messages(value: Any, images: list[ImageInput], fetch: bool = False) -> list
             if b["type"] == "text":
                 texts.append(b["text"])
             elif b["type"] == "thinking":
-                if not isinstance(b.get("thinking"), str):
-                    raise bad_request(f"{q}.thinking must be a string", f"{q}.thinking")
-                reasoning.append(b["thinking"])
+                reasoning.append(_thinking_text(b, q))
             elif b["type"] == "tool_use":
                 calls.append(_tool_use(b, q))
             # redacted_thinking: opaque (encrypted by Anthropic), nothing to render
@@ -237,20 +321,22 @@ def _messages(value: Any, images: list[ImageInput], fetch: bool = False) -> list
     return out
 
 
+def _read_tool(tool: dict[str, Any], p: str, left_out: list[str]) -> dict[str, Any] | None:
+    """{"name", "description", "input_schema"} (a custom tool) -> an OpenAI function tool; None: a server tool, whose
+    type lands in `left_out`."""
+    kind = tool.get("type", "custom")
+    if kind in ("custom", None):
+        return function_tool(tool, p, "input_schema", schema_required=True)
+    if not isinstance(kind, str) or not kind:
+        raise bad_request(f"{p}.type must be \"custom\" or a server tool's type; got {kind!r}", f"{p}.type")
+    leave_out(left_out, kind, "/v1/messages")        # a server tool: nothing here can run it
+    return None
+
+
 def _tools(body: dict, left_out: list[str]) -> tuple[list[dict[str, Any]] | None, Any]:
     """Anthropic tools + tool_choice -> OpenAI function tools + tool_choice (what the template and parser take); the
     types of the server tools left out land in `left_out`."""
-    def read(tool: dict[str, Any], p: str) -> dict[str, Any] | None:
-        """{"name", "description", "input_schema"} (a custom tool) -> an OpenAI function tool; None: a server tool."""
-        kind = tool.get("type", "custom")
-        if kind in ("custom", None):
-            return function_tool(tool, p, "input_schema", schema_required=True)
-        if not isinstance(kind, str) or not kind:
-            raise bad_request(f"{p}.type must be \"custom\" or a server tool's type; got {kind!r}", f"{p}.type")
-        leave_out(left_out, kind, "/v1/messages")    # a server tool: nothing here can run it
-        return None
-
-    tools = function_tools(body.get("tools"), read)
+    tools = function_tools(body.get("tools"), lambda tool, p: _read_tool(tool, p, left_out))
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind is not None:
@@ -267,20 +353,24 @@ def _tools(body: dict, left_out: list[str]) -> tuple[list[dict[str, Any]] | None
     raise bad_request('tool_choice.type must be "auto", "any", "tool" or "none"', "tool_choice.type")
 
 
-def _thinking(body: dict) -> dict[str, Any]:
+def _thinking(body: dict) -> tuple[dict[str, Any], bool]:
+    """(template kwargs, whether thinking text is omitted from the answer)."""
     thinking = body.get("thinking")
     if thinking is None:
-        return {}                                     # the template's default
+        return {}, False                              # the template's default
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "disabled", "adaptive"):
-        raise bad_request('thinking.type must be "enabled" or "disabled"', "thinking.type")
+        raise bad_request('thinking.type must be "enabled", "adaptive" or "disabled"', "thinking.type")
     integer_field(thinking, "budget_tokens", None)  # type-checked; not enforced
-    return {"enable_thinking": kind != "disabled"}
-
+    display = thinking.get("display", "summarized")
+    if display not in THINKING_DISPLAYS:
+        raise bad_request(f"thinking.display must be one of {', '.join(THINKING_DISPLAYS)}; got {display!r}",
+                          "thinking.display")
+    return {"enable_thinking": kind != "disabled"}, display == "omitted"
 
 # Fields of Anthropic's that change nothing here (docs/api.md says why), and those refused
 IGNORED = {"metadata": dict, "service_tier": str, "cache_control": dict, "inference_geo": str, "speed": str,
-           "user_profile_id": str, "workspace_id": str, "context_management": dict}
+           "user_profile_id": str, "workspace_id": str}
 REFUSED = {"container": lambda v: "no code-execution containers here",
            "mcp_servers": lambda v: "this server connects to no MCP servers (give the tools in tools)"}
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
@@ -308,19 +398,43 @@ def _output_config(body: dict) -> Constraint | None:
     return parse_response_format(fmt, where, nested=False)
 
 
-def parse_messages_request(body: dict, count_only: bool = False, fetch_image_urls: bool = False) -> MessagesRequest:
+def _call_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, changes: list[tuple[str, Any]]
+                ) -> list[dict[str, Any]] | None:
+    """The tools the model may call after the system messages' changes (None: no change, the request's tools)."""
+    if not changes:
+        return None
+    callable_now = {t["function"]["name"]: t for t in tools or []}
+    for kind, change in changes:
+        if kind == "add":
+            callable_now[change["function"]["name"]] = change
+        else:
+            callable_now.pop(change, None)
+    forced = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if forced is not None and forced not in callable_now:
+        raise bad_request(f"tool_choice names tool {forced!r}, which a system message in messages removed",
+                          "tool_choice.name")
+    return list(callable_now.values())
+
+
+def parse_messages_request(body: dict, count_only: bool = False, fetch_image_urls: bool = False,
+                           betas: set[str] | None = None) -> MessagesRequest:
     """count_only (count_tokens): no max_tokens, no sampling fields. fetch_image_urls (server.fetch_image_urls):
-    http(s) image sources become RemoteImages instead of a 400. A last message from the assistant is a prefill:
-    the answer continues it (and holds only what follows it), as on Anthropic's API."""
+    http(s) image sources become RemoteImages instead of a 400. betas: the request's anthropic-beta values
+    (check_betas). A last message from the assistant is a prefill: the answer continues it (and holds only what
+    follows it), as on Anthropic's API."""
     refused_fields(body, REFUSED)
     ignored_fields(body, IGNORED)
     images: list[ImageInput] = []
-    messages = _messages(body.get("messages"), images, fetch_image_urls)
+    left_out: list[str] = []
+    changes: list[tuple[str, Any]] = []
+    messages = _messages(body.get("messages"), images, changes, left_out, fetch_image_urls)
     system = _system(body.get("system"))
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
-    left_out: list[str] = []
     tools, tool_choice = _tools(body, left_out)
+    call_tools = _call_tools(tools, tool_choice, changes)
+    edits = parse_edits(body.get("context_management"))
+    template_kwargs, omit_thinking = _thinking(body)
     max_tokens = integer_field(body, "max_tokens", None, lo=1)
     if max_tokens is None and not count_only:
         raise bad_request("max_tokens is required", "max_tokens")
@@ -333,42 +447,16 @@ def parse_messages_request(body: dict, count_only: bool = False, fetch_image_url
                                 include_usage=True, return_token_ids=False)
     choice = body.get("tool_choice")
     prefill = messages[-1]["role"] == "assistant"
-    chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=_thinking(body),
+    chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
                        logprobs=False, top_logprobs=0, options=options, images=images, left_out=left_out,
-                       continue_final=prefill, add_generation_prompt=not prefill,
+                       continue_final=prefill, add_generation_prompt=not prefill, call_tools=call_tools,
                        parallel_tool_calls=not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use")))
-    return MessagesRequest(chat)
+    return MessagesRequest(chat, omit_thinking=omit_thinking, edits=edits,
+                           count_thinking_tokens="thinking-token-count-2026-05-13" in (betas or ()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Responses
-
-def usage_body(usage: Usage) -> dict[str, Any]:
-    cached = usage.cached_tokens or 0
-    return {"input_tokens": usage.prompt_tokens - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": usage.completion_tokens}
-
-
-def tool_use_id(call_id: str | None) -> str:
-    return "toolu_" + (call_id or "").removeprefix("call_")
-
-
-def _input(arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError:                      # the parser writes JSON; never fail an answer over it
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def stop_reason(finish_reason: str | None, stop_string: str | None, called_tools: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) from the engine's finish reason."""
-    if finish_reason == "length":
-        return "max_tokens", None
-    if stop_string is not None:
-        return "stop_sequence", stop_string
-    return ("tool_use" if called_tools else "end_turn"), None
-
+# The endpoint
 
 class Messages(Endpoint[MessagesRequest]):
     """POST /v1/messages. The parsers come from the config's [parsers] table, as for /v1/chat/completions."""
@@ -386,116 +474,35 @@ class Messages(Endpoint[MessagesRequest]):
     def parse(self, body: dict, served_name: str) -> MessagesRequest:
         return parse_messages_request(body, fetch_image_urls=self.fetch_image_urls)
 
-    def parse_count(self, body: dict) -> MessagesRequest:
-        return parse_messages_request(body, count_only=True, fetch_image_urls=self.fetch_image_urls)
+    def parse_request(self, body: dict, served_name: str, headers: Any) -> MessagesRequest:
+        return parse_messages_request(body, fetch_image_urls=self.fetch_image_urls, betas=check_betas(headers))
+
+    def parse_count(self, body: dict, headers: Any) -> MessagesRequest:
+        return parse_messages_request(body, count_only=True, fetch_image_urls=self.fetch_image_urls,
+                                      betas=check_betas(headers))
 
     def prompt_ids(self, req: MessagesRequest, tokenizer: Tokenizer) -> list[int]:
+        """The rendered prompt, after the context_management edits (which may need its length first)."""
+        ids = self.format.prompt_ids(req.chat, tokenizer)
+        if not req.edits:
+            return ids
+        messages, req.applied_edits = apply_edits(req.chat.messages, req.edits, len(ids),
+                                                  lambda text: len(tokenizer.encode(text)))
+        if not req.applied_edits:
+            return ids
+        req.chat.messages = messages
         return self.format.prompt_ids(req.chat, tokenizer)
+
+    def context_error(self, err: APIError, tokens: tuple[int, int] | None) -> APIError:
+        """Anthropic's own words for a prompt past the context: Claude Code reads the two numbers to compact."""
+        if tokens is None:
+            return err
+        return APIError(400, f"prompt is too long: {tokens[0]} tokens > {tokens[1]} maximum", code=err.code)
 
     def response(self, req: MessagesRequest, meta: Meta, results: list[ChoiceResult], usage: Usage
                  ) -> dict[str, Any]:
         (r,) = results
-        message, _ = self.format.message(req.chat, r)
-        content: list[dict[str, Any]] = []
-        if message.get("reasoning_content"):
-            content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
-        if message.get("content"):
-            content.append({"type": "text", "text": message["content"]})
-        calls = message.get("tool_calls") or []
-        for call in calls:
-            content.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
-                            "input": _input(call["function"]["arguments"])})
-        reason, sequence = stop_reason(r.finish_reason, r.stop_string, bool(calls))
-        return {"id": meta.request_id, "type": "message", "role": "assistant", "model": meta.model,
-                "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": usage_body(usage)}
+        return message_body(self.format, req, meta, r, usage)
 
-    def stream(self, req: MessagesRequest, meta: Meta) -> "MessagesStream":
-        return MessagesStream(self, req, meta)
-
-
-class MessagesStream(NamedEventStream):
-    """message_start, ping, then content_block_start / _delta / _stop per block, message_delta, message_stop.
-
-    message_start waits for the first delta: by then the prefill has run and the cached prompt tokens are known, so
-    its usage is already the final split of the input (message_delta repeats it with output_tokens)."""
-
-    def __init__(self, endpoint: Messages, req: MessagesRequest, meta: Meta) -> None:
-        self.meta = meta
-        self.choice = ChatStreamChoice(endpoint.format, req.chat)
-        self.started = False
-        self.block: str | None = None                 # type of the open block
-        self.index = -1                               # its index
-        self.reason: tuple[str, str | None] = ("end_turn", None)
-
-    def error(self, err: APIError) -> dict[str, Any]:
-        return error_body(err)
-
-    def _usage(self, output_tokens: int | None = None) -> dict[str, Any]:
-        usage = self.meta.usage() if self.meta.usage is not None else Usage(len(self.meta.prompt_ids), 0)
-        body = usage_body(usage)
-        if output_tokens is not None:
-            body["output_tokens"] = output_tokens
-        return body
-
-    def _start(self) -> list[dict[str, Any]]:
-        if self.started:
-            return []
-        self.started = True
-        message = {"id": self.meta.request_id, "type": "message", "role": "assistant", "model": self.meta.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": self._usage(0)}
-        return [{"type": "message_start", "message": message}, {"type": "ping"}]
-
-    def _close(self) -> list[dict[str, Any]]:
-        if self.block is None:
-            return []
-        out = []
-        if self.block == "thinking":                  # Anthropic's clients expect the block's signature before
-            out.append({"type": "content_block_delta", "index": self.index,   # its stop ("": nothing to sign)
-                        "delta": {"type": "signature_delta", "signature": ""}})
-        self.block = None
-        return out + [{"type": "content_block_stop", "index": self.index}]
-
-    def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
-        out = self._close()
-        self.index += 1
-        self.block = block["type"]
-        return out + [{"type": "content_block_start", "index": self.index, "content_block": block}]
-
-    def _piece(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if "reasoning_content" in piece:
-            if self.block != "thinking":
-                out += self._open({"type": "thinking", "thinking": "", "signature": ""})
-            out.append({"type": "content_block_delta", "index": self.index,
-                        "delta": {"type": "thinking_delta", "thinking": piece["reasoning_content"]}})
-        elif "content" in piece:
-            if self.block != "text":
-                out += self._open({"type": "text", "text": ""})
-            out.append({"type": "content_block_delta", "index": self.index,
-                        "delta": {"type": "text_delta", "text": piece["content"]}})
-        elif "tool_calls" in piece:
-            call = piece["tool_calls"][0]
-            if "id" in call:                          # a new call: its own block
-                out += self._open({"type": "tool_use", "id": tool_use_id(call["id"]),
-                                   "name": call["function"]["name"], "input": {}})
-            fragment = call["function"].get("arguments") or ""
-            if fragment:
-                out.append({"type": "content_block_delta", "index": self.index,
-                            "delta": {"type": "input_json_delta", "partial_json": fragment}})
-        return out
-
-    def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
-        out = self._start()
-        final = d.finish_reason is not None
-        for piece in self.choice.pieces(d.text, final, truncated=d.finish_reason == "length"):
-            out += self._piece(piece)
-        if final:
-            self.reason = stop_reason(d.finish_reason, d.stop_string, self.choice.called_tools)
-        return out
-
-    def end(self, usage: Usage) -> list[dict[str, Any]]:
-        reason, sequence = self.reason
-        return self._start() + self._close() + [
-            {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-             "usage": usage_body(usage)},
-            {"type": "message_stop"}]
+    def stream(self, req: MessagesRequest, meta: Meta) -> MessagesStream:
+        return MessagesStream(self.format, req, meta)

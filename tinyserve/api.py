@@ -406,7 +406,8 @@ def _fit(engine: Engine, endpoint: Endpoint[Req], req: Req, prompt: list[int], w
     except RequestError as e:
         param = endpoint.error_param(req, e.field)
         where = f"{param}[{which}]: " if which is not None else ""
-        raise APIError(400, where + str(e), param, code="context_length_exceeded") from None
+        raise endpoint.context_error(APIError(400, where + str(e), param, code="context_length_exceeded"),
+                                     e.tokens) from None
 
 
 async def generate(request: web.Request, endpoint: Endpoint[Req]) -> web.StreamResponse:
@@ -414,7 +415,7 @@ async def generate(request: web.Request, endpoint: Endpoint[Req]) -> web.StreamR
     arrival = time.monotonic()
     engine = _serving_engine(state)
     body = await _read_json(request)
-    req = endpoint.parse(body, engine.served_name)
+    req = endpoint.parse_request(body, engine.served_name, request.headers)
     state.metrics.on_tools_left_out(left_out_tools(req))
     options = req.options
     _check_capacity(engine, state.cfg, options.n, endpoint.num_prompts(req))
@@ -478,7 +479,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     engine = _serving_engine(state)
     endpoint = state.endpoints["/v1/messages"]
     assert isinstance(endpoint, anthropic.Messages)
-    req = endpoint.parse_count(await _read_json(request))
+    req = endpoint.parse_count(await _read_json(request), request.headers)
     ids = await _in_thread(endpoint.prompt_ids, req, engine.tokenizer)
     if req.images:
         ids, _ = await prepare_images(engine, state.cfg, endpoint, req, ids)

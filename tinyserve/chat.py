@@ -50,6 +50,9 @@ class ChatRequest:
     add_generation_prompt: bool = True
     parallel_tool_calls: bool = True   # False: at most one tool call per answer (the first)
     echo: str = ""                     # vLLM's echo of a continued message: its text goes before the answer
+    # the tools the model may call, where they differ from those the template shows first (tools added or removed
+    # mid-conversation: Anthropic's tool_addition / tool_removal); None: `tools`
+    call_tools: list[dict[str, Any]] | None = None
 
     @property
     def enable_thinking(self) -> bool:
@@ -259,6 +262,22 @@ def make_tool_parser(tools: list[dict] | None, tool_choice: Any = "auto") -> Qwe
     raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function, got {tool_choice!r}')
 
 
+def count_reasoning_tokens(token_ids: list[int], token_text: Callable[[int], str], reasoning: str | None,
+                           reasoning_end: int | None) -> int:
+    """Generated tokens that belong to the think block: up to the one that reaches `reasoning_end`, the offset in
+    the output text where the block ended (all of them when it never ended); 0 without reasoning."""
+    if not reasoning:
+        return 0
+    if reasoning_end is None:
+        return len(token_ids)
+    length = 0
+    for k, token_id in enumerate(token_ids):
+        length += len(token_text(token_id))
+        if length >= reasoning_end:
+            return k + 1
+    return len(token_ids)
+
+
 class ChatFormat:
     """The prompt through the chat template, the answer through the parsers. The parser names come from the
     config's [parsers] table ("" = off)."""
@@ -304,7 +323,7 @@ class ChatFormat:
     def tools(self, req: ChatRequest) -> Qwen3CoderToolParser | None:
         if self.tool_parser != "qwen3_coder":
             return None
-        return make_tool_parser(req.tools, req.tool_choice)
+        return make_tool_parser(req.tools if req.call_tools is None else req.call_tools, req.tool_choice)
 
     def split(self, req: ChatRequest, r: ChoiceResult) -> Answer:
         """A finished choice's text -> reasoning, content and tool calls. A choice cut by max_tokens reads a value

@@ -108,11 +108,13 @@ def _grant(future: asyncio.Future) -> None:
 
 class RequestError(ValueError):
     """A request the engine cannot take. `field` names what is wrong: a SamplingParams field, "prompt" or
-    "max_tokens" (the API maps it to the request's own field name)."""
+    "max_tokens" (the API maps it to the request's own field name). A prompt too long for the context or the KV pool
+    carries its length and that limit (`tokens`), which some clients read back from the message."""
 
-    def __init__(self, message: str, field: str) -> None:
+    def __init__(self, message: str, field: str, tokens: tuple[int, int] | None = None) -> None:
         super().__init__(message)
         self.field = field
+        self.tokens = tokens
 
 
 class Intake:
@@ -153,10 +155,11 @@ class Intake:
         context, pool = self.context_length, self.kv_tokens
         if prompt_len >= context:
             raise RequestError(f"the prompt is {prompt_len} tokens long, but the context is {context} tokens "
-                               "(there must be room for at least one generated token)", "prompt")
+                               "(there must be room for at least one generated token)", "prompt",
+                               (prompt_len, context - 1))
         if prompt_len >= pool:
             raise RequestError(f"the prompt is {prompt_len} tokens long, but the KV cache holds {pool} tokens; "
-                               "raise engine.kv_cache_tokens", "prompt")
+                               "raise engine.kv_cache_tokens", "prompt", (prompt_len, pool - 1))
         fits = min(context, pool) - prompt_len
         if max_tokens is None:
             return fits

@@ -24,7 +24,7 @@ import math
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generic, Protocol, TypeVar
+from typing import Any, Callable, Generic, Mapping, Protocol, TypeVar
 
 from .grammar import Constraint
 from .images import SUPPORTED_MEDIA_TYPES, ImageError, ImageSource, decode_base64, parse_data_url
@@ -544,6 +544,15 @@ class Endpoint(ABC, Generic[Req]):
 
     @abstractmethod
     def parse(self, body: dict, served_name: str) -> Req: ...
+
+    def parse_request(self, body: dict, served_name: str, headers: Mapping[str, str]) -> Req:
+        """parse, for a protocol that also reads request headers (Anthropic's anthropic-beta)."""
+        return self.parse(body, served_name)
+
+    def context_error(self, err: APIError, tokens: tuple[int, int] | None) -> APIError:
+        """The error for a prompt or max_tokens past the context; tokens: (the prompt's length, the most it may be)
+        for a prompt too long. A protocol whose clients read the numbers back words it their way."""
+        return err
 
     @abstractmethod
     def prompt_ids(self, req: Req, tokenizer: Tokenizer) -> list[int]:

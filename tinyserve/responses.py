@@ -60,12 +60,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chat import (FREEFORM_INPUT, ChatFormat, ChatRequest, TranslatedRequest, chat_tools, freeform_tool, function_tool,
-                   function_tools, leave_out, named_tool)
+from .chat import (FREEFORM_INPUT, ChatFormat, ChatRequest, TranslatedRequest, chat_tools, count_reasoning_tokens,
+                   freeform_tool, function_tool, function_tools, leave_out, named_tool)
 from .protocol import (APIError, ChoiceResult, Endpoint, GenerationOptions, ImageInput, Meta, Usage, bad_request,
                        boolean_field, ignored_fields, image_from_url, integer_field, logprob_content, number_field, parse_response_format, refused_fields, stream_options_field)
-from .responses_output import (ResponsesStream, call_item, count_reasoning_tokens, message_item, new_id,
-                               reasoning_item, response_body, status_of, usage_body)
+from .responses_output import (ResponsesStream, call_item, message_item, new_id, reasoning_item, response_body,
+                               status_of, usage_body)
 from .sampling import MAX_LOGPROBS, SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, SYSTEM_ROLES, ContentJoiner, MessageError, Tokenizer, tool_call_arguments
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import copy
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from .chat import ChatFormat, ChatStreamChoice, freeform_input
+from .chat import ChatFormat, ChatStreamChoice, count_reasoning_tokens, freeform_input
 from .parsers import THINK_END
 from .protocol import APIError, Delta, Meta, NamedEventStream, Usage, logprob_content
 
@@ -33,22 +33,6 @@ def usage_body(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
-
-
-def count_reasoning_tokens(token_ids: list[int], token_text: Callable[[int], str], reasoning: str | None,
-                           reasoning_end: int | None) -> int:
-    """Generated tokens that belong to the think block: up to the one that reaches `reasoning_end`, the offset in
-    the output text where the block ended (all of them when it never ended); 0 without reasoning."""
-    if not reasoning:
-        return 0
-    if reasoning_end is None:
-        return len(token_ids)
-    length = 0
-    for k, token_id in enumerate(token_ids):
-        length += len(token_text(token_id))
-        if length >= reasoning_end:
-            return k + 1
-    return len(token_ids)
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
