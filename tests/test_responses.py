@@ -305,6 +305,67 @@ def test_parsed_items_and_their_stream():
     assert added == ["reasoning", "message", "function_call"]
 
 
+# Codex's namespace entry (codex 0.171): function tools the client runs, grouped under one name
+AGENTS_NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+    {"type": "function", "name": "spawn_agent", "description": "Start a sub-agent.", "strict": False,
+     "parameters": {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]}},
+    {"type": "function", "name": "wait_agent", "description": "Wait for one.", "strict": False,
+     "parameters": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}}]}
+
+
+def test_namespace_tools_are_offered_and_called_under_their_names():
+    """The functions of a namespace are in the prompt as NAMESPACE.NAME; a call comes back as a function_call item
+    named as Codex declared it, with the namespace beside it, whole and streamed; a replayed call with a namespace
+    renders as the model wrote it."""
+    from tinyserve.protocol import ChoiceResult, Delta, Meta, Usage
+    from tinyserve.responses import Responses, parse_responses_request
+    endpoint = Responses("qwen3", "qwen3_coder")
+    req = parse_responses_request({"input": "Delegate it", "tools": [SHELL_TOOL, AGENTS_NAMESPACE]})
+    assert [t["function"]["name"] for t in req.chat.tools] == ["shell", "multi_agent_v1.spawn_agent",
+                                                               "multi_agent_v1.wait_agent"]
+    assert req.echo["tools"][1] == AGENTS_NAMESPACE
+    req.chat.starts_in_reasoning = False
+    text = ("<tool_call>\n<function=multi_agent_v1.spawn_agent>\n<parameter=message>\nFix the tests\n</parameter>\n"
+            "</function>\n</tool_call>")
+    meta = Meta("resp_1", 0, "tinyserve", [1], lambda t: t)
+    body = endpoint.response(req, meta, [ChoiceResult(0, text=text)], Usage(1, 9))
+    (call,) = body["output"]
+    assert (call["type"], call["name"], call["namespace"]) == ("function_call", "spawn_agent", "multi_agent_v1")
+    assert json.loads(call["arguments"]) == {"message": "Fix the tests"}
+    out = endpoint.stream(req, meta)
+    events = out.start()
+    for k in range(0, len(text), 5):
+        events += out.delta(0, Delta(text[k:k + 5], [], []))
+    events += out.delta(0, Delta("", [], [], "stop")) + out.end(Usage(1, 9))
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [(i["name"], i["namespace"]) for i in added] == [("spawn_agent", "multi_agent_v1")]
+    replay = parse_responses_request({"input": [
+        {"role": "user", "content": "Delegate it"},
+        {"type": "function_call", "call_id": "call_1", "name": "spawn_agent", "namespace": "multi_agent_v1",
+         "arguments": "{\"message\": \"Fix the tests\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "started"}],
+        "tools": [AGENTS_NAMESPACE], "tool_choice": {"type": "function", "name": "wait_agent",
+                                                     "namespace": "multi_agent_v1"}})
+    assert replay.chat.messages[1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1.spawn_agent"
+    assert replay.chat.tool_choice == {"type": "function", "function": {"name": "multi_agent_v1.wait_agent"}}
+    for bad, where in [({"type": "namespace", "name": "x", "tools": []}, "tools[0].tools"),
+                       ({"type": "namespace", "name": "x", "tools": [{"type": "web_search"}]}, "tools[0].tools[0].type")]:
+        with pytest.raises(Exception) as info:
+            parse_responses_request({"input": "hi", "tools": [bad]})
+        assert info.value.param == where
+
+
+def test_a_forced_namespace_call_on_the_wire(client):
+    """tool_choice naming a namespaced function forces its call (constrained decoding), which the openai client
+    reads back as a function_call with its namespace."""
+    r = create(client, "Delegate the fix", tools=[AGENTS_NAMESPACE], max_output_tokens=64, temperature=0,
+               tool_choice={"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"},
+               reasoning={"effort": "none"})
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and calls[0].name == "spawn_agent" and calls[0].model_dump()["namespace"] == "multi_agent_v1"
+    assert set(json.loads(calls[0].arguments)) <= {"message"}
+
+
 def test_history_becomes_chat_messages():
     from tinyserve.responses import parse_responses_request
     from tinyserve.tokenizer import normalise_messages
