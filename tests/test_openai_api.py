@@ -93,6 +93,11 @@ def test_completion_logprobs_counts(client, logprobs, sizes):
         return
     assert lp.token_logprobs is not None and lp.top_logprobs is not None
     assert sizes[0] <= len(lp.top_logprobs[0]) <= sizes[1]
+    assert "".join(lp.tokens) == c.choices[0].text                   # vLLM's test_some_logprobs
+    streamed = client.completions.create(model="tinyserve", prompt=[0, 0, 0, 0, 0], max_tokens=5, temperature=0.0,
+                                         logprobs=logprobs, stream=True)
+    assert "".join(t for chunk in streamed if chunk.choices[0].logprobs
+                   for t in chunk.choices[0].logprobs.tokens) == c.choices[0].text
 
 
 def test_too_many_completion_logprobs(client):
@@ -481,8 +486,9 @@ def test_return_token_ids(client, tokenizer):
     plain = client.completions.create(model="tinyserve", prompt=prompt, max_tokens=10, temperature=0,
                                       extra_body={"return_token_ids": False}).model_dump()
     assert plain["choices"][0].get("token_ids") is None and plain.get("prompt_token_ids") is None
-    # streamed: the first chunk carries the prompt's ids, and the chunks' ids are the logprobs' tokens
-    first, ids, scored = True, [], []
+    # streamed: the first chunk carries the prompt's ids, and the chunks' ids are the logprobs' tokens (each one's
+    # share of the text: together they are the text)
+    first, ids, pieces, texts = True, [], [], []
     for chunk in client.completions.create(model="tinyserve", prompt="Tell me a short fact about Python:",
                                            max_tokens=30, temperature=0, stream=True, logprobs=1,
                                            extra_body={"return_token_ids": True}):
@@ -493,9 +499,10 @@ def test_return_token_ids(client, tokenizer):
         else:
             assert getattr(ch, "prompt_token_ids", None) is None
         ids += ch.token_ids
-        scored += [tokenizer.token_text(t) for t in ch.token_ids] if ch.logprobs else []
-        assert ch.logprobs is None or ch.logprobs.tokens == [tokenizer.token_text(t) for t in ch.token_ids]
-    assert ids
+        texts.append(ch.text)
+        pieces += ch.logprobs.tokens if ch.logprobs else []
+        assert ch.logprobs is None or len(ch.logprobs.tokens) == len(ch.token_ids)
+    assert ids and "".join(pieces) == "".join(texts)
 
 
 def test_chat_return_token_ids_stream(client, tokenizer):

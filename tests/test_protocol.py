@@ -278,3 +278,24 @@ def test_json_bodies_refused_with_a_reason():
         assert e.value.status == 400 and words in e.value.message, (raw[:20], e.value.message)
     ok = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b', "b": "\\ud83d\\ude80 [[["}'
     assert parse_json_body(ok)["b"] == "\U0001F680 [[["
+
+
+def test_completion_logprob_tokens_join_into_the_text():
+    """A character split across tokens: the first adds "" and the one that completes it the character, so the
+    tokens join into the text (vLLM's test_some_logprobs); each top-n key keeps the token's own spelling; a character
+    left open at the end is U+FFFD, as in the text."""
+    from tinyserve.protocol import Meta, TextOffsets, completion_logprobs
+    pieces = [b"ok ", "天".encode()[:1], "天".encode()[1:], b"!", "気".encode()[:2]]
+    text = lambda i: pieces[i].decode("utf-8", "replace") if len(pieces[i]) != 1 or pieces[i] < b"\x80" \
+        else "bytes:" + "".join(f"\\x{b:02x}" for b in pieces[i])                           # noqa: E731
+    meta = Meta("cmpl-1", 0, "m", [0], text, token_bytes=lambda i: pieces[i])
+    out = completion_logprobs(meta, [(i, -0.5, [(i, -0.5)]) for i in range(5)], TextOffsets())
+    assert out["tokens"] == ["ok ", "", "天", "!", "\ufffd"]
+    assert "".join(out["tokens"]) == b"".join(pieces).decode("utf-8", "replace")
+    assert out["text_offset"] == [0, 3, 3, 4, 5]
+    assert list(out["top_logprobs"][1]) == ["bytes:\\xe5"]
+    streamed, offsets = [], TextOffsets()                  # chunk by chunk, the last one ends the choice
+    for k in range(0, 5, 2):
+        streamed += completion_logprobs(meta, [(i, -0.5, None) for i in range(k, min(k + 2, 5))], offsets,
+                                        final=k + 2 >= 5)["tokens"]
+    assert streamed == out["tokens"]

@@ -498,7 +498,7 @@ class CompletionStream(_OpenAIStream):
         choice: dict[str, Any] = {
             "index": index, "text": text, "finish_reason": "length" if req.prompt_only and d.finish_reason
             else d.finish_reason,
-            "logprobs": completion_logprobs(self.meta, tokens, self.offsets[index])
+            "logprobs": completion_logprobs(self.meta, tokens, self.offsets[index], final=d.finish_reason is not None)
             if req.logprobs is not None and tokens else None}
         if self.options.return_token_ids:
             choice["token_ids"] = token_ids

@@ -445,31 +445,38 @@ def logprob_content(meta: Meta, events: list[Any]) -> list[dict[str, Any]]:
 
 
 class TextOffsets:
-    """Where each token starts in a choice's text (completions' text_offset), in characters of the text its bytes
-    decode to: a token inside a character starts where that character does."""
+    """Each token's share of a choice's text, decoded as the tokens come (completions' tokens and text_offset): a
+    token inside a character adds "" and the one that completes it the whole character, so the tokens join into
+    the text; a token starts where the text stood before it."""
 
     def __init__(self) -> None:
         self.chars = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def advance(self, data: bytes) -> int:
+    def advance(self, data: bytes, final: bool = False) -> tuple[int, str]:
+        """(where the token starts, the text it adds); final: the choice's last token (a character left open
+        ends there, as U+FFFD)."""
         at = self.chars
-        self.chars += len(self._decoder.decode(data))
-        return at
+        piece = self._decoder.decode(data, final)
+        self.chars += len(piece)
+        return at, piece
 
 
 LegacyToken = tuple[int, "float | None", "list[tuple[int, float]] | None"]   # id, logprob, top-n (None: unscored)
 
 
-def completion_logprobs(meta: Meta, tokens: list[LegacyToken], offsets: TextOffsets) -> dict[str, Any]:
-    """Completions' logprobs: tokens, token_logprobs, top_logprobs (the top-n and the chosen token, keyed by text; a
-    second token with the same text is keyed "token_id:N"), text_offset. The first prompt token (echo) has no
-    logprob: null in both lists, as OpenAI and vLLM give it."""
+def completion_logprobs(meta: Meta, tokens: list[LegacyToken], offsets: TextOffsets, final: bool = True
+                        ) -> dict[str, Any]:
+    """Completions' logprobs: tokens (each one's share of the text, so that they join into it, as vLLM gives them),
+    token_logprobs, top_logprobs (the top-n and the chosen token, keyed by their own text, "bytes:\\xNN" for part of
+    a character; a second token with the same text is keyed "token_id:N"), text_offset. The first prompt token
+    (echo) has no logprob: null in both lists, as OpenAI and vLLM give it. final: these tokens end the choice."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, logprob, top in tokens:
-        out["tokens"].append(meta.token_text(token_id))
+    for k, (token_id, logprob, top) in enumerate(tokens):
+        at, piece = offsets.advance(meta.token_bytes(token_id), final and k == len(tokens) - 1)
+        out["tokens"].append(piece)
         out["token_logprobs"].append(logprob)
-        out["text_offset"].append(offsets.advance(meta.token_bytes(token_id)))
+        out["text_offset"].append(at)
         if logprob is None:
             out["top_logprobs"].append(None)
             continue
