@@ -10,7 +10,7 @@ from tinyserve.kernels import use_triton
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, hd] (last dim contiguous); cos, sin [T, 1, rd] fp32 (rd even, <= hd), as models.Rotary.cos_sin and
+    """x [T, H, hd] (last dim contiguous); cos, sin [T, 1, rd] fp32 (rd even, <= hd), as qwen3_next.Rotary.cos_sin and
     the M-RoPE tables make them. Returns a new [T, H, hd] in x's dtype: dims :rd are x * cos + rotate_half(x) * sin
     in fp32 (rotate_half(x1 | x2) = -x2 | x1), dims rd: are x's."""
     if use_triton(x):

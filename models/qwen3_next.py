@@ -62,7 +62,7 @@ class ForwardBatch:
     mrope_positions: torch.Tensor | None = None
     image_rows: torch.Tensor | None = None       # [n] int64
     image_embeds: torch.Tensor | None = None     # [n, H]
-    # Decode attention's bound on the decode and verify rows' lengths (None: their max). A static batch (runner.py,
+    # Decode attention's bound on the decode and verify rows' lengths (None: their max). A static batch (static.py,
     # CUDA graphs) fixes it to the context length, so nothing in its forward changes from step to step.
     decode_max_len: int | None = None
     # GDN state snapshots inside the prefill chunks: (prefill sequence i, counted from the first prefill, offset o
@@ -427,7 +427,7 @@ class Qwen3NextForCausalLM(nn.Module):
 
     # ---- weights ----
     def _allocate(self, fp8: Fp8Weights) -> None:
-        """Give every parameter laid out on "meta" its memory: an Fp8Weight where fp8.blocks names it (with an
+        """Give every parameter laid out on "meta" its memory: an Fp8Weight where `blocks` names it (with an
         experts dimension for stacked experts [E, N, K]), else a tensor of its dtype."""
         unknown = set(fp8.blocks) - {n for n, p in self.named_parameters() if getattr(p, "is_linear_weight", False)}
         assert not unknown, f"not linear weights of this model: {sorted(unknown)}"

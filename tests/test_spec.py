@@ -402,10 +402,14 @@ def test_server_reports_speculation_and_keeps_the_text(xdg, tmp_path):
             b = complete(stop=[stop], extra_body={"ignore_eos": True})
             assert b.choices[0].text == a.choices[0].text and b.choices[0].finish_reason == "stop"
             assert b.usage.completion_tokens == a.usage.completion_tokens
-        chunks = list(client.chat.completions.create(
-            model="tinyserve", messages=[{"role": "user", "content": "hi"}], max_tokens=30, temperature=0,
-            stream=True, stream_options={"include_usage": True}))
-        assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= 0
+        chat = dict(model="tinyserve", messages=[{"role": "user", "content": "hi"}], max_tokens=30, temperature=0,
+                    extra_body={"ignore_eos": True})
+        chunks = list(client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+        whole = client.chat.completions.create(**chat)
+        streamed = chunks[-1].usage
+        assert streamed.completion_tokens == whole.usage.completion_tokens == 30
+        assert streamed.completion_tokens_details.accepted_prediction_tokens > 10      # the head agrees
+        assert streamed.completion_tokens_details == whole.usage.completion_tokens_details
         _, _, body = http("GET", srv.base_url + "/metrics")
         metrics = body.decode() if isinstance(body, bytes) else body
         drafts = re.search(r"^tinyserve:spec_decode_num_drafts_total (\S+)$", metrics, re.M)

@@ -185,7 +185,10 @@ def test_status_json_needs_the_key_and_a_browser_is_asked_for_it(server):
     status, _, body = http("GET", server.base_url + "/status.json", headers=BEARER)
     assert status == 200
     report = json.loads(body)
-    assert report["served_name"] == "tinyserve" and len(report["history"]["t"]) >= 0
+    history = report["history"]
+    assert report["served_name"] == "tinyserve" and report["sections"]
+    assert set(history) == {"t", "tokens_per_s", "hit_rate", "ttft_s", "kv_use"}
+    assert len({len(points) for points in history.values()}) == 1      # one value of each plot per interval
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

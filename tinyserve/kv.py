@@ -16,7 +16,7 @@ class KVPool:
         self.num_pages, self.page_size, self.num_layers = num_pages, page_size, num_layers
         self.dtype = dtype
         # one page past the allocator's: the scratch page, written by the padding rows and tokens of a static
-        # decode / verify batch (runner.StaticStep); never handed out, never cached
+        # decode / verify batch (static.StaticStep); never handed out, never cached
         self.scratch_page = num_pages
         self.buffer = torch.zeros((num_pages + 1, max(num_layers, 1), 2, page_size, num_kv_heads, head_dim),
                                   dtype=dtype, device=device)

@@ -22,7 +22,7 @@ over every request's rounds), and drafts the depth d in
 0..num_steps that maximises the expected tokens per round, (1 - alpha^(d+1)) / (1 - alpha), over the round's time.
 What a round costs depends on the machine and the model (a verify of d + 1 tokens and d passes of the NEXTN head,
 against one decode step), so StepCost holds the measured seconds of a single-request step at each depth: timed at
-start (Engine.price_drafts) and kept current by the steps that run. At depth 0 the request decodes plainly and
+start (build.price_drafts) and kept current by the steps that run. At depth 0 the request decodes plainly and
 probes with one draft after `PROBE_EVERY` plain steps, backing off (doubling the wait, up to `PROBE_EVERY_MAX`)
 while probes keep failing, so a head that never agrees costs little, and one that agrees again is found. A new
 request starts from the wait the last probe of any request left, as it starts from every request's alpha: with a
@@ -117,7 +117,7 @@ def updated_alpha(alpha: float, drafted: int, accepted: int) -> float:
 
 @dataclass
 class FixedDepth:
-    """A DepthControl that always drafts `depth` (Engine.price_drafts times each depth with it)."""
+    """A DepthControl that always drafts `depth` (build.price_drafts times each depth with it)."""
     depth: int
     probing: bool = False                    # it never probes
 

@@ -19,7 +19,7 @@ class StatePool:
         self.num_slots, self.num_snapshot_slots = num_slots, num_snapshot_slots
         total, L = num_slots + num_snapshot_slots, max(num_layers, 1)
         # one slot past them all: the scratch slot, read and written by the padding rows and tokens of a static
-        # decode / verify batch (runner.StaticStep), never handed out; conv / ssm, what everything else indexes, are views without it
+        # decode / verify batch (static.StaticStep), never handed out; conv / ssm, what everything else indexes, are views without it
         self.conv_all = torch.zeros((total + 1, L, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=device)
         self.ssm_all = torch.zeros((total + 1, L, num_v_heads, dk, dv), dtype=torch.float32, device=device)
         self.conv, self.ssm, self.scratch_slot = self.conv_all[:total], self.ssm_all[:total], total
