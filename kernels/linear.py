@@ -1,4 +1,7 @@
-"""Dense projections (y = x W^T) with the faster of two CPU GEMM routes, chosen by measuring on this CPU.
+"""Dense projections (y = x W^T), with what surrounds them in the model (the input's RMSNorm, silu_and_mul, the
+residual add) as options of `linear`. On a GPU a decode step's 1..16 rows run as one Triton kernel each
+(kernels/linear_triton.py), FP8 weights through the block-FP8 GEMMs (kernels/fp8.py) otherwise; on the CPU the
+faster of two GEMM routes, chosen by measuring on this CPU.
 
 On CPU, torch's F.linear goes to MKL (sgemm / gemv) and torch's private oneDNN op `mkldnn._linear_pointwise` (what
 torch's own CPU compiler emits) to oneDNN. Which is faster depends on the CPU: oneDNN was 2-3x faster than MKL on
@@ -21,12 +24,22 @@ import os
 import time
 import weakref
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels import use_triton
+from tinyserve.kernels.activation import silu_and_mul
 from tinyserve.kernels.fp8 import fp8_linear
 from tinyserve.kernels.fp8_weight import Fp8Weight
+from tinyserve.kernels.norm import rms_norm
+
+
+class InputNorm(NamedTuple):
+    """An RMSNorm applied to x before the GEMM: x * rstd(x) * scale (scale [K] fp32, 1 + w already added)."""
+    scale: torch.Tensor
+    eps: float
 
 # oneDNN keeps each GEMM it has set up, per row count and weight shape (~0.6 MB each), in two caches of 1,024 by
 # default: prefill chunks of every length grew a server's memory by ~600 MB before they filled. The steady shapes
@@ -53,8 +66,22 @@ def _onednn_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == weight.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T -> [..., N], no bias. An Fp8Weight goes to the block-FP8 GEMM."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, norm: InputNorm | None = None,
+           silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T -> [..., N], no bias. An Fp8Weight goes to the block-FP8 GEMM.
+
+    What surrounds a projection in the model, each optional, in this order: `norm`, x RMS-normalised first
+    (rms_norm by the norm's scale); `silu_mul`, the weight is a gate_up [2I, K] and the result silu(gate) * up
+    [..., I]; `residual`, residual + the product. On a GPU a decode step's rows (1..16) run all of it as one
+    kernel (kernels/linear_triton.py: the decode GEMM, at the memory's bandwidth); otherwise the separate ops."""
+    if use_triton(x):
+        from tinyserve.kernels import linear_triton
+        if linear_triton.fits(x, weight):
+            return linear_triton.decode_linear(x, weight, norm, silu_mul, residual)
+    if norm is not None or silu_mul or residual is not None:
+        y = linear(rms_norm(x, norm.scale, norm.eps, zero_centred=False) if norm is not None else x, weight)
+        y = silu_and_mul(y) if silu_mul else y
+        return residual + y if residual is not None else y
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight)
     rows = x.numel() // x.shape[-1]
