@@ -33,7 +33,11 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype."""
     if use_triton(x):
-        from tinyserve.kernels import fp8_triton
+        from tinyserve.kernels import fp8_prefill_triton, fp8_triton
+        tiles = fp8_prefill_triton.tiles_for(x, w)
+        if tiles is not None:              # a prefill chunk on a card with TMA: quantize once, the persistent GEMM
+            y = fp8_prefill_triton.fp8_linear(x.reshape(-1, x.shape[-1]), w, tiles)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         return fp8_triton.fp8_linear(x, w)
     if not w.act_quant:
         return F.linear(x, w.dequantize(x.dtype))

@@ -6,6 +6,10 @@ so there is no separate quantization kernel or FP8 copy of x; the FP8 x FP8 dot 
 the row's activation scale and the weight block's scale before it joins the accumulator. w8a16: the FP8 weight tile
 is widened to x's dtype and the dot's result scaled by the block's scale. Every N tile quantizes the same x tile
 again: BM x 128 divisions against BM x BN x 128 multiply-adds, a 1/BN share.
+
+Which kernel multiplies: 1..16 rows (a decode step) take kernels/linear_triton.py's decode GEMM when they come
+through kernels.linear; fp8_prefill_triton.PREFILL_ROWS and more, on a card with TMA (sm_90, sm_120),
+kernels/fp8_prefill_triton.py's quantize + persistent TMA GEMM (kernels/fp8.py chooses); everything else this one.
 """
 from __future__ import annotations
 

@@ -105,3 +105,60 @@ def test_gpu_27b_shapes(K, N, M, act_quant):
     tri, ref, *_ = both(fp8_linear, x, w)
     scale = ref.float().abs().max().item()
     torch.testing.assert_close(tri.float() / scale, ref.float() / scale, atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The prefill pair (kernels/fp8_prefill_triton.py): activations quantized once, the persistent TMA GEMM
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_quantization_is_the_reference(dtype):
+    """The quantize kernel gives kernels/fp8.quantize_activations' values and scales (scales group-major)."""
+    from tinyserve.kernels.fp8_prefill_triton import quantize_groups
+    x = torch.randn(37, 384, generator=gen_(3)).to(dtype).to(DEV)
+    x[5, 128:256] = 0                                      # an all-zero group: the floor scale, zero values
+    q, s = quantize_groups(x)
+    rq, rs = quantize_activations(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.t(), rs)
+
+
+@pytest.mark.parametrize("family", ["hopper", "blackwell"])
+@pytest.mark.parametrize("M, N, K, block, programs", [
+    (300, 200, 384, (128, 128), 3),          # partial row and column tiles; 3 programs walk 6 tiles
+    (130, 72, 256, (1, 256), 1),             # per-channel scales; one program walks every tile
+    (129, 256, 128, (128, 128), 8),          # more programs than tiles
+])
+def test_prefill_tma_gemm(family, M, N, K, block, programs):
+    from tinyserve.kernels import fp8_prefill_triton as prefill
+    g = gen_(M + N)
+    w = random_weight(N, K, block, True, g)
+    x = torch.randn(M, K, generator=g).to(DEV)
+    assert prefill.fits(x, w)
+    y = prefill.fp8_linear(x, w, prefill.PREFILL_TILES[family], programs=programs)
+    from triton_setup import backend
+    with backend("torch"):
+        ref = fp8_linear(x, w)
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(y / scale, ref / scale, **fp8_dot_tol(torch.float32, True))
+
+
+def test_prefill_tma_takes_w8a8_whole_groups_only():
+    from tinyserve.kernels import fp8_prefill_triton as prefill
+    g = gen_(9)
+    x = torch.randn(4, 256, generator=g).to(DEV)
+    assert prefill.fits(x, random_weight(64, 256, (128, 128), True, g))
+    assert not prefill.fits(x, random_weight(64, 256, (128, 128), False, g))               # w8a16
+    assert not prefill.fits(x[:, :200], random_weight(64, 200, (128, 128), True, g))       # a partial group
+    assert prefill.card_family(torch.device("cpu")) is None
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("M", [512, 2048])
+@pytest.mark.parametrize("K, N", QWEN_27B)
+def test_gpu_prefill_tma_27b_shapes(K, N, M):
+    """fp8_linear's prefill rows on this card (the TMA pair on sm_90 / sm_120, else the pointer kernel) in bf16."""
+    g = gen_(K + N + M)
+    w = random_weight(N, K, (128, 128), True, g)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEV)
+    tri, ref, *_ = both(fp8_linear, x, w)
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(tri.float() / scale, ref.float() / scale, atol=2e-2, rtol=2e-2)
