@@ -37,7 +37,9 @@ def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor | PoolLayer,
     """
     kv_cache = PoolLayer.of(kv_cache).rows
     if use_triton(q):
-        from tinyserve.kernels import attention_triton
+        from tinyserve.kernels import attention_sdpa, attention_triton
+        if attention_sdpa.usable(q, kv_cache, seq_lens):      # torch's flash kernels, where they take the call
+            return attention_sdpa.prefill(q, kv_cache, page_table, cu_seqlens, seq_lens, scale)
         return attention_triton.paged_attention_prefill(q, kv_cache, page_table, cu_seqlens, seq_lens, scale)
     out = torch.empty_like(q)
     page_size = kv_cache.shape[2]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from triton_setup import DEV, ON_GPU, backend, both, gen_, gpu, needs_gpu, paged_kv, rnd, tol  # noqa: E402,F401  (first)
-from tinyserve.kernels import attention_triton, conv_triton  # noqa: E402
+from tinyserve.kernels import attention_sdpa, attention_triton, conv_triton  # noqa: E402
 from tinyserve.kernels.attention import paged_attention_prefill  # noqa: E402
 from tinyserve.kernels.conv import causal_conv1d_prefill  # noqa: E402
 
@@ -150,6 +150,29 @@ def test_paged_prefill_low_precision(kv_dtype, q_dtype, monkeypatch):
     torch.testing.assert_close(tri.float(), ref, **tol(q_dtype))
 
 
+@pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                              (torch.float8_e4m3fn, torch.float32)], ids=["fp32", "fp16", "fp8-fp32"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_sdpa_prefill(page_size, kv_dtype, q_dtype):
+    """The GPU's prefill through torch SDPA (kernels/attention_sdpa.py; here on the CPU's math kernel): the context
+    gathered from its pages, the lower-right causal mask, GQA 3:1; a sequence with no new token is skipped."""
+    cases = CASES + [(9, 0)]
+    q, cache, table, cu, lens, scale = paged_prefill_case(cases, page_size, 6, 2, 40, kv_dtype, q_dtype, seed=11)
+    out = attention_sdpa.prefill(q, cache, table, cu, lens, scale)
+    with backend("torch"):
+        ref = paged_attention_prefill(q.float(), cache.float(), table, cu, lens, scale)
+    assert out.dtype == q_dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref, **tol(q_dtype))
+
+
+def test_sdpa_prefill_only_on_a_gpu_within_its_copy_bound():
+    q, cache, table, cu, lens, scale = paged_prefill_case(CASES, 16, 6, 2, 32, torch.float16, torch.float16, seed=12)
+    assert not attention_sdpa.usable(q, cache, lens) or ON_GPU             # the CPU: our kernel / the reference
+    if ON_GPU:     # 29 query tokens of 6 x 32 fp16: 8x their bytes holds 348 tokens of 2 KV heads' keys and values
+        assert attention_sdpa.usable(q, cache, [348]) == attention_sdpa.flash_takes(q, 2)
+        assert not attention_sdpa.usable(q, cache, [349])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The GPU tier: bf16 and Qwen3.5-27B shapes (conv_dim 10240, width 4; attention 24 q / 4 KV heads of 256)
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,8 +207,10 @@ def test_gpu_paged_prefill_qwen35_27b_shapes(page_size, kv_dtype):
     q, cache, table, cu, lens, scale = paged_prefill_case(cases, page_size, 24, 4, 256, kv_dtype, torch.bfloat16,
                                                           seed=page_size)
     with backend("triton"):
-        tri = paged_attention_prefill(q, cache, table, cu, lens, scale)
+        tri = paged_attention_prefill(q, cache, table, cu, lens, scale)     # SDPA where flash takes it
+        ours = attention_triton.paged_attention_prefill(q, cache, table, cu, lens, scale)
     with backend("torch"):
         ref = paged_attention_prefill(q.float(), cache.float(), table, cu, lens, scale)
-    assert tri.dtype == torch.bfloat16
+    assert tri.dtype == ours.dtype == torch.bfloat16
     close_to_fp32_reference(tri, ref)
+    close_to_fp32_reference(ours, ref)
