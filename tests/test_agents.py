@@ -209,12 +209,15 @@ def test_forced_freeform_calls_follow_their_grammar(server, stream):
                 tool_choice={"type": "custom", "name": tool_def["name"]}, reasoning={"effort": "none"},
                 temperature=1.0))
             calls = [item for item in final["output"] if item["type"] == "custom_tool_call"]
+            if final["status"] == "incomplete":       # cut by max_output_tokens: no call to run (vLLM's peer case)
+                assert [(i["type"], i["status"]) for i in final["output"]] == [("message", "incomplete")]
+                assert not [e for e in events if e["type"].startswith("response.custom_tool_call")]
+                continue
             assert len(calls) == 1 and calls[0]["name"] == tool_def["name"], final["output"]
             assert not [item for item in final["output"] if item["type"] in ("message", "function_call")]
             assert calls[0]["call_id"].startswith("call_") and calls[0]["id"].startswith("ctc_")
-            if final["status"] == "completed":
-                whole += 1
-                assert oracle.fullmatch(calls[0]["input"]), calls[0]["input"]
+            whole += 1
+            assert oracle.fullmatch(calls[0]["input"]), calls[0]["input"]
             if stream:
                 done = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
                 assert [e["input"] for e in done] == [calls[0]["input"]]

@@ -180,12 +180,24 @@ def test_tool_streaming_arguments_are_exactly_the_parsed_string():
     assert calls[0]["function"]["arguments"] == \
         '{"city": "Paris", "days": 3, "metric": true, "options": {"lang": "fr", "hourly": false}}'
     # arguments arrive one complete parameter at a time, once the next tag confirms it ends: the name delta comes
-    # before any parameter is closed, the last parameter with the closing brace once the end of the call is sure
+    # before any parameter is closed; a last parameter with no markup in it as soon as `</function>` closes it, and
+    # the closing brace with `</tool_call>`
     kinds = ["content" if "content" in d else ("name" if "id" in d["tool_calls"][0] else "args") for d in deltas]
     assert [k for i, k in enumerate(kinds) if k != "content" or i == 0] == \
-        ["content", "name"] + ["args"] * 4 + ["name"] + ["args"] * 2
+        ["content", "name"] + ["args"] * 5 + ["name"] + ["args"] * 3
     fragments = [d["tool_calls"][0]["function"]["arguments"] for d in deltas if "tool_calls" in d]
-    assert fragments[1] == '{"city": "Paris"' and fragments[4].endswith("false}}") and fragments[-1].endswith("null}")
+    assert fragments[1] == '{"city": "Paris"' and fragments[4].endswith("false}") and fragments[5] == "}"
+    assert fragments[-2].endswith("null") and fragments[-1] == "}"
+    # the call's end comes with the delta that holds it (vLLM's speculative-decode case), not with the end of output
+    p = Qwen3CoderToolParser(TOOLS)
+    p.feed("<tool_call>\n<function=get_weather>\n")
+    done = p.feed("<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>")
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in done) == '{"city": "Paris"}'
+    # a value that quotes markup still waits for what follows its closing tags
+    p = Qwen3CoderToolParser(TOOLS)
+    p.feed("<tool_call>\n<function=run_code>\n")
+    held = p.feed("<parameter=code>\nprint('<tool_call>')\n</parameter>\n</function>\n</tool_call>")
+    assert [d["tool_calls"][0]["function"]["arguments"] for d in held] == [""]          # the name only
 
 
 def test_tool_ids_unique():

@@ -27,7 +27,9 @@ Deliberate differences from a peer's convention (each case notes which applies):
   order    a call made inside the think block, followed by `</think>` and text: the call, then the text as content
            (vLLM moves the text before the call; the message has the same content and calls).
   stream   arguments stream one whole parameter at a time, once the rest of the call confirms it (vLLM streams
-           values as they grow); the concatenation is the same JSON.
+           values as they grow); the concatenation is the same JSON. A value with no markup in it is confirmed by its
+           call's closing tags, so the delta that closes the call carries its last argument (vLLM's speculative-decode
+           case below); one that quotes markup waits for what follows.
 """
 from __future__ import annotations
 
@@ -496,6 +498,20 @@ def test_peer_case(case):
     assert whole(case) == expected
     for chunks in chunkings(case.text, seed=len(case.text)):
         assert streamed(case, chunks) == expected, chunks
+
+
+def test_a_delta_that_closes_the_call_carries_its_arguments():
+    """vLLM test_extract_tool_calls_streaming_speculative_decode_loss: one delta (speculative decoding sends several
+    tokens at once) holds the parameter and the end of the call; the arguments go out with it, whole."""
+    case = Case("vllm-speculative-stream", [tool("test", {"city": S})], "", "")
+    choice = ChatStreamChoice(formats(case), request(case))
+    first = choice.pieces("<tool_call>\n<function=test>\n", False)
+    pieces = choice.pieces("<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", False)
+    calls = [tc for p in first + pieces for tc in p.get("tool_calls", [])]
+    assert [tc["function"]["name"] for tc in calls if "id" in tc] == ["test"]
+    args = "".join(tc["function"]["arguments"] for tc in calls)
+    assert json.loads(args) == {"city": "Paris"}
+    assert choice.pieces("", True) == []                  # nothing of the call is left for the end of the output
 
 
 def test_the_suite_covers_every_peer():

@@ -358,12 +358,36 @@ def test_namespace_tools_are_offered_and_called_under_their_names():
 def test_a_forced_namespace_call_on_the_wire(client):
     """tool_choice naming a namespaced function forces its call (constrained decoding), which the openai client
     reads back as a function_call with its namespace."""
-    r = create(client, "Delegate the fix", tools=[AGENTS_NAMESPACE], max_output_tokens=64, temperature=0,
+    short = {**AGENTS_NAMESPACE, "tools": [{**AGENTS_NAMESPACE["tools"][0], "parameters": {        # the random model
+        "type": "object", "properties": {"message": {"enum": ["go", "stop"]}}, "required": ["message"]}}]}  # ends it
+    r = create(client, "Delegate the fix", tools=[short], max_output_tokens=64, temperature=0,
                tool_choice={"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"},
                reasoning={"effort": "none"})
     calls = [item for item in r.output if item.type == "function_call"]
     assert calls and calls[0].name == "spawn_agent" and calls[0].model_dump()["namespace"] == "multi_agent_v1"
     assert set(json.loads(calls[0].arguments)) <= {"message"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_output_tokens_is_no_call(client, stream):
+    """vLLM test_max_tokens_with_tool_choice_required: a forced call that max_output_tokens cuts is not returned
+    (an agent would run it with half its arguments); the response is incomplete and still has an item."""
+    kw = dict(tools=[SHELL_TOOL], tool_choice="required", max_output_tokens=10, temperature=0)
+    if stream:
+        with client.responses.stream(model="tinyserve", input="List the files", **kw) as s:
+            events = list(s)
+            r = s.get_final_response()
+        added = [e.item.type for e in events if e.type == "response.output_item.added"]
+        assert "function_call" not in added          # a call goes out once it is whole: this one never was
+    else:
+        r = create(client, "List the files", **kw)
+    assert len(r.output) >= 1 and all(item.type != "function_call" for item in r.output)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    enum = {**SHELL_TOOL, "parameters": {"type": "object", "properties": {"command": {"enum": ["ls", "pwd"]}},
+                                         "required": ["command"]}}       # a call the random model can finish
+    whole = create(client, "List the files", tools=[enum], tool_choice="required", max_output_tokens=200,
+                   temperature=0)
+    assert [item.type for item in whole.output] == ["function_call"] and whole.status == "completed"
 
 
 def test_history_becomes_chat_messages():

@@ -237,6 +237,7 @@ class Answer:
     calls: list[dict[str, Any]]       # OpenAI tool calls {id, type, function: {name, arguments}}
     finish_reason: str                # "tool_calls" for a stop with calls
     reasoning_end: int | None         # where in the output text the think block ended (None: never closed)
+    last_call_cut: bool = False       # max_tokens cut the last call off before it closed
 
 
 def make_tool_parser(tools: list[dict] | None, tool_choice: Any = "auto") -> Qwen3CoderToolParser | None:
@@ -334,12 +335,15 @@ class ChatFormat:
             reasoning, content = parser.parse(r.text)
             reasoning_end = parser.end_offset
         calls: list[dict[str, Any]] = []
+        cut = False
         tools = self.tools(req)
         if tools is not None and content:
             content, calls = tools.parse(content, truncated=r.finish_reason == "length")
-            calls = calls if req.parallel_tool_calls else calls[:1]
+            cut = len(calls) - 1 in tools.cut_calls
+            if not req.parallel_tool_calls:
+                calls, cut = calls[:1], cut and len(calls) == 1
         finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
-        return Answer(reasoning, content, calls, finish, reasoning_end)
+        return Answer(reasoning, content, calls, finish, reasoning_end, cut)
 
     def message(self, req: ChatRequest, r: ChoiceResult) -> tuple[dict[str, Any], str]:
         """Split a finished choice's text into reasoning, content and tool calls (an OpenAI chat message); the

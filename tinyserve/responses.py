@@ -463,10 +463,13 @@ class Responses(Endpoint[ResponsesRequest]):
             output.append(message_item(new_id("msg_"), answer.content))
             if req.logprobs:                          # the answer's tokens: those after the think block
                 output[-1]["content"][0]["logprobs"] = logprob_content(meta, r.events[tokens:])
-        for call in answer.calls:
+        calls = answer.calls[:-1] if answer.last_call_cut else answer.calls   # a cut call is no call to run
+        for call in calls:
             output.append(call_item(req, call["id"], call["function"]["name"], call["function"]["arguments"]))
         status = status_of(r.finish_reason)
-        if status == "incomplete" and output:
+        if status == "incomplete" and not output:
+            output.append(message_item(new_id("msg_"), ""))
+        if status == "incomplete":
             output[-1]["status"] = "incomplete"
         return response_body(req, meta, output, status, usage_body(usage, tokens))
 

@@ -100,6 +100,9 @@ class ResponsesStream(NamedEventStream):
         self.finish_reason: str | None = None
         self.pending: list[Any] = []                  # token events not yet given to a text delta (logprobs)
         self.answering = False                        # a text delta went out: the think block is behind
+        # a call goes out once it is whole (a call max_output_tokens cuts off is no call to run): (its parser index,
+        # its item, its arguments so far)
+        self.held: tuple[int, dict[str, Any], str] | None = None
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -162,6 +165,8 @@ class ResponsesStream(NamedEventStream):
 
     def _piece(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        if "tool_calls" not in piece or "id" in piece["tool_calls"][0]:
+            out += self._release(whole=True)          # what follows a call means that call is whole
         last = self.output[-1] if self.open else None
         if "reasoning_content" in piece:
             text = piece["reasoning_content"]
@@ -181,16 +186,28 @@ class ResponsesStream(NamedEventStream):
                                    logprobs=logprobs))
         elif "tool_calls" in piece:
             call = piece["tool_calls"][0]
-            if "id" in call:                          # a new call: its own item
-                out += self._open(call_item(self.req, call["id"], call["function"]["name"], ""))
-                self.arguments = ""
-            fragment = call["function"].get("arguments") or ""
-            if fragment and self.open and self.output[-1]["type"] == "custom_tool_call":
-                self.arguments += fragment
-            elif fragment and self.open and self.output[-1]["type"] == "function_call":
-                self.output[-1]["arguments"] += fragment
-                out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=fragment))
+            if "id" in call:                          # a new call: its own item, once it is whole
+                out += self._close()
+                self.held = (call["index"], call_item(self.req, call["id"], call["function"]["name"], ""), "")
+            elif self.held is not None:
+                index, item, arguments = self.held
+                self.held = (index, item, arguments + (call["function"].get("arguments") or ""))
         return out
+
+    def _release(self, whole: bool) -> list[dict[str, Any]]:
+        """The held call's events, when it is whole (else it is dropped: the end of output cut it off)."""
+        if self.held is None:
+            return []
+        (index, item, arguments), self.held = self.held, None
+        if not whole:
+            return []
+        out = self._open(item)
+        if item["type"] == "custom_tool_call":
+            self.arguments = arguments
+        elif arguments:
+            item["arguments"] = arguments
+            out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=arguments))
+        return out + self._close()
 
     def _answer_logprobs(self) -> list[dict[str, Any]]:
         """Logprobs of the tokens since the last text delta, the think block's (through the token that closes it)
@@ -212,6 +229,9 @@ class ResponsesStream(NamedEventStream):
         out: list[dict[str, Any]] = []
         for piece in self.choice.pieces(d.text, final, truncated=d.finish_reason == "length"):
             out += self._piece(piece)
+        tools = self.choice.tools
+        if self.held is not None and (final or tools is None or tools.open_call != self.held[0]):
+            out += self._release(whole=tools is None or self.held[0] not in tools.cut_calls)
         if final:
             self.finish_reason = d.finish_reason
         return out
@@ -219,6 +239,8 @@ class ResponsesStream(NamedEventStream):
     def end(self, usage: Usage) -> list[dict[str, Any]]:
         status = status_of(self.finish_reason)
         out = self._close(status)
+        if status == "incomplete" and not self.output:
+            out += self._open(message_item(new_id("msg_"), "")) + self._close(status)
         parser = self.choice.reasoning
         tokens = count_reasoning_tokens(self.token_ids, self.meta.token_text, self.reasoning,
                                         parser.end_offset if parser is not None else None)

@@ -36,6 +36,7 @@ _CLOSER = re.compile("|".join(re.escape(t) for t in CLOSERS))
 _PARAM_TAG = re.compile(r"<parameter=([^>\n]{0,%d})>" % MAX_TAG_NAME)
 _NAME_END = re.compile(r"([^>\n]{0,%d})>" % MAX_TAG_NAME)
 _LINE_PARAM = re.compile(r"(?:^|\n)[ \t]*<parameter=([^>\n]{1,%d})>" % MAX_TAG_NAME)
+_MARKUP = re.compile(r"</?(?:tool_call>|function[=>]|parameter[=>])")
 
 # call_start verdicts
 YES, NO, WAIT, CUT = "yes", "no", "wait", "cut"
@@ -273,8 +274,14 @@ class Qwen3CoderToolParser:
         self._events: list[_Event] = []
         self._truncated = False
         self.num_calls = 0
+        self.cut_calls: set[int] = set()   # calls the end of output cut off (finish / parse with truncated)
 
     # ---- public API ----
+    @property
+    def open_call(self) -> int | None:
+        """The index of the call whose end the text has not reached yet (its header went out), else None."""
+        return self._call.index if self._call is not None and self._call.committed else None
+
     def feed(self, delta: str) -> list[dict]:
         self._buf += delta
         # In a call, scanning again only when a tag can have closed (a '>') changes when a decision comes, not what
@@ -289,10 +296,12 @@ class Qwen3CoderToolParser:
         return self._take_deltas()
 
     def parse(self, text: str, truncated: bool = False) -> tuple[str, list[dict]]:
-        """Whole output -> (content, OpenAI tool_calls [{id, type, function: {name, arguments}}])."""
+        """Whole output -> (content, OpenAI tool_calls [{id, type, function: {name, arguments}}]); the calls the end
+        of a truncated output cut off are in cut_calls."""
         p = Qwen3CoderToolParser(self.tools, self.allowed_names)
         p._buf, p._truncated = text, truncated
         p._run(final=True)
+        self.cut_calls = p.cut_calls
         content: list[str] = []
         calls: list[dict] = []
         for ev in p._events:
@@ -401,14 +410,14 @@ class Qwen3CoderToolParser:
                 end = self._call_end(buf, pos, final)
                 if end is None:
                     return False
-                self._end_call(end)
+                self._end_call(end, cut=self._truncated and not buf.startswith((FUNCTION_END, TOOL_CALL_END), pos))
                 return True
             name = m.group(1).strip()
             value_end = self._value_end(buf, m.end(), name, final)
             if value_end is None:
                 return False
             if value_end is CUT_VALUE:               # the end of output left this value open: dropped
-                self._end_call(len(buf))
+                self._end_call(len(buf), cut=self._truncated)
                 return True
             close, after = value_end
             call.params.append((name, buf[m.end():close]))
@@ -450,7 +459,8 @@ class Qwen3CoderToolParser:
         output leaves it open; None: too early to say."""
         seen = {n for n, _ in self._call.params} | {name}
         for m in _CLOSER.finditer(buf, max(start, self._closers_from)):
-            verdict = self._confirmed(buf, m.start(), m.group(), seen, final)
+            plain = _MARKUP.search(buf, start, m.start()) is None
+            verdict = self._confirmed(buf, m.start(), m.group(), seen, final, plain)
             if verdict is None:
                 self._closers_from = m.start()
                 return None
@@ -472,8 +482,10 @@ class Qwen3CoderToolParser:
                 return m.start(), m.end()
         return CUT_VALUE
 
-    def _confirmed(self, buf: str, k: int, tag: str, seen: set[str], final: bool) -> bool | None:
-        """Does the rest of the call confirm that this closing tag ends the value?"""
+    def _confirmed(self, buf: str, k: int, tag: str, seen: set[str], final: bool, plain: bool = False
+                   ) -> bool | None:
+        """Does the rest of the call confirm that this closing tag ends the value? plain: the value holds no tool-call
+        markup, so the call's closing tags end it even before the text after them is seen."""
         if tag != PARAMETER_END:                     # `</function>` / `</tool_call>` with `</parameter>` missing
             return self._call_ends_here(buf, k, final)
         a = _skip_ws(buf, k + len(tag))
@@ -481,7 +493,7 @@ class Qwen3CoderToolParser:
             return self._next_parameter(buf, a, seen, final)
         if not final and _proper_prefix(buf[a:], PARAMETER_START):
             return None
-        return self._call_ends_here(buf, a, final)
+        return self._call_ends_here(buf, a, final, plain)
 
     def _next_parameter(self, buf: str, a: int, seen: set[str], final: bool) -> bool | None:
         """At `<parameter=`: the opener of a parameter not given yet? One the tool does not declare counts only when
@@ -499,15 +511,21 @@ class Qwen3CoderToolParser:
             return True if final else None
         return self._confirmed(buf, first.start(), first.group(), seen | {name}, final)
 
-    def _call_ends_here(self, buf: str, a: int, final: bool) -> bool | None:
+    def _call_ends_here(self, buf: str, a: int, final: bool, plain: bool = False) -> bool | None:
         """At `a`: `</function>` and `</tool_call>` (each optional), then the end of output, the next call, or text
-        without a closing tag up to either."""
+        without a closing tag up to either. A plain value (no markup in it) closed by `</parameter>` is ended by the
+        `</function>` after it as soon as that comes: only a value that quotes markup (an example call, a parser's
+        fixture) may go on after one, so only such a value waits for what follows (a stream sends the last argument
+        with the delta that closes the call)."""
         a = _skip_ws(buf, a)
+        closed = buf.startswith(FUNCTION_END, a)
         for tag in (FUNCTION_END, TOOL_CALL_END):
             if buf.startswith(tag, a):
                 a = _skip_ws(buf, a + len(tag))
             elif not final and _proper_prefix(buf[a:], tag):
                 return None
+        if plain and closed and _CLOSER.search(buf, a) is None:
+            return True
         pos = a
         while (i := buf.find("<", pos)) >= 0:
             rest = buf[i:i + len(TOOL_CALL_END)]
@@ -566,9 +584,11 @@ class Qwen3CoderToolParser:
         if fragment:
             self._events.append(_Event("args", fragment, index=call.index))
 
-    def _end_call(self, end: int) -> None:
+    def _end_call(self, end: int, cut: bool = False) -> None:
         call = self._call
         assert call is not None and call.committed
+        if cut:
+            self.cut_calls.add(call.index)
         self._send(call, final=True)
         self._call = None
         self._buf, self._pos, self._closers_from = self._buf[end:], 0, 0
