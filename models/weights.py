@@ -1,8 +1,12 @@
-"""What the text model and the vision tower share: parameters laid out empty, and the weight loaders that map a
-checkpoint's tensor names to them."""
+"""Checkpoint tensors into the models' parameters: parameters laid out empty, the weight loaders that map a
+checkpoint's tensor names to them (WeightLoaders; the vision tower's own in qwen_vision.py), the text model's map
+(TextWeights: Qwen3NextForCausalLM and its NEXTN head), and the memory of a model laid out on "meta" (allocate: the
+weights kept FP8 as Fp8Weight). The model files hold the forward only."""
 from __future__ import annotations
 
-from typing import Callable
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -96,3 +100,180 @@ def place_on_huge_pages(module: nn.Module) -> tuple[int, object | None]:
         p.data = view
         offset += size
     return offset, mapping
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The text model's map: Qwen3NextForCausalLM's parameters by checkpoint name (read through the modules' attributes)
+
+@dataclass(frozen=True)
+class Fp8Weights:
+    """Which linear weights the model holds as FP8 (parameter name -> scale block) and how they multiply."""
+
+    blocks: dict[str, tuple[int, int]]
+    act_quant: bool                  # w8a8 (activations quantized per 128-group) or w8a16 (see kernels/fp8.py)
+
+
+def allocate(model: nn.Module, fp8: Fp8Weights) -> None:
+    """Give every parameter of a model laid out on "meta" its memory (on model.device): an Fp8Weight where
+    Fp8Weights.blocks names it (with an experts dimension for stacked experts [E, N, K]), else a tensor of its dtype."""
+    unknown = set(fp8.blocks) - {n for n, p in model.named_parameters() if getattr(p, "is_linear_weight", False)}
+    assert not unknown, f"not linear weights of this model: {sorted(unknown)}"
+    for name, p in list(model.named_parameters()):
+        if not p.is_meta:
+            continue
+        owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        del owner._parameters[attr]
+        if name in fp8.blocks:
+            experts = p.shape[0] if p.dim() == 3 else None
+            setattr(owner, attr, Fp8Weight(p.shape[-2], p.shape[-1], fp8.blocks[name], model.device,
+                                           fp8.act_quant, experts))
+        else:
+            setattr(owner, attr, empty_param(p.shape, p.dtype, model.device))
+    if model.cfg.tie_word_embeddings:
+        model.lm_head = model.embed_tokens
+
+
+class TextWeights:
+    """Which checkpoint tensor (canonical name) fills which parameter of a text model, and how: rows of a fused
+    projection ([q | gate] and k, v into qkv_proj; gate and up into gate_up), Qwen3-Next's interleaved GDN
+    projections reordered into [q | k | v | z] and [b | a], a zero-centred norm's w into its scale 1 + w."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        cfg, H, V, dtype = model.cfg, model.cfg.hidden_size, model.cfg.vocab_size, model.dtype
+        w = self.loaders = WeightLoaders()
+        w.add("embed_tokens.weight", (V, H), model.embed_tokens)
+        for i, layer in enumerate(model.layers):
+            w.merge(f"layers.{i}.", _layer(layer, cfg))
+        w.add_norm("norm.weight", (H,), model.norm, dtype)
+        if not cfg.tie_word_embeddings:
+            w.add("lm_head.weight", (V, H), model.lm_head)
+        if model.mtp is not None:
+            w.merge("mtp.", _nextn_head(model.mtp, cfg))
+        if model.visual is not None:
+            w.merge("visual.", model.visual.weight_loaders())
+        # the stacked experts a checkpoint may ship instead of per-expert tensors: not part of expected()
+        self.fused = WeightLoaders()
+        heads = list(model.mtp.layers) if model.mtp is not None else []
+        for prefix, layer in [(f"layers.{i}.", x) for i, x in enumerate(model.layers)] + \
+                             [(f"mtp.layers.{i}.", x) for i, x in enumerate(heads)]:
+            if hasattr(layer.mlp, "experts_gate_up"):
+                f = WeightLoaders()
+                f.add("experts.gate_up_proj", tuple(layer.mlp.experts_gate_up.shape), layer.mlp.experts_gate_up)
+                f.add("experts.down_proj", tuple(layer.mlp.experts_down.shape), layer.mlp.experts_down)
+                self.fused.merge(prefix + "mlp.", f)
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.loaders.shapes)
+
+    def load(self, name: str, tensor: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Copy one checkpoint tensor in; `scale` (block scales in the target's layout) when it stays FP8."""
+        loader = self.loaders.loaders.get(name) or self.fused.loaders.get(name)
+        if loader is None:
+            raise KeyError(f"unexpected tensor {name!r}")
+        device = self.model.device
+        if scale is None:
+            loader(tensor.to(device))
+        else:
+            loader(tensor.to(device), scale.to(device, torch.float32))
+
+    def linear_parts(self) -> dict[str, list[tuple[str, int, int]]]:
+        """Each linear weight filled by checkpoint tensors copied as they are: parameter name -> [(canonical name,
+        first row, rows)], for stacked experts [E, N, K] every expert's parts with their first row within the
+        expert. Weights loaded through a reordering (Qwen3-Next's interleaved GDN projections) are not listed, and
+        the stacked names a checkpoint may ship instead (self.fused) are no parts. What the loader decides FP8
+        placement on."""
+        model = self.model
+        names = {id(p): n for n, p in model.named_parameters() if getattr(p, "is_linear_weight", False)}
+        out: dict[str, list[tuple[str, int, int]]] = {}
+        for canonical, (param, start) in self.loaders.parts.items():
+            if id(param) in names:
+                out.setdefault(names[id(param)], []).append((canonical, start, self.loaders.shapes[canonical][0]))
+        # a weight is listed only if its parts cover it (a reordered part leaves it out); stacked experts by rows
+        # of all experts
+        return {n: parts for n, parts in out.items()
+                if sum(rows for _, _, rows in parts) == math.prod(model.get_parameter(n).shape[:-1])}
+
+
+def _layer(layer: Any, cfg: Any) -> WeightLoaders:
+    w, H = WeightLoaders(), cfg.hidden_size
+    w.add_norm("input_layernorm.weight", (H,), layer.input_layernorm, layer.dtype)
+    w.add_norm("post_attention_layernorm.weight", (H,), layer.post_attention_layernorm, layer.dtype)
+    if layer.kind == "linear_attention":
+        w.merge("linear_attn.", _gated_delta_net(layer.mixer, cfg))
+    else:
+        w.merge("self_attn.", _gated_attention(layer.mixer, cfg, layer.dtype))
+    w.merge("mlp.", _moe(layer.mlp, cfg) if hasattr(layer.mlp, "experts_gate_up") else _mlp(layer.mlp))
+    return w
+
+
+def _gated_delta_net(m: Any, cfg: Any) -> WeightLoaders:
+    w = WeightLoaders()
+    H, kd, vd, nk, nv, dk, dv = cfg.hidden_size, m.kd, m.vd, m.nk, m.nv, m.dk, m.dv
+    r = nv // nk
+    if cfg.interleaved_gdn_proj:
+        # Qwen3-Next: rows grouped per key head g: [q_g | k_g | v_{g*r..} | z_{g*r..}] -> reorder to [q|k|v|z]
+        def qkvz(t: torch.Tensor) -> torch.Tensor:
+            t = t.reshape(nk, 2 * dk + 2 * r * dv, H)
+            q, k, v, z = t.split([dk, dk, r * dv, r * dv], dim=1)
+            return torch.cat([x.reshape(-1, H) for x in (q, k, v, z)])
+
+        def ba(t: torch.Tensor) -> torch.Tensor:
+            b, a = t.reshape(nk, 2 * r, H).split([r, r], dim=1)
+            return torch.cat([b.reshape(nv, H), a.reshape(nv, H)])
+        w.add("in_proj_qkvz.weight", (2 * kd + 2 * vd, H), m.in_proj_qkvz, qkvz)
+        w.add("in_proj_ba.weight", (2 * nv, H), m.in_proj_ba, ba)
+    else:
+        w.add_rows("in_proj_qkv.weight", (2 * kd + vd, H), m.in_proj_qkvz, 0)
+        w.add_rows("in_proj_z.weight", (vd, H), m.in_proj_qkvz, 2 * kd + vd)
+        w.add_rows("in_proj_b.weight", (nv, H), m.in_proj_ba, 0)
+        w.add_rows("in_proj_a.weight", (nv, H), m.in_proj_ba, nv)
+    w.add("conv1d.weight", (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), m.conv_weight)
+    w.add("A_log", (nv,), m.A_log)
+    w.add("dt_bias", (nv,), m.dt_bias)
+    w.add("norm.weight", (dv,), m.norm_weight)
+    w.add("out_proj.weight", (H, vd), m.out_proj)
+    return w
+
+
+def _gated_attention(m: Any, cfg: Any, dtype: torch.dtype) -> WeightLoaders:
+    """qkv_proj rows: [q_proj rows (per head: query hd | gate hd) | k_proj rows | v_proj rows]."""
+    w, H = WeightLoaders(), cfg.hidden_size
+    w.add_rows("q_proj.weight", (m.q_rows, H), m.qkv_proj, 0)
+    w.add_rows("k_proj.weight", (m.kv_rows, H), m.qkv_proj, m.q_rows)
+    w.add_rows("v_proj.weight", (m.kv_rows, H), m.qkv_proj, m.q_rows + m.kv_rows)
+    w.add("o_proj.weight", (H, m.nh * m.hd), m.o_proj)
+    w.add_norm("q_norm.weight", (m.hd,), m.q_norm, dtype)
+    w.add_norm("k_norm.weight", (m.hd,), m.k_norm, dtype)
+    return w
+
+
+def _mlp(m: Any) -> WeightLoaders:
+    w, H, I = WeightLoaders(), m.down.shape[0], m.inter
+    w.add_rows("gate_proj.weight", (I, H), m.gate_up, 0)
+    w.add_rows("up_proj.weight", (I, H), m.gate_up, I)
+    w.add("down_proj.weight", (H, I), m.down)
+    return w
+
+
+def _moe(m: Any, cfg: Any) -> WeightLoaders:
+    w, E, H, I = WeightLoaders(), m.E, cfg.hidden_size, m.I
+    w.add("gate.weight", (E, H), m.router)
+    for e in range(E):
+        w.add_rows(f"experts.{e}.gate_proj.weight", (I, H), m.experts_gate_up, 0, expert=e)
+        w.add_rows(f"experts.{e}.up_proj.weight", (I, H), m.experts_gate_up, I, expert=e)
+        w.add_rows(f"experts.{e}.down_proj.weight", (H, I), m.experts_down, 0, expert=e)
+    w.merge("shared_expert.", _mlp(m.shared_expert))
+    w.add("shared_expert_gate.weight", (1, H), m.shared_expert_gate)
+    return w
+
+
+def _nextn_head(head: Any, cfg: Any) -> WeightLoaders:
+    w, H = WeightLoaders(), cfg.hidden_size
+    w.add("fc.weight", (H, 2 * H), head.fc)
+    w.add_norm("pre_fc_norm_embedding.weight", (H,), head.pre_fc_norm_embedding, head.dtype)
+    w.add_norm("pre_fc_norm_hidden.weight", (H,), head.pre_fc_norm_hidden, head.dtype)
+    for i, layer in enumerate(head.layers):
+        w.merge(f"layers.{i}.", _layer(layer, cfg))
+    w.add_norm("norm.weight", (H,), head.norm, head.dtype)
+    return w

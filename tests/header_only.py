@@ -14,6 +14,7 @@ import torch
 
 from tinyserve.model_config import parse_config
 from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
+from tinyserve.models.weights import TextWeights
 
 QWEN3_5_27B = {   # text_config of Qwen3.5-27B (its config.json)
     "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "num_hidden_layers": 64,
@@ -41,7 +42,7 @@ def make_header_only(path: str | Path, config: dict, dtype_tag: str = "BF16",
     (folder / "config.json").write_text(json.dumps(config))
     mtp = ["mtp.layers.0.x"] if config.get("mtp_num_hidden_layers") else []
     cfg = parse_config(folder, config, mtp)
-    expected = Qwen3NextForCausalLM(cfg, torch.bfloat16, torch.device("meta")).expected_tensors()
+    expected = TextWeights(Qwen3NextForCausalLM(cfg, torch.bfloat16, torch.device("meta"))).expected()
     size = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
     header, offset = {}, 0
 

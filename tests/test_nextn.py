@@ -13,6 +13,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
 
 from checkpoints import make_qwen3_5_text, make_qwen3_next
+from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kv import KVPool
 from tinyserve.loader import load_model
 from tinyserve.models.qwen3_next import ForwardBatch
@@ -79,6 +80,13 @@ def make_batch(ids: list[int], start: int, pages: list[int], slot: int) -> Forwa
         state_slots=[slot], state_slots_t=torch.tensor([slot]), num_decode=0)
 
 
+def head_hidden(model, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: KVPool, layer: int,
+                kv_only: bool = False) -> torch.Tensor | None:
+    """The NEXTN head over batch's positions in KV pool layer `layer` (as spec.py runs it eagerly)."""
+    args = (model.embed(next_ids), hidden, batch, PoolLayer(kv.buffer, layer), model.cos_sin(batch.positions))
+    return model.mtp.write_kv(*args) if kv_only else model.mtp(*args)
+
+
 def pools(model) -> tuple[KVPool, StatePool]:
     cfg = model.cfg
     n_attn = len(cfg.attn_layer_ids)
@@ -108,8 +116,8 @@ def test_mtp_draft_logits_match_formula(case, split):
     outs = []
     with torch.inference_mode():
         for a, b in zip(cuts, cuts[1:]):
-            batch = make_batch(ids[a:b], a, pages, 1)     # positions p; input_ids unused by mtp_forward
-            outs.append(model.mtp_forward(next_ids[a:b], hidden[a:b], batch, kv, n_attn))
+            batch = make_batch(ids[a:b], a, pages, 1)     # positions p; input_ids unused by the head
+            outs.append(model.compute_logits(head_hidden(model, next_ids[a:b], hidden[a:b], batch, kv, n_attn)))
     ours = torch.cat(outs)
     ref = reference_draft_logits(hf, layer_cls, moe, hidden[:P].clone(), next_ids, torch.arange(P))
     assert ours.shape == (P, model.cfg.vocab_size)
@@ -129,14 +137,14 @@ def test_mtp_position_offset_cancels(case):
     assert (a - b).abs().max().item() < 1e-4
     kv, _ = pools(model)
     with torch.inference_mode():
-        ours = model.mtp_forward(nxt, hidden, make_batch(list(range(20)), 0, [3, 5], 0), kv,
-                                 len(model.cfg.attn_layer_ids))
+        ours = model.compute_logits(head_hidden(model, nxt, hidden, make_batch(list(range(20)), 0, [3, 5], 0), kv,
+                                                len(model.cfg.attn_layer_ids)))
     assert (ours - a).abs().max().item() < 1e-4
 
 
 def test_mtp_kv_writes_the_heads_kv(case):
-    """mtp_kv (a position nothing is drafted from: only its K and V rows of the projection) stores in the head's
-    pool layer exactly what mtp_hidden stores there, and nothing anywhere else."""
+    """NextNHead.write_kv (a position nothing is drafted from: only its K and V rows of the projection) stores in the
+    head's pool layer exactly what its forward stores there, and nothing anywhere else."""
     _, _, _, model = case
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(21, model.cfg.hidden_size, generator=gen)
@@ -147,8 +155,8 @@ def test_mtp_kv_writes_the_heads_kv(case):
     with torch.inference_mode():
         for a, b in ((0, 20), (20, 21)):                  # a chunk, then one position (as a quiet decode step)
             batch = make_batch(list(range(a, b)), a, [3, 5], 0)
-            model.mtp_hidden(nxt[a:b], hidden[a:b], batch, full, n_attn)
-            model.mtp_kv(nxt[a:b], hidden[a:b], batch, kv_only, n_attn)
+            head_hidden(model, nxt[a:b], hidden[a:b], batch, full, n_attn)
+            head_hidden(model, nxt[a:b], hidden[a:b], batch, kv_only, n_attn, kv_only=True)
     assert full.buffer[:, n_attn].abs().sum() > 0
     # a GEMM over fewer weight rows may sum in another order: equal to rounding
     torch.testing.assert_close(kv_only.buffer, full.buffer, rtol=0, atol=1e-6)

@@ -39,9 +39,7 @@ def engine_logits(model, ids: list[int], page_size: int, chunk: int) -> torch.Te
     hidden = []
     while req.num_computed < len(ids):
         seqs = eng.scheduler.schedule()
-        batch = eng.runner.build_batch(seqs)
-        with torch.inference_mode():
-            hidden.append(model(batch, eng.kv_pool, eng.state_pool))
+        hidden.append(eng.runner.forward(seqs)[1])
         req.num_computed += seqs[0].num_tokens
     return model.compute_logits(torch.cat(hidden))
 

@@ -69,9 +69,7 @@ def engine_logits(eng, ids, images) -> torch.Tensor:
     hidden = []
     while req.num_computed < len(ids):
         seqs = eng.scheduler.schedule()
-        batch = eng.runner.build_batch(seqs)
-        with torch.inference_mode():
-            hidden.append(eng.model(batch, eng.kv_pool, eng.state_pool))
+        hidden.append(eng.runner.forward(seqs)[1])
         req.num_computed += seqs[0].num_tokens
     return eng.model.compute_logits(torch.cat(hidden))
 

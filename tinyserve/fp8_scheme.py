@@ -191,11 +191,12 @@ def fp8_placement(cfg: ModelConfig, items: list[TensorToLoad], scheme: Fp8Scheme
     import torch
 
     from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
+    from tinyserve.models.weights import TextWeights
     by_name = {it.canonical: it for it in items}
     probe = Qwen3NextForCausalLM(dataclasses.replace(cfg, vision_config=None), torch.bfloat16, "meta")
     blocks: dict[str, tuple[int, int]] = {}
     kept: dict[str, str] = {}
-    for param, parts in probe.linear_parts().items():
+    for param, parts in TextWeights(probe).linear_parts().items():
         found = {_scale_block(by_name[c], scheme.block) if c in by_name else None for c, _, _ in parts}
         if len(found) != 1 or None in found:
             continue

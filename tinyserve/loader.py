@@ -1,7 +1,7 @@
 """Stream a checkpoint's weights into the model (model_config.py reads the folder, fp8_scheme.py its FP8 scales).
 
 The checkpoint's tensors are first matched to the model's own list (names, shapes, FP8 scales), then copied in one
-at a time (safe_open + model.load_tensor), so peak memory stays near the model size. An FP8 checkpoint's tensors are
+at a time (safe_open + models.weights.TextWeights.load), so peak memory stays near the model size. An FP8 checkpoint's tensors are
 dequantized one by one, or kept FP8 where fp8_scheme.fp8_placement allows. read_checkpoint counts what load_model
 will hold from the headers alone: what the memory plan needs. Every problem is raised as LoaderError with a message
 naming the file, key or tensor at fault.
@@ -63,7 +63,8 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     import torch
     from safetensors import safe_open
 
-    from tinyserve.models.qwen3_next import Fp8Weights, Qwen3NextForCausalLM
+    from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
+    from tinyserve.models.weights import Fp8Weights, TextWeights
 
     checkpoint = read_folder(folder, vision)
     path, cfg, tensors = checkpoint.path, checkpoint.config, checkpoint.tensors
@@ -75,14 +76,15 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     kept: dict[str, str] = {}                      # canonical tensor -> the FP8 parameter it fills
     if fp8_weights != "dequantize" and scheme.method:
         check = Qwen3NextForCausalLM(cfg, dtype, "meta")       # names and shapes checked before any allocation
-        matched = _match_tensors(path, cfg, tensors, scheme, check.expected_tensors())
+        matched = _match_tensors(path, cfg, tensors, scheme, TextWeights(check).expected())
         blocks, kept = fp8_placement(cfg, matched, scheme)
     cfg.fp8_blocks = blocks
     fp8 = Fp8Weights(blocks, act_quant=fp8_weights == "w8a8") if blocks else None
     model = Qwen3NextForCausalLM(cfg, dtype, device, fp8)
     if model.visual is not None:
         cfg.vision_parameters = sum(p.numel() for p in model.visual.parameters())
-    items = _match_tensors(path, cfg, tensors, scheme, model.expected_tensors())
+    weights = TextWeights(model)
+    items = _match_tensors(path, cfg, tensors, scheme, weights.expected())
 
     # Read file by file (sequential access into each mmap); scales may sit in another shard.
     items.sort(key=lambda it: (str(it.info.file), it.info.name))
@@ -106,7 +108,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
                     else:                              # dequantized where the model lives
                         tensor = dequantize(tensor.to(device), scale, scheme.block, item.scale.name)
                         scale = None
-                model.load_tensor(item.canonical, tensor, scale)
+                weights.load(item.canonical, tensor, scale)
                 del tensor  # one checkpoint tensor alive at a time
                 bar.update(1)
     log.info("loaded %s: %d tensors, %s, dtype %s, device %s%s", path, len(items), cfg.model_type, dtype, device,

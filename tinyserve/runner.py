@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.grammar import MaskBuffer
+from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kernels.verify_layout import verify_layout
 from tinyserve.kv import KVPool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
@@ -108,7 +109,7 @@ class ModelRunner:
 
     # ---- the packed batch ----
     def _batch(self, spans: list[tuple[Request, int, int]], input_ids: list[int], state_slots: list[int],
-               num_decode: int, image_shift: int = 0) -> ForwardBatch:
+               num_decode: int, image_shift: int = 0) -> tuple[ForwardBatch, dict]:
         """The packed batch of spans (request, first position, tokens) over each request's own pages. A row at
         position p embeds the image feature of the token at p + image_shift where that is an image token (0 for the
         target; 1 for the NEXTN head, which embeds the token after each position)."""
@@ -134,6 +135,11 @@ class ModelRunner:
             seq_lens.append(end)
         max_pages = max(len(req.pages) for req, _, _ in spans)
         table = [req.pages + [0] * (max_pages - len(req.pages)) for req, _, _ in spans]
+        inputs = {}
+        if rope:
+            inputs["rope_positions"] = torch.cat(rope, dim=1).to(dev)
+        if image_rows:
+            inputs["embeds"] = (torch.tensor(image_rows, dtype=torch.long, device=dev), torch.cat(image_embeds).to(dev))
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -143,12 +149,9 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             state_slots=state_slots,
             state_slots_t=torch.tensor(state_slots, dtype=torch.long, device=dev),
-            num_decode=num_decode,
-            mrope_positions=torch.cat(rope, dim=1).to(dev) if rope else None,
-            image_rows=torch.tensor(image_rows, dtype=torch.long, device=dev) if image_rows else None,
-            image_embeds=torch.cat(image_embeds).to(dev) if image_embeds else None)
+            num_decode=num_decode), inputs
 
-    def build_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
+    def build_batch(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, dict]:
         """Pack the step's sequences (plain decodes, then verifies, then prefill chunks, as scheduled)."""
         num_decode = sum(s.is_decode and not s.is_verify for s in seqs)
         num_verify = sum(s.is_verify for s in seqs)
@@ -158,18 +161,18 @@ class ModelRunner:
         for s in seqs:
             req = s.req
             ids += req.all_ids[s.start:s.start + 1] + s.draft if s.is_verify else req.all_ids[s.start:s.start + s.num_tokens]
-        batch = self._batch([(s.req, s.start, s.num_tokens) for s in seqs], ids, [s.req.state_slot for s in seqs],
-                            num_decode)
+        batch, inputs = self._batch([(s.req, s.start, s.num_tokens) for s in seqs], ids,
+                                    [s.req.state_slot for s in seqs], num_decode)
         first_prefill = num_decode + num_verify
         batch.prefill_snapshots = tuple((i - first_prefill, pos - s.start, slot)
                                         for i, s in enumerate(seqs) for pos, slot in s.snapshots)
         if num_verify:
             vs, cu = seqs[num_decode:num_decode + num_verify], batch.cu_seqlens
-            batch.num_verify = num_verify
-            batch.verify = verify_layout([c - cu[num_decode] for c in cu[num_decode:num_decode + num_verify + 1]],
+            batch.num_extended = num_verify
+            batch.extended = verify_layout([c - cu[num_decode] for c in cu[num_decode:num_decode + num_verify + 1]],
                                          batch.seq_lens[num_decode:num_decode + num_verify],
                                          [s.req.state_slot for s in vs], [s.verify_slots for s in vs], self.device)
-        return batch
+        return batch, inputs
 
     def nextn_head(self, spans: list[tuple[Request, int, int]], next_ids: list[int],
                    hidden: torch.Tensor) -> torch.Tensor:
@@ -180,16 +183,21 @@ class ModelRunner:
         if self.static is not None and self.static.fits_draft(spans):
             return self.static.run_draft(spans, next_ids, hidden)
         num_decode = next((k for k, (_, _, n) in enumerate(spans) if n != 1), len(spans))
-        batch = self._batch(spans, next_ids, [0] * len(spans), num_decode, image_shift=1)
-        return self.model.mtp_hidden(batch.input_ids, hidden, batch, self.kv_pool, self.nextn.kv_layer)
+        batch, inputs = self._batch(spans, next_ids, [0] * len(spans), num_decode, image_shift=1)
+        return self.model.mtp(*self._head_args(batch, inputs, hidden))
+
+    def _head_args(self, batch: ForwardBatch, inputs: dict, hidden: torch.Tensor) -> tuple:
+        m = self.model
+        return (m.embed(batch.input_ids, inputs.get("embeds")), hidden, batch,
+                PoolLayer(self.kv_pool.buffer, self.nextn.kv_layer), m.cos_sin(batch.positions, inputs.get("rope_positions")))
 
     def nextn_kv(self, spans: list[tuple[Request, int, int]], next_ids: list[int], hidden: torch.Tensor) -> None:
         """Only the NEXTN head's KV over spans (as nextn_head writes it), where nothing is drafted."""
         if self.static is not None and self.static.fits_draft(spans):
             self.static.run_draft(spans, next_ids, hidden, kv_only=True)
             return
-        batch = self._batch(spans, next_ids, [0] * len(spans), 0, image_shift=1)
-        self.model.mtp_kv(batch.input_ids, hidden, batch, self.kv_pool, self.nextn.kv_layer)
+        batch, inputs = self._batch(spans, next_ids, [0] * len(spans), 0, image_shift=1)
+        self.model.mtp.write_kv(*self._head_args(batch, inputs, hidden))
 
     def grammar_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """(sampling rows, bitmask) of the requests whose grammar is active this step, filled by llguidance; None
@@ -203,15 +211,20 @@ class ModelRunner:
 
     # ---- the step ----
     @torch.inference_mode()
+    def forward(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, torch.Tensor, dict]:
+        """The step's forward: its batch, the hidden rows and the model inputs of images."""
+        if self.static is not None and self.static.fits(seqs):     # decodes and verifies: padded, graphs on CUDA
+            batch, hidden = self.static.run(seqs)
+            return batch, hidden, {}
+        batch, inputs = self.build_batch(seqs)
+        return batch, self.model(batch, self.kv_pool, self.state_pool, **inputs), inputs
+
+    @torch.inference_mode()
     def step(self, seqs: list[ScheduledSeq], num_running: int = 1) -> StepResult:
         if not seqs:
             return StepResult([])
         start = time.perf_counter()
-        if self.static is not None and self.static.fits(seqs):     # decodes and verifies: padded, graphs on CUDA
-            batch, hidden = self.static.run(seqs)
-        else:
-            batch = self.build_batch(seqs)
-            hidden = self.model(batch, self.kv_pool, self.state_pool)
+        batch, hidden, inputs = self.forward(seqs)
         if any(s.req.needs_prompt_logprobs and not s.is_decode for s in seqs):
             self._prompt_logprobs(seqs, batch, hidden)
         sampled = [i for i, s in enumerate(seqs) if s.samples]
@@ -220,7 +233,7 @@ class ModelRunner:
             self.nextn.draft(self, seqs, batch.cu_seqlens, hidden, {id(o.seq): o for o in outputs}, num_running)
             if len(seqs) == 1 and seqs[0].is_decode:    # one request decoding: its time prices a draft
                 self.nextn.step_cost.observe(len(seqs[0].draft), time.perf_counter() - start)
-        if batch.mrope_positions is not None:          # a request with images ran
+        if inputs:                                     # a request with images ran
             self.images.let_go(seqs)
         return StepResult(outputs)
 

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from tinyserve.kernels import use_triton
+from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kernels.verify_layout import VerifyLayout
 from tinyserve.kv import KVPool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
@@ -76,8 +77,8 @@ def shape_batch(T: int, max_len: int, t: StepTensors) -> ShapeBatch:
                               token_seq=rows // T, token_lens=t.token_lens)
     return ShapeBatch(input_ids=t.input_ids, positions=t.positions, cu_seqlens=[], seq_lens=[],
                       seq_lens_t=t.seq_lens, page_table=t.page_table, slot_mapping=t.slot_mapping, state_slots=[],
-                      state_slots_t=t.state_slots, num_decode=B if T == 1 else 0, num_verify=0 if T == 1 else B,
-                      verify=verify, decode_max_len=max_len)
+                      state_slots_t=t.state_slots, num_decode=B if T == 1 else 0, num_extended=0 if T == 1 else B,
+                      extended=verify, decode_max_len=max_len)
 
 
 class StepPools(NamedTuple):
@@ -100,14 +101,14 @@ def draft_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv_l
                   hidden: torch.Tensor, t: StepTensors) -> torch.Tensor:
     """A static NEXTN head pass: token row r embeds input_ids[r] with the hidden row hidden[r] ([B * T, H])."""
     batch = shape_batch(T, max_len or t.page_table.shape[1] * kv.shape[3], t)
-    return model.mtp_hidden(t.input_ids, hidden, batch, StepPools(kv), kv_layer)
+    return model.mtp(model.embed(t.input_ids), hidden, batch, PoolLayer(kv, kv_layer), model.cos_sin(t.positions))
 
 
 def head_kv_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv_layer: int, kv: torch.Tensor,
                     hidden: torch.Tensor, t: StepTensors) -> None:
     """A static pass of the NEXTN head's KV alone (positions nothing is drafted from), fed as draft_forward."""
     batch = shape_batch(T, max_len or t.page_table.shape[1] * kv.shape[3], t)
-    model.mtp_kv(t.input_ids, hidden, batch, StepPools(kv), kv_layer)
+    model.mtp.write_kv(model.embed(t.input_ids), hidden, batch, PoolLayer(kv, kv_layer), model.cos_sin(t.positions))
 
 
 FORWARDS = {"step": target_forward, "draft": draft_forward, "head_kv": head_kv_forward}   # by kind
@@ -261,7 +262,7 @@ class StaticStep:
             input_ids=self.input_ids[:B * T], positions=self.positions[:B * T],
             cu_seqlens=list(range(0, B * T + 1, T)), seq_lens=seq_lens, seq_lens_t=self.seq_lens[:B],
             page_table=self.page_table[:B, :W], slot_mapping=self.slot_mapping[:B * T], state_slots=state_slots,
-            state_slots_t=self.state_slots[:B], num_decode=B if T == 1 else 0, num_verify=0 if T == 1 else B,
+            state_slots_t=self.state_slots[:B], num_decode=B if T == 1 else 0, num_extended=0 if T == 1 else B,
             decode_max_len=self.max_len)
 
     def _fill(self, spans: list[tuple[Request, int, list[int], list[int]]]
