@@ -160,6 +160,14 @@ def error_response(err: APIError, path: str = "") -> web.Response:
     return web.json_response(body, status=err.status, headers=err.headers, dumps=dumps)
 
 
+def _refused(request: web.Request, err: APIError) -> web.Response:
+    """A refused request, logged one line each (the operator sees what a client was told; /health's 503 while
+    loading or draining is its answer, not a refusal)."""
+    if request.path != "/health":
+        log.warning("%s %s: %d %s", request.method, request.path, err.status, err.message)
+    return error_response(err, request.path)
+
+
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every failure leaves in the error shape; never a traceback to the client."""
@@ -167,7 +175,7 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     try:
         response = await handler(request)
     except APIError as e:
-        response = error_response(e, request.path)
+        response = _refused(request, e)
     except web.HTTPException as e:                    # routing (404, 405) and body size (413) from aiohttp
         if e.status < 400:
             raise
@@ -175,8 +183,8 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
                    405: f"method {request.method} not allowed on {request.path}",
                    413: f"request body is larger than server.max_request_body_mb "
                         f"({state.cfg.server.max_request_body_mb:g} MB)"}.get(e.status, e.reason)
-        response = error_response(APIError(e.status, message, headers={
-            k: v for k, v in e.headers.items() if k.lower() == "allow"}), request.path)
+        response = _refused(request, APIError(e.status, message, headers={
+            k: v for k, v in e.headers.items() if k.lower() == "allow"}))
     except (asyncio.CancelledError, ConnectionResetError):
         raise                                         # the client went away; the handler cleaned up
     except Exception:
@@ -461,6 +469,7 @@ async def _stream(request: web.Request, gen: Generation, out: EndpointStream) ->
                 await send(out.delta(i, d))
             await send(out.end(gen.usage()))
         except APIError as e:                         # after the headers went out: an error event
+            log.warning("%s %s: %d %s (in the stream)", request.method, request.path, e.status, e.message)
             await send([out.error(e)])
         await response.write(out.done)
         await response.write_eof()
