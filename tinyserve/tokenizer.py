@@ -121,7 +121,7 @@ class MessageError(ValueError):
 
 
 # One image in a prompt, as Qwen3.5's template renders an image part: one pad, which the engine widens to the image's
-# token count (engine.prepare_images).
+# token count (intake.prepare_images).
 IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 SYSTEM_IMAGE_ERROR = "System message cannot contain images."      # the template's own words
 SYSTEM_ROLES = ("system", "developer")
