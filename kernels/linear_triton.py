@@ -63,15 +63,19 @@ def num_sms(device: torch.device) -> int:
 
 def decode_tiles(N: int, K: int, weight_bytes: int, two_halves: bool, sms: int) -> DecodeTiles:
     """BN and the split count for an [N, K] weight of weight_bytes per element as the dot reads it (1: FP8 w8a8; 2:
-    bf16 / fp16, and FP8 w8a16, whose tile is widened in registers: 64 columns spill there on sm_120): a weight
-    tile of 8 KB per K step (64 columns of FP8, 32 of 16-bit; half that per half with silu_mul, whose program reads
-    two), then K split in powers of two until the programs reach PROGRAMS_PER_SM per SM or the slices get short.
-    Four stages of (x tile 4 KB + weight tiles 8 KB) fit every card's shared memory (100 KB on a 4090 / 5090)."""
-    BN = max(16, (8192 // BK) // weight_bytes // (2 if two_halves else 1))
-    tiles = triton.cdiv(N, BN)
-    steps = triton.cdiv(K, BK)
-    split = 1
-    while tiles * split < PROGRAMS_PER_SM * sms and steps >= 2 * split * MIN_STEPS_PER_SPLIT:
+    bf16 / fp16, and FP8 w8a16, whose tile is widened in registers: 64 columns spill there on sm_120). The widest
+    column tile of at most 8 KB a K step (64 columns of FP8, 32 of 16-bit; half that per half with silu_mul, whose
+    program reads two) that still makes PROGRAMS_PER_SM programs per SM; where even 16 columns do not, K is split in
+    powers of two until they do or the slices get short. Narrower tiles before splits: a split costs the second
+    kernel's launch. Four stages of (x tile 4 KB + weight tiles <= 8 KB) fit every card's shared memory (100 KB on a
+    4090 / 5090)."""
+    widest = max(16, (8192 // BK) // weight_bytes // (2 if two_halves else 1))
+    target = PROGRAMS_PER_SM * sms
+    BN = widest
+    while BN > 16 and triton.cdiv(N, BN) < target:
+        BN //= 2
+    tiles, steps, split = triton.cdiv(N, BN), triton.cdiv(K, BK), 1
+    while tiles * split < target and steps >= 2 * split * MIN_STEPS_PER_SPLIT:
         split *= 2
     return DecodeTiles(BN=BN, split=split, num_warps=4, num_stages=4)
 

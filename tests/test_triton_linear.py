@@ -129,17 +129,22 @@ def test_what_it_takes():
 
 
 def test_tiles_fill_the_card():
-    """At least PROGRAMS_PER_SM programs per SM where K allows; splits keep MIN_STEPS_PER_SPLIT steps each."""
+    """At least PROGRAMS_PER_SM programs per SM where K allows; the widest tile that gets there, K split only when
+    16 columns do not, each slice MIN_STEPS_PER_SPLIT steps or more."""
     for N, K, wb, two in [(5120, 17408, 1, False), (5120, 6144, 1, False), (34816 // 2, 5120, 1, True),
-                          (96, 5120, 2, False), (2048, 512, 1, False), (248320, 5120, 2, False)]:
+                          (96, 5120, 2, False), (2048, 512, 1, False), (248320, 5120, 2, False),
+                          (16384, 5120, 1, False)]:
         for sms in (128, 132, 170):
             t = decode_tiles(N, K, wb, two, sms)
+            target = linear_triton.PROGRAMS_PER_SM * sms
             programs = -(-N // t.BN) * t.split
             steps = -(-K // linear_triton.BK)
             assert t.split == 1 or steps >= t.split * linear_triton.MIN_STEPS_PER_SPLIT
-            assert programs >= linear_triton.PROGRAMS_PER_SM * sms or \
-                steps < 2 * t.split * linear_triton.MIN_STEPS_PER_SPLIT
-            assert t.BN * linear_triton.BK * wb * (2 if two else 1) == 8192
+            assert programs >= target or steps < 2 * t.split * linear_triton.MIN_STEPS_PER_SPLIT
+            assert t.BN * linear_triton.BK * wb * (2 if two else 1) <= 8192 and t.BN >= 16
+            assert t.split == 1 or t.BN == 16                       # narrower tiles before a second kernel
+            wider = 2 * t.BN
+            assert wider * linear_triton.BK * wb * (2 if two else 1) > 8192 or -(-N // wider) < target
 
 
 # ---------------------------------------------------------------------------------------------------------------
