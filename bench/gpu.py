@@ -2,7 +2,9 @@
 run of a few minutes on a CUDA machine (tests/gpu.sh runs it after the tests):
 
     python3 bench/gpu.py                  # from the repository root, tinyserve installed (-e . is enough)
+    python3 bench/gpu.py --profile        # instead: the step kernel by kernel against the card's roofs (< 5 min)
     .venv/bin/python bench/gpu.py --dry-run   # no GPU: the same script on a tiny model on the CPU (checks it)
+    .venv/bin/python bench/gpu.py --profile --dry-run   # no GPU: the profile's host pass, kernels interpreted
 
 The model: Qwen3.5-27B's config (64 layers, 48 GDN + 16 attention, hidden 5120, MLP 17408, NEXTN head) with the
 linear weights FP8 where Qwen's FP8 release has them, laid out by the plan from a folder of safetensors headers
@@ -14,8 +16,13 @@ accepted; the depth is what the engine's measured step costs choose); the kernel
 
 Printed, one table: decode tokens/s at batch 1 and 8 with and without NEXTN, and batch-1 decode against the HBM
 bound (weight bytes per token over the bandwidth measured by a device copy; target >= 70%); prefill tokens/s at 8K
-and 32K; TTFT of a 170K-token prompt; the chunked GDN kernel against flash-linear-attention's (`fla`, when it
-imports; target >= 0.8x) and the block-FP8 GEMM against torch._scaled_mm with row-wise scales (target >= 0.8x).
+and 32K; TTFT of a 170K-token prompt; then table (c) of the profile, our kernels against peers' (`kernel_peers`:
+flash-linear-attention's GDN kernels when fla imports, torch SDPA, torch._scaled_mm, cuBLAS).
+
+--profile (bench/gpu_profile.py): a decode step at batch 1 (8K context) and batch 8 inside its CUDA graph, and one
+8K prefill chunk, kernel by kernel (time, bytes, FLOPs, the fraction of the HBM and tensor-core roofs of the card,
+read from its name); their sum against the measured step (launch gaps and host work); the peers' table. Also to
+$OUT/gpu_profile.txt.
 In-process through the engine (engine_for_model, offline generate): the HTTP server adds the same per-request costs
 as on the CPU (bench/serve.py), not per-token ones. Everything printed also goes to $OUT/gpu.txt.
 """
@@ -92,14 +99,16 @@ def random_model(folder: Path, device, dtype):
     return mc, weights, model
 
 
-def engine(model, nextn: bool, context: int, dry: bool):
+def engine(model, nextn: bool, context: int, dry: bool, kernels: str = "auto"):
     from tinyserve.config import from_dict
     from tinyserve.build import engine_for_model, price_drafts
     tables = {"model": {"dtype": "float32" if dry else "bfloat16", "kv_cache_dtype": "auto" if dry else "fp8_e4m3",
                         "context_length": context},
               "engine": {"max_running_requests": 8, "chunked_prefill_size": 512 if dry else 8192, "page_size": 64,
-                         "kv_cache_tokens": 8192 if dry else 0},
+                         "kv_cache_tokens": 8192 if dry else 0, "kernels": kernels},
               "cache": {"enabled": False}}
+    if kernels == "triton" and dry:
+        tables["engine"]["compile_steps"] = False      # the interpreted kernels, eagerly (not torch.compile's CPU code)
     if nextn:
         tables["speculative"] = {"num_steps": 3, "max_running": 8}
     eng = engine_for_model(from_dict(tables), model)
@@ -158,63 +167,134 @@ def copy_bandwidth(device) -> float:
     return 2 * a.numel() / t
 
 
-def kernel_peers(device, dry: bool) -> None:
-    """Our chunked GDN against fla's (if importable) at 8K tokens; our block-FP8 GEMM against _scaled_mm."""
+def kernel_peers(device, roofs) -> None:
+    """Table (c): our kernels against peers' on the same inputs, where the peer imports: the chunked GDN and the
+    recurrent GDN decode against flash-linear-attention's (fla; target >= 0.8x), prefill attention (ours against
+    torch SDPA's flash kernels), the block-FP8 GEMM against torch._scaled_mm (row-wise scales; target >= 0.8x) and,
+    at decode rows, cuBLAS's bf16 GEMM (twice the bytes: what the FP8 weights save)."""
     import torch
     if device.type != "cuda":
         say("   kernel peers: GPU only")
         return
     from triton.testing import do_bench
 
-    from tinyserve.kernels import backend_set_to
-    from tinyserve.kernels.fp8 import fp8_linear
+    from gpu_profile import OP_COSTS, Cost
+    from tinyserve.kernels import attention_sdpa, attention_triton, backend_set_to
     from tinyserve.kernels.fp8_weight import Fp8Weight
-    from tinyserve.kernels.gdn import chunk_gated_delta_rule
+    from tinyserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_decode
+    from tinyserve.kernels.linear import linear
     g = torch.Generator(device=device).manual_seed(1)
-    T, H, HV, D = 8192, 16, 48, 128
-    q = torch.nn.functional.normalize(torch.randn(T, H, D, generator=g, device=device), dim=-1).bfloat16()
-    k = torch.nn.functional.normalize(torch.randn(T, H, D, generator=g, device=device), dim=-1).bfloat16()
-    v = torch.randn(T, HV, D, generator=g, device=device).bfloat16()
-    gate = -torch.rand(T, HV, generator=g, device=device) * 0.5
-    beta = torch.rand(T, HV, generator=g, device=device)
-    pool = torch.zeros(2, HV, D, D, device=device)
-    qs = q * D ** -0.5                                     # our kernel takes q scaled; fla scales inside
-    with backend_set_to("triton"):
-        ours = do_bench(lambda: chunk_gated_delta_rule(qs, k, v, gate, beta, pool, [0, T], [1]))
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk   # GVA: 16 key, 48 value heads
-        fla = do_bench(lambda: fla_chunk(q[None], k[None], v[None], g=gate[None], beta=beta[None], scale=D ** -0.5,
-                                         initial_state=pool[:1], output_final_state=True))
-        say(f"   GDN chunk prefill, 8K tokens, 27B heads: ours {ours:.3f} ms, fla {fla:.3f} ms: "
-            f"{fla / ours:.2f}x fla's speed (target >= 0.8x)")
-    except Exception as e:                                # not installed, or an API change: say so, go on
-        say(f"   GDN chunk prefill, 8K tokens: ours {ours:.3f} ms; fla not run ({type(e).__name__}: {str(e)[:120]})")
-    for M, K, N in ((2048, 5120, 34816), (2048, 17408, 5120), (2048, 5120, 16384), (8, 5120, 34816)):
-        w = Fp8Weight(N, K, (128, 128), device, act_quant=True)
-        w.weight.copy_((torch.randn(N, K, generator=g, device=device) * 64).clamp(-448, 448).to(w.weight.dtype))
-        w.scale.fill_(1e-3)
-        x = torch.randn(M, K, generator=g, device=device).bfloat16()
+
+    def randn(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+    say(f"{'op':<30} {'shape':<26} {'ours us':>9} {'HBM':>5} {'TC':>5}  {'peer':<22} {'peer us':>9} {'speed':>6}")
+
+    def row(op: str, shape: str, cost: Cost, ours, peer_name: str, peer) -> None:
         with backend_set_to("triton"):
-            ours = do_bench(lambda: fp8_linear(x, w))
-        xq = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
-        sx = torch.ones(M, 1, device=device)
-        sw = torch.ones(1, N, device=device)
+            t = do_bench(ours) * 1e3
         try:
-            peer = do_bench(lambda: torch._scaled_mm(xq, w.weight.t(), scale_a=sx, scale_b=sw,
-                                                     out_dtype=torch.bfloat16))
-            ratio = f"{peer / ours:.2f}x _scaled_mm's speed (row-wise scales; target >= 0.8x)"
-        except Exception as e:
-            ratio = f"_scaled_mm not run ({type(e).__name__}: {str(e)[:100]})"
-        flops = 2 * M * N * K / (ours * 1e-3) / 1e12
-        say(f"   block-FP8 GEMM {M}x{K} @ {N}x{K}: ours {ours:.3f} ms ({flops:.0f} TFLOP/s), {ratio}")
+            p, note = do_bench(peer) * 1e3, ""
+        except Exception as e:                            # not installed, or an API change: say so, go on
+            p, note = float("nan"), f" not run ({type(e).__name__}: {str(e)[:60]})"
+        peak = roofs.fp8 if cost.fp8 else roofs.bf16
+        tc = f"{cost.flops / (t * 1e-6) / peak:>5.0%}" if cost.flops and peak == peak else f"{'-':>5}"
+        say(f"{op:<30} {shape:<26} {t:>9.1f} {cost.nbytes / (t * 1e-6) / roofs.hbm:>5.0%} {tc}  {peer_name:<22} "
+            f"{p:>9.1f} {p / t:>5.2f}x{note}")
+
+    H, HV, D = 16, 48, 128                                # Qwen3.5-27B's GDN heads
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+    except Exception as e:
+        fla_chunk = fla_recurrent = None
+        say(f"   fla not importable ({type(e).__name__}): its rows say so")
+    for T in (1, 8, 8192):
+        q = torch.nn.functional.normalize(randn(T, H, D, dtype=torch.float32), dim=-1).bfloat16()
+        k = torch.nn.functional.normalize(randn(T, H, D, dtype=torch.float32), dim=-1).bfloat16()
+        v, gate = randn(T, HV, D), -torch.rand(T, HV, generator=g, device=device) * 0.5
+        beta = torch.rand(T, HV, generator=g, device=device)
+        qs = q * D ** -0.5                                 # our kernels take q scaled; fla scales inside
+        if T == 8192:
+            pool = torch.zeros(2, HV, D, D, device=device)
+            cost = OP_COSTS["gdn_triton.chunk_gated_delta_rule"]({"q": q, "k": k, "v": v, "state": pool,
+                                                                  "slot_ids": [1]})
+            row("gdn chunk (prefill)", f"{T} tokens", cost,
+                lambda: chunk_gated_delta_rule(qs, k, v, gate, beta, pool, [0, T], [1]), "fla chunk",
+                lambda: fla_chunk(q[None], k[None], v[None], g=gate[None], beta=beta[None], scale=D ** -0.5,
+                                  initial_state=pool[:1], output_final_state=True))
+        else:
+            pool, slots = randn(T, HV, D, D, dtype=torch.float32, scale=0.1), torch.arange(T, device=device)
+            cost = OP_COSTS["gdn_triton.recurrent_gated_delta_rule_decode"]({"q": q, "k": k, "v": v, "state": pool,
+                                                                             "slot_ids": slots})
+            row("gdn recurrent (decode)", f"{T} sequences", cost,
+                lambda: recurrent_gated_delta_rule_decode(qs, k, v, gate, beta, pool, slots), "fla fused_recurrent",
+                lambda: fla_recurrent(q[:, None], k[:, None], v[:, None], g=gate[:, None], beta=beta[:, None],
+                                      scale=D ** -0.5, initial_state=pool, output_final_state=True))
+    NH, NKV, HD, page = 24, 4, 256, 64                    # the 27B's attention
+    for cached, new in ((0, 8192), (8192, 2048)):
+        L = cached + new
+        cache = randn(-(-L // page) + 1, 2, page, NKV, HD)
+        table = torch.arange(-(-L // page), device=device, dtype=torch.int32)[None]
+        q = randn(new, NH, HD)
+        args = (q, cache, table, [0, new], [L], HD ** -0.5)
+        cost = OP_COSTS["attention_sdpa.prefill"](dict(q=q, kv_cache=cache, cu_seqlens=[0, new], seq_lens=[L]))
+        row("prefill attention (ours)", f"{cached} cached + {new}", cost,
+            lambda: attention_triton.paged_attention_prefill(*args), "torch SDPA (flash)",
+            lambda: attention_sdpa.prefill(*args))
+    for M, K, N in ((1, 5120, 34816), (8, 5120, 34816), (1, 17408, 5120), (16, 17408, 5120), (2048, 5120, 34816),
+                    (8192, 5120, 34816), (8192, 17408, 5120)):
+        w = Fp8Weight(N, K, (128, 128), device, act_quant=True)
+        w.weight.copy_(randn(N, K, dtype=torch.float32, scale=64).clamp(-448, 448).to(w.weight.dtype))
+        w.scale.fill_(1e-3)
+        x = randn(M, K)
+        xq = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+        sx, sw = torch.ones(M, 1, device=device), torch.ones(1, N, device=device)
+        cost = Cost(N * K + (M * K + M * N) * 2, 2 * M * N * K, fp8=True)
+        row("block-FP8 GEMM w8a8", f"{M}x{K} @ {N}x{K}", cost, lambda: linear(x, w), "torch._scaled_mm rowwise",
+            lambda: torch._scaled_mm(xq, w.weight.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16))
+        if M <= 16:
+            wb = randn(N, K, scale=K ** -0.5)
+            row("bf16 GEMM (decode rows)", f"{M}x{K} @ {N}x{K}", Cost(2 * N * K + (M * K + M * N) * 2,
+                                                                   2 * M * N * K),
+                lambda: linear(x, wb), "cuBLAS bf16 (F.linear)", lambda: torch.nn.functional.linear(x, wb))
+
+
+def run_profile(model, mc, device, dry: bool) -> None:
+    """--profile: tables (a) and (b) for a decode step at batch 1 (8K context) and 8, and one 8K prefill chunk;
+    table (c), the peers (bench/gpu_profile.py)."""
+    import torch
+
+    from gpu_profile import profile_phase, roofs_for
+    name = "CPU (dry run)" if dry else torch.cuda.get_device_name()
+    roofs = roofs_for(name, copy_bandwidth(device))
+    say(f"roofs: {roofs.card}: HBM {roofs.hbm / 1e12:.2f} TB/s, bf16 {roofs.bf16 / 1e12:.0f} TFLOP/s, "
+        f"FP8 {roofs.fp8 / 1e12:.0f} TFLOP/s (dense)")
+    context, chunk = (256, 128) if dry else (8192, 8192)
+    eng = engine(model, False, 4 * context + 64, dry, kernels="triton" if dry else "auto")
+    steps = 4 if dry else 16
+    for batch, ctx in ((1, context), (8, context // 4)):
+        for line in profile_phase(eng, prompts(batch, ctx, mc.vocab_size, seed=ctx), steps, device, roofs,
+                                  f"== (a) decode step, batch {batch}, {ctx}-token context"):
+            say(line)
+    for line in profile_phase(eng, prompts(1, chunk, mc.vocab_size, seed=7), 0, device, roofs,
+                              f"== (a) prefill, one {chunk}-token chunk"):
+        say(line)
+    eng.close()
+    say("== (c) peers")
+    kernel_peers(device, roofs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU: checks the script")
+    parser.add_argument("--profile", action="store_true", help="kernel by kernel against the card's roofs (a few "
+                        "minutes); with --dry-run the host pass alone, the Triton kernels interpreted")
     args = parser.parse_args()
-    import torch
     dry = args.dry_run
+    if dry and args.profile:           # the GPU's kernels, interpreted: set before any kernel module is defined
+        os.environ["TRITON_INTERPRET"] = "1"
+        import triton_setup  # noqa: F401 - the tests' interpreter fixes (its fp32 -> fp8 rounding is wrong)
+    import torch
     if not dry and not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA device (or --dry-run)")
     device = torch.device("cpu" if dry else "cuda")
@@ -225,6 +305,12 @@ def main() -> None:
     weight_bytes = weights.bytes(4 if dry else 2)
     say(f"model: {weight_bytes / 2**30:.2f} GiB of weights ({weights.fp8_values / 1e9:.2f} G values kept FP8), "
         f"built in {time.time() - t0:.0f} s")
+    if args.profile:
+        run_profile(model, mc, device, dry)
+        say(f"total {time.time() - t0:.0f} s")
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "gpu_profile.txt").write_text("\n".join(LOG) + "\n")
+        return
     bw = copy_bandwidth(device)
     # a decode step reads every weight once but the embedding (one row) and the NEXTN head (not run without NEXTN)
     per_token = weight_bytes - mc.vocab_size * mc.hidden_size * (4 if dry else 2)
@@ -263,7 +349,8 @@ def main() -> None:
         say(f"{name:<36} {value:>14}  {note}")
     if bw == bw:
         say(f"device copy bandwidth {bw / 1e12:.2f} TB/s; weight bytes per decoded token {per_token / 2**30:.2f} GiB")
-    kernel_peers(device, dry)
+    from gpu_profile import roofs_for
+    kernel_peers(device, roofs_for(torch.cuda.get_device_name() if device.type == "cuda" else "", bw))
     say(f"total {time.time() - t0:.0f} s")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu.txt").write_text("\n".join(LOG) + "\n")

@@ -10,14 +10,18 @@ tinyserve's dependencies, and no install of tinyserve):
    inside), against the same calls run eagerly.
 3. Per-kernel timings, Triton against the torch reference on the same CUDA tensors, on Qwen3.5-27B shapes (hidden
    5120, MLP 17408, GDN 16 key / 48 value heads of 128, conv_dim 10240, attention 24 q / 4 KV heads of 256), with
-   each kernel's max error against the reference computed in fp32 and its effective bandwidth. One table.
+   each kernel's max error against the reference computed in fp32 and its effective bandwidth. One table. The
+   decode GEMM (kernels/linear_triton.py) at every projection of a 27B and a 35B-A3B decode step with what
+   kernels.linear fuses there ("decode ..." rows: its GB/s against the card's bandwidth is the number to read).
 4. The Qwen3.5-27B vision tower on one 1024x1024 image in bf16 (random weights): time and peak memory.
 
 Everything printed also goes to $OUT/gpu_check.txt when OUT is set (tests/gpu.sh sets it).
 
 Without a GPU:
     .venv/bin/python bench/gpu_check.py --compile   # every kernel variant of section 3 compiled for sm_90/89/120
-                                                    # with the ptxas in the triton wheel: shared memory, registers
+                                                    # with the ptxas in the triton wheel: shared memory, registers,
+                                                    # spills, the widest global load (16B: vectorised; tma)
+    .venv/bin/python bench/gpu_check.py --compile --only decode "fp8 prefill"   # the cases so named
     .venv/bin/python bench/gpu_check.py --dry-run   # section 3 on tiny shapes under the interpreter (the script)
 """
 from __future__ import annotations
@@ -96,6 +100,17 @@ GEMM_ROWS = (1, 8, 2048)                  # rows of the block-FP8 GEMM cases (de
 GEMMS = ((HIDDEN, 2 * MLP), (MLP, HIDDEN), (HIDDEN, 2 * NK * DK + 2 * NV * DV), (NV * DV, HIDDEN))   # (K, N)
 PREFILL = ((2048,), (1000, 2900, 196))    # sequence lengths of the chunked GDN and conv prefill cases
 PREFILL_ATTN = None                       # (kv dtype, page size, cached tokens, new tokens) per case; None: below
+DECODE_ROWS = (1, 8)                      # rows of the decode GEMM cases (kernels/linear_triton.py)
+# (model, projection, N, K, what is fused): each projection of a decode step as kernels.linear runs it
+DECODE_GEMMS = (("27B", "gate_up", 2 * MLP, HIDDEN, "norm+silu"), ("27B", "down", HIDDEN, MLP, "residual"),
+                ("27B", "gdn in", 2 * NK * DK + 2 * NV * DV, HIDDEN, "norm"), ("27B", "gdn out", HIDDEN, NV * DV,
+                                                                               "residual"),
+                ("27B", "attn qkv", 2 * NH * HD + 2 * NKV * HD, HIDDEN, "norm"), ("27B", "lm_head", 248320, HIDDEN, ""),
+                ("35B-A3B", "shared gate_up", 2 * 512, 2048, "norm+silu"), ("35B-A3B", "shared down", 2048, 512,
+                                                                             "residual"),
+                ("35B-A3B", "gdn in", 12288, 2048, "norm"), ("35B-A3B", "attn out", 2048, 4096, "residual"))
+EMPTY_WEIGHTS = False                     # --compile: big weights left unfilled (nothing is launched)
+PREFILL_GEMM_ROWS = (2048,)               # rows of the explicit TMA GEMM cases (CPU only: on a GPU fp8_linear's own)
 
 
 def prefill_attn_cases(bf, fp8):
@@ -110,10 +125,13 @@ def paged_cases(bf, fp8):
 
 def shrink_for_compile() -> None:
     """--compile: the real head dims and dtypes (they set the kernels' constexprs), short contexts and few rows."""
-    global TOKENS, DECODE_N, PAGED, GEMM_ROWS, PREFILL, PREFILL_ATTN
+    global TOKENS, DECODE_N, PAGED, GEMM_ROWS, PREFILL, PREFILL_ATTN, DECODE_ROWS, EMPTY_WEIGHTS
     import torch
     bf, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    global PREFILL_GEMM_ROWS
     TOKENS, DECODE_N, GEMM_ROWS, PREFILL = (1, 64), (1,), (1, 64, 256), ((70,),)
+    DECODE_ROWS, EMPTY_WEIGHTS = (1,), True         # every row count of 1..16 runs the same variant
+    PREFILL_GEMM_ROWS = (512,)
     PREFILL_ATTN = [(bf, 16, (64,), (70,)), (fp8, 16, (64,), (70,)), (bf, 1, (3,), (5,)), (bf, 64, (64,), (70,))]
     PAGED = [(bf, 16, 1, 64), (bf, 1, 1, 64), (bf, 64, 1, 128), (fp8, 16, 1, 64), (torch.float32, 16, 1, 64)]
 
@@ -121,8 +139,11 @@ def shrink_for_compile() -> None:
 def shrink_for_dry_run() -> None:
     """--dry-run: the same script on tiny shapes on the CPU under Triton's interpreter (checks the script)."""
     global HIDDEN, MLP, NK, NV, DK, DV, CONV, NH, NKV, HD, TOKENS, DECODE_N, VERIFY, PAGED, ACT, GEMM_ROWS, GEMMS
-    global PREFILL, PREFILL_ATTN, ROTARY
+    global PREFILL, PREFILL_ATTN, ROTARY, DECODE_GEMMS, PREFILL_GEMM_ROWS
     HIDDEN, MLP, NK, NV, DK, DV, NH, NKV, HD, ROTARY = 64, 48, 2, 4, 16, 16, 4, 2, 32, 8
+    DECODE_GEMMS = (("tiny", "gate_up", 96, 256, "norm+silu"), ("tiny", "down", 40, 384, "residual"),
+                    ("tiny", "gdn in", 80, 128, "norm"))
+    PREFILL_GEMM_ROWS = (130,)
     CONV = 2 * NK * DK + NV * DV
     TOKENS, DECODE_N, VERIFY = (1, 3), (1, 2), ((2, 3),)
     GEMM_ROWS, GEMMS, PREFILL = (1, 5), ((HIDDEN, 2 * MLP), (MLP, HIDDEN)), ((5, 70),)
@@ -142,9 +163,11 @@ class Case:
     are cloned for each use; `nbytes` is the memory traffic a perfect kernel moves; `ref32` computes the output in
     fp32 with the torch reference."""
 
-    def __init__(self, op: str, shape: str, make, fn, nbytes: int, ref32, mutable: tuple[int, ...] = ()) -> None:
+    def __init__(self, op: str, shape: str, make, fn, nbytes: int, ref32, mutable: tuple[int, ...] = (),
+                 targets: tuple[int, ...] | None = None) -> None:
         self.op, self.shape, self.make, self.fn, self.nbytes, self.ref32 = op, shape, make, fn, nbytes, ref32
         self.mutable = mutable
+        self.targets = targets            # --compile: the architectures its variants are for (None: every one)
 
     def args(self, args):
         return tuple(a.clone() if i in self.mutable else a for i, a in enumerate(args))
@@ -276,6 +299,8 @@ def cases(dev):
                                 lambda a=(x, w): a, fp8_linear, N * K + w.scale.numel() * 4 + (M * K + M * N) * 2,
                                 lambda x, w: fp8_linear(x.float(), w)))
 
+    out += gemm_cases(dev, g, rnd)
+
     # MoE experts kept FP8 (Qwen3.5-35B-A3B-FP8: hidden 2048, expert width 512, 256 experts, top 8, 128 x 128
     # blocks): routed experts through both grouped GEMMs. On the CPU (--compile records the launches, --dry-run
     # interprets) 8 experts: their count sets no constexpr, only the rows per expert, which GEMM_ROWS then take
@@ -322,6 +347,62 @@ def cases(dev):
     return out
 
 
+def gemm_cases(dev, g, rnd) -> list[Case]:
+    """The decode GEMM (kernels/linear_triton.py) at each projection of a decode step with what kernels.linear fuses
+    into it there, for FP8 weights (w8a8, w8a16) and bf16 ones; the prefill TMA GEMM (kernels/fp8_prefill_triton.py)
+    for the device's family (on the CPU: every family, each compiled for its own architecture)."""
+    import torch
+    from tinyserve.kernels import fp8_prefill_triton as prefill
+    from tinyserve.kernels import use_triton
+    from tinyserve.kernels.fp8 import fp8_linear
+    from tinyserve.kernels.fp8_weight import Fp8Weight
+    from tinyserve.kernels.linear import InputNorm, linear
+    bf = ACT or torch.bfloat16
+
+    def fp8_weight(N, K, act_quant):
+        w = Fp8Weight(N, K, (128, 128), dev, act_quant)
+        if not EMPTY_WEIGHTS:
+            w.weight.copy_((torch.randn(N, K, generator=g, device=dev) * 100).clamp(-448, 448).to(w.weight.dtype))
+            w.scale.copy_(torch.rand(w.scale.shape, generator=g, device=dev) * 1e-3)
+        return w
+
+    def fused(x, w, norm, silu_mul, residual):
+        return linear(x, w, norm=norm, silu_mul=silu_mul, residual=residual)
+
+    def fused32(x, w, norm, silu_mul, residual):
+        w32 = w if isinstance(w, Fp8Weight) else w.float()
+        return linear(x.float(), w32, norm=norm, silu_mul=silu_mul,
+                      residual=residual.float() if residual is not None else None)
+    out = []
+    for model, name, N, K, fuse in DECODE_GEMMS:
+        for kind in ("w8a8", "w8a16", "bf16"):
+            if name == "lm_head" and kind != "bf16":
+                continue                                 # the checkpoints keep lm_head in bf16
+            w = fp8_weight(N, K, kind == "w8a8") if kind != "bf16" else \
+                (torch.empty(N, K, dtype=bf, device=dev) if EMPTY_WEIGHTS else rnd(N, K, scale=K ** -0.5))
+            wbytes = N * K * (1 if kind != "bf16" else 2)
+            for M in DECODE_ROWS:
+                x = rnd(M, K)
+                norm = InputNorm(1.0 + rnd(K, dtype=torch.float32, scale=0.1), 1e-6) if "norm" in fuse else None
+                n_out = N // 2 if "silu" in fuse else N
+                residual = rnd(M, n_out) if "residual" in fuse else None
+                out.append(Case(f"decode {kind} {model} {name}", f"{M}x{K} @ {N}x{K} {fuse}",
+                                lambda a=(x, w, norm, "silu" in fuse, residual): a, fused,
+                                wbytes + (M * K + M * n_out * (2 if residual is not None else 1)) * 2, fused32))
+    def tma_or_reference(x, w, tiles):
+        return prefill.fp8_linear(x, w, tiles) if use_triton(x) else fp8_linear(x, w)
+    sm = {"hopper": 90, "blackwell": 120}
+    for family in prefill.PREFILL_TILES if dev.type == "cpu" else ():   # on a GPU fp8_linear picks it (above)
+        for M in PREFILL_GEMM_ROWS:
+            for K, N in GEMMS:
+                w, x = fp8_weight(N, K, True), rnd(M, K)
+                out.append(Case(f"fp8 prefill tma {family}", f"{M}x{K} @ {N}x{K}",
+                                lambda a=(x, w, prefill.PREFILL_TILES[family]): a, tma_or_reference,
+                                N * K + (M * K + M * N) * 2, lambda x, w, t: fp8_linear(x.float(), w),
+                                targets=(sm[family],)))
+    return out
+
+
 def time_ms(fn, args) -> float:
     if args[0].device.type != "cuda":                     # --dry-run: one call, wall clock
         t = time.perf_counter()
@@ -341,17 +422,20 @@ TL_TYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": 
             "torch.int32": "i32", "torch.int64": "i64", "torch.bool": "i1"}
 
 
+RECORDING_FOR: list = [None]              # the architectures of the case being recorded (None: every one)
+
+
 def record_launches(run_cases) -> list[tuple]:
-    """The (kernel, args, kwargs) of every launch run_cases() makes, recorded instead of launched."""
+    """The (kernel, args, kwargs, architectures) of every launch run_cases() makes, recorded instead of launched."""
     from triton.runtime.jit import JITFunction
     seen, calls = set(), []
     original = JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        key = (self.fn.__name__, tuple(_sig(a) for a in args), tuple(sorted(kwargs.items())))
+        key = (self.fn.__name__, tuple(_sig(a) for a in args), tuple(sorted(kwargs.items())), RECORDING_FOR[0])
         if key not in seen:
             seen.add(key)
-            calls.append((self, args, kwargs))
+            calls.append((self, args, kwargs, RECORDING_FOR[0]))
     JITFunction.run = record
     try:
         run_cases()
@@ -362,6 +446,9 @@ def record_launches(run_cases) -> list[tuple]:
 
 def _sig(a) -> str:
     import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    if isinstance(a, TensorDescriptor):
+        return f"desc<{TL_TYPES[str(a.base.dtype)]}{list(a.block_shape)}>"
     if isinstance(a, torch.Tensor):
         return "*" + TL_TYPES[str(a.dtype)]
     if isinstance(a, bool):
@@ -387,7 +474,19 @@ def specialize(fn, args) -> tuple[dict[str, str], dict]:
     return sig, attrs
 
 
-def compile_all(targets: list[int]) -> bool:
+def widest_load(ptx: str) -> str:
+    """How the kernel reads global memory at its widest: "tma" (cp.async.bulk.tensor), else the most bytes one
+    thread's load or asynchronous copy moves ("16B": vectorised; "2B" on a weight stream would be a problem)."""
+    import re
+    if "cp.async.bulk.tensor" in ptx:
+        return "tma"
+    widths = [int(n, 0) for n in re.findall(r"cp\.async\.c[ag]\.shared\.global[^,]*,[^,]*,\s*(\w+)", ptx)]
+    for vec, bits in re.findall(r"ld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfsu](\d+)\s", ptx):
+        widths.append(int(vec or 1) * int(bits) // 8)
+    return f"{max(widths)}B" if widths else "-"
+
+
+def compile_all(targets: list[int], only: list[str]) -> bool:
     import tempfile
     import torch
     import triton
@@ -397,13 +496,17 @@ def compile_all(targets: list[int]) -> bool:
 
     def run_cases():
         for case in cases(dev):
+            if only and not any(o in case.op for o in only):
+                continue
             args = case.make()
+            RECORDING_FOR[0] = case.targets
             with backend("triton"):
                 try:
                     case.fn(*case.args(args))
                 except Exception:          # outputs are never launched: whatever follows the launch may fail
                     pass
-    for name in ("norm", "activation", "rotary", "gdn", "conv", "attention", "fp8", "moe"):  # compiled first
+    for name in ("norm", "activation", "rotary", "gdn", "conv", "attention", "fp8", "moe", "linear",
+                 "fp8_prefill"):                                                                  # compiled first
         importlib.import_module(f"tinyserve.kernels.{name}_triton")
     os.environ["TRITON_INTERPRET"] = "1"          # lets the forced backend take CPU tensors; nothing is launched
     try:
@@ -413,9 +516,9 @@ def compile_all(targets: list[int]) -> bool:
     say(f"== compile: {len(calls)} kernel variants x targets {targets} (ptxas from the triton wheel, no GPU)")
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     ok = True
-    say(f"{'kernel':<26} {'dtypes constexprs':<56} {'sm':>4} {'warps':>5} {'smem B':>8} {'regs':>5} {'spill':>6} "
-        f"{'s':>5}")
-    for fn, args, kwargs in calls:
+    say(f"{'kernel':<26} {'dtypes constexprs':<90} {'sm':>4} {'warps':>5} {'smem B':>8} {'regs':>5} {'spill':>6} "
+        f"{'loads':>7} {'s':>5}")
+    for fn, args, kwargs, only in calls:
         names = fn.arg_names
         constexprs = {k: v for k, v in kwargs.items() if k in names}
         opts = {k: v for k, v in kwargs.items() if k not in names}
@@ -423,8 +526,9 @@ def compile_all(targets: list[int]) -> bool:
         constexprs.update({n: a for n, a in zip(names, args) if sig[n] == "constexpr"})
         sig.update({k: "constexpr" for k in constexprs})
         ptrs = sorted({t[1:] for t in sig.values() if t.startswith("*") and not t.startswith("*i")})
-        short = "/".join(ptrs) + " " + ",".join(f"{k}={v}" for k, v in constexprs.items())
-        for sm in targets:
+        short = "/".join(ptrs) + " " + ",".join(k if v is True else f"{k}={v}" for k, v in constexprs.items()
+                                                if v is not False)         # flags by name when set
+        for sm in [t for t in targets if only is None or t in only]:
             t = time.time()
             try:
                 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -443,11 +547,13 @@ def compile_all(targets: list[int]) -> bool:
                 limit = TARGETS[sm][1]
                 flag = "" if k.metadata.shared <= limit else f"  > {limit}: TOO MUCH SHARED MEMORY"
                 ok &= not flag
-                say(f"{fn.fn.__name__:<26} {short[:56]:<56} {sm:>4} {opts.get('num_warps', 4):>5} "
-                    f"{k.metadata.shared:>8} {regs:>5} {spill:>6} {time.time() - t:>5.1f}{flag}")
+                flag += "  SPILLS" if spill not in ("0", "?") else ""           # reported, not a failure
+                say(f"{fn.fn.__name__:<26} {short[:90]:<90} {sm:>4} {opts.get('num_warps', 4):>5} "
+                    f"{k.metadata.shared:>8} {regs:>5} {spill:>6} {widest_load(k.asm['ptx']):>7} "
+                    f"{time.time() - t:>5.1f}{flag}")
             except Exception as e:
                 ok = False
-                say(f"{fn.fn.__name__:<26} {short[:56]:<56} {sm:>4} FAILED: {type(e).__name__}: {str(e)[:300]}")
+                say(f"{fn.fn.__name__:<26} {short[:90]:<90} {sm:>4} FAILED: {type(e).__name__}: {str(e)[:300]}")
     return ok
 
 
@@ -586,6 +692,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="no GPU: compile every kernel variant of the bench cases for sm_90/89/120/80 (ptxas)")
     parser.add_argument("--sm", type=int, nargs="*", default=[90, 89, 120])
+    parser.add_argument("--only", nargs="*", default=[], help="--compile: only the cases whose op names contain one "
+                        "of these (e.g. decode 'fp8 prefill')")
     args = parser.parse_args()
     if args.pytest:
         sys.exit(pytest_main())
@@ -593,7 +701,7 @@ def main() -> None:
         os.environ.pop("TRITON_INTERPRET", None)
         import_kernels_from_the_tree()
         shrink_for_compile()
-        sys.exit(0 if compile_all(args.sm) else 1)
+        sys.exit(0 if compile_all(args.sm, args.only) else 1)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
         sys.path.insert(0, str(ROOT / "tests"))

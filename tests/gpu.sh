@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks, in one go on a CUDA machine (about 13 minutes on an H200), from the repository
-# root:   bash tests/gpu.sh [stage ...]     (logs in $OUT, default /tmp/tinyserve-gpu; all four stages by default,
-#                                           or those named: kernels engine gpu_check gpu)
+# The GPU checks, in one go on a CUDA machine (about 20 minutes on an H200 with the profile), from the repository
+# root:   bash tests/gpu.sh [stage ...]     (logs in $OUT, default /tmp/tinyserve-gpu; all five stages by default,
+#                                           or those named: kernels engine gpu_check profile gpu)
 #   1. the Triton kernel tests compiled on the device, their `gpu` tier included (bf16, Qwen3.5-27B shapes);
 #   2. the engine's parity (against transformers), engine, NEXTN and cache-path tests with the model on the GPU
 #      (TINYSERVE_TEST_DEVICE=cuda: the same tests and oracles as on the CPU);
 #   3. bench/gpu_check.py: one decode layer in a CUDA graph, each kernel against its reference (time, error), the
 #      vision tower;
-#   4. bench/gpu.py: the engine on a random Qwen3.5-27B-shaped FP8 model (decode, prefill, TTFT, kernel peers).
+#   4. bench/gpu.py --profile: a decode step (batch 1 at 8K, batch 8) and an 8K prefill chunk kernel by kernel
+#      against the card's roofs, and our kernels against peers';
+#   5. bench/gpu.py: the engine on a random Qwen3.5-27B-shaped FP8 model (decode, prefill, TTFT, kernel peers).
 # It expects torch, triton, transformers, aiohttp, safetensors, tokenizers, jinja2, pillow and pytest installed; what
 # else the tests need is installed from .gpu-wheels when that folder is in the checkout (tests/gpu_wheels.sh makes it
 # where pip can download). The kernel tests run one process per file, side by side (a kernel's illegal memory access
@@ -24,7 +26,7 @@ if [ -d .gpu-wheels ]; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 status=0
-STAGES=${*:-kernels engine gpu_check gpu}
+STAGES=${*:-kernels engine gpu_check profile gpu}
 wanted() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() {   # name, seconds, command...
     local name=$1 limit=$2
@@ -62,11 +64,12 @@ fi
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")
 stage engine 360 env TINYSERVE_TEST_DEVICE=cuda python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts= $workers \
     tests/test_parity.py tests/test_engine.py tests/test_spec.py tests/test_tiers.py tests/test_async_copies.py tests/test_cuda_graphs.py
-stage gpu_check 75 python3 bench/gpu_check.py --skip-tests
+stage gpu_check 180 python3 bench/gpu_check.py --skip-tests
 # fla (the GDN peer bench/gpu.py times) only now: where it is importable, transformers' Qwen3-Next runs its Triton
 # kernels, which refuse the CPU tensors of the parity tests' oracle ("cannot be accessed from Triton (cpu tensor?)")
-if [ -d .gpu-wheels ] && wanted gpu; then
+if [ -d .gpu-wheels ] && { wanted gpu || wanted profile; }; then
     python3 -m pip install -q --no-index --find-links .gpu-wheels fla-core 2>&1 | tail -3
 fi
+stage profile 300 python3 bench/gpu.py --profile
 stage gpu 240 python3 bench/gpu.py
 exit $status
