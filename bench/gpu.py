@@ -62,7 +62,8 @@ def random_model(folder: Path, device, dtype):
 
     from tinyserve.kernels.fp8_weight import Fp8Weight
     from tinyserve.loader import read_checkpoint
-    from tinyserve.models.qwen3_next import Fp8Weights, Qwen3NextForCausalLM
+    from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
+    from tinyserve.models.weights import Fp8Weights
     mc, weights = read_checkpoint(folder, keep_fp8=device.type == "cuda")
     fp8 = Fp8Weights(mc.fp8_blocks, act_quant=True) if mc.fp8_blocks else None
     model = Qwen3NextForCausalLM(mc, dtype, device, fp8)
