@@ -180,10 +180,10 @@ def cases(dev):
     from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill, causal_conv1d_verify
     from tinyserve.kernels.fp8 import fp8_linear
     from tinyserve.kernels.fp8_weight import Fp8Weight
-    from tinyserve.kernels.gdn import (chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
+    from tinyserve.kernels.gdn import (chunk_gated_delta_rule, gdn_gating, recurrent_gated_delta_rule_decode,
                                        recurrent_gated_delta_rule_verify)
     from tinyserve.kernels.verify_layout import verify_layout
-    from tinyserve.kernels.norm import gated_rms_norm, rms_norm
+    from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm
     from tinyserve.kernels.rotary import apply_rotary
     bf = ACT or torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -207,6 +207,14 @@ def cases(dev):
         h = rnd(T, 2 * MLP, scale=3.0)
         out.append(Case("silu_and_mul", f"[{T}, 2x{MLP}]", lambda h=h: (h,), silu_and_mul, 3 * h.numel(),
                         lambda x: silu_and_mul(x.float())))
+        u = rnd(T, 2 * NK * DK + NV * DV)[:, :NK * DK].reshape(T, NK, DK)       # q of the conv's output, in place
+        out.append(Case("l2_norm q", f"[{T}, {NK}, {DK}] strided", lambda u=u: (u, DK ** -0.5), l2_norm,
+                        u.numel() * (2 + 4), lambda x, s: l2_norm(x.float(), s)))
+        ba = rnd(T, 2 * NV, scale=3.0)
+        a_log = torch.log(torch.rand(NV, generator=g, device=dev) * 15 + 1)
+        out.append(Case("gdn_gating", f"[{T}, 2x{NV}]", lambda a=(ba, a_log, rnd(NV, dtype=torch.float32)): a,
+                        lambda *a: torch.cat(gdn_gating(*a)), ba.numel() * (2 + 4),
+                        lambda b, al, dt: torch.cat(gdn_gating(b.float(), al, dt))))
         pos = torch.arange(T, device=dev, dtype=torch.float32)[:, None] * 0.01
         cos, sin = pos.expand(T, ROTARY).cos()[:, None], pos.expand(T, ROTARY).sin()[:, None]
         qr = rnd(T, NH, HD)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from tinyserve.kernels import use_triton
 from tinyserve.kernels.pool_layer import PoolLayer
@@ -22,6 +23,17 @@ from tinyserve.kernels.verify_layout import VerifyLayout, pad_to_layout
 def _expand_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     r = num_v_heads // x.shape[-2]
     return x if r == 1 else x.repeat_interleave(r, dim=-2)
+
+
+def gdn_gating(ba: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gates of a GDN layer from its in_proj_ba projection ba [T, 2 HV] (b | a): the log-decay
+    g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), each [T, HV] fp32 (math in fp32: in 16 bits
+    exp(A_log) can overflow). The Triton kernel is one launch for what is seven ops here."""
+    if use_triton(ba):
+        from tinyserve.kernels import gdn_triton
+        return gdn_triton.gdn_gating(ba, A_log, dt_bias)
+    b, a = ba.float().split([A_log.shape[0], A_log.shape[0]], dim=-1)
+    return -A_log.float().exp() * F.softplus(a + dt_bias.float()), torch.sigmoid(b)
 
 
 TORCH_CHUNK = 32         # the torch prefill's chunk length (below)

@@ -1,6 +1,6 @@
 """Triton kernels for kernels/gdn.py: the recurrent gated delta rule for decode (one token per sequence) and for
-speculative verify (1 + k tokens per sequence, the state after each token stored in its own slot), and the chunked
-form for prefill (chunk_gated_delta_rule, described where its kernels begin below).
+speculative verify (1 + k tokens per sequence, the state after each token stored in its own slot), the chunked
+form for prefill (chunk_gated_delta_rule, described where its kernels begin below), and the gates (gdn_gating).
 
 One recurrent kernel serves decode and verify. A program owns one (sequence, value head, dv block) and keeps its
 [dk, BV] slice of the fp32 state in registers across the sequence's tokens: it reads the slice once from the
@@ -75,6 +75,37 @@ def _launch(q, k, v, g, beta, state, in_slots, out_slots, rows, L: int, T: int, 
         state.stride(0), state.stride(1), state.stride(2), state.stride(3), out.stride(0), out.stride(1),
         VERIFY=verify, BK=BK, BV=BV, num_warps=4)
     return out
+
+
+@triton.jit
+def _gating_kernel(ba_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, HV, sbt, BR: tl.constexpr, BH: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    heads = tl.arange(0, BH)
+    mask = (rows < T)[:, None] & (heads < HV)[None, :]
+    base = ba_ptr + rows[:, None].to(tl.int64) * sbt + heads[None, :]
+    b = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(base + HV, mask=mask, other=0.0).to(tl.float32)
+    a = a + tl.load(dtb_ptr + heads, mask=heads < HV, other=0.0).to(tl.float32)[None, :]
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))        # F.softplus: threshold 20
+    decay = tl.exp(tl.load(alog_ptr + heads, mask=heads < HV, other=0.0).to(tl.float32))
+    out = rows[:, None].to(tl.int64) * HV + heads[None, :]
+    tl.store(g_ptr + out, -decay[None, :] * softplus, mask=mask)
+    tl.store(beta_ptr + out, 1.0 / (1.0 + tl.exp(-b)), mask=mask)
+
+
+def gdn_gating(ba: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.gdn.gdn_gating in one launch: ba [T, 2 HV] (a unit stride on the last dim) -> (g, beta) fp32."""
+    T, HV = ba.shape[0], A_log.shape[0]
+    if ba.stride(-1) != 1:
+        ba = ba.contiguous()
+    g = torch.empty((T, HV), dtype=torch.float32, device=ba.device)
+    beta = torch.empty_like(g)
+    if T:
+        BH = triton.next_power_of_2(HV)
+        BR = max(1, min(16, 2048 // BH))
+        _gating_kernel[(triton.cdiv(T, BR),)](ba, A_log, dt_bias, g, beta, T, HV, ba.stride(0), BR=BR, BH=BH,
+                                              num_warps=4)
+    return g, beta
 
 
 def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -37,7 +37,12 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 def l2_norm(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """scale * x / sqrt(sum(x^2) + 1e-6) over the last dim, in fp32 (HF's and FLA's l2norm; F.normalize clamps the
-    norm instead, which differs near 0). Written as one rms_norm: mean(x^2) + 1e-6/d = (sum(x^2) + 1e-6) / d."""
+    norm instead, which differs near 0). Written as one rms_norm: mean(x^2) + 1e-6/d = (sum(x^2) + 1e-6) / d. The
+    Triton kernel reads x in its dtype and writes fp32 (no weight tensor made, no fp32 copy of x: two launches
+    fewer per call)."""
+    if use_triton(x):
+        from tinyserve.kernels import norm_triton
+        return norm_triton.l2_norm(x, scale)
     d = x.shape[-1]
     w = torch.full((d,), scale * d ** -0.5, dtype=torch.float32, device=x.device)
     return rms_norm(x.float(), w, 1e-6 / d, zero_centred=False)

@@ -1,7 +1,7 @@
-"""Triton kernels for kernels/norm.py: RMSNorm (zero-centred or plain) and the gated RMSNorm of the GDN output.
+"""Triton kernels for kernels/norm.py: RMSNorm (zero-centred or plain), the gated RMSNorm of the GDN output, and the
+l2 norm of the GDN's q and k.
 
-Same signatures and semantics as the torch reference: fp32 math, output in x's dtype (rms_norm) or x's dtype
-(gated_rms_norm). One program per row; a row is the last dim, any leading dims (views with a unit last-dim stride
+Same signatures and semantics as the torch reference: fp32 math, output in x's dtype (fp32 for l2_norm). One program per row; a row is the last dim, any leading dims (views with a unit last-dim stride
 are read in place, as the q/k slices and the z gate of the model are).
 """
 from __future__ import annotations
@@ -70,6 +70,17 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, y_ptr, R, B, sxa, sxb, sza, szb,
     tl.store(y_ptr + r[:, None].to(tl.int64) * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _l2_norm_kernel(x_ptr, y_ptr, R, B, sxa, sxb, D, scale, BR: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BLOCK)
+    mask = (r < R)[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + _row_offsets(r, B, sxa, sxb)[:, None] + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    inv = scale / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)
+    tl.store(y_ptr + r[:, None].to(tl.int64) * D + cols[None, :], x * inv[:, None], mask=mask)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = True) -> torch.Tensor:
     D = x.shape[-1]
     x3 = rows3(x)
@@ -96,4 +107,18 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         _gated_rms_norm_kernel[(triton.cdiv(R, br),)](
             x3, z3, weight.contiguous(), y, R, x3.shape[1], x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
             D, eps, BR=br, BLOCK=block, num_warps=num_warps_for(block * br))
+    return y
+
+
+def l2_norm(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """kernels.norm.l2_norm: fp32 out, x read in its own dtype and layout."""
+    D = x.shape[-1]
+    x3 = rows3(x)
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if y.numel():
+        R, block = x3.shape[0] * x3.shape[1], triton.next_power_of_2(D)
+        br = rows_per_program(block, R)
+        _l2_norm_kernel[(triton.cdiv(R, br),)](
+            x3, y, R, x3.shape[1], x3.stride(0), x3.stride(1), D, float(scale), BR=br, BLOCK=block,
+            num_warps=num_warps_for(block * br))
     return y

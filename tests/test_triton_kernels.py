@@ -17,7 +17,8 @@ from tinyserve.kernels import attention_triton  # noqa: E402
 from tinyserve.kernels.activation import silu_and_mul  # noqa: E402
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill  # noqa: E402
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_verify  # noqa: E402
-from tinyserve.kernels.gdn import recurrent_gated_delta_rule_decode, recurrent_gated_delta_rule_verify  # noqa: E402
+from tinyserve.kernels.gdn import (gdn_gating, recurrent_gated_delta_rule_decode,  # noqa: E402
+                                   recurrent_gated_delta_rule_verify)
 from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm  # noqa: E402
 from tinyserve.kernels.rotary import apply_rotary  # noqa: E402
 from tinyserve.kernels.verify_layout import verify_layout  # noqa: E402
@@ -63,10 +64,35 @@ def test_rms_norm(dtype, zero_centred):
     torch.testing.assert_close(tri, ref, **tol(dtype))
 
 
-def test_l2_norm_goes_through_the_kernel():
-    x = rnd(6, 2, 16, gen=gen_(1))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_l2_norm_goes_through_the_kernel(dtype):
+    """fp32 out from any input dtype; a strided view of a fused projection (the model's q and k) read in place."""
+    fused = rnd(6, 3, 2 * 16, dtype=dtype, gen=gen_(1))
+    x = fused[..., 16:]
     tri, ref, *_ = both(l2_norm, x, 16 ** -0.5)
+    assert tri.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(tri, ref, **tol(torch.float32))
+    zero = torch.zeros(2, 16, dtype=dtype, device=DEV)                 # the 1e-6 keeps a zero row at zero
+    tri, ref, *_ = both(l2_norm, zero)
+    assert torch.equal(tri, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gdn_gating(dtype):
+    """g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) from the [b | a] projection, a strided slice of
+    a wider one; a + dt_bias past softplus's threshold (20) and far below zero."""
+    g = gen_(5)
+    HV, T = 6, 7
+    wide = rnd(T, 2 * HV + 3, dtype=dtype, gen=g, scale=4.0)
+    wide[0, HV:2 * HV] = 30.0
+    wide[1, HV:2 * HV] = -30.0
+    ba = wide[:, :2 * HV]
+    A_log = torch.log(torch.rand(HV, generator=g) * 15 + 1).to(DEV)
+    dt_bias = rnd(HV, gen=g)
+    (tg, tb), (rg, rb), *_ = both(gdn_gating, ba, A_log, dt_bias)
+    assert tg.dtype == tb.dtype == torch.float32 and tg.shape == tb.shape == (T, HV)
+    torch.testing.assert_close(tg, rg, rtol=2e-5, atol=1e-5)
+    torch.testing.assert_close(tb, rb, **tol(torch.float32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
