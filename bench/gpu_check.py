@@ -332,6 +332,22 @@ def cases(dev):
                             + T * moe_h * 2 * 2,
                             lambda x, wgu, wd, tw, ti: fused_experts(x.float(), wgu, wd, tw, ti)))
 
+    from tinyserve.kernels.attention import store_kv
+    from tinyserve.kernels.pool_layer import PoolLayer
+
+    def stored(k, v, pool, slots):                      # the pool after the write (layer 1 of 2)
+        store_kv(k, v, PoolLayer(pool, 1), slots)
+        return pool
+    for kv_dtype in (bf, torch.float8_e4m3fn):
+        for T in TOKENS:
+            pool = rnd(T + 2, 2, 2, 16, NKV, HD, dtype=torch.float32).to(kv_dtype)
+            k, v = rnd(T, NKV, HD), rnd(T, NKV, HD)
+            slots = torch.randperm(16 * (T + 2), device=dev)[:T]
+            out.append(Case(f"store_kv {'fp8' if kv_dtype != bf else 'bf16'} pool", f"T={T}",
+                            lambda a=(k, v, pool, slots): a, stored,
+                            2 * k.numel() * (k.element_size() + pool.element_size()),
+                            lambda k, v, p, s: stored(k.float(), v.float(), p.float(), s), mutable=(2,)))
+
     for kv_dtype, page, N, ctx in PAGED or paged_cases(bf, torch.float8_e4m3fn):
         npg = -(-ctx // page)
         cache = rnd(N * npg + 1, 2, page, NKV, HD, dtype=torch.float32).to(kv_dtype)

@@ -18,6 +18,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | PoolLaye
              slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, KV, hd] at flat slots slot_mapping [T] (int64) of one layer's cache."""
     kv = PoolLayer.of(kv_cache)
+    if use_triton(k):
+        from tinyserve.kernels import attention_triton
+        return attention_triton.store_kv(k, v, kv.pool, kv.layer, slot_mapping)
     page_size = kv.pool.shape[3]
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
     kv.put((pages[:, None], torch.arange(2, device=k.device)[None, :], offsets[:, None]), torch.stack([k, v], 1))

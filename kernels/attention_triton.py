@@ -10,6 +10,7 @@ fp8 e4m3): keys and values are converted to q's dtype before the dots (fp32 dots
 A speculative verify runs through the same kernels: each of its tokens is a row with its own length (position + 1)
 reading its sequence's page-table row (table_rows). The rows of one sequence are neighbours in the grid's first
 dimension, which varies fastest, so they read each KV block at about the same time and L2 serves the repeats.
+store_kv writes a step's keys and values into their pages in one launch.
 """
 from __future__ import annotations
 
@@ -255,3 +256,38 @@ def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, page_table:
         page_table.stride(0), out.stride(0), out.stride(1),
         PAGE=page_size, BQ=BQ, BM=BM, BN=BN, BD=BD, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=2)
     return out
+
+
+@triton.jit(do_not_specialize=["layer"])             # one variant for every layer
+def _store_kv_kernel(k_ptr, v_ptr, slot_ptr, pool_ptr, layer, W, skt, svt, sp0, sp1, sp2, sp3,
+                     PAGE: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < W
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    dst = pool_ptr + (slot // PAGE) * sp0 + layer * sp1 + (slot % PAGE) * sp3 + cols
+    k = tl.load(k_ptr + t.to(tl.int64) * skt + cols, mask=ok, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + t.to(tl.int64) * svt + cols, mask=ok, other=0.0).to(tl.float32)
+    if FP8:                                      # saturate as torch's conversion does (Triton's would not)
+        k = tl.clamp(k, -448.0, 448.0)
+        v = tl.clamp(v, -448.0, 448.0)
+    tl.store(dst, k.to(pool_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + sp2, v.to(pool_ptr.dtype.element_ty), mask=ok)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layer: int, slot_mapping: torch.Tensor) -> None:
+    """kernels.attention.store_kv in one launch: token t's k and v [KV, hd] rows into the pool [pages, layers, 2,
+    page, KV, hd] at slot slot_mapping[t] of `layer` (the reference indexes, stacks and puts: six launches)."""
+    T, KV, hd = k.shape
+    W = KV * hd
+    k2, v2 = k.reshape(T, W), v.reshape(T, W)
+    k2 = k2 if k2.stride(-1) == 1 else k2.contiguous()
+    v2 = v2 if v2.stride(-1) == 1 else v2.contiguous()
+    assert pool.stride(-1) == 1 and pool.stride(-2) == hd, "a pool row's heads must be contiguous"
+    if T:
+        BLOCK = min(1024, triton.next_power_of_2(W))
+        _store_kv_kernel[(T, triton.cdiv(W, BLOCK))](
+            k2, v2, slot_mapping, pool, layer, W, k2.stride(0), v2.stride(0), pool.stride(0), pool.stride(1),
+            pool.stride(2), pool.stride(3), PAGE=pool.shape[3], FP8=pool.dtype == torch.float8_e4m3fn, BLOCK=BLOCK,
+            num_warps=4)
+

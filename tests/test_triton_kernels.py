@@ -133,6 +133,26 @@ def test_rotary(dtype, hd, rd):
     assert torch.equal(tri[..., rd:], x[..., rd:])
 
 
+@pytest.mark.parametrize("pool_dtype, x_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                 (torch.float8_e4m3fn, torch.float16)], ids=["fp32", "fp16", "fp8"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_store_kv(page_size, pool_dtype, x_dtype):
+    """The KV write: one layer of a two-layer pool, scattered slots, k and v as strided views of a projection (as the
+    model's v is); the other layer and every other slot untouched; an FP8 pool saturates at +-448 as torch does."""
+    from tinyserve.kernels.attention import store_kv
+    from tinyserve.kernels.pool_layer import PoolLayer
+    g = gen_(page_size)
+    T, KV, hd, pages = 5, 2, 24, 8
+    proj = rnd(T, 3 * KV * hd, dtype=x_dtype, gen=g, scale=100.0)
+    k, v = proj[:, :KV * hd].reshape(T, KV, hd), proj[:, 2 * KV * hd:].reshape(T, KV, hd)
+    slots = torch.randperm(pages * page_size, generator=g)[:T].to(DEV)
+    pool = rnd(pages, 2, 2, page_size, KV, hd, gen=g).to(pool_dtype)
+    _, _, (_, _, tri_pool, _), (_, _, ref_pool, _) = both(
+        lambda k_, v_, p_, s_: store_kv(k_, v_, PoolLayer(p_, 1), s_), k, v, pool, slots, clone=(2,))
+    assert torch.equal(tri_pool.float(), ref_pool.float())
+    assert torch.equal(tri_pool[:, 0].float(), pool[:, 0].float())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Gated delta rule: decode and speculative verify
 # ---------------------------------------------------------------------------------------------------------------
