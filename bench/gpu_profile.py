@@ -137,6 +137,10 @@ OP_COSTS = {
     "fp8_prefill_triton.fp8_linear": _gemm,
     "norm_triton.rms_norm": _elementwise(1, 1),
     "norm_triton.gated_rms_norm": _elementwise(2, 1),
+    "norm_triton.l2_norm": lambda a: Cost(a["x"].numel() * (a["x"].element_size() + 4), 0),      # fp32 out
+    "gdn_triton.gdn_gating": lambda a: Cost(_nbytes(a["ba"]) + a["ba"].numel() * 4, 0),          # g, beta fp32
+    "attention_triton.store_kv": lambda a: Cost(2 * _nbytes(a["k"]) + 2 * a["k"].numel() * a["pool"].element_size(),
+                                                0),
     "activation_triton.silu_and_mul": _elementwise(1, 0.5),
     "rotary_triton.apply_rotary": _elementwise(1, 1),
     "conv_triton.causal_conv1d_decode": _conv,
@@ -152,7 +156,7 @@ OP_COSTS = {
 }
 GEMM_OPS = {"linear_triton.decode_linear", "fp8_triton.fp8_linear", "fp8_prefill_triton.fp8_linear",
             "moe_triton.fused_experts", "torch: cuBLAS GEMM"}
-TORCH_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_linear_pointwise"}   # the last: the CPU's oneDNN
+TORCH_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "linear", "_linear_pointwise"}   # the last: oneDNN
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
 
@@ -166,7 +170,7 @@ def aten_cost(name: str, args: list, out: list) -> Cost:
     written = _nbytes(*outs)
     moved = written + sum(min(_nbytes(t), max(16 * written, 1 << 20)) for t in ins)
     flops = 0
-    if name == "_linear_pointwise":                       # x [..., K] @ w [N, K]^T
+    if name in ("linear", "_linear_pointwise"):           # x [..., K] @ w [N, K]^T
         flops = 2 * ins[0].numel() * ins[1].shape[0]
     elif name in TORCH_GEMMS and len(ins) >= 2:           # a [.., M, K] @ b [.., K, N]
         flops = 2 * ins[-2].numel() * ins[-1].shape[-1]

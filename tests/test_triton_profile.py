@@ -54,6 +54,17 @@ def test_gemm_cost():
     assert plain.nbytes == N * K * 2 + M * K * 2 + M * N * 2 and not plain.fp8
 
 
+def test_every_costed_function_exists_with_the_arguments_its_cost_reads():
+    """OP_COSTS names the Triton modules' public functions; a renamed one would silently drop out of the profile."""
+    import inspect
+    from importlib import import_module
+    for key in gpu.OP_COSTS:
+        module, name = key.split(".")
+        fn = getattr(import_module(f"tinyserve.kernels.{module}"), name)
+        params = set(inspect.signature(fn).parameters)
+        assert params & {"x", "q", "ba", "k"}, key
+
+
 def test_attention_costs():
     """Decode: every row's keys once; a verify's rows (table_rows) share their sequence's keys. Prefill: the causal
     pairs of each sequence's new tokens over its whole context."""
