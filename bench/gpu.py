@@ -3,6 +3,7 @@ run of a few minutes on a CUDA machine (tests/gpu.sh runs it after the tests):
 
     python3 bench/gpu.py                  # from the repository root, tinyserve installed (-e . is enough)
     python3 bench/gpu.py --profile        # instead: the step kernel by kernel against the card's roofs (< 5 min)
+    python3 bench/gpu.py --sweep          # instead: the decode / prefill GEMM tiles around their defaults, timed
     .venv/bin/python bench/gpu.py --dry-run   # no GPU: the same script on a tiny model on the CPU (checks it)
     .venv/bin/python bench/gpu.py --profile --dry-run   # no GPU: the profile's host pass, kernels interpreted
 
@@ -290,6 +291,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU: checks the script")
     parser.add_argument("--profile", action="store_true", help="kernel by kernel against the card's roofs (a few "
                         "minutes); with --dry-run the host pass alone, the Triton kernels interpreted")
+    parser.add_argument("--sweep", action="store_true", help="instead: the decode and prefill GEMMs' tiles around "
+                        "their defaults, timed on this card (a few minutes; no model)")
     args = parser.parse_args()
     dry = args.dry_run
     if dry and args.profile:           # the GPU's kernels, interpreted: set before any kernel module is defined
@@ -301,6 +304,10 @@ def main() -> None:
     device = torch.device("cpu" if dry else "cuda")
     say(f"device {'CPU (dry run)' if dry else torch.cuda.get_device_name()}, torch {torch.__version__}")
     t0 = time.time()
+    if args.sweep:
+        from gpu_profile import sweep_tiles
+        sweep_tiles(device, say)
+        return
     folder = header_folder(TINY if dry else QWEN3_5_27B)
     mc, weights, model = random_model(folder, device, torch.float32 if dry else torch.bfloat16)
     weight_bytes = weights.bytes(4 if dry else 2)

@@ -399,3 +399,52 @@ def profile_phase(eng, prompts: list[list[int]], steps: int, device, roofs: Roof
     else:
         per_kernel, step_us, count = k1, w1, c1
     return format_profile(title, profile_rows(tally, per_kernel, step_us, roofs), step_us, tally.launches, count)
+
+
+def sweep_tiles(device, say) -> None:
+    """The decode GEMM's tiles (BN, split, stages) and the prefill GEMM's (stages, flatten, group_m) around the
+    defaults, timed on this card at Qwen3.5-27B's w8a8 shapes: the default against the best (decode in GB/s of the
+    weight stream, prefill in TFLOP/s), so the first run on a card can set linear_triton.decode_tiles and
+    fp8_prefill_triton.PREFILL_TILES from measurements. A few minutes (each tile shape compiles once)."""
+    from triton.testing import do_bench
+
+    from tinyserve.kernels import fp8_prefill_triton as prefill
+    from tinyserve.kernels import linear_triton
+    from tinyserve.kernels.fp8_weight import Fp8Weight
+    g = torch.Generator(device=device).manual_seed(2)
+    sms = linear_triton.num_sms(device)
+
+    def weight(N: int, K: int) -> Fp8Weight:
+        w = Fp8Weight(N, K, (128, 128), device, act_quant=True)
+        w.weight.copy_((torch.randn(N, K, generator=g, device=device) * 64).clamp(-448, 448).to(w.weight.dtype))
+        w.scale.fill_(1e-3)
+        return w
+    for N, K in ((34816, 5120), (5120, 17408), (16384, 5120), (5120, 6144), (14336, 5120)):
+        w, x = weight(N, K), torch.randn(1, K, generator=g, device=device).bfloat16()
+        default = linear_triton.decode_tiles(N, K, 1, False, sms)
+        options = {default, default._replace(num_stages=3), default._replace(num_stages=5)}
+        options |= {linear_triton.DecodeTiles(BN, split, 4, 4) for BN in (16, 32, 64) for split in (1, 2, 4)
+                    if -(-N // BN) * split >= sms}
+        us = {t: do_bench(lambda t=t: linear_triton.decode_linear(x, w, tiles=t)) * 1e3 for t in options}
+        best = min(us, key=us.get)
+        say(f"decode w8a8 1x{K} @ {N}x{K}: default {tuple(default)} {N * K / us[default] / 1e3:.0f} GB/s; best "
+            f"{tuple(best)} {N * K / us[best] / 1e3:.0f} GB/s (BN, split, warps, stages)")
+    family = prefill.card_family(device)
+    if family is None:
+        say("prefill: this card has no TMA family (the pointer kernel's tile_shape stays)")
+        return
+    base = prefill.PREFILL_TILES[family]
+    for M, (N, K) in ((2048, (34816, 5120)), (8192, (34816, 5120)), (8192, (5120, 17408))):
+        w, x = weight(N, K), torch.randn(M, K, generator=g, device=device).bfloat16()
+        options = {base._replace(num_stages=s, flatten=f, group_m=gm) for s in (base.num_stages - 1, base.num_stages)
+                   for f in (True, False) for gm in (8, 16)}
+        ms = {}
+        for t in options:
+            try:
+                ms[t] = do_bench(lambda t=t: prefill.fp8_linear(x, w, t))
+            except Exception as e:                    # out of shared memory on this card: not a candidate
+                say(f"   {tuple(t)}: {type(e).__name__}")
+        best = min(ms, key=ms.get)
+        say(f"prefill w8a8 {M}x{K} @ {N}x{K}: default {tuple(base)} {2 * M * N * K / ms[base] / 1e9:.0f} TFLOP/s; "
+            f"best {tuple(best)} {2 * M * N * K / ms[best] / 1e9:.0f} TFLOP/s (BM, BN, group_m, warps, stages, "
+            "flatten)")
