@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # cache-path tests again with TINYSERVE_TEST_DEVICE=cuda on a machine with a GPU (same tests, same oracles).
 TEST_DEVICE = os.environ.get("TINYSERVE_TEST_DEVICE", "cpu")
 
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -67,6 +68,19 @@ SLOW_MODULES = {"test_compiled", "test_compiled_nextn", "test_spec_cases", "test
 def pytest_configure(config: pytest.Config) -> None:
     if "not slow" in (config.option.markexpr or ""):
         os.environ["TINYSERVE_QUICK_TIER"] = "1"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--agents", action="store_true",
+                     help="run tests/agents: the real coding-agent CLIs against the shipped config "
+                          "(bash tests/agents/run.sh installs them and runs this)")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/agents runs only when asked (--agents): it needs the agents installed from npm and ~5 minutes."""
+    if collection_path == Path(__file__).parent / "agents" and not config.getoption("--agents"):
+        return True
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)         # before -m deselects by the markers added here

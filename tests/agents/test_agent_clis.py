@@ -1,0 +1,217 @@
+"""The coding agents themselves, unmodified, against `tinyserve config.example.toml` as shipped: Claude Code, Codex,
+Qwen Code and opencode, at the versions tests/agents/install.sh pins, set up with the lines docs/clients.md gives
+(read from the page and run as they are written). Each agent answers twice and once more in its continued session:
+
+  - it exits 0 and shows the model's text;
+  - the server refuses nothing (no 4xx or 5xx line in its log);
+  - the second run and the continued turn each read at least 90% of their main prompt (the largest prompt the run
+    sends) from the prefix cache.
+
+Run by `bash tests/agents/run.sh` (after the README's test command in CI), which installs the CLIs and, where
+`unshare --net` is allowed, runs this in a network namespace where only loopback is reachable. The agents' vendor
+traffic is off by their own settings (the set-up lines), and their output is capped by their own settings where they
+have one (never by changing what they send). TINYSERVE_AGENTS_REPORT names a file for a table of every request
+the agents made: prompt sizes, cache hits, time to the answer.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "clients.md"
+AGENTS = Path(os.environ.get("TINYSERVE_AGENTS_DIR", "~/.cache/tinyserve/agents")).expanduser()
+URL = "http://127.0.0.1:8000"                    # config.example.toml's server.host and server.port
+PROMPTS = ("Say hello", "Say hello", "And once more, in other words")
+RUN_TIMEOUT_S = 300
+# The agents' own output caps: the random demo model ends its answer at a random end-of-turn token, a few hundred
+# tokens in; a cap bounds the rare long tail (a cap it meets makes Claude Code ask again and, met again, fail, so it
+# is far above what the model writes). Codex has no such setting: its answers end when the model ends them.
+CAPS = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "4096", "QWEN_CODE_MAX_OUTPUT_TOKENS": "4096",
+        "OPENCODE_EXPERIMENTAL_OUTPUT_TOKEN_MAX": "4096"}
+# One request in the server's log: "<id>: <finish>, prompt N tokens, M from the prefix cache (...), G generated"
+REQUEST_LINE = re.compile(r"^(\S+ \S+) INFO tinyserve\.api: (\S+): (\w+), prompt (\d+) tokens, (\d+) from the prefix "
+                          r"cache .*?, (\d+) generated")
+REFUSAL_LINE = re.compile(r"WARNING tinyserve\.api: (GET|POST|PUT|DELETE|HEAD|OPTIONS) (\S+): ([45]\d\d) (.*)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The set-up lines, as docs/clients.md gives them
+
+def setup_blocks(agent: str) -> list[tuple[str, str, str]]:
+    """(kind, target, text) of each block docs/clients.md marks for `agent`: `<!-- tested: AGENT env -->` before a
+    bash block of exports, `<!-- tested: AGENT file PATH -->` before a file's whole text."""
+    text = DOCS.read_text(encoding="utf-8")
+    marked = re.finditer(r"<!-- tested: (\S+) (env|file)(?: (\S+))? -->\n```\w*\n(.*?)```", text, re.S)
+    return [(m.group(2), m.group(3) or "", m.group(4)) for m in marked if m.group(1) == agent]
+
+
+def prepare_home(agent: str, home: Path) -> str:
+    """Writes the agent's files from the page into `home`; returns its env lines."""
+    env_lines = []
+    for kind, target, body in setup_blocks(agent):
+        if kind == "file":
+            path = home / target.removeprefix("~/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(body, encoding="utf-8")
+        else:
+            env_lines.append(body)
+    assert env_lines or agent == "codex", f"docs/clients.md gives no env lines for {agent}"
+    return "\n".join(env_lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The server, as a user runs it
+
+@dataclass
+class Request:
+    request_id: str
+    finish: str
+    prompt: int
+    cached: int
+    generated: int
+
+
+@dataclass
+class Run:
+    agent: str
+    name: str
+    seconds: float
+    requests: list[Request] = field(default_factory=list)
+
+    @property
+    def main(self) -> Request:
+        return max(self.requests, key=lambda r: r.prompt)
+
+
+class Server:
+    def __init__(self, folder: Path) -> None:
+        self.log_path = folder / "server.log"
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}   # the threads a user's server gets
+        exe = shutil.which("tinyserve")
+        command = [exe] if exe else [sys.executable, "-m", "tinyserve.cli"]
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(command + ["config.example.toml"], cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 900) -> None:
+        """Healthy (the first start compiles the CPU decode step: a minute or two)."""
+        import urllib.request
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the server exited:\n" + self.text()
+            try:
+                with urllib.request.urlopen(URL + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the server was not healthy within %d s:\n%s" % (timeout, self.text()[-3000:]))
+
+    def text(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(60)
+        finally:
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if os.environ.get("TINYSERVE_AGENTS_NETNS"):
+        with pytest.raises(OSError):                  # the namespace run.sh made: loopback only
+            socket.create_connection(("1.1.1.1", 443), timeout=3).close()
+    srv = Server(tmp_path_factory.mktemp("server"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.text()[-3000:]
+
+
+REPORT: list[Run] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    path = os.environ.get("TINYSERVE_AGENTS_REPORT")
+    if path:
+        rows = ["| agent | run | s | requests: prompt tokens / from the cache / generated |", "|---|---|---|---|"]
+        for run in REPORT:
+            shown = "; ".join(f"{r.prompt} / {r.cached} / {r.generated}" for r in run.requests)
+            rows.append(f"| {run.agent} | {run.name} | {run.seconds:.1f} | {shown} |")
+        Path(path).write_text("\n".join(rows) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The agents
+
+COMMANDS = {   # (first and second run, continued turn): each agent's own non-interactive form
+    "claude": (["claude", "-p"], ["claude", "--continue", "-p"]),
+    "codex": (["codex", "exec"], ["codex", "exec", "resume", "--last"]),
+    "qwen": (["qwen", "-p"], ["qwen", "--continue", "-p"]),
+    "opencode": (["opencode", "run"], ["opencode", "run", "--continue"]),
+}
+ERRORS = re.compile(r"API Error|\b[45]\d\d\b.*(error|Error)|ECONNREFUSED|context_length_exceeded")
+
+
+def run_agent(server: Server, agent: str, home: Path, work: Path, env_lines: str, command: list[str],
+              prompt: str, name: str) -> Run:
+    start = len(server.text())
+    env = {"PATH": f"{AGENTS / 'node_modules' / '.bin'}:{os.environ['PATH']}", "HOME": str(home),
+           "LANG": "C.UTF-8", "TERM": "dumb", "NO_COLOR": "1", **CAPS}
+    script = f"set -e\n{env_lines}\nexec \"$@\""
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", "-c", script, agent, *command, prompt], cwd=work, env=env, capture_output=True,
+                         text=True, timeout=RUN_TIMEOUT_S)
+    seconds = time.monotonic() - t0
+    time.sleep(0.5)                                   # the last request's log line
+    log = server.text()[start:]
+    shown = f"{agent} {name}: exit {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, shown
+    refused = [m.group(0) for m in REFUSAL_LINE.finditer(log)]
+    assert not refused, f"{agent} {name}: the server refused requests:\n" + "\n".join(refused)
+    run = Run(agent, name, seconds, [Request(m.group(2), m.group(3), int(m.group(4)), int(m.group(5)),
+                                             int(m.group(6)))
+                                     for m in map(REQUEST_LINE.match, log.splitlines()) if m])
+    assert run.requests, f"{agent} {name}: no request reached the server\n{shown}"
+    assert run.main.generated >= 1
+    text = out.stdout.strip()
+    assert len(text) >= 8 and not ERRORS.search(text), f"{agent} {name}: no answer shown\n{shown}"
+    REPORT.append(run)
+    return run
+
+
+@pytest.mark.parametrize("agent", list(COMMANDS))
+def test_agent_runs_twice_and_continues_from_the_cache(server, agent, tmp_path):
+    assert (AGENTS / "node_modules" / ".bin" / agent).exists(), f"run tests/agents/install.sh ({AGENTS})"
+    home, work = tmp_path / "home", tmp_path / "project"
+    home.mkdir()
+    work.mkdir()
+    (work / "README.md").write_text("# demo\n\nA small project the agent is started in.\n")
+    subprocess.run(["git", "init", "-q"], cwd=work, check=True)
+    env_lines = prepare_home(agent, home)
+    first, again = COMMANDS[agent]
+    runs = [run_agent(server, agent, home, work, env_lines, first, PROMPTS[0], "first"),
+            run_agent(server, agent, home, work, env_lines, first, PROMPTS[1], "second"),
+            run_agent(server, agent, home, work, env_lines, again, PROMPTS[2], "continued")]
+    for run in runs[1:]:
+        main = run.main
+        assert main.cached >= 0.9 * main.prompt, (f"{agent} {run.name}: {main.cached} of the main prompt's "
+                                                  f"{main.prompt} tokens came from the prefix cache")
+    assert runs[2].main.prompt > runs[0].main.prompt, f"{agent}: the continued turn did not carry the session"
