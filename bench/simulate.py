@@ -35,7 +35,7 @@ Stand-ins:
 - Time: a virtual clock. Each step costs the cost model's compute time for its batch plus the tier copies the step
   made on the engine thread (host<->device and file uploads over PCIe, the copy a file write gathers, device
   snapshot copies). A file-tier read starts when its request arrives and runs on one reader at NVMe speed; the
-  request is not admitted before it lands (SimPrefixCache.ready: the engine's policy plus the virtual read time).
+  request is not admitted before it lands (SimPrefixCache._ready: the engine's policy plus the virtual read time).
 The engine builds every object as it would; `_adopt` then switches a few to subclasses here that only add counters
 and the virtual-time gate. Nothing decides differently from the engine: eviction, snapshot placement and the write
 policy are the engine's code as it stands in the working tree, unless `--policy` says otherwise: `lru` puts back the
@@ -99,7 +99,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import tinyserve.plan as planmod  # noqa: E402
 from tinyserve.blob import HEADER  # noqa: E402
 from tinyserve.build import assemble  # noqa: E402
-from tinyserve.cache import Admission, PrefixCache  # noqa: E402
+from tinyserve.cache import PrefixCache  # noqa: E402
 from tinyserve.config import Config, from_dict, load, to_dict  # noqa: E402
 from tinyserve.engine import Engine, RequestError  # noqa: E402
 from tinyserve.file_tier import FileTier  # noqa: E402
@@ -107,7 +107,7 @@ from tinyserve.models.config import ModelConfig  # noqa: E402
 from tinyserve.plan import GIB, MemoryPlan  # noqa: E402
 from tinyserve.radix import Node, RadixCache  # noqa: E402
 from tinyserve.request import Request, Status  # noqa: E402
-from tinyserve.runner import SeqOutput, StepResult  # noqa: E402
+from tinyserve.runner import SeqOutput  # noqa: E402
 from tinyserve.sampling import SamplingParams  # noqa: E402
 from tinyserve.scheduler import ScheduledSeq  # noqa: E402
 
@@ -370,7 +370,7 @@ class SimRadix(RadixCache):
 class SimPrefixCache(PrefixCache):
     """The prefix cache with file-tier reads taking virtual time: a read starts when its request arrives, reads run
     one at a time at NVMe speed, and the request is not ready before its read has landed."""
-    hooks = ("on_arrival", "ready", "admit")
+    hooks = ("on_arrival", "_ready", "admit")
     clock: Clock
     cost: CostModel
     sizes: Sizes
@@ -393,16 +393,16 @@ class SimPrefixCache(PrefixCache):
         self.read_ready[req.request_id] = self.reader_free
         self.read_time[req.request_id] = nbytes / self.cost.nvme_read_bw
 
-    def ready(self, req: Request) -> bool:
-        return super().ready(req) and self.clock.now >= self.read_ready.get(req.request_id, 0.0)
+    def _ready(self, req: Request) -> bool:
+        return super()._ready(req) and self.clock.now >= self.read_ready.get(req.request_id, 0.0)
 
     def next_ready(self) -> float | None:
         later = [t for t in self.read_ready.values() if t > self.clock.now]
         return min(later) if later else None
 
-    def admit(self, req: Request) -> Admission:
+    def admit(self, req: Request) -> None:
         self.read_ready.pop(req.request_id, None)
-        return super().admit(req)
+        super().admit(req)
 
 
 # -------------------------------------------------------------------------------------------- model stand-ins
@@ -451,9 +451,8 @@ class StandInRunner:
             tok = 3 + (tok + 1 - 3) % (self.vocab - 3)
         return tok
 
-    def step(self, seqs: list[ScheduledSeq], num_running: int = 1) -> StepResult:
-        return StepResult([SeqOutput(s, [self.token(s.req, s.start + s.num_tokens)], [0.0]) for s in seqs
-                           if s.samples])
+    def step(self, seqs: list[ScheduledSeq]) -> list[SeqOutput]:
+        return [SeqOutput(s, [self.token(s.req, s.start + s.num_tokens)], [0.0]) for s in seqs if s.samples]
 
 
 class ClockedRunner:
@@ -466,8 +465,8 @@ class ClockedRunner:
         self.computed: dict[str, int] = defaultdict(int)     # request id -> prefill tokens computed
         self.prefill_s = self.decode_s = 0.0
 
-    def step(self, seqs: list[ScheduledSeq], num_running: int = 1) -> StepResult:
-        out = self.inner.step(seqs, num_running)
+    def step(self, seqs: list[ScheduledSeq]) -> list[SeqOutput]:
+        out = self.inner.step(seqs)
         self.calls += 1
         dt = self.cost.step_seconds(seqs)
         self.clock.now += dt
@@ -892,7 +891,7 @@ def replay(engine: Engine, trace: Trace, cost: CostModel, clock: Clock) -> Resul
                 rec.first_token = clock.now
             if req.status == Status.FINISHED:
                 rec.finish = clock.now
-                rec.cached, rec.by_tier = req.cached_tokens, dict(req.cached_by_tier)
+                rec.cached, rec.by_tier = req.cached_tokens, dict(req.report["cached_by_tier"])
                 rec.computed = runner.computed.get(req.request_id, 0)
                 rec.read_s = getattr(engine.cache, "read_time", {}).get(req.request_id, 0.0)
                 rec.output_tokens = len(req.output_ids)

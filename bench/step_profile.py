@@ -46,17 +46,17 @@ def _install() -> None:
     @functools.wraps(inner_step)
     def step(self, seqs, *args, **kwargs):
         lone_decode = len(seqs) == 1 and seqs[0].is_decode
-        _shape[0] = (len(seqs), len(seqs[0].draft) if lone_decode else "x") if seqs else None
+        _shape[0] = (len(seqs), len(seqs[0].extra) if lone_decode else "x") if seqs else None
         return inner_step(self, seqs, *args, **kwargs)
     runner.ModelRunner.step = step
     _timed(runner.ModelRunner, "step", "runner step")
     _timed(engine.Engine, "run_step", "engine step")
-    _timed(static.StaticStep, "run", "static forward")
+    _timed(static.StaticStep, "run", lambda self, packed, kind="step", *a: f"static {kind}")
     _timed(compiled.CompiledSteps, "__call__", lambda self, kind, T, *a: f"graph {kind} x{T}")
     _timed(runner.ModelRunner, "_sample", "sampling")
-    _timed(spec.NextN, "draft", "drafting")
-    _timed(runner.ModelRunner, "nextn_head", "head pass")
-    _timed(runner.ModelRunner, "nextn_kv", "head KV")
+    _timed(spec.NextN, "accept", "verify")
+    _timed(spec.NextN, "_draft", "drafting")
+    _timed(spec.NextN, "_head", lambda self, *a, kv_only=False: "head KV" if kv_only else "head pass")
 
 
 def _write(out: Path | None) -> None:

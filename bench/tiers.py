@@ -59,7 +59,7 @@ def best_of(fn, reps: int) -> float:
 
 
 def tiers_str(req) -> str:
-    t = req.cached_by_tier
+    t = req.report["cached_by_tier"]
     return f"dev {t.get('device', 0)} host {t.get('host', 0)} file {t.get('file', 0)}"
 
 

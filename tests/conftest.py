@@ -27,12 +27,13 @@ import torch  # noqa: E402
 
 from checkpoints import make_qwen3_5_text  # noqa: E402
 from tinyserve import plan  # noqa: E402
-from tinyserve.build import engine_for_model  # noqa: E402
+from tinyserve.build import built_static_step, engine_for_model  # noqa: E402
 from tinyserve.config import from_dict  # noqa: E402
 from tinyserve.engine import Engine  # noqa: E402
 from tinyserve.loader import load_model  # noqa: E402
 from tinyserve.request import Status  # noqa: E402
 from tinyserve.sampling import SamplingParams  # noqa: E402
+from tinyserve.static import static_step  # noqa: E402
 
 if torch.cuda.is_available():
     # The engine tests' xdist workers share one GPU: each sizes its pools (engine.mem_fraction_static of what
@@ -120,6 +121,24 @@ def engine_for(loaded_model, tokenizer=None, host_state_share: float | None = No
         return engine_for_model(from_dict(tables), loaded_model, tokenizer)
     finally:
         plan.HOST_STATE_SHARE = default
+
+
+def nextn(eng: Engine):
+    """The engine's NEXTN feature (spec.NextN), or None when speculation is off."""
+    return eng.features.named("nextn")
+
+
+def static_steps(eng: Engine, build: bool = False, for_graphs: bool = True):
+    """Switch an engine's static steps on for up to engine.max_running_requests sequences: built as engine start
+    builds them (captured with for_graphs, else compiled; None where that fails), or unbuilt (the CPU tests'
+    switch: the static batches run eagerly through the static buffers, in the CUDA graphs' layout with
+    for_graphs)."""
+    max_batch = eng.cfg.engine.max_running_requests
+    static = built_static_step(eng.runner, max_batch, for_graphs) if build else \
+        static_step(eng.runner, max_batch, for_graphs)
+    if static is not None:
+        eng.features.add(static)
+    return static
 
 
 def drive(eng: Engine, schedule: list[tuple[int, list[int], int]]) -> list[list[int]]:

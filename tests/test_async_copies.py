@@ -37,7 +37,7 @@ def play(eng: Engine) -> list[tuple[list[int], int]]:
     out = []
     for i in TRAFFIC:
         (r,) = eng.run_requests([SESSIONS[i]], GREEDY)
-        out.append((r.output_ids, r.cached_by_tier["host"]))
+        out.append((r.output_ids, r.report["cached_by_tier"]["host"]))
     return out
 
 
@@ -62,7 +62,7 @@ def test_late_copies_give_the_cold_tokens(hybrid_model, tmp_path):
     restarted = tiered(hybrid_model, DeferredCopyStream(), tmp_path)
     for i in (1, 2):
         (r,) = restarted.run_requests([SESSIONS[i]], GREEDY)
-        assert r.output_ids == cold[TRAFFIC.index(i)] and r.cached_by_tier["file"] > 0
+        assert r.output_ids == cold[TRAFFIC.index(i)] and r.report["cached_by_tier"]["file"] > 0
     restarted.close()
 
 

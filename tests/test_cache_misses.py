@@ -42,7 +42,7 @@ def divergence_lines(caplog) -> list[str]:
 def test_a_drifting_prompt_is_counted_and_logged_once_per_branch_point(demo, page_size, caplog):
     model, tok = demo
     eng = engine_for(model, tok, engine={"page_size": page_size, "kv_cache_tokens": 4096})
-    caplog.set_level(logging.INFO, logger="tinyserve.engine")
+    caplog.set_level(logging.INFO, logger="tinyserve.cache")
     base = tok.encode(SYSTEM + "\nuser: list the files")
     drifted = tok.encode(SYSTEM.replace("07-12", "07-13") + "\nuser: list the files")
     at = first_difference(base, drifted)

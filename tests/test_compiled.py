@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_5_text
-from conftest import TEST_DEVICE, assert_no_leaks, drive, engine_for, merge, tokens
+from conftest import TEST_DEVICE, assert_no_leaks, drive, engine_for, merge, static_steps, tokens
 from tinyserve.engine import Engine
 from tinyserve.loader import load_model
 
@@ -97,8 +97,7 @@ def test_compiled_decode_gives_the_eager_tokens(dense, cache_dir, caplog):
     eng = make_engine(dense)
     steps = cache_dir / "tinyserve-steps"
     others = set(steps.glob("*.bin"))           # the NEXTN test's graphs, where it ran first in this process
-    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=False)            # compiles, as engine start does
-    static = eng.runner.static
+    static = static_steps(eng, build=True, for_graphs=False)            # compiles, as engine start does
     assert static is not None and static.compiled is not None
     calls, eager_calls = [], []
     compiled_call, eager = static.compiled._call, static.eager
@@ -119,8 +118,7 @@ def test_compiled_decode_gives_the_eager_tokens(dense, cache_dir, caplog):
     saved[0].write_bytes(saved[0].read_bytes()[:1000])
     again = make_engine(dense)
     with caplog.at_level(logging.WARNING, logger="tinyserve.compiled"):
-        again.runner.enable_static_steps(MAX_RUNNING, for_graphs=False)
-    compiled = again.runner.static.compiled
+        compiled = static_steps(again, build=True, for_graphs=False).compiled
     assert (compiled.compiled, compiled.loaded) == (1, 1)
     assert any("could not load the saved graph" in r.getMessage() for r in caplog.records)
     assert drive(again, schedule) == want
@@ -133,8 +131,7 @@ def test_a_failed_compile_runs_eagerly_after_one_warning(dense, own_cache_dir, c
     want = drive(make_engine(dense), schedule)
     eng = make_engine(dense)
     with caplog.at_level(logging.WARNING), inductor_config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
-        eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=False)
-        assert eng.runner.static is None
+        assert static_steps(eng, build=True, for_graphs=False) is None
         assert drive(eng, schedule) == want
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "compiling the CPU steps failed" in warnings[0].getMessage(), warnings

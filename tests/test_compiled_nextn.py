@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_5_text
-from conftest import TEST_DEVICE, assert_no_leaks, drive, tokens
+from conftest import TEST_DEVICE, assert_no_leaks, drive, nextn, static_steps, tokens
 from test_compiled import NEEDS_CXX, TWO_LAYERS, fresh_dynamo, make_engine
 from tinyserve.loader import load_model
 
@@ -39,18 +39,17 @@ def test_compiled_nextn_gives_the_unspeculated_tokens(tmp_path, cache_dir):
     want = drive(make_engine(model, cache={"enabled": False}, **small), schedule)
     spec = {"speculative": {"num_steps": 1}}
     eager = make_engine(model, **spec, **small)
-    eager.nextn.step_cost = PinnedCost()
+    nextn(eager).step_cost = PinnedCost()
     assert drive(eager, schedule) == want
     eng = make_engine(model, **spec, **small)
-    eng.nextn.step_cost = PinnedCost()
-    eng.runner.enable_static_steps(2, for_graphs=False)
-    static = eng.runner.static
+    nextn(eng).step_cost = PinnedCost()
+    static = static_steps(eng, build=True, for_graphs=False)
     assert static is not None and static.compiled is not None and static.max_tokens == 2
     eager_calls = []
     eager_forward = static.eager
     static.eager = lambda *a, **k: eager_calls.append(a) or eager_forward(*a, **k)
     assert drive(eng, schedule) == want
-    assert eng.nextn.stats.num_accepted_tokens > 0
-    assert eng.nextn.stats == eager.nextn.stats
+    assert nextn(eng).totals.num_accepted_tokens > 0
+    assert nextn(eng).totals == nextn(eager).totals
     assert not eager_calls, "every verify and head pass ran through the graphs compiled at start"
     assert_no_leaks(eng)

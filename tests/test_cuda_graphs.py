@@ -1,8 +1,8 @@
-"""CUDA graphs for decode and NEXTN verify (runner.StaticStep): decode and verify steps run padded to a captured
+"""CUDA graphs for decode and NEXTN verify (static.StaticStep): decode and verify steps run padded to a captured
 shape (batch size, tokens per sequence) from static buffers, the padding rows and tokens on a scratch KV page and a
 scratch GDN state slot that no request ever holds.
 
-On the CPU the static path is forced on without a capture (ModelRunner.enable_static_steps(build=False)) and must
+On the CPU the static path is forced on without a capture (conftest.static_steps, unbuilt) and must
 give exactly the eager path's greedy tokens on every page size, with the prefix cache on, while the batch shrinks
 and grows, and with NEXTN the unspeculated tokens; the scratch page and slot are never handed out and never written
 by a real sequence. The capture and replay themselves need a GPU (the `gpu` test at the end).
@@ -10,14 +10,17 @@ by a real sequence. The capture and replay themselves need a GPU (the `gpu` test
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
 
 from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
-from conftest import TEST_DEVICE, PinnedCost, assert_no_leaks, drive, engine_for, merge, tokens
+from conftest import (PinnedCost, TEST_DEVICE, assert_no_leaks, drive, engine_for, merge, nextn, static_steps,
+                      tokens)
 from tinyserve.config import from_dict
 from tinyserve.engine import Engine
+from tinyserve.idle import IdleRelease
 from tinyserve.loader import load_model
 from tinyserve.models.config import WeightCount
 from tinyserve.plan import MemoryPlan
@@ -54,50 +57,44 @@ def make_engine(model, page_size: int, **tables) -> Engine:
 
 
 class Recorder:
-    """Wraps StaticStep.run: records (sequences, padded size, tokens per sequence) of each static step and checks
-    the buffers it ran on: no real token points at the scratch page or slot, every padding token does."""
+    """Wraps StaticStep.run: records (sequences, padded size, tokens per sequence) of each static target step and
+    (spans, padded size, tokens per span, KV only) of each NEXTN head pass, and checks the buffers they ran on: no
+    real token points at the scratch page or slot, every padding token does."""
 
     def __init__(self, static: StaticStep) -> None:
         self.static, self.steps, self.short, self.drafts = static, [], 0, []
-        self._run, self._run_draft = static.run, static.run_draft
-        static.run, static.run_draft = self.run, self.run_draft
+        self._run = static.run
+        static.run = self.run
 
-    def run_draft(self, spans, next_ids, hidden, kv_only=False):
-        """The NEXTN head's passes: (spans, padded size, tokens per span, KV only); the real tokens' KV in their
-        pages."""
-        out = self._run_draft(spans, next_ids, hidden, kv_only=kv_only)
-        st, n, T = self.static, len(spans), max(k for _, _, k in spans)
-        B, ps, page = next(b for b in st.sizes if b >= n), st.kv_pool.page_size, st.kv_pool.scratch_page
-        real = torch.tensor([i * T + t for i, (_, _, k) in enumerate(spans) for t in range(k)])
+    def run(self, packed, kind="step", hidden=None):
+        out = self._run(packed, kind, hidden)
+        st, n = self.static, packed.num_seqs
+        lens = [k for _, _, k in packed.spans]
+        T = max(lens)
+        B, ps, page, slot = next(b for b in st.sizes if b >= n), st.kv_pool.page_size, st.kv_pool.scratch_page, \
+            st.padding_slot
+        real = torch.tensor([i * T + t for i, k in enumerate(lens) for t in range(k)])
+        padding = torch.tensor([r for r in range(B * T) if r not in set(real.tolist())], dtype=torch.long)
         assert not (st.slot_mapping[real] // ps == page).any()
-        padding = torch.tensor([r for r in range(B * T) if r not in set(real.tolist())], dtype=torch.long)
         assert (st.slot_mapping[padding] == page * ps).all()
-        assert len(real) == len(next_ids) == hidden.shape[0]
-        assert out is None if kv_only else out.shape[0] == len(real)
-        self.drafts.append((n, B, T, kv_only))
-        return out
-
-    def run(self, seqs):
-        batch, hidden = self._run(seqs)
-        st, n = self.static, len(seqs)
-        B, T = batch.num_seqs, max(s.num_tokens for s in seqs)
-        ps, page, slot = st.kv_pool.page_size, st.kv_pool.scratch_page, st.padding_slot
-        real = torch.tensor([i * T + t for i, s in enumerate(seqs) for t in range(s.num_tokens)])
-        padding = torch.tensor([r for r in range(B * T) if r not in set(real.tolist())], dtype=torch.long)
-        assert all(page not in s.req.pages and s.req.state_slot not in (slot, st.state_pool.scratch_slot)
-                   for s in seqs)
-        assert not (st.slot_mapping[real] // ps == page).any() and not (st.state_slots[:n] == slot).any()
-        assert (st.slot_mapping[padding] == page * ps).all() and (st.state_slots[n:B] == slot).all()
+        if kind != "step":                 # the NEXTN head's passes: the real tokens' KV in their pages
+            assert len(real) == len(packed.input_ids) == hidden.shape[0]
+            assert out is None if kind == "head_kv" else out.shape[0] == len(real)
+            self.drafts.append((n, B, T, kind == "head_kv"))
+            return out
+        assert all(page not in req.pages and req.state_slot not in (slot, st.state_pool.scratch_slot)
+                   for req, _, _ in packed.spans)
+        assert not (st.state_slots[:n] == slot).any()
+        assert (st.state_slots[n:B] == slot).all()
         assert (st.page_table[n:B, 0] == page).all() and (st.seq_lens[n:B] == 1).all()
-        if T > 1:                        # a verify shape: the state after each real token in its own slot
+        if T > 1:                          # extra tokens: the state after each real token in its own slot
             assert not (st.out_slots[real] == slot).any() and (st.out_slots[padding] == slot).all()
-            assert batch.cu_seqlens[n] == hidden.shape[0] == len(real)
+            assert packed.cu_seqlens[n] == out.shape[0] == len(real)
         else:
-            assert hidden.shape[0] == B
-        assert B == next(b for b in st.sizes if b >= n)
+            assert out.shape[0] == n
         self.steps.append((n, B, T))
-        self.short += any(s.num_tokens < T for s in seqs)      # a sequence with padding tokens after its own
-        return batch, hidden
+        self.short += any(k < T for k in lens)      # a sequence with padding tokens after its own
+        return out
 
 
 def workload(seed: int) -> list[tuple[int, list[int], int]]:
@@ -136,12 +133,11 @@ def test_static_decode_gives_the_eager_tokens(dense, page_size):
     schedule = workload(page_size)
     eager = make_engine(dense, page_size)
     want = drive(eager, schedule)
-    assert eager.runner.static is None
+    assert eager.features.named("static") is None
     assert_no_leaks(eager)
 
     eng = make_engine(dense, page_size)
-    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)          # the CPU test switch: no capture
-    rec = Recorder(eng.runner.static)
+    rec = Recorder(static_steps(eng))          # the CPU test switch: no capture
     got = drive(eng, schedule)
     assert got == want
     assert {n for n, _, _ in rec.steps} >= set(range(1, MAX_RUNNING + 1))     # shrinking ...
@@ -160,8 +156,7 @@ def test_static_decode_moe(moe):
     schedule = workload(3)[:5]
     want = drive(make_engine(moe, 16), schedule)
     eng = make_engine(moe, 16)
-    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
-    rec = Recorder(eng.runner.static)
+    rec = Recorder(static_steps(eng))
     assert drive(eng, schedule) == want and any(n < B for n, B, _ in rec.steps)
     assert_no_leaks(eng)
 
@@ -182,21 +177,20 @@ def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
     want = drive(make_engine(model, page_size, cache={"enabled": False}), schedule)
     spec = {"num_steps": 3, "max_running": 3}
     eager = make_engine(model, page_size, speculative=spec)
-    eager.nextn.step_cost = PinnedCost()           # depths by acceptance alone, not by timing
+    nextn(eager).step_cost = PinnedCost()           # depths by acceptance alone, not by timing
     assert drive(eager, schedule) == want
     eng = make_engine(model, page_size, speculative=spec)
-    eng.nextn.step_cost = PinnedCost()
-    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
-    rec = Recorder(eng.runner.static)
+    nextn(eng).step_cost = PinnedCost()
+    rec = Recorder(static_steps(eng))
     assert drive(eng, schedule) == want
     # the same drafts as the eager head's (a wrong draft costs acceptance, not tokens: so compare the counts)
-    assert dataclasses.asdict(eng.nextn.stats) == dataclasses.asdict(eager.nextn.stats)
-    assert eng.runner.static.max_tokens == 1 + eng.nextn.num_steps
+    assert dataclasses.asdict(nextn(eng).totals) == dataclasses.asdict(nextn(eager).totals)
+    assert eng.features.named("static").max_tokens == 1 + nextn(eng).num_steps
     shapes = {(B, T) for _, B, T in rec.steps}
     assert any(T == 1 for _, T in shapes) and any(T > 1 for _, T in shapes), shapes
     assert any(n < B and T > 1 for n, B, T in rec.steps), "a verify batch with padding sequences"
     assert rec.short > 0, "a verify batch with sequences of different lengths"
-    assert eng.nextn.stats.num_accepted_tokens > 0
+    assert nextn(eng).totals.num_accepted_tokens > 0
     # the NEXTN head ran static too: over the tokens each step committed (1 .. 1 + drafts), then chain steps; and
     # its KV alone over the tokens of steps that drafted nothing
     heads = [(n, B, T) for n, B, T, kv_only in rec.drafts if not kv_only]
@@ -243,13 +237,12 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
         for name in ("triton", "static"):
             eng = make_engine(model, 16, engine={"kernels": "triton"}, **spec)
             if name == "static":
-                eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
-                rec = Recorder(eng.runner.static)
+                rec = Recorder(static_steps(eng))
             out[name] = drive(eng, schedule)
     assert out["static"] == out["triton"] == drive(make_engine(model, 16), schedule)       # and the references'
-    assert eng.runner.static.padding_slot == -1
+    assert eng.features.named("static").padding_slot == -1
     if nextn:
-        assert any(T > 1 for _, _, T in rec.steps) and eng.nextn.stats.num_accepted_tokens > 0
+        assert any(T > 1 for _, _, T in rec.steps) and eng.features.named("nextn").totals.num_accepted_tokens > 0
     else:
         assert (3, 4, 1) in rec.steps and attention_triton.num_splits(CTX, 4, 2, torch.device(DEV)) == 8
 
@@ -290,25 +283,25 @@ def test_the_static_forward_reads_no_tensor_on_the_host(dense, moe, mtp, monkeyp
     def read(self, *args, **kwargs):                 # CPU tensors' tolist / numpy bypass the dispatcher
         raise AssertionError("the decode forward reads a tensor on the host")
     for model in (dense, moe, mtp):
-        nextn = {"speculative": {"num_steps": 3}} if model is mtp else {}
-        eng = make_engine(model, 16, **nextn)
+        spec = {"speculative": {"num_steps": 3}} if model is mtp else {}
+        eng = make_engine(model, 16, **spec)
         static = StaticStep(model, eng.kv_pool, eng.state_pool, MAX_RUNNING, CTX, max_tokens=3,   # and verifies
-                            nextn_kv_layer=eng.nextn.kv_layer if nextn else None)                # and the head
+                            nextn_kv_layer=nextn(eng).kv_layer if spec else None)                 # and the head
         for B, T in static.shapes:
             t = static.tensors(B, T, static.width)
             with monkeypatch.context() as m, torch.inference_mode(), NoHostReads():
                 for name in ("tolist", "numpy", "cpu"):
                     m.setattr(torch.Tensor, name, read)
                 static.eager("step", T, static.max_len, t)
-                if nextn:
+                if spec:
                     static.eager("draft", T, static.max_len, t)
 
 
 def test_static_decode_with_a_short_pool(dense):
     """A KV pool shorter than the context: the page table and the attention bound are the pool's length."""
     eng = make_engine(dense, 16, engine={"kv_cache_tokens": 256})
-    eng.runner.enable_static_steps(MAX_RUNNING, for_graphs=True, build=False)
-    assert eng.runner.static.max_len == 256 and eng.runner.static.width == 16
+    static = static_steps(eng)
+    assert static.max_len == 256 and static.width == 16
     schedule = [(0, tokens(30, 1), 20), (0, tokens(50, 2), 20), (3, tokens(20, 3), 10)]
     want = drive(make_engine(dense, 16, engine={"kv_cache_tokens": 256}), schedule)
     assert drive(eng, schedule) == want
@@ -317,10 +310,10 @@ def test_static_decode_with_a_short_pool(dense):
 
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="on the CPU engine.compile_steps compiles (tests/test_compiled.py)")
 def test_the_engine_captures_on_cuda(dense):
-    static = make_engine(dense, 16, engine={"compile_steps": True}).runner.static
+    static = make_engine(dense, 16, engine={"compile_steps": True}).features.named("static")
     assert static is not None and static.for_graphs
     assert sorted(static.graphs) == [(B, 1) for B in graph_batch_sizes(MAX_RUNNING)]
-    assert make_engine(dense, 16).runner.static is None
+    assert make_engine(dense, 16).features.named("static") is None
 
 
 def test_the_plan_counts_the_graphs(dense):
@@ -351,15 +344,16 @@ def test_captured_graphs_replay_the_eager_tokens(tmp_path, nextn):
     model = load_model(folder, torch.float32, "cuda")
     schedule = workload(16)
     eager = make_engine(model, 16)
-    assert eager.runner.static is None
+    assert eager.features.named("static") is None
     want = drive(eager, schedule)
 
     spec = {"speculative": {"num_steps": 3, "max_running": 3}} if nextn else {}
     eng = make_engine(model, 16, engine={"compile_steps": True}, **spec)
-    static = eng.runner.static
-    shapes = [(B, T) for B in graph_batch_sizes(MAX_RUNNING) for T in range(1, static.max_tokens + 1)]
+    static = eng.features.named("static")
+    shapes = sorted((kind, B, T) for kind in static.kinds() for B in graph_batch_sizes(MAX_RUNNING)
+                    for T in range(1, static.max_tokens + 1))
     assert static is not None and sorted(static.graphs) == shapes
-    assert static.max_tokens == (1 + eng.nextn.num_steps if nextn else 1)
+    assert static.max_tokens == (1 + eng.features.named("nextn").num_steps if nextn else 1)
     replays = []
 
     class Counted:
@@ -372,14 +366,17 @@ def test_captured_graphs_replay_the_eager_tokens(tmp_path, nextn):
     static.graphs = {bt: Counted(g, bt) for bt, g in static.graphs.items()}
     rec = Recorder(static)
     assert drive(eng, schedule) == want
-    assert replays == [(B, T) for _, B, T in rec.steps] and any(n < B for n, B, _ in rec.steps)
+    assert [bt for kind, *bt in replays if kind == "step"] == [[B, T] for _, B, T in rec.steps]
+    assert any(n < B for n, B, _ in rec.steps)
     assert any(T > 1 for _, _, T in rec.steps) == nextn
     check_scratch(eng)
     assert_no_leaks(eng)
 
-    eng._release_device()
-    assert not static.graphs
-    eng._restore_device()
-    assert sorted(static.graphs) == shapes
+    idle = IdleRelease(1.0, eng.kv_pool, eng.state_pool, eng.allocator, eng.cache, eng.copies, eng.features)
+    eng.features.add(idle)
+    idle.idle_since = time.monotonic() - 2                   # idle for longer than its second
+    idle.on_idle()
+    assert idle.pools_freed and not static.graphs
+    assert idle.wake() and sorted(static.graphs) == shapes
     assert drive(eng, schedule) == want
     assert_no_leaks(eng)

@@ -129,7 +129,7 @@ def test_after_a_restart_prompts_branching_off_older_sessions_hit_the_file_tier(
     }
     for name, (prompt, hit) in expect.items():
         r = run(restarted, cold, prompt)
-        assert r.cached_by_tier["file"] == r.cached_tokens == hit, (name, r.cached_by_tier)
+        assert r.report["cached_by_tier"]["file"] == r.cached_tokens == hit, (name, r.report["cached_by_tier"])
         restarted.flush_cache()                         # every prompt from the file tier alone
     assert file.stats.errors == 0
     restarted.close()
@@ -177,7 +177,7 @@ def test_a_model_without_state_uses_the_whole_matching_prefix(attention_model, t
     restarted = file_engine(attention_model, folder)
     for prompt, hit in ((S1[:100] + tokens(90, 80), 96), (S2[:200] + tokens(40, 81), 192), (S2, 240)):
         r = run(restarted, cold_attn, prompt)
-        assert r.cached_by_tier["file"] == r.cached_tokens == hit, r.cached_by_tier
+        assert r.report["cached_by_tier"]["file"] == r.cached_tokens == hit, r.report["cached_by_tier"]
         restarted.flush_cache()
     restarted.close()
     runs, _ = stored(folder)

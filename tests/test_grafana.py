@@ -16,7 +16,9 @@ from tinyserve.cache import CacheStats
 from tinyserve.engine import EngineInfo, EngineStats
 from tinyserve.file_tier import FileStats
 from tinyserve.host_tier import HostStats
+from tinyserve.idle import IdleStats
 from tinyserve.metrics import Metrics
+from tinyserve.multimodal import ImageStats
 from tinyserve.spec import NextNStats
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-tinyserve.json"
@@ -41,8 +43,9 @@ def everything_on() -> EngineStats:
                        "file_tier": 6})
     nextn = NextNStats()
     nextn.observe(3, 2)
-    return EngineStats(1, 2, 3, 10, 1, 4, 0, CacheStats(host=HostStats(), file=FileStats()), nextn=nextn,
-                       image_budget_bytes=1 << 30, info=info)
+    return EngineStats(1, 2, 3, 10, 1, 4, 0, CacheStats(host=HostStats(), file=FileStats()),
+                       features={"nextn": nextn, "images": ImageStats(budget_bytes=1 << 30), "idle": IdleStats()},
+                       info=info)
 
 
 def test_the_dashboard_imports_into_grafana():

@@ -155,7 +155,7 @@ def test_the_tier_allocates_in_segments_as_it_fills(model, cold, monkeypatch):
         assert host.allocated_bytes > seen[-1]
         seen.append(host.allocated_bytes)
     r = run(eng, "A")                                               # A was pushed off the device: a host hit
-    assert r.output_ids == cold["A"] and r.cached_by_tier["host"] > 0
+    assert r.output_ids == cold["A"] and r.report["cached_by_tier"]["host"] > 0
     check_host_rows(eng)
     st = eng.stats().cache.host
     assert st.allocated_bytes == host.allocated_bytes and st.budget_bytes == host.budget_bytes
@@ -220,7 +220,7 @@ def test_pressure_evicts_lru_frees_segments_and_answers_stay_exact(model, cold, 
     # the most recent session (C) kept its host copy; take it off the device and hit it from the host
     eng.cache.make_room(eng.allocator.num_pages)
     r = run(eng, "C")
-    assert r.output_ids == cold["C"] and r.cached_by_tier["host"] > 0, r.cached_by_tier
+    assert r.output_ids == cold["C"] and r.report["cached_by_tier"]["host"] > 0, r.report["cached_by_tier"]
     for name in "AB":                                                          # evicted: recomputed, exact
         assert run(eng, name).output_ids == cold[name]
         assert mem() >= floor
@@ -272,7 +272,7 @@ def test_pressure_while_a_request_runs(model, cold, monkeypatch):
     req = eng.intake.make_request(SESSIONS["A"], GREEDY)
     eng.scheduler.add(req)
     eng._step()                                               # admitted (its path locked), prefilling
-    assert req.status == Status.RUNNING and req.cached_by_tier["host"] > 0
+    assert req.status == Status.RUNNING and req.report["cached_by_tier"]["host"] > 0
     mem.other = mem.total                                     # all of it, at once
     host.relieve(tree)
     tree.check()
@@ -306,8 +306,9 @@ def test_no_floor_never_probes(model, cold, monkeypatch):
 # Serving: the watcher gives memory back on the engine thread; config, plan and metrics
 
 def test_the_serving_watcher_relieves_on_the_engine_thread(model, cold, monkeypatch):
-    """A serving engine watches the host's memory itself (started by Engine.start, stopped by Engine.stop)."""
-    monkeypatch.setattr(engine_mod, "HOST_MEMORY_CHECK_S", 0.01)
+    """A serving engine watches the host's memory itself (the cache's upkeep, started by Engine.start, stopped by
+    Engine.stop)."""
+    monkeypatch.setattr(engine_mod, "UPKEEP_S", 0.01)
     floor = 1 << 30
     eng, mem = engine_with_host(model, floor=floor, total=8 << 30, monkeypatch=monkeypatch)
     host = host_of(eng)

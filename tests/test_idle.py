@@ -26,7 +26,7 @@ async def run(eng, prompt: list[int]):
 async def wait_for_release(eng) -> None:
     """A bounded wait for the engine thread's idle release."""
     for _ in range(400):
-        if (await eng.call(eng.stats)).pools_released:
+        if (await eng.call(eng.stats)).features["idle"].pools_freed:
             return
         await asyncio.sleep(0.01)
 
@@ -43,11 +43,11 @@ def test_idle_release_then_a_host_hit(hybrid_model):
             first, _ = await run(eng, session)
             await wait_for_release(eng)
             stats = await eng.call(eng.stats)
-            assert stats.pools_released and stats.idle_releases == 1
+            assert stats.features["idle"].pools_freed and stats.features["idle"].times == 1
             assert eng.kv_pool.buffer.numel() == 0 and eng.state_pool.ssm.numel() == 0
             assert stats.kv_pages_used == 0 and stats.cache.cached_pages == 0 and stats.cache.snapshots_held == 0
             await asyncio.sleep(0.3)                   # stats calls (like /metrics) do not wake it
-            assert (await eng.call(eng.stats)).idle_releases == 1
+            assert (await eng.call(eng.stats)).features["idle"].times == 1
             again, result = await run(eng, session)
             return first, again, result
         finally:
@@ -56,7 +56,7 @@ def test_idle_release_then_a_host_hit(hybrid_model):
     first, again, result = asyncio.run(scenario())
     assert first == cold and again == cold
     assert result.cached_tokens_by_tier["host"] > 0, result.cached_tokens_by_tier
-    assert not eng.kv_pool.released
+    assert eng.kv_pool.allocated
     assert_no_leaks(eng)
 
 
@@ -67,7 +67,7 @@ def test_no_room_to_restore_fails_the_request_not_the_server(hybrid_model):
     session = tokens(120, 6)
     cold = engine_for(hybrid_model, cache={"enabled": False}).generate([session], GREEDY)[0]
     eng = engine_for(hybrid_model, engine={"page_size": 16, "idle_release_s": 0.2})
-    restore = eng.state_pool.restore
+    allocate = eng.state_pool.allocate
 
     def no_room():
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n(more detail)")
@@ -77,10 +77,10 @@ def test_no_room_to_restore_fails_the_request_not_the_server(hybrid_model):
         try:
             await run(eng, session)
             await wait_for_release(eng)
-            eng.state_pool.restore = no_room             # the KV pool is allocated, then the state pool fails
+            eng.state_pool.allocate = no_room            # the KV pool is allocated, then the state pool fails
             failed = await asyncio.wait_for(run(eng, session), 10)
-            released = eng.kv_pool.released and eng.state_pool.released
-            eng.state_pool.restore = restore
+            released = not eng.kv_pool.allocated and not eng.state_pool.allocated
+            eng.state_pool.allocate = allocate
             again = await asyncio.wait_for(run(eng, session), 30)
             return failed, released, again
         finally:
@@ -88,7 +88,7 @@ def test_no_room_to_restore_fails_the_request_not_the_server(hybrid_model):
 
     (out, result), released, (again, _) = asyncio.run(scenario())
     assert out == [] and result.finish_reason == "error" and released
-    assert again == cold and not eng.kv_pool.released and not eng.state_pool.released
+    assert again == cold and eng.kv_pool.allocated and eng.state_pool.allocated
     assert_no_leaks(eng)
 
 

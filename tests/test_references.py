@@ -27,6 +27,9 @@ FOLDERS = ("tinyserve", "models", "kernels")
 FILE_FOLDERS = ("tinyserve", "models", "kernels", "tests", "bench", "docs", "systemd", ".")
 DOTTED = re.compile(r"(?<![\w.*/-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 OUTSIDE = {"models.retrieve"}     # the OpenAI SDKs' client.models.retrieve, not our models/ package
+# short module names that prose uses far more often for something else: `request.images` is an API request's
+# images, not request.py's (its class is Request)
+AMBIGUOUS = {"request"}
 EXTENSIONS = ("py", "md", "toml", "json", "html", "sh", "txt", "safetensors", "jinja", "service", "bin", "cfg")
 
 
@@ -74,7 +77,7 @@ class Names:
         parts = chain.split(".")
         for k in range(len(parts) - 1, 0, -1):        # the longest module prefix
             path = self.modules.get(".".join(parts[:k]))
-            if path is None:
+            if path is None or ".".join(parts[:k]) in AMBIGUOUS:
                 continue
             attr = parts[k]
             if attr in self.top[path] or any(self.class_has(c, attr) for c in self.module_classes[path]):

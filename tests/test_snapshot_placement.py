@@ -120,7 +120,7 @@ def test_leaf_snapshots_are_demoted_to_the_host_not_dropped(model, cold, roomy, 
     reqs = play(eng, cold, SCRIPT)
     assert [reqs[i].cached_tokens for i in LATER] == [roomy[i] for i in LATER]
     # KV on the device, the state from the host: the host made those tokens usable, so they count as its hits
-    assert reqs[4].cached_by_tier == {"device": 0, "host": reqs[4].cached_tokens, "file": 0}
+    assert reqs[4].report["cached_by_tier"] == {"device": 0, "host": reqs[4].cached_tokens, "file": 0}
     assert eng.cache.tree.host.stats.bytes_out > 0                     # states came back from the host
     assert eng.cache.tree.host.report().used_snapshots <= host_snapshots
     assert_no_leaks(eng)

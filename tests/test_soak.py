@@ -117,7 +117,7 @@ def check(engine):
 
 def checked_step(self):
     events = _step(self)
-    if not self.kv_pool.released:
+    if self.kv_pool.allocated:
         check(self)                        # the radix tree's invariants, between every two steps
     return events
 

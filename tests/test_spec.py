@@ -19,12 +19,11 @@ import pytest
 import torch
 
 from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
-from conftest import TEST_DEVICE, PinnedCost, assert_no_leaks, engine_for, tokens
+from conftest import PinnedCost, TEST_DEVICE, assert_no_leaks, engine_for, nextn, tokens
 from server_util import PinnedCostServer, ServerProcess, free_port, http, server_config
 from tinyserve.config import ConfigError
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
-from tinyserve.build import price_drafts
 from tinyserve.request import Request
 from tinyserve.spec import ALPHA_START, PROBE_EVERY, PROBE_EVERY_MAX, DepthControl, NextN, StepCost
 
@@ -54,7 +53,7 @@ def exact_model(tmp_path_factory):
 def spec_engine(model, engine: dict | None = None, cache: dict | None = None, speculative: dict | None = None):
     eng = engine_for(model, engine={"page_size": 16, **(engine or {})}, cache=cache or {},
                      speculative={**SPEC, **(speculative or {})})
-    eng.nextn.step_cost = PinnedCost()
+    nextn(eng).step_cost = PinnedCost()
     return eng
 
 
@@ -67,7 +66,7 @@ def mixed_prompts(seed: int = 0) -> list[list[int]]:
 
 
 def assert_both_paths_ran(eng) -> None:
-    st = eng.nextn.stats
+    st = nextn(eng).totals
     assert st.num_accepted_tokens > 0, "no draft was accepted"
     assert st.num_accepted_tokens < st.num_draft_tokens, "no draft was rejected"
 
@@ -128,7 +127,7 @@ def test_max_tokens_and_stop_ids_inside_an_accepted_run(exact_model):
         p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop])
         (req,) = eng.run_requests([prompt], p)
         assert req.output_ids == full[:k + 1] and req.finish_reason == "stop"
-    st = eng.nextn.stats
+    st = nextn(eng).totals
     assert st.num_accepted_tokens == st.num_draft_tokens > 0
     assert st.mean_accept_length > 2.5 and st.accepted_per_pos[1] > 0      # runs of 3 and more were committed
     assert_no_leaks(eng)
@@ -144,7 +143,7 @@ def test_depth_falls_on_a_random_head(tmp_path):
     out = eng.generate(prompts, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
     assert out == cold_engine(model).generate(prompts, SamplingParams(max_tokens=120, temperature=0,
                                                                        ignore_eos=True))
-    st = eng.nextn.stats
+    st = nextn(eng).totals
     assert st.num_drafts < 0.35 * 2 * 120, st          # most steps decode plainly
     assert_no_leaks(eng)
 
@@ -171,7 +170,7 @@ def test_device_host_and_file_hits(model, tmp_path):
         for p in sessions + [turn2[0]] + sessions[:1] + turn2[1:]:       # device hit, then host hits (evicted)
             (r,) = eng.run_requests([p], params)
             assert r.output_ids == expected[tuple(p)]
-            got.append((r.cached_tokens, dict(r.cached_by_tier)))
+            got.append((r.cached_tokens, dict(r.report["cached_by_tier"])))
         eng.close()
         return got
 
@@ -180,7 +179,7 @@ def test_device_host_and_file_hits(model, tmp_path):
     assert any(t["host"] > 0 for _, t in spec) and any(t["device"] > 0 for _, t in spec)
     restarted = tiered(True, tmp_path / "spec")
     (r,) = restarted.run_requests([turn2[2]], params)
-    assert r.output_ids == expected[tuple(turn2[2])] and r.cached_by_tier["file"] > 0
+    assert r.output_ids == expected[tuple(turn2[2])] and r.report["cached_by_tier"]["file"] > 0
     (again,) = tiered(False, tmp_path / "plain").run_requests([turn2[2]], params)
     assert r.cached_tokens == again.cached_tokens
     restarted.close()
@@ -256,7 +255,7 @@ def test_sampled_tokens_keep_their_distribution(tmp_path):
         spec = spec_engine(model, engine={"max_running_requests": 64}, cache=COLD)
         a = plain.generate([prompt] * n, params)
         b = spec.generate([prompt] * n, [SamplingParams(**{**p.__dict__, "seed": p.seed + 10 ** 6}) for p in params])
-        assert spec.nextn.stats.num_accepted_tokens > 0
+        assert nextn(spec).totals.num_accepted_tokens > 0
         for pos in (1, 2, 3):
             ca = torch.bincount(torch.tensor([o[pos] for o in a]), minlength=12).float()
             cb = torch.bincount(torch.tensor([o[pos] for o in b]), minlength=12).float()
@@ -324,10 +323,10 @@ def test_a_new_request_starts_from_the_acceptance_of_every_requests_rounds():
     nextn = NextN(num_steps=3, max_running=0, kv_layer=0)
     assert nextn.alpha == ALPHA_START
     old = Request("old", [1, 2], SamplingParams(), seed=0)
-    old.depth = DepthControl(3, alpha=nextn.alpha)
+    nextn.record(old).depth = DepthControl(3, alpha=nextn.alpha)
     for _ in range(20):                                # a head that never agrees with this traffic
         nextn.observe(old, 3, 0)
-    assert nextn.stats.num_drafts == 20 and old.depth.alpha == pytest.approx(nextn.alpha)
+    assert nextn.totals.num_drafts == 20 and nextn.record(old).depth.alpha == pytest.approx(nextn.alpha)
     assert DepthControl(3, alpha=nextn.alpha).next_depth(cheap) == 0   # the next request does not draft deep
     for _ in range(20):
         nextn.observe(old, 3, 3)
@@ -340,8 +339,8 @@ def test_a_new_request_waits_for_its_first_probe_as_the_last_probe_left():
 
     def first_probe() -> tuple[Request, int]:
         req = Request("r", [1, 2], SamplingParams(), seed=0)
-        req.depth = DepthControl(3, alpha=0.0, probe_every=nextn.probe_every)   # a head that disagrees
-        depths = [req.depth.next_depth(cheap) for _ in range(PROBE_EVERY_MAX)]
+        depth = nextn.record(req).depth = DepthControl(3, alpha=0.0, probe_every=nextn.probe_every)  # disagrees
+        depths = [depth.next_depth(cheap) for _ in range(PROBE_EVERY_MAX)]
         return req, depths.index(1) + 1
     req, wait = first_probe()
     assert wait == PROBE_EVERY
@@ -420,11 +419,11 @@ def test_server_reports_speculation_and_keeps_the_text(xdg, tmp_path):
         assert "NEXTN" in srv.log()                    # the plan at start shows the NEXTN KV
 
 
-def test_price_drafts_times_every_depth_and_keeps_nothing(model):
+def test_pricing_times_every_depth_and_keeps_nothing(model):
     eng = engine_for(model, engine={"page_size": 16}, speculative=SPEC)
-    price_drafts(eng)
-    seconds = eng.nextn.step_cost.seconds
+    nextn(eng).price(eng)
+    seconds = nextn(eng).step_cost.seconds
     assert len(seconds) == 4 and all(t > 0 for t in seconds), seconds
-    assert eng.nextn.stats.num_drafts == 0 and eng.cache.stats().cached_pages == 0
+    assert nextn(eng).totals.num_drafts == 0 and eng.cache.stats().cached_pages == 0
     assert not eng.scheduler.running and not eng.scheduler.waiting
     assert_no_leaks(eng)

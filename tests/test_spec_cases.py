@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
-from conftest import TEST_DEVICE, PinnedCost, assert_no_leaks, engine_for, tokens
+from conftest import PinnedCost, TEST_DEVICE, assert_no_leaks, engine_for, nextn, static_steps, tokens
 from tinyserve.engine import Engine
 from tinyserve.grammar import Constraint
 from tinyserve.loader import load_model
@@ -63,9 +63,9 @@ def spec_engine(model, page_size: int = 16, static: bool = False, engine: dict |
                 cache: dict | None = None, **speculative) -> Engine:
     eng = engine_for(model, engine={"page_size": page_size, "kv_cache_tokens": 4096, **(engine or {})},
                      cache=cache or {}, speculative={"num_steps": K, "max_running": 0, **speculative})
-    eng.nextn.step_cost = PinnedCost()                  # the depth follows acceptance alone, not timing
+    nextn(eng).step_cost = PinnedCost()                  # the depth follows acceptance alone, not timing
     if static:                                           # the CUDA-graph path, run eagerly (the CPU test switch)
-        eng.runner.enable_static_steps(eng.cfg.engine.max_running_requests, for_graphs=True, build=False)
+        static_steps(eng)
     return eng
 
 
@@ -88,6 +88,7 @@ def drive(eng: Engine, arrivals: list[tuple[int, list[int], SamplingParams]],
     of each request after each step that left it drafts, by request id. before_step(step) runs before each."""
     reqs: list[Request] = []
     drafted: dict[str, list[int]] = {}
+    counted: dict[str, int] = {}
     pending, step = sorted(arrivals, key=lambda a: a[0]), 0
     while pending or any(r.status != Status.FINISHED for r in reqs):
         while pending and pending[0][0] <= step:
@@ -98,18 +99,21 @@ def drive(eng: Engine, arrivals: list[tuple[int, list[int], SamplingParams]],
             drafted[req.request_id] = []
         before_step(step)
         for ev in eng._step():
-            if ev.tokens:
-                drafted[ev.request_id].append(ev.drafted)
+            if ev.tokens:                      # the drafts this step verified: the growth of the request's count
+                total = (ev.report or {}).get("draft_tokens", 0)
+                drafted[ev.request_id].append(total - counted.get(ev.request_id, 0))
+                counted[ev.request_id] = total
         if drafts is not None:
             for r in reqs:
-                if r.status == Status.RUNNING and r.draft:
-                    drafts.setdefault(r.request_id, []).append((len(r.output_ids), *r.draft))
+                made = r.features.get("nextn")
+                if r.status == Status.RUNNING and made is not None and made.tokens:
+                    drafts.setdefault(r.request_id, []).append((len(r.output_ids), *made.tokens))
         step += 1
     return reqs, drafted
 
 
 def accepted_all(eng: Engine) -> bool:
-    st = eng.nextn.stats
+    st = nextn(eng).totals
     return st.num_accepted_tokens == st.num_draft_tokens > 0
 
 
@@ -142,7 +146,7 @@ def test_every_prompt_length_up_to_k_plus_2(model, page_size, static):
     chunked = spec_engine(model, page_size, static, engine={"chunked_prefill_size": K + 1})
     long = [tokens(4 * (K + 1) + 2, 700), tokens(K + 1, 701)]
     assert chunked.generate(long, [greedy(10)] * 2) == oracle(model, long, [greedy(10)] * 2)
-    assert eng.nextn.stats.num_accepted_tokens > 0
+    assert nextn(eng).totals.num_accepted_tokens > 0
     assert_no_leaks(eng)
     assert_no_leaks(chunked)
 
@@ -176,7 +180,7 @@ def test_plain_steps_right_after_accepted_runs(exact_model, page_size, static):
 def nextn_kv(eng: Engine, ids: list[int]) -> torch.Tensor:
     """The NEXTN layer's K and V [2, tokens, heads, dim] that the prefix cache holds for ids (whole pages)."""
     m = eng.cache.tree.match(ids + [0])
-    kv = eng.kv_pool.layer(eng.nextn.kv_layer)[torch.tensor(m.pages, dtype=torch.long)]
+    kv = eng.kv_pool.layer(nextn(eng).kv_layer)[torch.tensor(m.pages, dtype=torch.long)]
     return kv.transpose(0, 1).flatten(1, 2)
 
 
@@ -223,7 +227,7 @@ def test_a_warm_second_pass_gives_the_first_passs_tokens(model, page_size):
         assert [run[i].output_ids for i in greedy_rows] == cold
         assert [len(r.output_ids) for r in run] == [sp.max_tokens for sp in params]
     assert sum(r.cached_tokens for r in second) > sum(r.cached_tokens for r in first) > 0
-    assert eng.nextn.stats.num_accepted_tokens > 0
+    assert nextn(eng).totals.num_accepted_tokens > 0
     assert_no_leaks(eng)
 
 
@@ -266,9 +270,9 @@ def test_constrained_and_speculating_requests_in_one_batch(demo_spec, page_size,
     want = {i: cold.generate([prompts[i]], [params[i]])[0] for i in checked}
     eng = engine_for(model, tok, engine={"page_size": page_size, "kv_cache_tokens": 4096},
                      speculative={"num_steps": K, "max_running": 0})
-    eng.nextn.step_cost = PinnedCost()
+    nextn(eng).step_cost = PinnedCost()
     if static:
-        eng.runner.enable_static_steps(eng.cfg.engine.max_running_requests, for_graphs=True, build=False)
+        static_steps(eng)
     for _ in range(2):
         reqs, drafted = drive(eng, [(i // 4, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
         for i in checked:
@@ -279,7 +283,7 @@ def test_constrained_and_speculating_requests_in_one_batch(demo_spec, page_size,
                 jsonschema.validate(json.loads(tok.decode(r.output_ids)), SCHEMA)
             else:
                 assert any(drafted[r.request_id]), i
-    assert sum(r.cached_tokens for r in reqs) > 0 and eng.nextn.stats.num_accepted_tokens > 0
+    assert sum(r.cached_tokens for r in reqs) > 0 and nextn(eng).totals.num_accepted_tokens > 0
     assert_no_leaks(eng)
 
 
@@ -308,7 +312,7 @@ def test_a_cached_prefix_drafts_as_if_it_had_speculated(attentive_model, page_si
         (req, *_), _ = drive(eng, first_run)
         kv = nextn_kv(eng, a + req.output_ids)
         drafts: dict[str, list] = {}
-        eng.nextn.alpha = ALPHA_START        # where a new request's depth starts follows the engine's rounds so far
+        nextn(eng).alpha = ALPHA_START        # where a new request's depth starts follows the engine's rounds so far
         (turn2,), _ = drive(eng, [(0, a + req.output_ids + tokens(6, 903), greedy(30))], drafts)
         assert turn2.cached_tokens >= len(a) + 32 - page_size
         assert_no_leaks(eng)

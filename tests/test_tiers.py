@@ -107,8 +107,8 @@ def test_experiment_host_hit_then_file_hit_after_restart(model, cold, tmp_path, 
         assert r.output_ids == cold[name] and r.cached_tokens == 0
     again = run(eng, "A")
     assert again.output_ids == cold["A"]
-    assert again.cached_by_tier["host"] > 0, again.cached_by_tier
-    assert again.cached_tokens == usable == sum(again.cached_by_tier.values())
+    assert again.report["cached_by_tier"]["host"] > 0, again.report["cached_by_tier"]
+    assert again.cached_tokens == usable == sum(again.report["cached_by_tier"].values())
     assert eng.stats().cache.host.hit_tokens > 0
     eng.close()
     assert blob_files(tmp_path)
@@ -123,7 +123,7 @@ def test_experiment_host_hit_then_file_hit_after_restart(model, cold, tmp_path, 
     assert file_tier(restarted).num_blobs == len(blob_files(tmp_path))
     first = run(restarted, "A")
     assert first.output_ids == cold["A"]
-    assert first.cached_by_tier["file"] > 0, first.cached_by_tier
+    assert first.report["cached_by_tier"]["file"] > 0, first.report["cached_by_tier"]
     assert first.cached_tokens == usable
     assert file_tier(restarted).stats.errors == 0
     restarted.close()
@@ -140,13 +140,13 @@ def test_write_through_selective_backs_up_on_the_second_hit(model, cold, tmp_pat
     run(eng, "A")                                                         # first hit
     assert host_tier(eng).num_free_pages == host_tier(eng).num_pages
     r = run(eng, "A")                                                     # second hit: backed up now
-    assert r.output_ids == cold["A"] and r.cached_by_tier["device"] > 0
+    assert r.output_ids == cold["A"] and r.report["cached_by_tier"]["device"] > 0
     assert host_tier(eng).num_free_pages < host_tier(eng).num_pages
     file_tier(eng).flush(10)
     assert blob_files(tmp_path)
     run(eng, "B"), run(eng, "C")                                          # evict A from the device
     again = run(eng, "A")
-    assert again.output_ids == cold["A"] and again.cached_by_tier["host"] > 0
+    assert again.output_ids == cold["A"] and again.report["cached_by_tier"]["host"] > 0
     eng.close()
     assert_all_free(eng)
 
@@ -238,7 +238,7 @@ def test_damaged_blobs_are_misses_counted_and_deleted(model, other_model, cold, 
     again = small_engine(model, file={"dir": str(tmp_path / "ours"), "size_gb": 1.0})
     for name in "ABC":
         r = run(again, name)
-        assert r.output_ids == cold[name] and r.cached_by_tier["file"] > 0
+        assert r.output_ids == cold[name] and r.report["cached_by_tier"]["file"] > 0
     assert file_tier(again).stats.errors == 0
     again.close()
 
@@ -392,7 +392,7 @@ def test_promoting_from_a_full_host_tier_under_write_back(model, cold):
     for name in "ABA":
         r = run(eng, name)
         assert r.output_ids == cold[name]
-    assert r.cached_by_tier["host"] > 0, r.cached_by_tier
+    assert r.report["cached_by_tier"]["host"] > 0, r.report["cached_by_tier"]
     assert_all_free(eng)
 
 
@@ -492,7 +492,7 @@ def test_kill_9_of_an_engine_then_restart_serves_what_was_complete(model, tmp_pa
         prompt = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(1000 + i)).tolist()
         (r,) = eng.run_requests([prompt], p)
         assert r.output_ids == cold_eng.generate([prompt], p)[0]
-        assert r.cached_by_tier["file"] > 0
+        assert r.report["cached_by_tier"]["file"] > 0
     assert file_tier(eng).stats.errors == 0
     eng.close()
 
@@ -508,7 +508,8 @@ def test_flush_cache_keeps_the_file_tier_unless_asked(model, cold, tmp_path):
     assert host_tier(eng).num_free_pages == host_tier(eng).num_pages
     assert file_tier(eng).num_blobs == len(blob_files(tmp_path)) > 0
     r = run(eng, "A")
-    assert r.output_ids == cold["A"] and r.cached_by_tier["file"] > 0 and r.cached_by_tier["host"] == 0
+    by_tier = r.report["cached_by_tier"]
+    assert r.output_ids == cold["A"] and by_tier["file"] > 0 and by_tier["host"] == 0
     assert eng.flush_cache(include_file=True)
     assert file_tier(eng).num_blobs == 0 and file_tier(eng).used_bytes == 0 and not blob_files(tmp_path)
     r = run(eng, "A")

@@ -379,7 +379,7 @@ def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
     import re
 
     from checkpoints import fp8_checkpoint, make_agreeing_head, make_qwen3_5_text
-    from conftest import PinnedCost, engine_for, tokens
+    from conftest import PinnedCost, engine_for, nextn, tokens
     from tinyserve.kernels import (activation_triton, attention_triton, conv_triton, fp8_triton, gdn_triton,
                                    norm_triton, rotary_triton)
     from tinyserve.loader import load_model
@@ -412,7 +412,7 @@ def test_greedy_tokens_equal_through_the_triton_kernels(tmp_path, monkeypatch):
             eng = engine_for(model, engine={"page_size": 16, "kernels": name}, cache={"enabled": False},
                              speculative={"num_steps": 3, "max_running": 0})
             assert kernels.backend() == name
-            eng.nextn.step_cost = PinnedCost()
+            nextn(eng).step_cost = PinnedCost()
             out[name] = eng.generate(prompts, params)
     assert out["triton"] == out["torch"]
     assert set(calls) == {n for names in kernels_used.values() for n in names}, calls

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from checkpoints import make_qwen3_5_vl
-from conftest import assert_no_leaks, engine_for
+from conftest import assert_no_leaks, engine_for, nextn
 from tinyserve.engine import RequestError
 from tinyserve.images import ImageSource
 from tinyserve.loader import load_model
@@ -162,7 +162,7 @@ def test_cache_hits_with_images_equal_cold_runs(vl, page_size):
     assert done[1].cached_tokens == (len(prompts[1][0]) - 1) // page_size * page_size
     assert done[2].cached_tokens == first_pad // page_size * page_size          # diverges at its first pad
     assert done[2].cached_tokens < first_pad + 1
-    assert warm.stats().images_encoded == 2                 # a and b; 1 and 3 took a's features from the cache
+    assert warm.stats().features["images"].encoded == 2                 # a and b; 1 and 3 took a's features from the cache
     # a later turn adds an image: it resumes from the end of the previous turn (the request's end)
     prev = done[0]
     tail, tail_images = warm.intake.prepare_images(tok.encode("<|im_end|>\n" + user_turn("And " + MARK + "?")),
@@ -203,7 +203,7 @@ def test_file_tier_hit_with_an_image_after_a_restart(vl, tmp_path):
     again = engine_for(model, tok, **tables)                  # a new process's engine: an empty tree
     (r,) = again.run_requests([ids], GREEDY, [images])
     assert r.output_ids == want
-    assert r.cached_by_tier["file"] == r.cached_tokens == (len(ids) - 1) // PS * PS
+    assert r.report["cached_by_tier"]["file"] == r.cached_tokens == (len(ids) - 1) // PS * PS
     other, other_images = prepare(again, tok, user_turn(MARK + "Tell me about it in detail."), [png(56, 40, 32)])
     (r2,) = again.run_requests([other], GREEDY, [other_images])    # same size, other pixels: no file hit past it
     assert r2.cached_tokens < other.index(model.cfg.image_token_id) + 1
@@ -231,7 +231,7 @@ def nextn_kv(vl, chunk: int, ids, images) -> torch.Tensor:
                      speculative={"num_steps": 2})
     (r,) = eng.run_requests([ids], SamplingParams(max_tokens=1, temperature=0), [images])
     m = eng.cache.tree.match(r.cache_ids[:len(ids)])     # the prompt's pages, kept by the prefix cache
-    layer = eng.kv_pool.layer(eng.nextn.kv_layer)        # [pages, 2 (k, v), page_size, heads, head_dim]
+    layer = eng.kv_pool.layer(nextn(eng).kv_layer)        # [pages, 2 (k, v), page_size, heads, head_dim]
     return torch.stack([layer[m.pages[p // PS], :, p % PS] for p in range(m.length)])
 
 
@@ -264,25 +264,25 @@ def test_each_image_is_encoded_once_per_prefill_and_let_go_after_it(vl, chunk):
     folder, oracle, model, tok = vl
     eng = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048, "chunked_prefill_size": chunk},
                      speculative={"num_steps": 2})
-    eng.runner.images.cache.max_bytes = 0                      # nothing is kept across requests
+    eng.features.named("images").cache.max_bytes = 0                      # nothing is kept across requests
     ids, images = prepare(eng, tok, user_turn("Two: " + MARK + MARK + "go"), [png(40, 24, 61), png(32, 48, 62)])
     req = eng.intake.make_request(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), None, images)
     eng.scheduler.add(req)
     while req.num_computed < len(ids):
         eng._step()
-    assert eng.stats().images_encoded == 2
-    assert all(item.features is None for item in req.images.items)
+    assert eng.stats().features["images"].encoded == 2
+    assert all(item.features is None for item in req.features["images"].items)
     # the request keeps the features on the host, not the pixels; a recompute after preemption needs no tower
-    assert all(item.image.pixel_values is None and item.encoded is not None for item in req.images.items)
+    assert all(item.image.pixel_values is None and item.encoded is not None for item in req.features["images"].items)
     eng.scheduler.preempt(req)
     while req.num_computed < len(ids):
         eng._step()
-    assert eng.stats().images_encoded == 2
+    assert eng.stats().features["images"].encoded == 2
     other = eng.intake.make_request(ids, SamplingParams(max_tokens=4), None, images)
     eng.scheduler.add(other)
     eng._step()                                            # part of the prompt (and an image's features) held
     eng.scheduler.abort(other)
-    assert all(item.features is None for item in other.images.items)
+    assert all(item.features is None for item in other.features["images"].items)
     while req.status.value != "finished":
         eng._step()
     cold = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048}, cache={"enabled": False})

@@ -153,7 +153,7 @@ def test_restart_among_many_blobs_serves_the_first_request_from_the_file_tier(mo
     assert file_tier(restarted).num_blobs == len(ours) + 20_000
     (again,) = restarted.run_requests([prompt], GREEDY)
     assert again.output_ids == cold
-    assert again.cached_by_tier["file"] == (SESSION - 1) // 16 * 16, again.cached_by_tier
+    assert again.report["cached_by_tier"]["file"] == (SESSION - 1) // 16 * 16, again.report["cached_by_tier"]
     assert file_tier(restarted).stats.errors == 0                        # no other blob was read
     restarted.close()
     assert len(blob_files(folder)) == len(ours) + 20_000

@@ -1,6 +1,8 @@
 """Building an engine: plan the memory, load the model, allocate the pools, wire the prefix cache and its tiers, the
-scheduler, the runner and the request intake, capture the CUDA graphs, and price NEXTN's drafts. Everything here
-runs once, at start, on the thread that will run the steps (a server's compute thread)."""
+scheduler, the runner and the request intake, then register the optional features the configuration and the
+checkpoint turn on (features.py; one line each) and start them (the static steps compile or capture, NEXTN prices
+its drafts). Everything here runs once, at start, on the thread that will run the steps (a server's compute
+thread)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,14 +13,18 @@ from pathlib import Path
 import torch
 
 from tinyserve.blob import model_fingerprint, weights_digest
-from tinyserve.cache import NullCache, PrefixCache
+from tinyserve.cache import Cache, PrefixCache
 from tinyserve.config import Config, ConfigError
 from tinyserve.copies import CopyStream, copy_stream_for
 from tinyserve.demo import default_cache_dir
-from tinyserve.file_tier import FileTier
-from tinyserve.host_tier import HostTier
+from tinyserve.divergences import describe_divergence
 from tinyserve.engine import Engine
-from tinyserve.intake import Intake, RequestError, image_processor_for
+from tinyserve.features import Features
+from tinyserve.file_tier import FileTier
+from tinyserve.grammar import Grammar
+from tinyserve.host_tier import HostTier
+from tinyserve.idle import IdleRelease
+from tinyserve.intake import Intake, image_processor_for
 from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
 from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.gdn import snapshot_alignment
@@ -28,13 +34,14 @@ from tinyserve.loader import load_model
 from tinyserve.model_config import LoaderError
 from tinyserve.models.config import WeightCount
 from tinyserve.models.weights import place_on_huge_pages
+from tinyserve.multimodal import Images
 from tinyserve.plan import GIB, MemoryPlan, dtype_name, host_available_bytes, plan_for, torch_dtype
-from tinyserve.request import Status
+from tinyserve.prompt_logprobs import PromptLogprobs
 from tinyserve.runner import ModelRunner
-from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import Scheduler
-from tinyserve.spec import ALPHA_START, FixedDepth, NextN, NextNStats
+from tinyserve.spec import NextN
 from tinyserve.state import StatePool
+from tinyserve.static import StaticStep, static_step
 from tinyserve.tokenizer import Tokenizer
 
 log = logging.getLogger("tinyserve.build")
@@ -52,7 +59,9 @@ def build_engine(cfg: Config) -> Engine:
         model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision,
                            fp8_weights=plan.fp8_weights)
         engine = assemble(cfg, model, tokenizer, plan)
-        price_drafts(engine)                   # NEXTN: the first forwards, before serving
+        nextn = engine.features.named("nextn")
+        if nextn is not None:
+            nextn.price(engine)                # NEXTN: the first forwards, before serving
     except RuntimeError as e:                  # torch.OutOfMemoryError (CUDA) or the CPU allocator's failure
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
@@ -98,19 +107,27 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
     copies = copy_stream or copy_stream_for(device)
     allocator.fence, state_pool.fence = copies.fence_pages, copies.fence_slots
     work = threading.Event()                   # set when the engine thread has something to do
-    cache = prefix_cache(cfg, plan, model, kv_pool, allocator, state_pool, copies, work.set) \
-        if cfg.cache.enabled else NullCache(state_pool)
-    nextn = None
-    if plan.nextn_layers:
-        nextn = NextN(cfg.speculative.num_steps, cfg.speculative.max_running, kv_layer=len(mc.attn_layer_ids))
+    cache = prefix_cache(cfg, plan, model, tokenizer, kv_pool, allocator, state_pool, copies, work.set) \
+        if cfg.cache.enabled else Cache(state_pool)
+    features = Features()
     scheduler = Scheduler(allocator, state_pool, plan.page_size, cfg.engine.max_running_requests,
-                          cfg.engine.chunked_prefill_size, cache, lookahead=nextn.num_steps if nextn else 0,
+                          cfg.engine.chunked_prefill_size, cache, features,
                           snapshot_align=snapshot_alignment(device) if plan.hybrid else None)
-    runner = ModelRunner(model, kv_pool, state_pool, eos_token_ids, nextn, plan.context_length)
+    runner = ModelRunner(model, kv_pool, state_pool, eos_token_ids, features, plan.context_length)
     vision = model.visual is not None
     intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, eos_token_ids, tokenizer,
                     mc.image_token_id, image_processor_for(model) if vision else None,
                     weights_digest(model.visual) if vision else b"")
+    # the optional features, one line each (features.py); the static steps last, as they run the others' forwards
+    if plan.nextn_layers:
+        features.add(NextN(cfg.speculative.num_steps, cfg.speculative.max_running, len(mc.attn_layer_ids), runner,
+                           running=lambda: len(scheduler.running)))
+    if vision:
+        features.add(Images(model.encode_images, device, intake))
+    features.add(Grammar())
+    features.add(PromptLogprobs(model))
+    if cfg.engine.idle_release_s:
+        features.add(IdleRelease(cfg.engine.idle_release_s, kv_pool, state_pool, allocator, cache, copies, features))
     if plan.device == "cpu":                   # pick this CPU's fastest GEMM route on the model's own shapes
         if not hasattr(model, "huge_pages"):   # once per model, before pack: its copies follow the weights' addresses
             _, model.huge_pages = place_on_huge_pages(model)
@@ -121,15 +138,16 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
         routes = calibrate_linear(list(shapes.values()), may_pack=may_pack)
         added = pack_weights(dense)
         log.info("CPU GEMM route: %s%s", routes, f" (packed weight copies: {added / GIB:.2f} GiB)" if added else "")
-    static_steps(cfg, plan, runner, kv_pool)
+    compiled_steps(cfg, plan, runner)
     return Engine(cfg, plan, model, tokenizer, kv_pool=kv_pool, allocator=allocator, state_pool=state_pool,
-                  copies=copies, cache=cache, scheduler=scheduler, runner=runner, intake=intake, nextn=nextn,
+                  copies=copies, cache=cache, scheduler=scheduler, runner=runner, intake=intake, features=features,
                   work=work)
 
 
-def prefix_cache(cfg: Config, plan: MemoryPlan, model, kv_pool: KVPool, allocator: PageAllocator,
+def prefix_cache(cfg: Config, plan: MemoryPlan, model, tokenizer, kv_pool: KVPool, allocator: PageAllocator,
                  state_pool: StatePool, copies: CopyStream, wake) -> PrefixCache:
-    """The radix tree with the host and file tiers the plan sized. wake: called when a file-tier read lands."""
+    """The radix tree with the host and file tiers the plan sized. wake: called when a file-tier read lands. The
+    tokenizer shows the tokens either side of where a prompt leaves a cached path, in the log."""
     host = file = None
     if plan.host_pages or plan.host_snapshots:
         host = HostTier(kv_pool, state_pool, plan.host_pages, plan.host_snapshots,
@@ -140,27 +158,55 @@ def prefix_cache(cfg: Config, plan: MemoryPlan, model, kv_pool: KVPool, allocato
                                   copies, host, needs_state=plan.hybrid,
                                   probe_every=cfg.cache.state_track_interval // plan.page_size)
         log.info("file tier %s: %d blobs found", plan.file_dir, file.num_blobs)
-    return PrefixCache(cfg, allocator, state_pool, plan.page_size, plan.hybrid, host, file, wake=wake)
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
+    return PrefixCache(cfg, allocator, state_pool, plan.page_size, plan.hybrid, host, file, wake=wake,
+                       describe=lambda d: describe_divergence(d, decode, model.cfg.vocab_size))
 
 
-def static_steps(cfg: Config, plan: MemoryPlan, runner: ModelRunner, kv_pool: KVPool) -> None:
-    """The static decode / NEXTN verify path (engine.compile_steps), made at start (a server is not ready before):
-    on CUDA its graphs, one per batch size up to engine.max_running_requests and tokens per sequence (1 + the draft
-    steps), which need the Triton kernels (the torch references read values on the host); on the CPU its forwards
-    compiled by torch.compile, inductor's cache in compile_cache_dir."""
+def compiled_steps(cfg: Config, plan: MemoryPlan, runner: ModelRunner) -> None:
+    """The static decode / NEXTN verify path (engine.compile_steps, static.py), made at start (a server is not ready
+    before) and registered: on CUDA its graphs, one per batch size up to engine.max_running_requests and tokens per
+    sequence (1 + the draft steps), which need the Triton kernels (the torch references read values on the host); on
+    the CPU its forwards compiled by torch.compile, inductor's cache in compile_cache_dir. A capture or a compile
+    that fails leaves every step eager, with the error in the log."""
     if not cfg.engine.compile_steps:
         return
-    if plan.device == "cpu":
-        from tinyserve.compiled import use_cache_dir
-        log.info("compiling the CPU steps (inductor's cache: %s)", use_cache_dir(compile_cache_dir(cfg)))
-        runner.enable_static_steps(cfg.engine.max_running_requests, for_graphs=False)
-        return
-    if not use_triton(kv_pool.buffer):
+    if plan.device != "cpu" and not use_triton(runner.kv_pool.buffer):
         why = triton_problem() if cfg.engine.kernels == "auto" else ""
         log.log(logging.WARNING if why else logging.INFO, "CUDA graphs are off: engine.kernels = %r runs the "
                 "torch references on CUDA%s", cfg.engine.kernels, f" ({why})" if why else "")
         return
-    runner.enable_static_steps(cfg.engine.max_running_requests, for_graphs=True)
+    if plan.device == "cpu":
+        from tinyserve.compiled import use_cache_dir
+        log.info("compiling the CPU steps (inductor's cache: %s)", use_cache_dir(compile_cache_dir(cfg)))
+    static = built_static_step(runner, cfg.engine.max_running_requests, for_graphs=plan.device != "cpu")
+    if static is not None:
+        runner.features.add(static)
+
+
+def built_static_step(runner: ModelRunner, max_batch: int, for_graphs: bool) -> StaticStep | None:
+    """static.static_step, captured (for_graphs) or compiled (the CPU); None where that fails (logged)."""
+    static = static_step(runner, max_batch, for_graphs)
+    if for_graphs:
+        try:
+            static.capture()
+        except RuntimeError:                   # torch reports a failed capture (a host sync, a forbidden call) as one
+            log.exception("capturing the CUDA graphs failed: every step runs eagerly "
+                          "(engine.compile_steps = false skips the capture)")
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            return None
+        return static
+    from tinyserve.compiled import CompiledSteps    # torch.compile's machinery: imported only when used
+    try:
+        compiled = CompiledSteps(static)
+        compiled.build()
+    except Exception as e:                     # noqa: BLE001 - no compiler, an op inductor cannot lower: eager
+        log.warning("compiling the CPU steps failed, every step runs eagerly (engine.compile_steps = false skips "
+                    "the attempt): %s: %s", type(e).__name__, str(e).strip().splitlines()[0] if str(e) else "")
+        return None
+    static.compiled = compiled
+    return static
 
 
 def compile_cache_dir(cfg: Config) -> Path:
@@ -168,42 +214,3 @@ def compile_cache_dir(cfg: Config) -> Path:
     on, else the per-user cache folder ($XDG_CACHE_HOME/tinyserve, ~/.cache/tinyserve)."""
     base = Path(cfg.cache.file.dir).expanduser() if cfg.cache.enabled and cfg.cache.file.dir else default_cache_dir()
     return base / "compiled"
-
-
-def price_drafts(engine: Engine, steps: int = 3) -> None:
-    """NEXTN: time single-request decode steps at each draft depth on this machine and model (the StepCost that
-    chooses how deep requests draft), with a throw-away request on a scheduler of its own with no prefix cache
-    (nothing of it is kept), before serving."""
-    nextn = engine.nextn
-    if nextn is None:
-        return
-    prompt = [(7 * i + 3) % engine.model.cfg.vocab_size for i in range(64)]
-    k = nextn.num_steps
-    try:
-        req = engine.intake.make_request(prompt, SamplingParams(max_tokens=(k + 1) * (steps + 2) * (k + 2),
-                                                                temperature=0, ignore_eos=True), "price-drafts")
-    except RequestError as e:                  # a tiny context or pool: price drafts as they run
-        log.info("NEXTN: draft depths not timed at start (%s)", e)
-        return
-    plan, cfg = engine.plan, engine.cfg
-    sched = Scheduler(engine.allocator, engine.state_pool, plan.page_size, 1, cfg.engine.chunked_prefill_size,
-                      NullCache(engine.state_pool), lookahead=k)
-    sched.add(req)
-    while not req.output_ids:                  # the prompt
-        engine.run_step(sched)
-    cost = nextn.step_cost
-    for depth in range(k + 1):
-        req.depth = FixedDepth(depth)
-        for i in range(steps + 2):
-            if req.status != Status.RUNNING:
-                break
-            engine.run_step(sched)
-            # a step verifies the drafts the one before made: the second at a new depth is the first to verify that
-            # many, and a first call (a graph's, a GEMM shape's set-up) is not steady: not part of the price
-            if i == 1 and len(cost.seconds) > depth:
-                cost.seconds[depth] = 0.0
-    if req.status != Status.FINISHED:
-        sched.abort(req)
-    nextn.stats, nextn.alpha = NextNStats(), ALPHA_START      # the throw-away prompt says nothing of real traffic
-    log.info("NEXTN: a decode step with 0..%d drafts takes %s ms here", k,
-             ", ".join(f"{t * 1000:.1f}" for t in cost.seconds))

@@ -1,47 +1,116 @@
-"""The prefix cache as the scheduler sees it: a few calls (the `Cache` protocol), and a null cache when it is off.
+"""The prefix cache as the scheduler sees it: eight calls. `Cache` answers them as the null cache (cache.enabled =
+false: every request starts from an empty state and nothing is kept); `PrefixCache` answers them from the radix
+tree, its state snapshots and its tiers.
 
-    arrival:    on_arrival(req)     start reading the prompt's file-tier blobs in the background
-                ready(req)          may req be admitted now? (the prefetch policy)
-    admission:  admit(req)          promote host / file copies onto the device, match, share the matched pages,
-                                    copy the state snapshot, lock the path; returns the Admission to apply
-    scheduling: snapshots_due(req, end)   prefill positions before `end` where a state snapshot is due;
-                snapshot_slot(req, pos, evict)   a slot for the forward to write one into, inside a prefill chunk;
-                keep_snapshot(req, pos) / drop_snapshot(req, pos)   after that forward (or not at all)
-    each step:  advance(req, pos, is_decode, slot)   take the state snapshots that fall due (from `slot`, the
-                                    state at pos: a speculative verify keeps one per verified token)
-    end:        finish(req)         cache what the request computed;  release(req): unlock (also on preemption)
-    misses:     take_divergences()  prompts that left a cached path since the last call, one per branch point
-    room:       make_room(pages)    evict unlocked cached pages until `pages` are free
-    memory:     relief_due(), relieve_host_memory()   the host tier gives memory back when the machine runs short
+    arrival:    on_arrival(req)          start reading the prompt's file-tier blobs in the background
+                admissible(waiting)      the waiting requests that may be admitted now, in order (the prefetch policy)
+    admission:  admit(req)               resume req from its longest usable cached prefix: pages shared, state copied,
+                                         req.num_computed and req.cached_tokens set, the path locked
+    prefill:    plan_prefill(req, n, align)   how far the next prefill chunk goes, and the snapshots its forward
+                                         writes inside it (their slots)
+    room:       make_room(pages)         evict unlocked cached pages until `pages` are free
+    each step:  advance(req, pos, slot)  req has computed up to pos: keep the snapshots written inside the chunk,
+                                         take those due at pos (from `slot`: the state there)
+    end:        finish(req)              cache what the request computed
+                drop(req)                unlock, give back what the request held of the cache (after finish;
+                                         abort, preemption)
 
-The cache keeps each request's bookkeeping (a CacheRun) by request id, from arrival to release. The tree itself and
-its invariants are in radix.py; the tiers and their copies in host_tier.py and file_tier.py.
+The engine also asks for stats(), flush(), close() and, every second, upkeep_due() / upkeep() (the host tier giving
+memory back when the machine runs short). The cache keeps each request's bookkeeping (a CacheRun) by request id,
+from arrival to drop. The tree and its invariants are in radix.py; the tiers and their copies in host_tier.py and
+file_tier.py; where prompts leave cached paths in divergences.py.
 """
 from __future__ import annotations
 
 import time
-import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Iterator
 
 from tinyserve.blob import Blob
 from tinyserve.config import Config
+from tinyserve.divergences import Divergence, Divergences
 from tinyserve.file_tier import FileStats, FileTier
 from tinyserve.host_tier import HostStats, HostTier
 from tinyserve.kv import PageAllocator
-from tinyserve.radix import Match, Node, RadixCache
-from tinyserve.request import TIERS, Request
+from tinyserve.radix import Node, RadixCache
+from tinyserve.request import Request
 from tinyserve.state import StatePool
+
+TIERS = ("device", "host", "file")     # where cached tokens come from (req.report["cached_by_tier"])
+
+
+@dataclass
+class CacheStats:
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    divergences: int = 0         # prompts that left a cached path that goes on (divergences.py)
+    cached_pages: int = 0
+    snapshots_held: int = 0
+    snapshots_evicted: int = 0
+    host: HostStats | None = None
+    file: FileStats | None = None
+
+
+class Cache:
+    """The null cache, and the calls every cache answers (see the module docstring)."""
+
+    def __init__(self, state_pool: StatePool) -> None:
+        self.state_pool = state_pool
+
+    # ---- the scheduler's calls ----
+    def on_arrival(self, req: Request) -> None:
+        pass
+
+    def admissible(self, waiting: Iterable[Request]) -> Iterator[Request]:
+        return iter(waiting)
+
+    def admit(self, req: Request) -> None:
+        self.state_pool.zero(req.state_slot)
+
+    def plan_prefill(self, req: Request, n: int, align: int | None) -> tuple[int, list[tuple[int, int]]]:
+        return n, []
+
+    def make_room(self, pages: int) -> None:
+        pass
+
+    def advance(self, req: Request, pos: int, slot: int | None = None) -> None:
+        pass
+
+    def finish(self, req: Request) -> None:
+        pass
+
+    def drop(self, req: Request) -> None:
+        pass
+
+    # ---- the engine's ----
+    def stats(self) -> CacheStats:
+        return CacheStats()
+
+    def flush(self, include_file: bool = False) -> bool:
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        pass
+
+    def upkeep_due(self) -> bool:
+        return False
+
+    def upkeep(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
 
 
 @dataclass(eq=False)
 class CacheRun:
-    """One request's prefix-cache bookkeeping, from arrival to release."""
+    """One request's prefix-cache bookkeeping, from arrival to drop."""
     node: Node | None = None                # the cached node this run resumed from (locked while running)
     snapshot_points: list[int] = field(default_factory=list)   # prefill positions where a snapshot is taken
     resume_points: set[int] = field(default_factory=set)       # those that resume requests: the prompt's end,
                                                                # a branch point (kept longer than interval ones)
+    prompt_end: int = 0                     # tokens known at admission: later positions are decodes
     track_slot: int | None = None           # copy of the state at the last page boundary
     track_pos: int = -1
     written: dict[int, int] = field(default_factory=dict)      # position -> snapshot slot a forward writes into
@@ -50,159 +119,28 @@ class CacheRun:
     read_deadline: float = 0.0
 
 
-@dataclass
-class Admission:
-    """Where an admitted request starts: what admit() found cached, for the scheduler to apply to the request."""
-    pages: list[int]                     # device pages holding the cached prefix (the request holds a reference)
-    num_computed: int                    # tokens those pages hold: prefill starts here
-    cached_tokens: int                   # prompt tokens taken from the cache
-    cached_by_tier: dict[str, int]       # split of cached_tokens over the tiers they were loaded from
-
-
-DIVERGENCE_CONTEXT = 8      # tokens kept either side of the point where a prompt leaves a cached path
-
-
-@dataclass
-class Divergence:
-    """A prompt that left a cached path that goes on: it shares `position` tokens with the path, then differs.
-    The tokens are cache ids (token ids, and image keys >= the vocabulary size); the engine decodes them."""
-    request_id: str
-    position: int                # the prompt's first token that differs from the cached path
-    prompt_tokens: int
-    cached_tokens: int           # prompt tokens the request takes from the cache (whole pages with a state)
-    before: list[int]            # the shared tokens just before `position`
-    prompt_after: list[int]      # the prompt from `position`
-    cached_after: list[int]      # the cached path from `position` (along its most recently used branch)
-
-
-@dataclass
-class CacheStats:
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    divergences: int = 0         # prompts that left a cached path that goes on (Divergence)
-    cached_pages: int = 0
-    snapshots_held: int = 0
-    snapshots_evicted: int = 0
-    host: HostStats | None = None
-    file: FileStats | None = None
-
-
 def read_deadline(prompt_tokens: int) -> float:
     """How long a request waits for its file-tier read before it is computed instead: SGLang's timeout rule,
     1 s plus 0.25 s per 1000 prompt tokens."""
     return time.monotonic() + 1.0 + 0.25 * prompt_tokens / 1000
 
 
-class Cache(Protocol):
-    """What the scheduler and the engine ask of a prefix cache (see the module docstring)."""
-
-    @property
-    def skips_unready(self) -> bool: ...     # the scheduler passes over a request not ready instead of waiting
-    def on_arrival(self, req: Request) -> None: ...
-    def ready(self, req: Request) -> bool: ...
-    def admit(self, req: Request) -> Admission: ...
-    def snapshots_due(self, req: Request, end: int) -> list[int]: ...
-    def snapshot_slot(self, req: Request, pos: int, evict: bool = False) -> int | None: ...
-    def keep_snapshot(self, req: Request, pos: int) -> None: ...
-    def drop_snapshot(self, req: Request, pos: int) -> None: ...
-    def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None: ...
-    def finish(self, req: Request) -> None: ...
-    def release(self, req: Request) -> None: ...
-    def make_room(self, pages: int) -> None: ...
-    def relief_due(self) -> bool: ...
-    def relieve_host_memory(self) -> int: ...
-    def flush(self, include_file: bool = False) -> bool: ...
-    def close(self, timeout: float = 10.0) -> None: ...
-    def stats(self) -> CacheStats: ...
-    def check(self) -> None: ...
-    def take_divergences(self) -> list[Divergence]: ...
-
-
-class NullCache:
-    """cache.enabled = false: every request starts from an empty state and nothing is kept."""
-
-    def __init__(self, state_pool: StatePool) -> None:
-        self.state_pool = state_pool
-
-    def on_arrival(self, req: Request) -> None:
-        pass
-
-    def ready(self, req: Request) -> bool:
-        return True
-
-    skips_unready = False
-
-    def snapshots_due(self, req: Request, end: int) -> list[int]:
-        return []
-
-    def snapshot_slot(self, req: Request, pos: int, evict: bool = False) -> int | None:
-        return None
-
-    def keep_snapshot(self, req: Request, pos: int) -> None:
-        raise AssertionError("no snapshot is due without a prefix cache")
-
-    def drop_snapshot(self, req: Request, pos: int) -> None:
-        raise AssertionError("no snapshot is due without a prefix cache")
-
-    def admit(self, req: Request) -> Admission:
-        self.state_pool.zero(req.state_slot)
-        return Admission([], 0, 0, dict.fromkeys(TIERS, 0))
-
-    def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None:
-        pass
-
-    def finish(self, req: Request) -> None:
-        pass
-
-    def release(self, req: Request) -> None:
-        pass
-
-    def make_room(self, pages: int) -> None:
-        pass
-
-    def relief_due(self) -> bool:
-        return False
-
-    def relieve_host_memory(self) -> int:
-        return 0
-
-    def flush(self, include_file: bool = False) -> bool:
-        return True
-
-    def close(self, timeout: float = 10.0) -> None:
-        pass
-
-    def stats(self) -> CacheStats:
-        return CacheStats()
-
-    def check(self) -> None:
-        pass
-
-    def take_divergences(self) -> list[Divergence]:
-        return []
-
-
-class PrefixCache:
+class PrefixCache(Cache):
     """The radix tree with its tiers, state snapshots and prefetch policy, behind the scheduler's calls."""
 
     def __init__(self, cfg: Config, allocator: PageAllocator, state_pool: StatePool, page_size: int, hybrid: bool,
                  host: HostTier | None = None, file: FileTier | None = None,
-                 wake: Callable[[], None] = lambda: None) -> None:
+                 wake: Callable[[], None] = lambda: None,
+                 describe: Callable[[Divergence], str] | None = None) -> None:
+        super().__init__(state_pool)
         self.tree = RadixCache(allocator, state_pool, page_size, hybrid, host, file, cfg.cache.host.write_policy)
-        self.allocator, self.state_pool, self.host, self.file = allocator, state_pool, host, file
-        self.page_size = page_size
+        self.allocator, self.host, self.file = allocator, host, file
+        self.page_size, self.hybrid = page_size, hybrid
         self.track_interval = cfg.cache.state_track_interval
         self.prefetch_policy = cfg.cache.file.prefetch_policy
         self.wake = wake                     # called from the reader thread when a read lands
-        self.runs: dict[str, CacheRun] = {}  # request id -> its bookkeeping, from arrival to release
-        self.num_divergences = 0
-        self._divergences: list[Divergence] = []        # to log: the first at each branch point
-        self._branches_seen: weakref.WeakSet[Node] = weakref.WeakSet()
-        self._diverged: weakref.WeakSet[Request] = weakref.WeakSet()   # counted once, whatever admits it again
-
-    @property
-    def hybrid(self) -> bool:
-        return self.tree.hybrid
+        self.runs: dict[str, CacheRun] = {}  # request id -> its bookkeeping, from arrival to drop
+        self.divergences = Divergences(describe)
 
     # ---- arrival: file-tier prefetch ----
     def on_arrival(self, req: Request) -> None:
@@ -215,37 +153,37 @@ class PrefixCache:
         run.read_deadline = read_deadline(len(req.cache_ids))
         run.read.add_done_callback(lambda _: self.wake())
 
-    def ready(self, req: Request) -> bool:
-        """May req be admitted now? Reading a cached prefix back is far faster than computing it, so no policy
-        starts a request's prefill while its read is in flight, except when waiting runs out:
-        - wait_complete: until the read is done;
-        - timeout: up to the deadline (1 s + 0.25 s per 1000 tokens), then compute;
-        - best_effort: like timeout, but the scheduler admits requests queued behind it meanwhile (the caller
-          passes over a request that is not ready instead of waiting in line)."""
+    def admissible(self, waiting: Iterable[Request]) -> Iterator[Request]:
+        """The waiting requests in order, each as soon as it may be admitted. Reading a cached prefix back is far
+        faster than computing it, so no policy starts a request's prefill while its read is in flight, except when
+        waiting runs out:
+        - wait_complete: until the read is done; the requests behind it wait too;
+        - timeout: up to the deadline (1 s + 0.25 s per 1000 tokens), then compute; the requests behind it wait;
+        - best_effort: like timeout, but the requests queued behind it go first meanwhile."""
+        for req in waiting:
+            if self._ready(req):
+                yield req
+            elif self.prefetch_policy != "best_effort":
+                return
+
+    def _ready(self, req: Request) -> bool:
         run = self.runs.get(req.request_id)
         if run is None or run.read is None or run.read.done():
             return True
         return self.prefetch_policy != "wait_complete" and time.monotonic() >= run.read_deadline
 
-    @property
-    def skips_unready(self) -> bool:
-        return self.prefetch_policy == "best_effort"
-
     # ---- admission ----
-    def admit(self, req: Request) -> Admission:
+    def admit(self, req: Request) -> None:
         """Resume from the longest usable cached prefix: share its pages, copy its state, skip its prefill."""
         run = self.runs.setdefault(req.request_id, CacheRun())
         blobs: list[Blob] = []
         if run.read is not None and run.read.done() and run.read.exception() is None:
             blobs = run.read.result()
         run.read = None
-        ids = req.cache_ids
-        if req.needs_prompt_logprobs:                      # they come from computing the whole prompt
-            ids, blobs = [], []
-        loaded = self.tree.promote(ids, blobs, run.read_first_page)
+        ids = req.cache_ids if req.reuse_cache else []     # nothing reused: the whole prompt is computed
+        loaded = self.tree.promote(ids, blobs if ids else [], run.read_first_page)
         m = self.tree.match(ids)
-        if m.branch is not None and not req.output_ids and req not in self._diverged:   # a new prompt, once
-            self._note_divergence(req, m)
+        self.divergences.note(req, m)
         if m.node.snapshot is not None:
             self.state_pool.copy(m.node.snapshot, req.state_slot)
         else:
@@ -260,62 +198,41 @@ class PrefixCache:
         run.resume_points = {(end - 1) // ps * ps}         # page-aligned end of the prompt
         if m.kv_length > m.length:
             run.resume_points.add(m.kv_length)             # branch point: cached KV but no state there yet
-        if req.images is not None:                         # before the first image (the same text with another
-            edges = req.images.boundaries()                # picture resumes there) and after the last one (other
-            run.resume_points |= {edges[0][0] // ps * ps, edges[-1][1] // ps * ps}   # text after the same ones)
-            run.resume_points = {p for p in run.resume_points if 0 < p < end}
+        # where the request says a state helps (before the first image: the same text with another picture
+        # resumes there; after the last one: other text after the same pictures)
+        run.resume_points |= {p // ps * ps for p in req.resume_hints if 0 < p // ps * ps < end}
         run.snapshot_points = sorted(p for p in points | run.resume_points if p > m.length)
-        return Admission(list(m.pages), m.length, cached, {"device": cached - sum(by_tier.values()),
-                                                           "host": by_tier.get("host", 0),
-                                                           "file": by_tier.get("file", 0)})
+        run.prompt_end = end
+        req.pages, req.num_computed, req.cached_tokens = list(m.pages), m.length, cached
+        req.report["cached_by_tier"] = {"device": cached - sum(by_tier.values()), "host": by_tier.get("host", 0),
+                                        "file": by_tier.get("file", 0)}
 
-    def _note_divergence(self, req: Request, m: Match) -> None:
-        """Count a prompt that left the cached path at m.branch; keep it for the log if it is the first there."""
-        self.num_divergences += 1
-        self._diverged.add(req)
-        if m.branch in self._branches_seen:
-            return
-        self._branches_seen.add(m.branch)
-        ids, at = req.cache_ids, m.walked
+    # ---- prefill chunks ----
+    def plan_prefill(self, req: Request, n: int, align: int | None) -> tuple[int, list[tuple[int, int]]]:
+        """How many of the next n prompt tokens req's prefill chunk computes, and the state snapshots its forward
+        writes inside the chunk, (position, snapshot slot). A snapshot due inside the chunk is written there when it
+        lies a multiple of `align` from the chunk's start (the kernels' alignment; None: never) and a slot is found;
+        otherwise the chunk ends at it (the next one starts from it, and advance takes it after the step). The first
+        snapshot of a chunk may take the slot of the cached snapshot least worth keeping, as advance's would (a full
+        cache must not cut every prefill at its snapshots); a snapshot is weighed against the others only once it is
+        in the tree, after the step. Slots not written (the scheduler cut the chunk shorter) go back at advance."""
+        run, start = self.runs.get(req.request_id), req.num_computed
+        if run is None:
+            return n, []
+        for slot in run.written.values():        # planned for a chunk that did not run (no pages for it)
+            self.state_pool.free_snapshot(slot)
+        run.written.clear()
+        snapshots: list[tuple[int, int]] = []
+        for pos in [p for p in run.snapshot_points if start < p < start + n]:
+            slot = None
+            if align and (pos - start) % align == 0:
+                slot = self._snapshot_slot(run, pos, evict=not snapshots)
+            if slot is None:
+                return pos - start, snapshots
+            snapshots.append((pos, slot))
+        return n, snapshots
 
-        def shared(node: Node) -> int:                 # tokens of node that the prompt has from `at` on
-            n = 0
-            while n < len(node.tokens) and at + n < len(ids) and node.tokens[n] == ids[at + n]:
-                n += 1
-            return n
-
-        # the cached continuation closest to the prompt: the branch sharing most of the prompt's next page (the
-        # most recently used of equals), then down its most recently used children
-        child = max(m.branch.children.values(), key=lambda c: (shared(c), c.last_use))
-        position = at + shared(child)
-        cached = child.tokens[position - at:]
-        node = child
-        while len(cached) < DIVERGENCE_CONTEXT and node.children:
-            node = max(node.children.values(), key=lambda c: c.last_use)
-            cached = cached + node.tokens
-        k = DIVERGENCE_CONTEXT
-        self._divergences.append(Divergence(req.request_id, position, len(req.prompt_ids), m.length,
-                                            ids[max(0, position - k):position], ids[position:position + k],
-                                            cached[:k]))
-
-    def take_divergences(self) -> list[Divergence]:
-        """The divergences to log since the last call (the first at each branch point; all are counted)."""
-        out, self._divergences = self._divergences, []
-        return out
-
-    def snapshots_due(self, req: Request, end: int) -> list[int]:
-        """The prefill positions strictly between req's computed tokens and `end` where a state snapshot is due, in
-        order (one at `end` itself is taken after the step, by advance)."""
-        run = self.runs.get(req.request_id)
-        return [p for p in run.snapshot_points if req.num_computed < p < end] if run else []
-
-    def snapshot_slot(self, req: Request, pos: int, evict: bool = False) -> int | None:
-        """A snapshot slot for the forward to write req's state at prefill position pos into (then keep_snapshot or
-        drop_snapshot; release gives it back if neither came), or None. evict: under pressure the cached snapshot
-        least worth keeping gives its slot up, as it would to advance's snapshot after the step (a full cache must
-        not cut every prefill at its snapshots); the scheduler asks so once per chunk, because a snapshot is weighed
-        against the others only once it is in the tree, after the step."""
-        run = self.runs[req.request_id]
+    def _snapshot_slot(self, run: CacheRun, pos: int, evict: bool) -> int | None:
         if not evict:
             slot = self.state_pool.alloc_snapshot()
         elif (slot := self.tree.alloc_snapshot(resume=pos in run.resume_points)) is not None:
@@ -324,22 +241,23 @@ class PrefixCache:
             run.written[pos] = slot
         return slot
 
-    def keep_snapshot(self, req: Request, pos: int) -> None:
-        """The forward wrote req's state at pos: cache tokens [0, pos) with it."""
-        run = self.runs[req.request_id]
-        slot = run.written.pop(pos)
-        self.tree.insert(req.cache_ids[:pos], req.pages[:pos // self.page_size], slot, resume=pos in run.resume_points)
-
-    def drop_snapshot(self, req: Request, pos: int) -> None:
-        self.state_pool.free_snapshot(self.runs[req.request_id].written.pop(pos))
+    def make_room(self, pages: int) -> None:
+        self.tree.evict_pages(pages)
 
     # ---- after each step ----
-    def advance(self, req: Request, pos: int, is_decode: bool, slot: int | None = None) -> None:
-        """req has computed up to pos, and `slot` (default: its state slot) holds its state there: take the
-        snapshots that fall due at pos."""
+    def advance(self, req: Request, pos: int, slot: int | None = None) -> None:
+        """req has computed up to pos, and `slot` (default: its state slot) holds its state there: cache the
+        snapshots its forward wrote inside the chunk, and take the snapshots that fall due at pos (the planned
+        ones; past the prompt, every state_track_interval)."""
         run, ps = self.runs[req.request_id], self.page_size
+        for at in sorted(run.written):
+            written = run.written.pop(at)
+            if at < pos:                             # cache tokens [0, at) with the state the forward wrote
+                self.tree.insert(req.cache_ids[:at], req.pages[:at // ps], written, resume=at in run.resume_points)
+            else:                                    # the chunk was cut before it: a later one takes it
+                self.state_pool.free_snapshot(written)
         slot = req.state_slot if slot is None else slot
-        if pos in run.snapshot_points or (is_decode and pos % self.track_interval == 0):
+        if pos in run.snapshot_points or (pos > run.prompt_end and pos % self.track_interval == 0):
             self._snapshot(req, pos, slot, resume=pos in run.resume_points)
         elif self.hybrid and ps > 1 and pos % ps == 0:
             # keep the state at the last page boundary, a prefill's included: a prompt that ends on one and a
@@ -377,8 +295,9 @@ class PrefixCache:
         elif not self.hybrid:
             self.tree.insert(req.cache_ids[:end], req.pages[:end // ps], None)
 
-    def release(self, req: Request) -> None:
-        """Unlock the resume node and give back the tracking slot (finish, abort, preemption)."""
+    def drop(self, req: Request) -> None:
+        """Unlock the resume node, give back the tracking slot and the snapshot slots never written, stop the read
+        (finish, abort, preemption)."""
         run = self.runs.pop(req.request_id, None)
         if run is None:
             return
@@ -391,19 +310,16 @@ class PrefixCache:
         if run.read is not None:
             run.read.cancel()
 
-    def make_room(self, pages: int) -> None:
-        self.tree.evict_pages(pages)
-
-    # ---- host memory (cache.host.min_free_gb) ----
-    def relief_due(self) -> bool:
+    # ---- the engine's: host memory (cache.host.min_free_gb), the whole cache ----
+    def upkeep_due(self) -> bool:
         """Must the host tier give memory back (or may an episode end)? Cheap (one probe), any thread."""
         return self.host is not None and self.host.relief_due()
 
-    def relieve_host_memory(self) -> int:
-        """Engine thread: the host tier gives memory back, evicting through the tree; returns the bytes freed."""
-        return self.host.relieve(self.tree) if self.host is not None else 0
+    def upkeep(self) -> None:
+        """Engine thread: the host tier gives memory back, evicting through the tree."""
+        if self.host is not None:
+            self.host.relieve(self.tree)
 
-    # ---- whole cache ----
     def flush(self, include_file: bool = False) -> bool:
         """Empty the device and host tiers (and the file tier when asked); False while a running request holds
         part of the tree (nothing is freed then)."""
@@ -420,10 +336,9 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         t = self.tree
-        return CacheStats(query_tokens=t.query_tokens, hit_tokens=t.hit_tokens, divergences=self.num_divergences,
-                          cached_pages=t.num_pages,
-                          snapshots_held=t.num_snapshots, snapshots_evicted=t.snapshots_evicted,
-                          host=self.host.report() if self.host else None,
+        return CacheStats(query_tokens=t.query_tokens, hit_tokens=t.hit_tokens, divergences=self.divergences.count,
+                          cached_pages=t.num_pages, snapshots_held=t.num_snapshots,
+                          snapshots_evicted=t.snapshots_evicted, host=self.host.report() if self.host else None,
                           file=self.file.report() if self.file else None)
 
     def check(self) -> None:

@@ -81,7 +81,7 @@ def _describe(value: Any) -> str:
 
 
 class CompiledSteps:
-    """The compiled forwards of a StaticStep (for_graphs False), called as static.forward calls them."""
+    """The compiled forwards of a StaticStep (for_graphs False), called as StaticStep._forward calls them."""
 
     def __init__(self, static: StaticStep) -> None:
         assert not static.for_graphs and static.model.device.type == "cpu"

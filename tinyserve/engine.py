@@ -32,19 +32,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tinyserve.cache import CacheStats, Divergence, NullCache, PrefixCache
+from tinyserve.cache import TIERS, Cache, CacheStats
 from tinyserve.config import Config
 from tinyserve.copies import CopyStream
-from tinyserve.idle import IdleRelease
+from tinyserve.features import Features
 from tinyserve.images import ProcessedImage
 from tinyserve.intake import Intake, RequestError
 from tinyserve.kv import KVPool, PageAllocator
 from tinyserve.plan import MemoryPlan
-from tinyserve.request import TIERS, PromptLogprob, Request, Status
-from tinyserve.runner import ModelRunner, SeqOutput, StepResult
+from tinyserve.request import Request, Status
+from tinyserve.runner import ModelRunner, SeqOutput
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import ScheduledSeq, Scheduler
-from tinyserve.spec import NextN, NextNStats
 from tinyserve.state import StatePool
 
 __all__ = ["Engine", "EngineInfo", "EngineStats", "RequestError", "RequestResult", "RequestStream", "StepEvent",
@@ -53,7 +52,7 @@ __all__ = ["Engine", "EngineInfo", "EngineStats", "RequestError", "RequestResult
 log = logging.getLogger("tinyserve.engine")
 
 IDLE_WAIT_S = 0.05        # how long an idle engine thread sleeps between checks when a file-tier read may land
-HOST_MEMORY_CHECK_S = 1.0  # how often a serving engine compares the host's available memory with its floor
+UPKEEP_S = 1.0           # how often a serving engine asks the cache whether it has upkeep (host memory) to do
 
 
 @dataclass
@@ -70,10 +69,7 @@ class StepEvent:
     tokens: list[TokenEvent]
     finish_reason: str | None = None     # set when the request finished with this step
     cached_tokens: int = 0
-    cached_by_tier: dict[str, int] = field(default_factory=dict)
-    drafted: int = 0                     # NEXTN draft tokens verified for this request in this step
-    accepted: int = 0                    # ... of which accepted (the committed tokens are accepted + 1)
-    prompt_logprobs: list[PromptLogprob] | None = None   # with the first tokens, when params.prompt_logprobs asks
+    report: dict[str, Any] | None = None   # the request's report now (Request.report), when it has one
 
 
 @dataclass
@@ -82,16 +78,21 @@ class RequestResult:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
-    draft_tokens: int = 0                # NEXTN draft tokens verified (usage: accepted + rejected prediction tokens)
-    accepted_draft_tokens: int = 0
-    draft_rounds: int = 0                # NEXTN verify rounds
-    prompt_logprobs: list[PromptLogprob] | None = None   # prompt tokens 1.. (params.prompt_logprobs), set with
-                                                         # the first tokens
+    report: dict[str, Any] = field(default_factory=dict)   # what the cache and the features report of the request
+
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """The cache's split of cached_tokens by the tier they came from (read by api.py)."""
+        return self.report.get("cached_by_tier") or dict.fromkeys(TIERS, 0)
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """prompt_logprobs.py's report, with the first tokens (read by api.py)."""
+        return self.report.get("prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -131,15 +132,7 @@ class EngineStats:
     state_slots_total: int
     num_preemptions: int
     cache: CacheStats
-    nextn: NextNStats | None = None      # NEXTN counters; None when speculative decoding is off
-    pools_released: bool = False         # idle release: the device pools are freed now
-    idle_releases: int = 0
-    images_received: int = 0             # images in submitted requests
-    images_encoded: int = 0              # images through the vision tower (a feature-cache hit skips it)
-    image_encode_seconds: float = 0.0
-    image_budget_bytes: int = 0          # pixels waiting for the vision tower may hold this much (intake.ImageBudget)
-    image_bytes_held: int = 0            # ... and hold this much now
-    image_requests_waiting: int = 0      # requests waiting for room in it
+    features: dict[str, Any] = field(default_factory=dict)   # each registered feature's stats, by its name
     info: EngineInfo | None = None
 
 
@@ -210,16 +203,16 @@ class Engine:
     """The parts an engine is made of (built by build.py), the step, and the hand-over to the event loop."""
 
     def __init__(self, cfg: Config, plan: MemoryPlan, model, tokenizer, *, kv_pool: KVPool,
-                 allocator: PageAllocator, state_pool: StatePool, copies: CopyStream,
-                 cache: NullCache | PrefixCache, scheduler: Scheduler, runner: ModelRunner, intake: Intake,
-                 nextn: NextN | None, work: threading.Event) -> None:
+                 allocator: PageAllocator, state_pool: StatePool, copies: CopyStream, cache: Cache,
+                 scheduler: Scheduler, runner: ModelRunner, intake: Intake, features: Features,
+                 work: threading.Event) -> None:
         self.cfg, self.plan, self.model, self.tokenizer = cfg, plan, model, tokenizer
         self.served_name = cfg.model.served_name
         self.context_length = plan.context_length
         self.info = EngineInfo.of(cfg, plan)
         self.kv_pool, self.allocator, self.state_pool, self.copies = kv_pool, allocator, state_pool, copies
-        self.cache, self.scheduler, self.runner, self.intake, self.nextn = cache, scheduler, runner, intake, nextn
-        self.idle = IdleRelease(cfg.engine.idle_release_s, kv_pool, state_pool, allocator, cache, runner, copies)
+        self.cache, self.scheduler, self.runner, self.intake = cache, scheduler, runner, intake
+        self.features = features                         # the optional features' hooks (features.py)
         self.eos_token_ids = runner.eos_token_ids
         # hand-over between the event loop and the engine thread (see the module docstring)
         self._work = work                                # set when the engine thread has something to do
@@ -229,7 +222,7 @@ class Engine:
         self._streams: dict[str, RequestStream] = {}     # unfinished requests; event-loop side only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: asyncio.Future | None = None
-        self._watcher: asyncio.Task | None = None      # the host-memory watcher while serving
+        self._upkeep: asyncio.Task | None = None         # the cache's upkeep while serving
         self._stopping = False
 
     # ---- requests (called from the event loop or offline code) ----
@@ -270,8 +263,8 @@ class Engine:
         while self._calls:
             run_job(*self._calls.popleft())
         events: list[StepEvent] = []
-        if self._new and self.idle.released and not self.idle.restore():   # the first after an idle release
-            while self._new:                             # no room on the device now: these fail, the next tries again
+        if self._new and not self.features.wake():     # a feature has no room for them now: the next ones retry
+            while self._new:
                 req = self._new.popleft()
                 req.status, req.finish_reason = Status.FINISHED, "error"
                 events.append(self._event(req, []))
@@ -282,45 +275,37 @@ class Engine:
             if req.status != Status.FINISHED:
                 self.scheduler.abort(req)
                 events.append(self._event(req, []))
-        events += self.run_step(self.scheduler)
-        for d in self.cache.take_divergences():
-            log.info("prefix cache: %s", describe_divergence(d, self.tokenizer, self.runner))
-        return events
+        return events + self.run_step(self.scheduler)
 
     def run_step(self, sched: Scheduler) -> list[StepEvent]:
         """One forward over what `sched` schedules, its tokens committed."""
         seqs, events = sched.schedule(), []
-        if any(s.req.images is not None for s in seqs):
-            for req, error in self.runner.images.encode_for(seqs).items():    # only that request fails
-                log.error("request %s: the vision tower failed on its image: %s", req.request_id, error)
-                sched.abort(req)
-                req.finish_reason = "error"
-                events.append(self._event(req, []))
-            seqs = [s for s in seqs if s.req.status == Status.RUNNING]
+        for req, error in self.features.prepare(seqs).items():     # only that request fails
+            log.error("request %s failed before its step: %s", req.request_id, error)
+            sched.abort(req)
+            req.finish_reason = "error"
+            events.append(self._event(req, []))
+        seqs = [s for s in seqs if s.req.status == Status.RUNNING]
         if not seqs:
             return events
-        self.idle.busy()
-        return events + self._commit(sched, seqs, self.runner.step(seqs, len(sched.running)))
+        return events + self._commit(sched, seqs, self.runner.step(seqs))
 
-    def _commit(self, sched: Scheduler, seqs: list[ScheduledSeq], out: StepResult) -> list[StepEvent]:
-        """Commit each sequence's tokens one by one (a verify may bring several): nothing after a stop is kept.
-        The scheduler advances by what was kept before finished requests leave (the cache keeps what they
-        computed)."""
-        kept = {id(o.seq): self._append(o.seq.req, o.tokens) for o in out.outputs}
+    def _commit(self, sched: Scheduler, seqs: list[ScheduledSeq], outputs: list[SeqOutput]) -> list[StepEvent]:
+        """Commit each sequence's tokens one by one (a decode with extra tokens may bring several): nothing after a
+        stop is kept. The scheduler advances by what was kept before finished requests leave (the cache keeps what
+        they computed)."""
+        kept: dict[int, tuple[int, str | None]] = {}
+        for o in outputs:
+            n, reason = self._append(o.seq.req, o.tokens)
+            imposed = self.features.commit(o.seq, o, n)      # a feature's reason (grammar: a rejected token)
+            kept[id(o.seq)] = n, reason or imposed
         sched.advance(seqs, [kept[id(s)][0] if id(s) in kept else 0 for s in seqs])
         events = []
-        for o in out.outputs:
+        for o in outputs:
             req, (n, reason) = o.seq.req, kept[id(o.seq)]
-            drafted = len(o.seq.draft)
-            if drafted:
-                self.nextn.observe(req, drafted, o.accepted)
             if reason:
                 sched.finish(req, reason)
-            event = self._event(req, self._token_events(req, o, n))
-            event.drafted, event.accepted = drafted, o.accepted
-            if req.params.prompt_logprobs is not None and len(req.output_ids) == n:   # its first tokens
-                event.prompt_logprobs = req.prompt_logprobs
-            events.append(event)
+            events.append(self._event(req, self._token_events(req, o, n)))
         return events
 
     def _append(self, req: Request, tokens: list[int]) -> tuple[int, str | None]:
@@ -328,10 +313,6 @@ class Engine:
         for n, tok in enumerate(tokens, 1):
             req.output_ids.append(tok)
             reason = self._finish_reason(req, tok)
-            if req.grammar is not None and not req.grammar.advance(tok) and not reason:
-                # cannot happen with the mask applied; end the request rather than sample from an empty mask
-                log.error("request %s: the grammar rejected token %d (%s)", req.request_id, tok, req.grammar.error)
-                reason = "stop"
             if reason:
                 return n, reason
         return len(tokens), None
@@ -346,7 +327,7 @@ class Engine:
     def _event(req: Request, tokens: list[TokenEvent]) -> StepEvent:
         done = req.status == Status.FINISHED
         return StepEvent(req.request_id, tokens, req.finish_reason if done else None, req.cached_tokens,
-                         dict(req.cached_by_tier))
+                         dict(req.report) if req.report else None)
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p, n = req.params, len(req.output_ids)
@@ -372,10 +353,10 @@ class Engine:
                 self._loop.call_soon_threadsafe(self._dispatch, events)
             elif not self._has_work():
                 # /health answers on the event loop; /metrics and flushes are `call` jobs: none of them is a
-                # request, so none restarts the idle clock or re-allocates released pools
-                release_in = self.idle.due_in()
-                if not self._work.wait(release_in) and not self._has_work() and release_in is not None:
-                    self.idle.release()
+                # request, so none wakes the features (idle release: its clock, its pools)
+                timeout = self.features.idle_timeout()
+                if not self._work.wait(timeout) and not self._has_work() and timeout is not None:
+                    self.features.on_idle()
             elif not self.scheduler.running:             # requests wait on file-tier reads: their landing wakes us
                 self._work.wait(IDLE_WAIT_S)
         self.cache.close()
@@ -394,29 +375,29 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
         self._serving = asyncio.wrap_future(compute_thread().submit(self._serve))
-        self._watcher = asyncio.ensure_future(self._watch_host_memory())
+        self._upkeep = asyncio.ensure_future(self._cache_upkeep())
 
     async def stop(self) -> None:
         """Stop the step loop and flush pending file-tier writes (bounded)."""
         if self._serving is None:
             return
-        self._watcher.cancel()
+        self._upkeep.cancel()
         self._stopping = True
         self._work.set()
         await self._serving
         self._serving = None
 
-    async def _watch_host_memory(self) -> None:
-        """While serving: every HOST_MEMORY_CHECK_S, ask the cache whether the host's available memory is below
-        cache.host.min_free_gb (a read of /proc/meminfo; no host tier or no floor: never), and if so have the host
-        tier give memory back on the engine thread, between two steps. Runs until stop()."""
+    async def _cache_upkeep(self) -> None:
+        """While serving: every UPKEEP_S, ask the cache whether it has upkeep to do (the host tier: the host's
+        available memory fell below cache.host.min_free_gb, a read of /proc/meminfo), and if so run it on the
+        engine thread, between two steps. Runs until stop()."""
         while True:
-            await asyncio.sleep(HOST_MEMORY_CHECK_S)
+            await asyncio.sleep(UPKEEP_S)
             try:
-                if self.cache.relief_due():
-                    await self.call(self.cache.relieve_host_memory)
+                if self.cache.upkeep_due():
+                    await self.call(self.cache.upkeep)
             except Exception:                             # noqa: BLE001 - serving goes on; the next check retries
-                log.exception("host tier: giving memory back failed")
+                log.exception("prefix cache: its upkeep failed")
 
     def _dispatch(self, events: list[StepEvent]) -> None:
         now = time.monotonic()
@@ -426,12 +407,8 @@ class Engine:
                 continue
             res = stream.result
             res.cached_tokens = ev.cached_tokens
-            res.draft_tokens += ev.drafted
-            res.accepted_draft_tokens += ev.accepted
-            res.draft_rounds += ev.drafted > 0
-            res.cached_tokens_by_tier.update(ev.cached_by_tier)
-            if ev.prompt_logprobs is not None:
-                res.prompt_logprobs = ev.prompt_logprobs
+            if ev.report is not None:
+                res.report = ev.report
             if ev.tokens:
                 res.completion_tokens += len(ev.tokens)
                 if res.first_token_time is None:
@@ -466,19 +443,18 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """On the engine thread (`await engine.call(engine.stats)` while serving)."""
-        s, images = self.scheduler, self.runner.images
+        s = self.scheduler
         return EngineStats(num_running=len(s.running), num_waiting=len(s.waiting) + len(self._new),
                            kv_pages_used=self.allocator.num_used, kv_pages_total=self.allocator.num_pages,
                            state_slots_used=self.state_pool.num_slots - self.state_pool.num_free,
                            state_slots_total=self.state_pool.num_slots, num_preemptions=s.num_preemptions,
-                           cache=self.cache.stats(), nextn=self.nextn.stats if self.nextn else None,
-                           pools_released=self.idle.released, idle_releases=self.idle.releases,
-                           images_received=self.intake.images_received,
-                           images_encoded=images.images_encoded if images else 0,
-                           image_encode_seconds=images.encode_seconds if images else 0.0,
-                           image_budget_bytes=self.intake.image_budget.limit,
-                           image_bytes_held=self.intake.image_budget.held,
-                           image_requests_waiting=self.intake.image_budget.waiting, info=self.info)
+                           cache=self.cache.stats(), features=self.features.stats(), info=self.info)
+
+    def drafts(self, result: RequestResult) -> Any:
+        """What NEXTN drafted for a request (spec.DraftCounts: rounds, drafted, accepted), for its usage and
+        metrics; None when speculation is off (the API's one way to NEXTN)."""
+        nextn = self.features.named("nextn")
+        return nextn.counts(result.report) if nextn is not None else None
 
     def flush_cache(self, include_file: bool = False) -> bool:
         """Empty the prefix cache (device and host tiers; the file tier too when asked); False when a running
@@ -489,25 +465,3 @@ class Engine:
         """Offline: flush pending file-tier writes (bounded) so a restart finds them."""
         self.copies.synchronize()
         self.cache.close(timeout)
-
-
-def describe_divergence(d: Divergence, tokenizer: Any, runner: ModelRunner) -> str:
-    """Where a prompt left a cached path, logged the first time a prompt leaves it there (every time is counted in
-    /metrics); docs/cache-misses.md says how to read it."""
-    def shown(ids: list[int]) -> str:     # cache ids as quoted text, special tokens kept, an image's keys as <image>
-        if tokenizer is None:
-            return str(ids)
-        text, run = "", []
-        for i in ids + [-1]:
-            if 0 <= i < runner.vocab_size:                  # larger ids are an image's keys
-                run.append(i)
-                continue
-            if i >= 0 and not run and text.endswith("<image>"):
-                continue                               # one <image> for an image's run of keys
-            text += tokenizer.decode(run, skip_special_tokens=False) if run else ""
-            text += "<image>" if i >= 0 else ""
-            run = []
-        return repr(text)
-    return (f"{d.request_id} leaves a cached path at token {d.position} of {d.prompt_tokens} ({d.cached_tokens} "
-            f"tokens reused): ...{shown(d.before)} | the prompt goes on {shown(d.prompt_after)}... | the cache went "
-            f"on {shown(d.cached_after)}...")

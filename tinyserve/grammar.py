@@ -5,10 +5,11 @@ trie straight from an HF `tokenizers` tokenizer.json (xgrammar also ships wheels
 would tie our torch version to its releases).
 
 A request's `SamplingParams.constraint` (a frozen `Constraint`) is compiled once at submit into a `GrammarState`
-(one llguidance matcher) that the engine keeps on the Request. On the engine thread, before sampling, the library
-writes the allowed-token bitmask of every constrained row into one preallocated int32 [rows, ceil(V / 32)] buffer
-(`MaskBuffer`); sampling unpacks it and applies it to the [B, V] logits in one batched masked_fill. After sampling,
-each constrained request's matcher consumes its token. The model's vocabulary may be larger than the tokenizer's:
+(one llguidance matcher), the request's record (req.features["grammar"], made by the intake). A feature
+(features.py, `Grammar`) on two hooks: `logit_masks` (on the engine thread, before sampling, the library writes the
+allowed-token bitmask of every constrained row into one preallocated int32 [rows, ceil(V / 32)] buffer,
+`MaskBuffer`; sampling unpacks it and applies it to the [B, V] logits in one batched masked_fill) and `commit` (each
+constrained request's matcher consumes its token; a token it rejects ends the request). The model's vocabulary may be larger than the tokenizer's:
 the matcher's vocabulary is sized to the model's, and ids the tokenizer lacks have no bytes, so they are never
 allowed. EOS (the engine's eos ids) is allowed only where the grammar accepts.
 
@@ -31,14 +32,23 @@ matcher (which has consumed exactly the output tokens) stays correct; nothing is
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
+from .features import Feature
 from .tool_calls import FUNCTION_END, PARAMETER_END, TOOL_CALL_END, TOOL_CALL_START, schema_types, tool_function
+
+if TYPE_CHECKING:
+    from .request import Request
+    from .runner import SeqOutput
+    from .scheduler import ScheduledSeq
+
+log = logging.getLogger("tinyserve.grammar")
 
 KINDS = ("json_object", "json_schema", "tool_call")
 # One-line JSON with the usual separators: with llguidance's default (any whitespace between tokens) a model can
@@ -283,6 +293,38 @@ class MaskBuffer:
         for i, s in enumerate(states):
             s.matcher.unsafe_compute_mask_ptr(base + i * nbytes, nbytes)
         return out
+
+
+class Grammar(Feature):
+    """Constrained output at the sampler: the masks of the constrained rows, the matchers advanced as tokens are
+    kept."""
+    name = "grammar"
+
+    def __init__(self) -> None:
+        self._masks: MaskBuffer | None = None      # made on first use
+
+    def logit_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
+        """(sampling rows, bitmask) of the requests whose grammar is active this step, filled by llguidance; None
+        if none. reqs[i] samples at row rows[i] (a constrained request never speculates: one row)."""
+        states = [r.features.get(self.name) for r in reqs]
+        active = [i for i, g in enumerate(states) if g is not None and g.active]
+        if not active:
+            return None
+        if self._masks is None:
+            self._masks = MaskBuffer(states[active[0]].vocab_size)
+        return [rows[i] for i in active], self._masks.fill([states[i] for i in active])
+
+    def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
+        """The matcher consumes the kept tokens; one it rejects cannot come with the mask applied: the request ends
+        rather than sample from an empty mask."""
+        state: GrammarState | None = seq.req.features.get(self.name)
+        if state is None:
+            return None
+        for tok in out.tokens[:kept]:
+            if not state.advance(tok):
+                log.error("request %s: the grammar rejected token %d (%s)", seq.req.request_id, tok, state.error)
+                return "stop"
+        return None
 
 
 _bit_shifts: dict[torch.device, torch.Tensor] = {}

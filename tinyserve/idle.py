@@ -1,72 +1,104 @@
 """Idle release (engine.idle_release_s > 0): after that long without a request, the device's prefix cache is demoted
 to the host / file tiers and the device KV and state pools are freed, so an idle home box holds no device memory for
-its cache; the first request after it allocates them again. Engine thread only."""
+its cache; the first request after it allocates them again. Engine thread only.
+
+A feature (features.py) on the engine loop's hooks: `idle_timeout` (how long the engine may sit with nothing to
+do: the clock starts when it last had work), `on_idle` (the pools go), `wake` (new requests: the pools come back,
+or the requests fail when the device has no room for them now) and `stats`. The static steps' CUDA graphs point
+into the pools: they are dropped with them and captured again after (static.py, by its feature name).
+"""
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
-from tinyserve.cache import NullCache, PrefixCache
+from tinyserve.cache import Cache
 from tinyserve.copies import CopyStream
+from tinyserve.features import Feature, Features
 from tinyserve.kv import KVPool, PageAllocator
-from tinyserve.runner import ModelRunner
 from tinyserve.state import StatePool
 
 log = logging.getLogger("tinyserve.idle")
 
 
-class IdleRelease:
+@dataclass
+class IdleStats:
+    pools_freed: bool = False        # the device pools are freed now
+    times: int = 0                   # times they were freed
+
+
+class IdleRelease(Feature):
+    name = "idle"
+
     def __init__(self, after_s: float, kv_pool: KVPool, state_pool: StatePool, allocator: PageAllocator,
-                 cache: NullCache | PrefixCache, runner: ModelRunner, copies: CopyStream) -> None:
-        self.after_s = after_s                        # 0: off
+                 cache: Cache, copies: CopyStream, features: Features) -> None:
+        self.after_s = after_s
         self.kv_pool, self.state_pool, self.allocator = kv_pool, state_pool, allocator
-        self.cache, self.runner, self.copies = cache, runner, copies
-        self.last_busy = time.monotonic()             # the last step that ran a request
-        self.releases = 0
+        self.cache, self.copies, self.features = cache, copies, features
+        self.idle_since: float | None = None          # when the engine last ran out of work; None: it has work
+        self.times = 0
 
     @property
-    def released(self) -> bool:
-        return self.kv_pool.released
+    def pools_freed(self) -> bool:
+        return not self.kv_pool.allocated
 
-    def busy(self) -> None:
-        self.last_busy = time.monotonic()
-
-    def due_in(self) -> float | None:
-        """Seconds until the device pools are due for release; None when off or already released."""
-        if not self.after_s or self.released:
+    def idle_timeout(self) -> float | None:
+        """Seconds until the device pools are due to be freed; None when they are freed already."""
+        if self.pools_freed:
             return None
-        return max(0.0, self.last_busy + self.after_s - time.monotonic())
+        now = time.monotonic()
+        if self.idle_since is None:
+            self.idle_since = now
+        return max(0.0, self.idle_since + self.after_s - now)
 
-    def release(self) -> None:
+    def on_idle(self) -> None:
         """Demote the device's prefix cache to the tiers (what they can take; the rest is dropped) and free the
-        device pools. The caller makes sure no request runs or waits."""
+        device pools. The engine calls it with no request running or waiting."""
+        if self.pools_freed or self.idle_since is None or time.monotonic() < self.idle_since + self.after_s:
+            return
         # every device page (none is locked while idle) is demoted or dropped, and with it its node's snapshot
         self.cache.make_room(self.allocator.num_pages)
         self.copies.synchronize()                  # the demotions' copies read the pools about to be freed
-        self.kv_pool.release()
-        self.state_pool.release()
-        self.runner.release_graphs()               # they point into the pools just freed
+        static = self.features.named("static")
+        if static is not None:
+            static.drop_graphs()                   # they point into the pools about to be freed
+        self.kv_pool.deallocate()
+        self.state_pool.deallocate()
         if self.kv_pool.buffer.is_cuda:
             torch.cuda.empty_cache()
-        self.releases += 1
+        self.times += 1
         log.info("idle for %.0f s: device cache demoted to the tiers, device pools freed", self.after_s)
 
-    def restore(self) -> bool:
-        """Allocate the device pools again for the first request after a release. False when the device has no room
-        for them now (another process took the memory meanwhile): the pools stay released, whole."""
+    def wake(self) -> bool:
+        """New requests: the engine has work again, and after a release the device pools are allocated again.
+        False when the device has no room for them now (another process took the memory meanwhile): the pools stay
+        freed, whole."""
+        self.idle_since = None
+        if not self.pools_freed:
+            return True
         try:
-            self.kv_pool.restore()
-            self.state_pool.restore()
+            self.kv_pool.allocate()
+            self.state_pool.allocate()
         except RuntimeError as e:                  # torch.OutOfMemoryError is one; so is a failed CPU allocation
-            self.kv_pool.release()                 # what did get allocated
-            self.state_pool.release()
+            self.kv_pool.deallocate()              # what did get allocated
+            self.state_pool.deallocate()
             if self.kv_pool.buffer.is_cuda:
                 torch.cuda.empty_cache()
             log.error("a request after an idle release: no room for the device pools now (%s); the waiting "
                       "requests fail and the next one tries again", str(e).splitlines()[0])
             return False
-        self.runner.capture_graphs()               # on the new pools, before the request's first step
+        static = self.features.named("static")
+        if static is not None and static.for_graphs:
+            try:
+                static.capture()                   # on the new pools, before the request's first step
+            except RuntimeError:                   # torch reports a failed capture as one: the steps run eagerly
+                log.exception("capturing the CUDA graphs again failed: every step runs eagerly")
+                static.drop_graphs()
         log.info("a request after an idle release: device pools allocated again")
         return True
+
+    def stats(self) -> IdleStats:
+        return IdleStats(self.pools_freed, self.times)

@@ -25,18 +25,18 @@ class KVPool:
         return self.buffer[:, i]
 
     @property
-    def released(self) -> bool:
-        return self.buffer.dim() == 2
+    def allocated(self) -> bool:
+        return self.buffer.dim() != 2
 
-    def release(self) -> None:
+    def deallocate(self) -> None:
         """Give the pool's memory back (idle release); every page's content is lost. The page count stays."""
-        if self.released:
+        if not self.allocated:
             return
         self._shape = self.buffer.shape
         self.buffer = torch.empty((self.num_pages, 0), dtype=self.dtype, device=self.buffer.device)
 
-    def restore(self) -> None:
-        """Allocate the pool again after release() (zeros)."""
+    def allocate(self) -> None:
+        """Allocate the pool again after deallocate() (zeros)."""
         self.buffer = torch.zeros(self._shape, dtype=self.dtype, device=self.buffer.device)
 
     @property

@@ -99,24 +99,25 @@ class _EngineCollector(Collector):
         counter("prefix_cache_snapshots_evicted", "State snapshots evicted from the prefix cache.",
                 c.snapshots_evicted)
         counter("num_preemptions", "Requests preempted (pages freed, recomputed later).", st.num_preemptions)
+        idle, images, nextn = (st.features.get(name) for name in ("idle", "images", "nextn"))
         gauge("device_pools_released", "1 while the device KV and state pools are freed after engine.idle_release_s "
-              "without requests.", float(st.pools_released))
+              "without requests.", float(idle.pools_freed if idle else False))
         counter("idle_releases", "Times the device pools were freed after engine.idle_release_s idle.",
-                st.idle_releases)
+                idle.times if idle else 0)
         counter("images", "Images in submitted requests (a request with n choices counts its images n times).",
-                st.images_received)
+                images.received if images else 0)
         counter("images_encoded", "Images run through the vision tower (the others came from its feature cache).",
-                st.images_encoded)
-        counter("vision_encoder_seconds", "Time spent in the vision tower.", st.image_encode_seconds)
-        if st.image_budget_bytes:
+                images.encoded if images else 0)
+        counter("vision_encoder_seconds", "Time spent in the vision tower.", images.encode_seconds if images else 0.0)
+        if images is not None and images.budget_bytes:
             gauge("image_budget_bytes", "Most bytes of image pixels waiting for the vision tower (derived: "
-                  "docs/operators.md).", st.image_budget_bytes)
+                  "docs/operators.md).", images.budget_bytes)
             gauge("image_bytes_held", "Bytes of image pixels held now (preprocessed, not encoded yet).",
-                  st.image_bytes_held)
+                  images.bytes_held)
             gauge("image_requests_waiting", "Requests waiting for room in the image budget.",
-                  st.image_requests_waiting)
-        if st.nextn is not None:                   # NEXTN, with vLLM's counters and definitions
-            sp = st.nextn
+                  images.requests_waiting)
+        if nextn is not None:                      # NEXTN, with vLLM's counters and definitions
+            sp = nextn
             counter("spec_decode_num_drafts", "Verify rounds of speculating requests.", sp.num_drafts)
             counter("spec_decode_num_draft_tokens", "Draft tokens verified.", sp.num_draft_tokens)
             counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", sp.num_accepted_tokens)

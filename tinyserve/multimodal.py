@@ -1,5 +1,13 @@
 """Images in a request as the engine sees them (placeholders, grid sizes and M-RoPE positions).
 
+A feature (features.py) registered when the checkpoint has a vision tower, on these hooks: `prepare` (the vision
+features of every image a step's prefill chunks read, so an image the tower cannot encode fails its own request),
+`model_inputs` (the M-RoPE rows of a batch with an image, and the packed rows that take image features, for the
+target and, one token further, the NEXTN head), `after_forward` (features of fully computed images let go), `free`
+(a preempted request's device features go) and `stats`. Its per-request record is `RequestImages`
+(req.features["images"], made by the intake with the request, which also sets the request's prompt_keys and
+resume_hints for the prefix cache).
+
 - Where each image sits: the chat template emits one `<|image_pad|>` per image; `expand_image_pads` widens each to
   the image's token count (gh x gw merged tokens) and records its span.
 - What the prefix cache sees: every pad has the same id, so a cache keyed on token ids would serve one picture's
@@ -19,15 +27,18 @@ import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from tinyserve.features import Feature
 from tinyserve.images import ProcessedImage
 from tinyserve.models.qwen_vision import ImageSpan, mrope_delta, mrope_positions_range
 
 if TYPE_CHECKING:
+    from tinyserve.intake import Intake
     from tinyserve.request import Request
+    from tinyserve.runner import Packed, SeqOutput
     from tinyserve.scheduler import ScheduledSeq
 
 KEY_LIMIT = 1 << 31                  # cache key values stay below this (int32 in the file tier's hashes)
@@ -78,15 +89,10 @@ class RequestImages:
     def overlapping(self, start: int, end: int) -> list[PromptImage]:
         return [it for it in self.items if it.span.start < end and start < it.span.end]
 
-    def boundaries(self) -> list[tuple[int, int]]:
-        """(first pad, one past the last pad) of each image: where cached states help a later request resume."""
-        return [(it.span.start, it.span.end) for it in self.items]
-
-
-def rope_rows(images: RequestImages | None, start: int, end: int) -> torch.Tensor:
-    """The (t, h, w) rotary rows [3, end - start] of a request's sequence indices [start, end), for a batch that
-    has images: a text-only request's three rows are its plain positions."""
-    return images.positions(start, end) if images is not None else torch.arange(start, end).expand(3, -1)
+    def resume_hints(self) -> tuple[int, int]:
+        """Where cached states help a later request resume: before the first image (the same text with another
+        picture resumes there) and after the last one (other text after the same pictures): Request.resume_hints."""
+        return self.items[0].span.start, self.items[-1].span.end
 
 
 def expand_image_pads(prompt_ids: list[int], images: list[ProcessedImage], image_token_id: int,
@@ -158,14 +164,25 @@ class FeatureCache:
         return len(self._items)
 
 
-class VisionFeatures:
+@dataclass
+class ImageStats:
+    received: int = 0                    # images in requests made (intake)
+    encoded: int = 0                     # images through the vision tower (a feature-cache hit skips it)
+    encode_seconds: float = 0.0
+    budget_bytes: int = 0                # pixels waiting for the vision tower may hold this much (intake.ImageBudget)
+    bytes_held: int = 0                  # ... and hold this much now
+    requests_waiting: int = 0            # requests waiting for room in it
+
+
+class Images(Feature):
     """The vision features a step's image tokens take: held by the request while its image is being prefilled, else
     from the feature cache (kept on the host), else encoded by the tower (which attends over the whole image, so a
     chunk never encodes only its part)."""
+    name = "images"
 
     def __init__(self, encode: Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor],
-                 device: torch.device) -> None:
-        self.encode, self.device = encode, device
+                 device: torch.device, intake: Intake | None = None) -> None:
+        self.encode, self.device, self.intake = encode, device, intake
         self.cache = FeatureCache()
         self.images_encoded = 0
         self.encode_seconds = 0.0
@@ -189,44 +206,72 @@ class VisionFeatures:
             item.image = replace(item.image, pixel_values=None)
         return item.features
 
-    def encode_for(self, seqs: list[ScheduledSeq]) -> dict[Request, Exception]:
+    # ---- hooks ----
+    def prepare(self, seqs: list[ScheduledSeq]) -> dict[Request, Exception]:
         """Before a step: the features of every image its prefill chunks (and the NEXTN head, one token further)
         will read, so that an image the tower cannot encode (out of memory, a malformed input) fails its own
         request and not the step. Returns the failed requests with their errors."""
         failed: dict[Request, Exception] = {}
         for s in seqs:
-            req = s.req
-            if req.images is None or s.is_decode:
+            images = s.req.features.get(self.name)
+            if images is None or s.is_decode:
                 continue
-            for item in req.images.overlapping(s.start, s.start + s.num_tokens + 1):
+            for item in images.overlapping(s.start, s.start + s.num_tokens + 1):
                 try:
                     self.of(item)
                 except (RuntimeError, ValueError) as e:   # torch.OutOfMemoryError is a RuntimeError
-                    failed[req] = e
+                    failed[s.req] = e
                     item.features = None
                     break
         if failed and self.device.type == "cuda":
             torch.cuda.empty_cache()
         return failed
 
-    def slices(self, images: RequestImages, start: int, end: int, offset: int) -> tuple[list[int], list[torch.Tensor]]:
-        """The image tokens among sequence indices [start, end) of a request packed from row `offset`: their rows
-        and feature slices."""
+    def model_inputs(self, packed: Packed, shift: int) -> dict[str, Any]:
+        """For a batch with an image: every sequence's (t, h, w) rotary rows (a text-only request's three rows are
+        its plain positions), and the image tokens' rows with their feature slices (the tokens at p + shift)."""
+        records = [req.features.get(self.name) for req, _, _ in packed.spans]
+        if not any(records):
+            return {}
+        rope: list[torch.Tensor] = []
         rows: list[int] = []
         embeds: list[torch.Tensor] = []
-        for item in images.overlapping(start, end):
-            lo, hi = max(item.span.start, start), min(item.span.end, end)
-            rows += range(offset + lo - start, offset + hi - start)
-            embeds.append(self.of(item)[lo - item.span.start:hi - item.span.start])
-        return rows, embeds
+        for (_, start, n), images, offset in zip(packed.spans, records, packed.cu_seqlens):
+            end = start + n
+            rope.append(images.positions(start, end) if images is not None else torch.arange(start, end).expand(3, -1))
+            if images is not None:                     # a chunk takes its slice of each image it covers
+                for item in images.overlapping(start + shift, end + shift):
+                    lo, hi = max(item.span.start, start + shift), min(item.span.end, end + shift)
+                    rows += range(offset + lo - start - shift, offset + hi - start - shift)
+                    embeds.append(self.of(item)[lo - item.span.start:hi - item.span.start])
+        inputs: dict[str, Any] = {"rope_positions": torch.cat(rope, dim=1).to(self.device)}
+        if rows:
+            inputs["embeds"] = (torch.tensor(rows, dtype=torch.long, device=self.device),
+                                torch.cat(embeds).to(self.device))
+        return inputs
 
-    @staticmethod
-    def let_go(seqs: list[ScheduledSeq]) -> None:
+    def after_forward(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor,
+                      outputs: list[SeqOutput], started: float) -> None:
         """After a step (the target's rows and the NEXTN head's, which embeds the token after each row): the
         features of images whose last token is computed are not needed again (a recompute after preemption takes
         them from the feature cache or encodes again)."""
         for s in seqs:
-            if s.req.images is not None:
-                for item in s.req.images.items:
+            images = s.req.features.get(self.name)
+            if images is not None:
+                for item in images.items:
                     if item.span.end <= s.start + s.num_tokens:
                         item.features = None
+
+    def free(self, req: Request) -> None:
+        """Vision features held for a prefill that stops here go."""
+        images = req.features.get(self.name)
+        if images is not None:
+            for item in images.items:
+                item.features = None
+
+    def stats(self) -> ImageStats:
+        intake = self.intake
+        budget = intake.image_budget if intake is not None else None
+        return ImageStats(intake.images_received if intake is not None else 0, self.images_encoded,
+                          self.encode_seconds, budget.limit if budget else 0, budget.held if budget else 0,
+                          budget.waiting if budget else 0)

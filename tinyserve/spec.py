@@ -1,12 +1,22 @@
-"""NEXTN (MTP) speculative decoding: drafting, the draft / verify maths, how deep to draft, and the counters.
+"""NEXTN (MTP) speculative decoding: drafting, the draft / verify maths, how deep to draft, its price, and the
+counters. A feature (features.py) on these hooks:
+  - decode_tokens (the scheduler): a request's drafts, as extra tokens of its decode (with room for the next
+    round's draft chain taken ahead when free);
+  - accept (the runner's sampling): the verify, which keeps a prefix of the drafts and one token after them;
+  - after_forward (the runner): the NEXTN head over the positions the step computed, and the next round's drafts;
+    a lone decode's time prices a draft (StepCost);
+  - commit (the engine): acceptance counts, per request (its report: DraftCounts) and engine-wide (NextNStats);
+  - free (the scheduler): drafts continue a state that a preempted request gives up: they go;
+  - stats. The API reaches it through Engine.drafts, build.py through `price` at start.
+Its per-request record is `Drafts` (req.features["nextn"]).
 
 One round for a speculating request (the runner does the tensor work; this module decides and counts):
   1. the step verifies [x0, d1..dk] (x0: the last committed token, not yet computed; d: the drafts) in the packed
      batch, next to plain decodes and prefill chunks; the GDN layers keep the state after each of the k+1 tokens;
-  2. acceptance (sampling.py: greedy argmax match, or rejection sampling against the draft's distribution) commits
-     a+1 tokens: d1..da and a bonus / corrected token; the engine applies stops token by token inside the run;
-  3. the state after the last committed input becomes the request's state (a slot swap, no copy); the prefix
-     cache takes its snapshots from the state at exactly each position inside the run;
+  2. acceptance (greedy argmax match, or rejection sampling against the draft's distribution) commits a+1 tokens:
+     d1..da and a bonus / corrected token; the engine applies stops token by token inside the run;
+  3. the state after the last committed input becomes the request's state (a slot swap, no copy: the scheduler's
+     advance); the prefix cache takes its snapshots from the state at exactly each position inside the run;
   4. the NEXTN head runs over the committed positions with the target's hidden states (writing its own KV, one more
      attention layer in the same pages), and drafts the next round's d1..dk.
 
@@ -22,7 +32,7 @@ over every request's rounds), and drafts the depth d in
 0..num_steps that maximises the expected tokens per round, (1 - alpha^(d+1)) / (1 - alpha), over the round's time.
 What a round costs depends on the machine and the model (a verify of d + 1 tokens and d passes of the NEXTN head,
 against one decode step), so StepCost holds the measured seconds of a single-request step at each depth: timed at
-start (build.price_drafts) and kept current by the steps that run. At depth 0 the request decodes plainly and
+start (NextN.price) and kept current by the steps that run. At depth 0 the request decodes plainly and
 probes with one draft after `PROBE_EVERY` plain steps, backing off (doubling the wait, up to `PROBE_EVERY_MAX`)
 while probes keep failing, so a head that never agrees costs little, and one that agrees again is found. A new
 request starts from the wait the last probe of any request left, as it starts from every request's alpha: with a
@@ -30,19 +40,28 @@ head that disagrees with this traffic, short requests would otherwise spend thei
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from tinyserve.cache import Cache
 from tinyserve.draws import draw, random_uniform, row_uniform
-from tinyserve.sampling import (SamplingBatch, candidates, check_logits, draw_filtered, process_logits, to_probs,
-                                token_logprobs)
+from tinyserve.features import Feature
+from tinyserve.intake import RequestError
+from tinyserve.kernels.pool_layer import PoolLayer
+from tinyserve.request import Request, Status
+from tinyserve.runner import ModelRunner, SeqOutput
+from tinyserve.sampling import (SamplingBatch, SamplingParams, candidates, check_logits, draw_filtered,
+                                process_logits, to_probs, token_logprobs)
+from tinyserve.scheduler import ScheduledSeq, Scheduler
 
 if TYPE_CHECKING:
-    from tinyserve.request import Request
-    from tinyserve.runner import ModelRunner, SeqOutput
-    from tinyserve.scheduler import ScheduledSeq
+    from tinyserve.engine import Engine
+
+log = logging.getLogger("tinyserve.spec")
 
 PROBE_EVERY = 16           # plain decode steps between probes of a request whose depth fell to 0 ...
 PROBE_EVERY_MAX = 256      # ... doubled after each failed probe, up to this
@@ -117,7 +136,7 @@ def updated_alpha(alpha: float, drafted: int, accepted: int) -> float:
 
 @dataclass
 class FixedDepth:
-    """A DepthControl that always drafts `depth` (build.price_drafts times each depth with it)."""
+    """A DepthControl that always drafts `depth` (NextN.price times each depth with it)."""
     depth: int
     probing: bool = False                    # it never probes
 
@@ -309,7 +328,24 @@ def verify_drafts(target_logits: torch.Tensor, batch: SamplingBatch, drafts: lis
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Drafting: after each step, the NEXTN head over the positions the step committed, then the chained draft steps
+# The feature: drafting after each step, the verify, the counters
+
+@dataclass
+class Drafts:
+    """One request's NEXTN record: the drafts to verify after its last output token, the distribution each sampled
+    draft was drawn from ([len(tokens), V]; None for greedy requests), and how deep it drafts."""
+    tokens: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None
+    depth: DepthControl | FixedDepth | None = None
+
+
+@dataclass
+class DraftCounts:
+    """What one request's rounds did (its usage: accepted / rejected prediction tokens; its accept length)."""
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
 
 @dataclass
 class _Segment:
@@ -322,72 +358,119 @@ class _Segment:
     outputs: list[int] | None = None   # the request's outputs once this step's tokens are committed
 
 
-class NextN:
+class NextN(Feature):
     """NEXTN for one engine: the [speculative] settings, the measured step prices, the counters, and drafting."""
+    name = "nextn"
 
-    def __init__(self, num_steps: int, max_running: int, kv_layer: int) -> None:
+    def __init__(self, num_steps: int, max_running: int, kv_layer: int, runner: ModelRunner | None = None,
+                 running: Callable[[], int] = lambda: 1) -> None:
         self.num_steps = num_steps         # most drafts per round
         self.max_running = max_running     # nobody drafts while more requests run (0: no limit)
         self.kv_layer = kv_layer           # the NEXTN layer's index in the KV pool (after the target's attention)
+        self.runner = runner
+        self.running = running             # how many requests run now (the scheduler's)
         self.step_cost = StepCost()        # what a draft costs here, for the draft depth
-        self.stats = NextNStats()
+        self.totals = NextNStats()
         self.alpha = ALPHA_START           # the acceptance estimate over every request's rounds: a new request's start
         self.probe_every = PROBE_EVERY     # the wait before a probe that the last probe left: a new request's start
-
-    def observe(self, req: Request, drafted: int, accepted: int) -> None:
-        """A round of req verified `drafted` drafts (at least one) and accepted the first `accepted` of them."""
-        self.stats.observe(drafted, accepted)
-        self.alpha = updated_alpha(self.alpha, drafted, accepted)
-        if req.depth is not None:
-            probe = req.depth.probing
-            req.depth.observe(drafted, accepted)
-            if probe:
-                self.probe_every = req.depth.probe_every
-
-    def allows(self, num_running: int) -> bool:
-        return self.max_running == 0 or num_running <= self.max_running
 
     @staticmethod
     def speculates(req: Request) -> bool:
         return req.params.speculative and req.params.constraint is None
 
-    def _depth(self, runner: ModelRunner, req: Request, outputs: list[int], next_pos: int) -> int:
+    def record(self, req: Request) -> Drafts:
+        rec = req.features.get(self.name)
+        if rec is None:
+            rec = req.features[self.name] = Drafts()
+        return rec
+
+    # ---- the scheduler's hooks ----
+    def decode_tokens(self, req: Request, sched: Scheduler) -> list[int]:
+        """req's drafts when a state slot per draft is free, with pages for the next round's chain when free too;
+        otherwise none (they are dropped), and the chain's pages taken ahead when free."""
+        if not req.params.speculative:
+            return []
+        rec = req.features.get(self.name)
+        if rec is not None and rec.tokens and len(rec.tokens) <= sched.state_pool.num_free:
+            sched.grow_free(req, 1 + len(rec.tokens) + self.num_steps)
+            return rec.tokens
+        if rec is not None:
+            rec.tokens, rec.q = [], None
+        sched.grow_free(req, 1 + self.num_steps)          # best effort: room for the draft chain's positions
+        return []
+
+    def free(self, req: Request) -> None:
+        rec = req.features.get(self.name)
+        if rec is not None:
+            rec.tokens, rec.q = [], None
+
+    # ---- the runner's: the verify, then the drafts ----
+    def accept(self, seqs: list[ScheduledSeq], logits: torch.Tensor, first_rows: list[int]) -> list[SeqOutput]:
+        """Verify each sequence's drafts (its extra tokens) against its 1 + len(drafts) rows of logits: row j sees
+        the request's outputs plus the drafts before it (verify_drafts: lossless in distribution)."""
+        runner, dev = self.runner, logits.device
+        rows, params, prompts, outs, seeds, drafts, qs = [], [], [], [], [], [], []
+        for s, first in zip(seqs, first_rows):
+            req, rec = s.req, self.record(s.req)
+            rows += range(first, first + 1 + len(s.extra))
+            for j in range(len(s.extra) + 1):
+                params.append(req.params)
+                prompts.append(req.prompt_ids)
+                outs.append(req.output_ids + s.extra[:j])
+                seeds.append(req.seed)
+            drafts.append(s.extra)
+            qs.append(rec.q if rec.q is not None else torch.zeros(len(s.extra), runner.vocab_size, device=dev))
+        sb = SamplingBatch.build(params, prompts, outs, seeds, runner.eos_token_ids, runner.vocab_size, dev)
+        any_q = any(self.record(s.req).q is not None for s in seqs)
+        v = verify_drafts(logits[torch.tensor(rows, device=dev)], sb, drafts, torch.cat(qs) if any_q else None)
+        return [SeqOutput(s, v.tokens[j], v.logprobs[j], v.top[j] if v.top is not None else None)
+                for j, s in enumerate(seqs)]
+
+    def after_forward(self, seqs: list[ScheduledSeq], packed: Any, hidden: torch.Tensor,
+                      outputs: list[SeqOutput], started: float) -> None:
+        self._draft(seqs, packed.cu_seqlens, hidden, {id(o.seq): o for o in outputs})
+        if len(seqs) == 1 and seqs[0].is_decode:    # one request decoding: its time prices a draft
+            self.step_cost.observe(len(seqs[0].extra), time.perf_counter() - started)
+
+    def _depth(self, req: Request, outputs: list[int], next_pos: int) -> int:
         """How many drafts req makes for its next round: its DepthControl's choice, cut to what max_tokens, the
         context and its pages leave room for. next_pos: its first position not computed yet."""
+        runner = self.runner
         if outputs[-1] in runner.eos_token_ids or outputs[-1] in req.params.stop_token_ids:
             return 0                                   # it is about to finish
-        if req.depth is None:
-            req.depth = DepthControl(self.num_steps, alpha=self.alpha, probe_every=self.probe_every)
-        depth = req.depth.next_depth(self.step_cost)
+        rec = self.record(req)
+        if rec.depth is None:
+            rec.depth = DepthControl(self.num_steps, alpha=self.alpha, probe_every=self.probe_every)
+        depth = rec.depth.next_depth(self.step_cost)
         room_pages = len(req.pages) * runner.page_size - next_pos + 1   # draft step j writes KV at next_pos + j-2
         return max(0, min(depth, req.params.max_tokens - len(outputs) - 1,
                           runner.context_length - next_pos - 1, room_pages))
 
-    def draft(self, runner: ModelRunner, seqs: list[ScheduledSeq], cu_seqlens: list[int], hidden: torch.Tensor,
-              outputs: dict[int, SeqOutput], num_running: int) -> None:
+    def _draft(self, seqs: list[ScheduledSeq], cu_seqlens: list[int], hidden: torch.Tensor,
+               outputs: dict[int, SeqOutput]) -> None:
         """After a step: the head over the positions every request computed (its KV, see the module docstring),
-        then, for the speculating ones, up to `depth` chained draft steps into `req.draft` (and `req.draft_q`, the
-        distributions sampled drafts were drawn from). outputs: by id(seq), what it committed."""
-        allowed = self.allows(num_running)
+        then, for the speculating ones, up to `depth` chained draft steps into their records. outputs: by id(seq),
+        what it sampled."""
+        allowed = self.max_running == 0 or self.running() <= self.max_running
         segments: list[_Segment] = []
         for i, s in enumerate(seqs):
             req = s.req
-            req.draft, req.draft_q = [], None
+            if req.features.get(self.name) is not None:
+                self.free(req)                         # the drafts just verified, or never scheduled
             start, end_row = cu_seqlens[i], cu_seqlens[i + 1]
+            end = s.start + s.num_tokens
             if not s.samples:                          # a prefill chunk that is not the last: KV only
-                end = s.start + s.num_tokens
-                segments.append(_Segment(req, list(range(start, end_row)), s.start, req.all_ids[s.start + 1:end + 1]))
+                segments.append(_Segment(req, list(range(start, end_row)), s.start, req.token_ids(s.start + 1, end + 1)))
                 continue
             toks = outputs[id(s)].tokens
             after = req.output_ids + toks
             if s.is_decode:                            # the last accepted token, then the accepted drafts
                 seg = _Segment(req, list(range(start, start + len(toks))), s.start, toks, outputs=after)
             else:                                      # the prompt's (or a recompute's) last chunk
-                end = s.start + s.num_tokens
-                seg = _Segment(req, list(range(start, end_row)), s.start, req.all_ids[s.start + 1:end] + toks,
+                seg = _Segment(req, list(range(start, end_row)), s.start, req.token_ids(s.start + 1, end) + toks,
                                outputs=after)
             if allowed and self.speculates(req):
-                seg.depth = self._depth(runner, req, after, seg.pos + len(seg.rows))
+                seg.depth = self._depth(req, after, seg.pos + len(seg.rows))
             segments.append(seg)
         if not segments:
             return
@@ -399,26 +482,28 @@ class NextN:
 
         quiet = [seg for seg in segments if seg.depth == 0]
         if quiet:                                      # nothing drafted from these: the head's KV alone
-            runner.nextn_kv(*head_input(quiet))
+            self._head(*head_input(quiet), kv_only=True)
         # one-row segments first: they use the decode attention
         drafting = sorted((seg for seg in segments if seg.depth > 0), key=lambda g: len(g.rows) != 1)
         if not drafting:
             return
-        g = runner.nextn_head(*head_input(drafting))
+        g = self._head(*head_input(drafting))
         h = g[torch.tensor([len(seg.rows) for seg in drafting], device=dev).cumsum(0) - 1]
         live = drafting                                # those still drafting at each chain step
         qs: dict[int, list[torch.Tensor]] = {id(seg.req): [] for seg in live}
+        runner = self.runner
         for step in range(max(seg.depth for seg in live)):
+            recs = [self.record(seg.req) for seg in live]
             if step:                                   # a chain step: the last draft and the head's own hidden
-                h = runner.nextn_head([(seg.req, seg.pos + len(seg.rows) + step - 1, 1) for seg in live],
-                                      [seg.req.draft[-1] for seg in live], h)
+                h = self._head([(seg.req, seg.pos + len(seg.rows) + step - 1, 1) for seg in live],
+                               [rec.tokens[-1] for rec in recs], h)
             reqs = [seg.req for seg in live]
             sb = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
-                                     [seg.outputs + seg.req.draft for seg in live], [r.seed for r in reqs],
-                                     runner.eos_token_ids, runner.vocab_size, dev)
+                                     [seg.outputs + rec.tokens for seg, rec in zip(live, recs)],
+                                     [r.seed for r in reqs], runner.eos_token_ids, runner.vocab_size, dev)
             tokens, q = draw_drafts(runner.model.compute_logits(h).float(), sb)
-            for j, (seg, t) in enumerate(zip(live, tokens.tolist())):
-                seg.req.draft.append(t)
+            for j, (seg, rec, t) in enumerate(zip(live, recs, tokens.tolist())):
+                rec.tokens.append(t)
                 if q is not None and not seg.req.params.is_greedy:
                     qs[id(seg.req)].append(q[j])
             keep = [j for j, seg in enumerate(live) if seg.depth > step + 1]
@@ -429,4 +514,94 @@ class NextN:
         for seg in drafting:
             rows = qs.get(id(seg.req))
             if rows:
-                seg.req.draft_q = torch.stack(rows)
+                self.record(seg.req).q = torch.stack(rows)
+
+    def _head(self, spans: list[tuple[Request, int, int]], next_ids: list[int], hidden: torch.Tensor,
+              kv_only: bool = False) -> torch.Tensor | None:
+        """The NEXTN head over spans (request, first position p, tokens n), embedding the tokens at p+1 .. (next_ids,
+        packed in span order; at an image token that image's feature row, as vLLM) with the hidden rows at p ..
+        (packed the same way): its output rows [sum n, H], or with kv_only only its KV (None). Through the static
+        steps when registered and the batch fits, else eagerly; leading one-token spans use the decode attention."""
+        runner = self.runner
+        num_decode = 0 if kv_only else next((k for k, (_, _, n) in enumerate(spans) if n != 1), len(spans))
+        packed = runner.pack(spans, next_ids, [0] * len(spans), num_decode)
+        inputs = runner.model_inputs(packed, shift=1)
+        static = runner.features.named("static")
+        if static is not None and static.nextn_kv_layer is not None and not inputs and static.fits(packed):
+            return static.run(packed, "head_kv" if kv_only else "draft", hidden)
+        batch, m = packed.batch(runner.device), runner.model
+        args = (m.embed(batch.input_ids, inputs.get("embeds")), hidden, batch,
+                PoolLayer(runner.kv_pool.buffer, self.kv_layer), m.cos_sin(batch.positions, inputs.get("rope_positions")))
+        return m.mtp.write_kv(*args) if kv_only else m.mtp(*args)
+
+    # ---- the engine's ----
+    def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
+        """A verify's round: the acceptance estimates and the counters, the request's among them (its report)."""
+        drafted = len(seq.extra)
+        if drafted:
+            req, accepted = seq.req, len(out.tokens) - 1
+            self.observe(req, drafted, accepted)
+            report = req.report
+            report["draft_rounds"] = report.get("draft_rounds", 0) + 1
+            report["draft_tokens"] = report.get("draft_tokens", 0) + drafted
+            report["accepted_draft_tokens"] = report.get("accepted_draft_tokens", 0) + accepted
+        return None
+
+    def observe(self, req: Request, drafted: int, accepted: int) -> None:
+        """A round of req verified `drafted` drafts (at least one) and accepted the first `accepted` of them."""
+        self.totals.observe(drafted, accepted)
+        self.alpha = updated_alpha(self.alpha, drafted, accepted)
+        depth = self.record(req).depth
+        if depth is not None:
+            probe = depth.probing
+            depth.observe(drafted, accepted)
+            if probe:
+                self.probe_every = depth.probe_every
+
+    def stats(self) -> NextNStats:
+        return self.totals
+
+    @staticmethod
+    def counts(report: dict[str, Any]) -> DraftCounts:
+        """A request's rounds from its report (RequestResult.report)."""
+        return DraftCounts(report.get("draft_rounds", 0), report.get("draft_tokens", 0),
+                           report.get("accepted_draft_tokens", 0))
+
+    # ---- pricing, at start ----
+    def price(self, engine: Engine, steps: int = 3) -> None:
+        """Time single-request decode steps at each draft depth on this machine and model (the StepCost that
+        chooses how deep requests draft), with a throw-away request through the engine's scheduler with the prefix
+        cache swapped out (nothing of it is kept), before serving."""
+        prompt = [(7 * i + 3) % engine.model.cfg.vocab_size for i in range(64)]
+        k = self.num_steps
+        try:
+            req = engine.intake.make_request(prompt, SamplingParams(max_tokens=(k + 1) * (steps + 2) * (k + 2),
+                                                                    temperature=0, ignore_eos=True), "price-drafts")
+        except RequestError as e:                  # a tiny context or pool: price drafts as they run
+            log.info("NEXTN: draft depths not timed at start (%s)", e)
+            return
+        sched = engine.scheduler
+        cache, sched.cache = sched.cache, Cache(engine.state_pool)
+        try:
+            sched.add(req)
+            while not req.output_ids:              # the prompt
+                engine.run_step(sched)
+            cost = self.step_cost
+            for depth in range(k + 1):
+                self.record(req).depth = FixedDepth(depth)
+                for i in range(steps + 2):
+                    if req.status != Status.RUNNING:
+                        break
+                    engine.run_step(sched)
+                    # a step verifies the drafts the one before made: the second at a new depth is the first to
+                    # verify that many, and a first call (a graph's, a GEMM shape's set-up) is not steady: not part
+                    # of the price
+                    if i == 1 and len(cost.seconds) > depth:
+                        cost.seconds[depth] = 0.0
+            if req.status != Status.FINISHED:
+                sched.abort(req)
+        finally:
+            sched.cache = cache
+        self.totals, self.alpha = NextNStats(), ALPHA_START   # the throw-away prompt says nothing of real traffic
+        log.info("NEXTN: a decode step with 0..%d drafts takes %s ms here", k,
+                 ", ".join(f"{t * 1000:.1f}" for t in cost.seconds))

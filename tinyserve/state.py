@@ -30,20 +30,20 @@ class StatePool:
         self.fence: Callable[[list[int]], None] = lambda slots: None
 
     @property
-    def released(self) -> bool:
-        return self.ssm.dim() == 2
+    def allocated(self) -> bool:
+        return self.ssm.dim() != 2
 
-    def release(self) -> None:
+    def deallocate(self) -> None:
         """Give the pool's memory back (idle release); every slot's content is lost. The slot counts stay."""
-        if self.released:
+        if not self.allocated:
             return
         self._shapes = (self.conv.shape, self.ssm.shape)
         self.conv = torch.empty((self.conv.shape[0], 0), dtype=self.conv.dtype, device=self.conv.device)
         self.ssm = torch.empty((self.ssm.shape[0], 0), dtype=self.ssm.dtype, device=self.ssm.device)
         self.conv_all, self.ssm_all = self.conv, self.ssm                  # (the scratch slot goes too)
 
-    def restore(self) -> None:
-        """Allocate the pool again after release() (zeros)."""
+    def allocate(self) -> None:
+        """Allocate the pool again after deallocate() (zeros)."""
         (n, *conv), (_, *ssm) = self._shapes                               # (+ the scratch slot)
         self.conv_all = torch.zeros((n + 1, *conv), dtype=self.conv.dtype, device=self.conv.device)
         self.ssm_all = torch.zeros((n + 1, *ssm), dtype=self.ssm.dtype, device=self.ssm.device)

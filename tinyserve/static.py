@@ -1,30 +1,35 @@
-"""The static-shape steps: decode, NEXTN verify, and the NEXTN head's passes after them.
+"""The static-shape steps (engine.compile_steps): decode steps, decodes with extra tokens (NEXTN's verify), and
+the NEXTN head's passes after them.
+
+A feature on one hook: `forward` (features.py), which takes a target step's packed batch (runner.Packed) when it
+is all decodes and fits the buffers, pads it into them and runs the forward of that shape. NEXTN's head passes call
+`run` themselves (spec.py), and idle release drops the graphs with the pools they point into and captures them
+again (idle.py). Off, or a batch it does not take: the runner's eager forward, the same math.
 
 A step of N sequences of at most T tokens runs as shape (B, T) over buffers sized for the largest step: nothing
 inside a forward changes from step to step but the buffers' contents and, on the CPU, the batch size and the page
 table's width. Two ways to make that fast:
-  - CUDA (engine.compile_steps): B is the smallest graph batch size >= N, the page table spans the whole context, and
-    one graph per shape (and per forward: the target's, the NEXTN head's) is captured at start and replayed;
-  - CPU (engine.compile_steps): B = N, the page table spans the step's pages, and the forwards are compiled once by
-    torch.compile (compiled.py) for every batch size and context length.
+  - CUDA: B is the smallest graph batch size >= N, the page table spans the whole context, and one graph per shape
+    (and per forward: the target's, the NEXTN head's) is captured at start and replayed;
+  - CPU: B = N, the page table spans the step's pages, and the forwards are compiled once by torch.compile
+    (compiled.py) for every batch size and context length.
 Without either (the CPU tests) the same batches run eagerly: the same math.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import NamedTuple
 
 import torch
 
+from tinyserve.features import Feature
 from tinyserve.kernels import use_triton
 from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kernels.verify_layout import VerifyLayout
 from tinyserve.kv import KVPool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
-from tinyserve.request import Request
-from tinyserve.scheduler import ScheduledSeq
+from tinyserve.runner import ModelRunner, Packed
 from tinyserve.state import StatePool
 
 log = logging.getLogger("tinyserve.static")
@@ -38,7 +43,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class ShapeBatch(ForwardBatch):
     """A static step's batch as its forward sees it: B sequences of T tokens each, every one a decode (T = 1) or a
-    verify (T > 1), described by tensors alone. No host list: the number of sequences and where the prefill rows
+    decode with extra tokens (T > 1), described by tensors alone. No host list: the number of sequences and where the prefill rows
     would begin come from the shapes, so torch.compile traces one graph for every batch size."""
 
     @property
@@ -62,8 +67,8 @@ class StepTensors(NamedTuple):
     seq_lens: torch.Tensor         # [B] int32: context length after the step
     page_table: torch.Tensor       # [B, W] int32
     state_slots: torch.Tensor      # [B] int64: the state each sequence starts from
-    out_slots: torch.Tensor        # [B*T] int64: where the state after each token goes (a verify)
-    token_lens: torch.Tensor       # [B*T] int32: the keys each token sees (a verify)
+    out_slots: torch.Tensor        # [B*T] int64: where the state after each token goes (T > 1)
+    token_lens: torch.Tensor       # [B*T] int32: the keys each token sees (T > 1)
 
 
 def shape_batch(T: int, max_len: int, t: StepTensors) -> ShapeBatch:
@@ -114,19 +119,20 @@ def head_kv_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv
 FORWARDS = {"step": target_forward, "draft": draft_forward, "head_kv": head_kv_forward}   # by kind
 
 
-class StaticStep:
-    """The static-shape steps: a decode step (every sequence one new token), a NEXTN verify step (the last accepted
-    token plus the drafts, plain decodes among them), and the NEXTN head's passes after them (over the tokens a
-    step committed, then one token per draft; its KV alone where nothing is drafted). No prefill chunk, no image.
+class StaticStep(Feature):
+    """The static-shape steps: a decode step (every sequence one new token), a decode step with extra tokens (NEXTN's
+    verify: the last accepted token plus the drafts, plain decodes among them), and the NEXTN head's passes after
+    them (over the tokens a step committed, then one token per draft; its KV alone where nothing is drafted). No
+    prefill chunk, no image.
 
     Every tensor a forward reads lives in a buffer sized for the largest step (StepTensors): token ids, positions,
-    KV slots, verify state slots, lengths and (for the NEXTN head) input hidden rows per token; context lengths,
-    state slots and the page table (whole-context rows) per sequence. N sequences of at most T tokens run as shape
-    (B, T): B the smallest of `sizes` >= N, T in 1 .. max_tokens (1 + the NEXTN draft steps).
+    KV slots, the state slot after each token, lengths and (for the NEXTN head) input hidden rows per token; context
+    lengths, state slots and the page table (whole-context rows) per sequence. N sequences of at most T tokens run
+    as shape (B, T): B the smallest of `sizes` >= N, T in 1 .. max_tokens (1 + the NEXTN draft steps).
       - T = 1: a decode batch of B rows.
-      - T > 1: B verifies of T tokens each. A shorter sequence's tokens past its end are padding (token 0 at its
+      - T > 1: B sequences of T tokens each. A shorter sequence's tokens past its end are padding (token 0 at its
         last real position, KV to the scratch page, the state after it to `padding_slot`); a plain decode among
-        them is a verify of one real token, whose state goes to its own slot as a verify's first token's does.
+        them is a sequence of one real token, whose state goes to its own slot as an extended one's first token's.
     Sequences N..B-1 (CUDA graphs' padding) are padding: token 0 at position 0 of a one-token context on the KV
     pool's scratch page, state from `padding_slot` (the page is never handed out), so every kernel computes them
     as any row and nothing reads what they produce. `padding_slot` is -1 with the Triton kernels, which read a zero
@@ -139,6 +145,7 @@ class StaticStep:
     replayed. Otherwise (the CPU): B = N, and the page table spans the step's pages (at least 2, so torch.compile
     sees a width it keeps dynamic): the forwards run as compiled at start (`compiled`, compiled.CompiledSteps), or
     eagerly. The logits and the sampling run outside, as for an eager step, on the real rows."""
+    name = "static"
 
     def __init__(self, model: Qwen3NextForCausalLM, kv_pool: KVPool, state_pool: StatePool, max_batch: int,
                  max_len: int, max_tokens: int = 1, nextn_kv_layer: int | None = None,
@@ -184,17 +191,79 @@ class StaticStep:
         if self.nextn_kv_layer is not None:
             self.draft_in.zero_()
 
-    def fits(self, seqs: list[ScheduledSeq]) -> bool:
-        """Whether a target step runs here: decodes and verifies only."""
-        return len(seqs) <= self.sizes[-1] and all(
-            s.is_decode and s.num_tokens <= self.max_tokens and s.req.images is None
-            and s.start + s.num_tokens <= self.max_len for s in seqs)
+    # ---- the hook ----
+    def forward(self, packed: Packed, inputs: dict) -> torch.Tensor | None:
+        """A target step that is all decodes (with or without extra tokens) and fits: its hidden rows. Batches
+        with model inputs of their own (images) run eagerly."""
+        if inputs or packed.num_decode + packed.num_extended != packed.num_seqs or not self.fits(packed):
+            return None
+        return self.run(packed)
 
-    def fits_draft(self, spans: list[tuple[Request, int, int]]) -> bool:
-        """Whether a NEXTN head pass over (request, first position, tokens) spans runs here."""
-        return self.nextn_kv_layer is not None and len(spans) <= self.sizes[-1] and all(
-            n <= self.max_tokens and req.images is None and pos + n <= self.max_len for req, pos, n in spans)
+    def fits(self, packed: Packed) -> bool:
+        """Whether a packed batch fits the buffers: sequences, tokens per sequence, context."""
+        return packed.num_seqs <= self.sizes[-1] and all(
+            n <= self.max_tokens and pos + n <= self.max_len for _, pos, n in packed.spans)
 
+    def run(self, packed: Packed, kind: str = "step", hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A forward of `kind` over a packed batch (fits): the buffers filled from it, padded to a shape. Returns
+        the real rows laid out as packed (for one token per sequence a view of the output buffer: read before the
+        next forward); the head's KV pass (head_kv) returns None. kind "draft" / "head_kv": the NEXTN head, whose
+        row r embeds the packed token r with the hidden row hidden[r]."""
+        B, T, W, real_rows = self._fill(packed, kind == "step")
+        if hidden is not None:
+            self.draft_in.index_copy_(0, real_rows, hidden)   # padding rows keep earlier rows: finite, never read
+        out = self._forward(kind, B, T, W)
+        if out is None:
+            return None
+        return out[:packed.num_seqs] if T == 1 else out[real_rows]   # a gather copies: safe from the next replay
+
+    def _fill(self, packed: Packed, target: bool) -> tuple[int, int, int, torch.Tensor]:
+        """Fill the buffers from the packed batch, each sequence's rows padded to T and the sequences to B. The
+        state after each token of a target step goes to the packing's slots (an extended sequence's state_after, a
+        plain decode's own state slot), the head's to padding_slot. Returns (B, T, the page-table width to read,
+        the real tokens' rows on the device)."""
+        spans, cu, ps = packed.spans, packed.cu_seqlens, self.kv_pool.page_size
+        N, T = len(spans), max(n for _, _, n in spans)
+        B = next(b for b in self.sizes if b >= N)
+        scratch_page, pad_slot = self.kv_pool.scratch_page, self.padding_slot
+        ids, positions, slots, out_slots, token_lens, real_rows = [], [], [], [], [], []     # per token row
+        for i, (_, _, n) in enumerate(spans):
+            after = [pad_slot] * n
+            if target:
+                k = i - packed.num_decode
+                after = packed.state_after[k] if k >= 0 else [packed.state_slots[i]]
+            for t in range(T):
+                r = cu[i] + min(t, n - 1)                    # a padding token repeats the last real position
+                ids.append(packed.input_ids[r] if t < n else 0)
+                positions.append(packed.positions[r])
+                slots.append(packed.slot_mapping[r] if t < n else scratch_page * ps)
+                out_slots.append(after[t] if t < n else pad_slot)
+                token_lens.append(packed.positions[r] + 1)
+            real_rows += range(i * T, i * T + n)
+        pad_rows = (B - N) * T
+        pages = max(len(req.pages) for req, _, _ in spans)
+        W = self.table_width(pages)                            # columns the forward reads
+        w = min(self.width, pages) if self.for_graphs else W   # columns written (a graph's later ones: never read)
+        table = [p for req, _, _ in spans for p in req.pages[:w] + [scratch_page] * (w - len(req.pages[:w]))]
+        R = B * T
+        # every buffer with its values, padding sequences last: packed into one host tensor, copied once
+        layout = [(self.input_ids[:R], ids + [0] * pad_rows),
+                  (self.positions[:R], positions + [0] * pad_rows),
+                  (self.slot_mapping[:R], slots + [scratch_page * ps] * pad_rows),
+                  (self.out_slots[:R], out_slots + [pad_slot] * pad_rows),
+                  (self.token_lens[:R], token_lens + [1] * pad_rows),
+                  (self.seq_lens[:B], packed.seq_lens + [1] * (B - N)),
+                  (self.state_slots[:B], packed.state_slots + [pad_slot] * (B - N)),
+                  (self.table(B, W)[:, :w], table + [scratch_page] * ((B - N) * w))]
+        host = torch.tensor([v for _, values in layout for v in values] + real_rows, dtype=torch.long)
+        vals = host.to(self.input_ids.device, non_blocking=True)
+        at = 0
+        for buf, values in layout:
+            buf.copy_(vals[at:at + len(values)].view(buf.shape))
+            at += len(values)
+        return B, T, W, vals[at:]
+
+    # ---- the buffers and the forwards ----
     def pools(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The KV pool and the state pools with their scratch slot (StatePool.conv_all), as the forwards take them."""
         return self.kv_pool.buffer, self.state_pool.conv_all, self.state_pool.ssm_all
@@ -227,7 +296,7 @@ class StaticStep:
         """The buffer a captured forward of this kind writes its rows to (the head's KV pass: none)."""
         return {"step": self.hidden, "draft": self.draft_out}.get(kind)
 
-    def forward(self, kind: str, B: int, T: int, W: int) -> torch.Tensor | None:
+    def _forward(self, kind: str, B: int, T: int, W: int) -> torch.Tensor | None:
         """A forward of shape (B, T) over the filled buffers: its graph when captured, its compiled code when
         compiled, else eagerly. Returns the [B * T, H] rows (a view of `output(kind)` for a graph: read before the
         next replay); the head's KV pass returns None."""
@@ -254,98 +323,6 @@ class StaticStep:
 
     def eager(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> torch.Tensor | None:
         return FORWARDS[kind](*self.args(kind, T, max_len, t))
-
-    def _batch(self, B: int, T: int, seq_lens: list[int], state_slots: list[int]) -> ForwardBatch:
-        """What the runner reads of a static step's batch (the packing, on the host), shaped as an eager one's."""
-        W = self.width
-        return ForwardBatch(
-            input_ids=self.input_ids[:B * T], positions=self.positions[:B * T],
-            cu_seqlens=list(range(0, B * T + 1, T)), seq_lens=seq_lens, seq_lens_t=self.seq_lens[:B],
-            page_table=self.page_table[:B, :W], slot_mapping=self.slot_mapping[:B * T], state_slots=state_slots,
-            state_slots_t=self.state_slots[:B], num_decode=B if T == 1 else 0, num_extended=0 if T == 1 else B,
-            decode_max_len=self.max_len)
-
-    def _fill(self, spans: list[tuple[Request, int, list[int], list[int]]]
-              ) -> tuple[int, int, int, list[int], list[int], list[int], torch.Tensor]:
-        """Fill the buffers from (request, first position, token ids, state slot after each token) per sequence,
-        padded to a shape. Returns (B, T, the page-table width to read, context lengths, state slots, cu_seqlens of
-        the real tokens, the real tokens' rows on the device)."""
-        N, ps = len(spans), self.kv_pool.page_size
-        T = max(len(ids) for _, _, ids, _ in spans)
-        B = next(b for b in self.sizes if b >= N)
-        scratch_page, pad_slot = self.kv_pool.scratch_page, self.padding_slot
-        ids, positions, slots, out_slots, token_lens = [], [], [], [], []         # per token row
-        lens, state_slots, real_rows, cu = [], [], [], [0]                       # per sequence
-        for i, (req, start, toks, after) in enumerate(spans):
-            n = len(toks)
-            for t in range(T):
-                p = start + min(t, n - 1)                    # a padding token repeats the last real position
-                ids.append(toks[t] if t < n else 0)
-                positions.append(p)
-                slots.append(req.pages[p // ps] * ps + p % ps if t < n else scratch_page * ps)
-                out_slots.append(after[t] if t < n else pad_slot)
-                token_lens.append(p + 1)
-            lens.append(start + n)
-            state_slots.append(req.state_slot)
-            real_rows += range(i * T, i * T + n)
-            cu.append(cu[-1] + n)
-        pad_rows = (B - N) * T
-        pages = max(len(req.pages) for req, _, _, _ in spans)
-        W = self.table_width(pages)                            # columns the forward reads
-        w = min(self.width, pages) if self.for_graphs else W   # columns written (a graph's later ones: never read)
-        table = [p for req, _, _, _ in spans for p in req.pages[:w] + [scratch_page] * (w - len(req.pages[:w]))]
-        R = B * T
-        # every buffer with its values, padding sequences last: packed into one host tensor, copied once
-        layout = [(self.input_ids[:R], ids + [0] * pad_rows),
-                  (self.positions[:R], positions + [0] * pad_rows),
-                  (self.slot_mapping[:R], slots + [scratch_page * ps] * pad_rows),
-                  (self.out_slots[:R], out_slots + [pad_slot] * pad_rows),
-                  (self.token_lens[:R], token_lens + [1] * pad_rows),
-                  (self.seq_lens[:B], lens + [1] * (B - N)),
-                  (self.state_slots[:B], state_slots + [pad_slot] * (B - N)),
-                  (self.table(B, W)[:, :w], table + [scratch_page] * ((B - N) * w))]
-        host = torch.tensor([v for _, values in layout for v in values] + real_rows, dtype=torch.long)
-        vals = host.to(self.input_ids.device, non_blocking=True)
-        at = 0
-        for buf, values in layout:
-            buf.copy_(vals[at:at + len(values)].view(buf.shape))
-            at += len(values)
-        return (B, T, W, lens + [1] * (B - N), state_slots + [pad_slot] * (B - N), cu + [cu[-1]] * (B - N),
-                vals[at:])
-
-    def run(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, torch.Tensor]:
-        """A target step: fill the buffers from the step's sequences and run the forward. Returns the batch and the
-        hidden states of the real tokens, packed as an eager step's (sequence i's at cu_seqlens[i]:cu_seqlens[i+1];
-        with T = 1 the padding rows follow, possibly in a view of `hidden`: read before the next step)."""
-        spans = []
-        for s in seqs:
-            req, n_prompt = s.req, len(s.req.prompt_ids)
-            first = req.prompt_ids[s.start] if s.start < n_prompt else req.output_ids[s.start - n_prompt]
-            spans.append((req, s.start, [first] + s.draft, s.verify_slots if s.is_verify else [req.state_slot]))
-        B, T, W, lens, state_slots, cu, real_rows = self._fill(spans)
-        batch = self._batch(B, T, lens, state_slots)
-        hidden = self.forward("step", B, T, W)
-        if T == 1:
-            return batch, hidden
-        return dataclasses.replace(batch, cu_seqlens=cu), hidden[real_rows]   # a copy: safe from the next replay
-
-    def run_draft(self, spans: list[tuple[Request, int, int]], next_ids: list[int], hidden: torch.Tensor,
-                  kv_only: bool = False) -> torch.Tensor | None:
-        """A NEXTN head pass (fits_draft): request r computes positions pos .. pos+n-1, embedding next_ids (packed
-        in span order) with the hidden rows `hidden` [sum n, H] (the target's, or the head's own for a chain
-        step). Returns the head's output rows packed the same way (possibly a view of `draft_out` for one token
-        per sequence: read before the next pass); with kv_only, writes only the head's KV and returns None."""
-        pad_slot, k = self.padding_slot, 0
-        filled = []
-        for req, pos, n in spans:
-            filled.append((req, pos, next_ids[k:k + n], [pad_slot] * n))
-            k += n
-        B, T, W, _, _, _, real_rows = self._fill(filled)
-        self.draft_in.index_copy_(0, real_rows, hidden)   # padding rows keep earlier rows: finite, never read
-        out = self.forward("head_kv" if kv_only else "draft", B, T, W)
-        if out is None:
-            return None
-        return out[:len(spans)] if T == 1 else out[real_rows]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -383,3 +360,20 @@ class StaticStep:
         log.info("captured %d CUDA graphs (%s; batch sizes %s; tokens per sequence 1..%d) in %.1f s (%.0f MiB more "
                  "reserved)", len(self.graphs), " and ".join(kinds), ", ".join(map(str, self.sizes)),
                  self.max_tokens, time.perf_counter() - start, (torch.cuda.memory_reserved() - before) / 2 ** 20)
+
+    def drop_graphs(self) -> None:
+        """Drop the graphs and their memory pool (the pools they point into are about to be freed: idle release)."""
+        self.graphs.clear()
+
+
+def static_step(runner: ModelRunner, max_batch: int, for_graphs: bool) -> StaticStep:
+    """The static path for a runner's steps of up to max_batch sequences (and, with NEXTN registered, its verify
+    and head passes), not built yet: with for_graphs in the CUDA graphs' layout (capture makes the graphs),
+    otherwise in the CPU's (compiled.CompiledSteps compiles its forwards). Registered in runner.features, it takes
+    the steps it fits; unbuilt (the CPU tests' switch), they run eagerly through its buffers."""
+    pool_tokens = runner.kv_pool.num_pages * runner.page_size
+    max_len = min(runner.context_length, pool_tokens) if runner.context_length else pool_tokens
+    nextn = runner.features.named("nextn")
+    return StaticStep(runner.model, runner.kv_pool, runner.state_pool, max_batch, max_len,
+                      1 + nextn.num_steps if nextn is not None else 1, nextn.kv_layer if nextn is not None else None,
+                      for_graphs=for_graphs)

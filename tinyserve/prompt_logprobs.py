@@ -1,0 +1,65 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs: vLLM's prompt_logprobs, the completions API's echo with
+logprobs): each prompt token's logprob under the model, and the top-n at its position, from the prefill's own rows.
+
+A feature (features.py) on two hooks: `after_forward` (the rows of the prefill chunks of a request that asks go
+through the LM head PROMPT_LOGPROB_ROWS at a time, so a long chunk never holds [chunk, V] logits) and `commit` (the
+list goes to the request's report with its first tokens: RequestResult.prompt_logprobs). Its per-request record is
+the list itself (req.features["prompt_logprobs"]). Such a request computes its whole prompt (Request.reuse_cache is
+False, set by the intake): its rows are read from the forward; once they are all in, a recompute may reuse the
+cache again.
+"""
+from __future__ import annotations
+
+import torch
+
+from tinyserve.features import Feature
+from tinyserve.runner import Packed, SeqOutput
+from tinyserve.sampling import top_n
+from tinyserve.scheduler import ScheduledSeq
+
+PROMPT_LOGPROB_ROWS = 128      # prompt rows per LM-head pass ([rows, vocab] float32 at a time)
+
+# One prompt token's logprob under the model, and the top-n (id, logprob) at its position
+PromptLogprob = tuple[float, list[tuple[int, float]]]
+
+
+class PromptLogprobs(Feature):
+    name = "prompt_logprobs"
+
+    def __init__(self, model) -> None:
+        self.model = model                    # its LM head: compute_logits
+
+    def after_forward(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor,
+                      outputs: list[SeqOutput], started: float) -> None:
+        """The prompt tokens' logprobs from the prefill chunks' rows: row q predicts prompt token q + 1, under the
+        raw model distribution (as sampled tokens' logprobs), with its top-n."""
+        for i, s in enumerate(seqs):
+            req = s.req
+            if s.is_decode or req.params.prompt_logprobs is None:
+                continue
+            done = req.features.setdefault(self.name, [])
+            end = min(s.start + s.num_tokens, len(req.prompt_ids) - 1)
+            if len(done) >= end:
+                continue
+            assert len(done) >= s.start, "a request computing its prompt's logprobs resumes from no cached prefix"
+            n_top = req.params.prompt_logprobs
+            for q in range(len(done), end, PROMPT_LOGPROB_ROWS):
+                q_end = min(q + PROMPT_LOGPROB_ROWS, end)
+                row = packed.cu_seqlens[i] + q - s.start
+                logp = torch.log_softmax(self.model.compute_logits(hidden[row:row + q_end - q]).float(), dim=-1)
+                targets = torch.tensor(req.prompt_ids[q + 1:q_end + 1], device=hidden.device)
+                chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+                if n_top:
+                    top_lp, top_ids = top_n(logp, min(n_top, logp.shape[1]))
+                    tops = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
+                else:
+                    tops = [[] for _ in chosen]
+                done += zip(chosen, tops)
+            if len(done) == len(req.prompt_ids) - 1:
+                req.reuse_cache = True                  # all in: a recompute after preemption may resume
+
+    def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
+        req = seq.req
+        if req.params.prompt_logprobs is not None and len(req.output_ids) == kept:    # its first tokens
+            req.report[self.name] = req.features.get(self.name, [])
+        return None
