@@ -2,7 +2,8 @@
 in a `*_triton.py` module beside it, a Triton kernel with the same signature (the CUDA path).
 
 Which one runs is decided per call by `use_triton(tensor)` from the backend set at start:
-  "auto"   Triton for CUDA tensors when triton imports, the torch reference otherwise (the default);
+  "auto"   Triton for CUDA tensors when triton imports, the torch reference otherwise (the default); on the CPU an op
+           with a C kernel beside it (`*_cpu.py`, `use_cpu_kernel`) runs that;
   "torch"  always the torch reference (debugging: rule the kernels out);
   "triton" always Triton (debugging; on CPU tensors only under TRITON_INTERPRET=1, as the tests run it).
 The engine calls `set_backend(cfg.engine.kernels)` once before the first forward. Triton modules are imported only
@@ -61,6 +62,11 @@ def backend_set_to(name: str) -> Iterator[None]:
         yield
     finally:
         set_backend(old)
+
+
+def use_cpu_kernel(x) -> bool:
+    """Whether the op called with tensor x runs its C kernel (where it has one): the "auto" backend on the CPU."""
+    return _backend == "auto" and x.device.type == "cpu"
 
 
 def use_triton(x) -> bool:

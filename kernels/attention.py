@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels import use_triton
+from tinyserve.kernels import use_cpu_kernel, use_triton
 from tinyserve.kernels.pool_layer import PoolLayer
 
 
@@ -105,6 +105,10 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor | PoolLayer, 
         from tinyserve.kernels import attention_triton
         return attention_triton.paged_attention_decode(q, kv_cache, page_table, seq_lens, max_len, scale,
                                                        table_rows)
+    if use_cpu_kernel(q):
+        from tinyserve.kernels import attention_cpu     # the pages read in place (C; this function is its oracle)
+        if attention_cpu.usable(q, kv_cache):
+            return attention_cpu.paged_decode(q, kv_cache, page_table, seq_lens, table_rows, scale)
     N, H, hd = q.shape
     page_size = kv_cache.shape[2]
     n_pages = (max_len + page_size - 1) // page_size
