@@ -30,7 +30,8 @@ OUTSIDE = {"models.retrieve"}     # the OpenAI SDKs' client.models.retrieve, not
 # short module names that prose uses far more often for something else: `request.images` is an API request's
 # images, not request.py's (its class is Request)
 AMBIGUOUS = {"request"}
-EXTENSIONS = ("py", "md", "toml", "json", "html", "sh", "txt", "safetensors", "jinja", "service", "bin", "cfg")
+EXTENSIONS = ("py", "md", "toml", "json", "html", "sh", "txt", "safetensors", "jinja", "service", "bin", "cfg", "c",
+              "h", "cpp", "cu", "so")
 
 
 def product_files() -> list[Path]:

@@ -13,7 +13,7 @@ import torch
 import pytest
 
 from tinyserve.sampling import SamplingBatch, SamplingParams, sample
-from tinyserve.spec import ACCEPT_SALT, DRAFT_SALT, VerifyResult, draw_drafts, verify_drafts
+from tinyserve.verify import ACCEPT_SALT, DRAFT_SALT, VerifyResult, draw_drafts, verify_drafts
 
 V = 32
 

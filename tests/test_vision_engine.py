@@ -162,7 +162,7 @@ def test_cache_hits_with_images_equal_cold_runs(vl, page_size):
     assert done[1].cached_tokens == (len(prompts[1][0]) - 1) // page_size * page_size
     assert done[2].cached_tokens == first_pad // page_size * page_size          # diverges at its first pad
     assert done[2].cached_tokens < first_pad + 1
-    assert warm.stats().features["images"].encoded == 2                 # a and b; 1 and 3 took a's features from the cache
+    assert warm.stats().features["images"].encoded == 2     # a and b; 1 and 3 took a's features from the cache
     # a later turn adds an image: it resumes from the end of the previous turn (the request's end)
     prev = done[0]
     tail, tail_images = warm.intake.prepare_images(tok.encode("<|im_end|>\n" + user_turn("And " + MARK + "?")),

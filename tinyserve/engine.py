@@ -433,8 +433,7 @@ class Engine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ilist = images if images is not None else [[]] * len(prompts)
         reqs = [self.intake.make_request(p, sp, None, im) for p, sp, im in zip(prompts, plist, ilist)]
-        for r in reqs:
-            self.scheduler.add(r)
+        self._new.extend(reqs)                           # taken by the next step, as a served request is
         while any(r.status != Status.FINISHED for r in reqs):
             if not self._step() and not self.scheduler.running:
                 self._work.wait(IDLE_WAIT_S)             # a file-tier read is in flight

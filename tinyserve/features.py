@@ -103,11 +103,11 @@ class Feature:
 class Features:
     """The registered features, called hook by hook (each hook loops over the features that override it)."""
 
-    def __init__(self, features: list[Feature | None] = ()) -> None:
+    def __init__(self, features: list[Feature] = ()) -> None:
         self.all: list[Feature] = []
+        self.by_hook: dict[str, list[Feature]] = {h: [] for h in HOOKS}
         for f in features:
-            if f is not None:
-                self.add(f)
+            self.add(f)
 
     def add(self, feature: Feature) -> None:
         """Register a feature (in place of one of the same name)."""

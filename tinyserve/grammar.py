@@ -9,9 +9,9 @@ A request's `SamplingParams.constraint` (a frozen `Constraint`) is compiled once
 (features.py, `Grammar`) on two hooks: `logit_masks` (on the engine thread, before sampling, the library writes the
 allowed-token bitmask of every constrained row into one preallocated int32 [rows, ceil(V / 32)] buffer,
 `MaskBuffer`; sampling unpacks it and applies it to the [B, V] logits in one batched masked_fill) and `commit` (each
-constrained request's matcher consumes its token; a token it rejects ends the request). The model's vocabulary may be larger than the tokenizer's:
-the matcher's vocabulary is sized to the model's, and ids the tokenizer lacks have no bytes, so they are never
-allowed. EOS (the engine's eos ids) is allowed only where the grammar accepts.
+constrained request's matcher consumes its token; a token it rejects ends the request). The model's vocabulary may
+be larger than the tokenizer's: the matcher's vocabulary is sized to the model's, and ids the tokenizer lacks have
+no bytes, so they are never allowed. EOS (the engine's eos ids) is allowed only where the grammar accepts.
 
 Tool calls: kind "tool_call" forces exactly one qwen3_coder call (`<tool_call>\n<function=NAME>\n<parameter=P>\n
 VALUE\n</parameter>\n...</function>\n</tool_call>`, then EOS) of one of the given tools (tool_choice required / any)

@@ -1,8 +1,8 @@
 """Stream a checkpoint's weights into the model (model_config.py reads the folder, fp8_scheme.py its FP8 scales).
 
 The checkpoint's tensors are first matched to the model's own list (names, shapes, FP8 scales), then copied in one
-at a time (safe_open + models.weights.TextWeights.load), so peak memory stays near the model size. An FP8 checkpoint's tensors are
-dequantized one by one, or kept FP8 where fp8_scheme.fp8_placement allows. read_checkpoint counts what load_model
+at a time (safe_open + models.weights.TextWeights.load), so peak memory stays near the model size. An FP8
+checkpoint's tensors are dequantized one by one, or kept FP8 where fp8_scheme.fp8_placement allows. read_checkpoint counts what load_model
 will hold from the headers alone: what the memory plan needs. Every problem is raised as LoaderError with a message
 naming the file, key or tensor at fault.
 """

@@ -43,8 +43,8 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class ShapeBatch(ForwardBatch):
     """A static step's batch as its forward sees it: B sequences of T tokens each, every one a decode (T = 1) or a
-    decode with extra tokens (T > 1), described by tensors alone. No host list: the number of sequences and where the prefill rows
-    would begin come from the shapes, so torch.compile traces one graph for every batch size."""
+    decode with extra tokens (T > 1), described by tensors alone. No host list: the number of sequences and where
+    the prefill rows would begin come from the shapes, so torch.compile traces one graph for every batch size."""
 
     @property
     def num_seqs(self) -> int:
