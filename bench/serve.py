@@ -3,6 +3,7 @@
     python bench/serve.py                                   # ~31M Qwen3.5-shaped random checkpoint, fp32, CPU
     python bench/serve.py --dtype bfloat16 --llama-server ~/llama/bin/llama-server --gguf model-bf16.gguf
     python bench/serve.py --config my.toml --rounds 5 --stat median
+    python bench/serve.py --context 200,8000,30000,128000 --systems http llama --llama-server ... --gguf ...
 
 Systems (each one a separate process that runs nothing else; all load first, then they take turns):
   tinyserve HTTP        `tinyserve CONFIG` (the console script); streaming POST /v1/completions with token-id
@@ -27,6 +28,13 @@ figure is the best (or, with --stat median, the median) of --rounds rounds; insi
 turns for each measure, in an order that rotates from round to round. --dtype picks the weights' dtype of
 tinyserve and transformers (pass the GGUF of the same dtype); with bfloat16 the max abs difference of the bf16
 logits from the fp32 logits (transformers, one prompt, every position) is printed too.
+
+--context C1,C2,...: decode as the context grows instead. For each length, one prompt of that many tokens is sent
+once to each system (its prefill, timed: prompt tokens / time to first token), then again each round with
+--new-tokens tokens to generate (64 by default here): the prompt is then a prefix-cache hit for every system
+(tinyserve's cache, llama-server's slot), and the figure is the decode rate, (tokens - 1) / (last token - first
+token). tinyserve gets model.context_length and a KV pool for the longest length (and --kv-dtype for its KV
+cache, e.g. float16 as llama-server's default cache), llama-server one slot of that length.
 
 Start-up: each system's time from launch to ready is printed. The compiled CPU step (engine.compile_steps) keeps
 inductor's cache in ~/.cache/tinyserve/compiled: run once to warm it; `TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python
@@ -60,6 +68,7 @@ HTTP, EAGER, INPROC, LLAMA, HF = ("tinyserve HTTP", "tinyserve HTTP eager", "tin
                                   "transformers")
 SYSTEM_KEYS = {"http": HTTP, "eager": EAGER, "inprocess": INPROC, "llama": LLAMA, "transformers": HF}
 ONE, BATCH, PREFILL, TTFT = "one", "batch", "prefill", "ttft"
+CONTEXT_NEW_TOKENS = 64
 TTFT_PROMPT_TOKENS = 32
 SETTLE_S = 0.2     # pause before each measure: the previous system's spinning threads go to sleep
 
@@ -109,18 +118,27 @@ class HTTPSystem:
         self.session = None
         self.info, self.ready_s = "", 0.0
 
-    async def measure(self, prompts: list[list[int]], max_tokens: int, ttft: bool) -> Sample:
+    def _session(self):
         import aiohttp
 
         if self.session is None:
-            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=900),
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=3600),
                                                  # a new connection per request: llama-server may close
                                                  # an idle kept-alive one just as it is reused
                                                  connector=aiohttp.TCPConnector(limit=0, force_close=True))
-        wall, results = await stream_many(self.session, self.server.url + self.path,
+        return self.session
+
+    async def measure(self, prompts: list[list[int]], max_tokens: int, ttft: bool) -> Sample:
+        wall, results = await stream_many(self._session(), self.server.url + self.path,
                                           [self.body(p, max_tokens) for p in prompts], self.progress)
         return Sample(results[0].ttft if ttft else wall, [r.token_ids for r in results],
                       [r.count for r in results])
+
+    async def stream(self, prompt: list[int], max_tokens: int):
+        """One streamed request, its StreamResult (start, first and last token)."""
+        wall, results = await stream_many(self._session(), self.server.url + self.path,
+                                          [self.body(prompt, max_tokens)], self.progress)
+        return results[0]
 
     async def close(self) -> None:
         if self.session is not None:
@@ -296,8 +314,8 @@ async def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tinyserve-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    names = [SYSTEM_KEYS[s] for s in args.systems] if args.systems else [HTTP, EAGER, INPROC, HF] + (
-        [LLAMA] if args.llama_server else [])
+    names = [SYSTEM_KEYS[s] for s in args.systems] if args.systems else (
+        [HTTP] if args.context else [HTTP, EAGER, INPROC, HF]) + ([LLAMA] if args.llama_server else [])
     if LLAMA in names and not (args.llama_server and args.gguf):
         raise SystemExit("llama-server needs --llama-server PATH and --gguf PATH")
 
@@ -318,6 +336,12 @@ async def run(args: argparse.Namespace) -> int:
     data["server"].update(host="127.0.0.1", port=free_port(), api_key="")
     data["log"]["level"] = "warning"
     data["engine"]["max_running_requests"] = max(data["engine"]["max_running_requests"], shape.concurrency)
+    contexts = [int(c) for c in args.context.split(",")] if args.context else []
+    if contexts:                                      # room for the longest prompt and its answer
+        data["model"]["context_length"] = max(contexts) + 2 * shape.new_tokens + 256
+        data["engine"]["kv_cache_tokens"] = 0
+    if args.kv_dtype:
+        data["model"]["kv_cache_dtype"] = args.kv_dtype
     cfg = config_mod.from_dict(data)
     cfg_path = work / "tinyserve.toml"
     cfg_path.write_text(config_mod.dumps(cfg))
@@ -343,9 +367,12 @@ async def run(args: argparse.Namespace) -> int:
             elif name == LLAMA:
                 per_slot = -(-(max(shape.prefill_tokens, TTFT_PROMPT_TOKENS + 64 + shape.new_tokens) + 256)
                              // 256) * 256
+                slots = shape.concurrency
+                if contexts:                          # one slot that holds the longest prompt and its answer
+                    per_slot, slots = -(-(cfg.model.context_length) // 256) * 256, 1
                 port = free_port()
                 argv = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port),
-                        "-np", str(shape.concurrency), "-t", str(threads), "-c", str(per_slot * shape.concurrency)]
+                        "-np", str(slots), "-t", str(threads), "-c", str(per_slot * slots)]
                 srv = ServerProcess(LLAMA, argv, f"http://127.0.0.1:{port}", work / "llama-server.log")
                 systems[name] = HTTPSystem(name, srv, "/completion", _llama_body, _llama_progress)
                 srv.wait_ready()
@@ -365,6 +392,9 @@ async def run(args: argparse.Namespace) -> int:
             systems[name].ready_s = time.perf_counter() - t0
             print(f"{name}: ready in {systems[name].ready_s:.1f} s", file=sys.stderr)
 
+        if contexts:
+            await measure_contexts(args, shape, contexts, systems, threads, load_before, meter)
+            return 0
         res = Results()
         kinds = [ONE, BATCH, PREFILL, TTFT]
 
@@ -414,6 +444,50 @@ async def run(args: argparse.Namespace) -> int:
     elif not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+async def measure_contexts(args, shape: Shape, contexts: list[int], systems: dict, threads: int, load_before: str,
+                           meter: CpuMeter) -> None:
+    """--context: each length's prompt prefilled once per system, then its decode rate each round (a cache hit)."""
+    prefill: dict[tuple[str, int], float] = {}
+    decode: dict[tuple[str, int], list[float]] = {}
+    for context in contexts:
+        prompt = token_prompts(1, context, context, shape.vocab, f"context/{context}")
+        for name, system in systems.items():
+            time.sleep(SETTLE_S)
+            first = await system.measure(prompt, 1, ttft=True)
+            prefill[(name, context)] = context / first.seconds
+        for rnd in range(args.rounds):
+            for name in (list(systems)[rnd % len(systems):] + list(systems)[:rnd % len(systems)]):
+                time.sleep(SETTLE_S)
+                stream = await systems[name].stream(prompt[0], shape.new_tokens)
+                check_lengths(name, f"context {context}", prompt, shape.new_tokens,
+                              Sample(stream.end - stream.start, [stream.token_ids], [stream.count]))
+                decode.setdefault((name, context), []).append((stream.count - 1) / (stream.end - stream.first))
+        print(f"context {context} done", file=sys.stderr)
+    names = list(systems)
+    pick = statistics.median if args.stat == "median" else max
+    rows = []
+    for context in contexts:
+        rows.append((f"{context} tokens", *(f"{pick(decode[(n, context)]):.1f}" for n in names),
+                     *(f"{prefill[(n, context)]:.0f}" for n in names)))
+    print(f"\nbench/serve.py --context: decode of {shape.new_tokens} tokens after a cached prompt, "
+          f"{'best' if args.stat == 'best' else 'median'} of {args.rounds} rounds, {threads} threads per system")
+    for name in names:
+        print(f"  {name}: {systems[name].info}; start to ready {systems[name].ready_s:.1f} s")
+    print(f"  load average before {load_before}, after {load_average()}; other processes used "
+          f"{meter.others_cores():.2f} cores on average during the run\n")
+    print(fmt_table(rows, ("context", *(f"{n} decode tok/s" for n in names), *(f"{n} prefill tok/s" for n in names))))
+    if len(names) > 1:
+        base = names[0]
+        print()
+        for other in names[1:]:
+            for context in contexts:
+                a, b = pick(decode[(base, context)]), pick(decode[(other, context)])
+                print(f"  {context} tokens: {base} / {other} decode {a / b:.2f}x")
+        for name in names:
+            first, last = pick(decode[(name, contexts[0])]), pick(decode[(name, contexts[-1])])
+            print(f"  {name}: {contexts[0]} -> {contexts[-1]} tokens slows decode {first / last:.2f}x")
 
 
 def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Results, load_before: str,
@@ -517,7 +591,11 @@ def main(argv: list[str] | None = None) -> int:
                                              "$TINYSERVE_BENCH_DIR or ~/.cache/tinyserve/bench)")
     ap.add_argument("--workdir", type=Path, help="folder for the config and the logs (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (config, logs)")
-    ap.add_argument("--new-tokens", type=int, default=48, help=argparse.SUPPRESS)      # quick checks only
+    ap.add_argument("--context", help="comma-separated context lengths: measure decode after a cached prompt of "
+                                      "each length instead (see above); http and llama systems only")
+    ap.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"],
+                    help="tinyserve's model.kv_cache_dtype (llama-server's default KV cache is float16)")
+    ap.add_argument("--new-tokens", type=int, default=None, help=argparse.SUPPRESS)    # quick checks only
     ap.add_argument("--concurrency", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--prefill-tokens", type=int, default=2000, help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -528,6 +606,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.new_tokens is None:
+        args.new_tokens = CONTEXT_NEW_TOKENS if args.context else 48
+    if args.context and set(args.systems or []) - {"http", "eager", "llama"}:
+        ap.error("--context measures the servers: --systems http, eager, llama")
     return asyncio.run(run(args))
 
 
