@@ -46,7 +46,7 @@ class BenchModelSpec:
     linear_key_head_dim: int = 64
     linear_value_head_dim: int = 64
     linear_conv_kernel_dim: int = 4
-    max_position_embeddings: int = 8192
+    max_position_embeddings: int = 262144   # Qwen3.5's own: the context benchmark grows the prompt to 128K
     max_shard_size: str = "30MB"          # ~120 MB of fp32 weights -> several shards
     seed: int = 0
     layer_types: list[str] = field(default=None)  # type: ignore[assignment]
@@ -101,9 +101,10 @@ def bench_checkpoint(folder: str | Path | None = None, spec: BenchModelSpec = Be
         _perturb_1d(model, spec.seed)
         model.save_pretrained(str(folder), safe_serialization=True, max_shard_size=spec.max_shard_size)
         marker.write_text(want)
-        (folder / "tokenizer.json").unlink(missing_ok=True)
+        (folder / "tokenizer.json").unlink(missing_ok=True)   # save_pretrained wrote none: written below
+        (folder / "bench_tokenizer.txt").unlink(missing_ok=True)
     tok_marker = folder / "bench_tokenizer.txt"
-    if not (tok_marker.exists() and tok_marker.read_text() == version):
+    if not (tok_marker.exists() and tok_marker.read_text() == version and (folder / "tokenizer.json").exists()):
         write(folder)
         tok_marker.write_text(version)
     return folder
