@@ -23,35 +23,38 @@
 
 typedef uint16_t bf16_t;
 
-static inline float load_f32(const float *p, int i) { return p[i]; }
-static inline float load_bf16(const bf16_t *p, int i) {
-    uint32_t bits = (uint32_t)p[i] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+/* A row of hd values as float32 (the conversion loops vectorize: F16C / AVX-512 converts, a shift makes bf16). */
+static inline void row_f32(const float *p, float *out, int hd) { memcpy(out, p, sizeof(float) * hd); }
+static inline void row_bf16(const bf16_t *p, float *out, int hd) {
+    uint32_t *bits = (uint32_t *)out;
+    _Pragma("omp simd")
+    for (int d = 0; d < hd; d++) bits[d] = (uint32_t)p[d] << 16;
 }
 #ifdef __FLT16_MAX__                                          /* the compiler has _Float16 */
-static inline float load_f16(const _Float16 *p, int i) { return (float)p[i]; }
+static inline void row_f16(const _Float16 *p, float *out, int hd) {
+    _Pragma("omp simd")
+    for (int d = 0; d < hd; d++) out[d] = (float)p[d];
+}
 #endif
 
 /* One part of one work item: keys [t_begin, t_end) of a row, for the G heads of one kv head. Writes the part's
  * running maximum m[g], sum l[g] and unnormalised output acc[g][d]. */
-#define PART(NAME, T, LOAD)                                                                                         \
+#define PART(NAME, T, ROW)                                                                                          \
 static void NAME(const float *qs, const T *pool, int64_t sp, int64_t sk, int64_t st, const int32_t *pages,         \
                  int t_begin, int t_end, int G, int hd, int ps, float *m, float *l, float *acc) {                  \
-    float s[MAX_G][MAX_PS];                                                                                         \
+    float s[MAX_G][MAX_PS], row[MAX_HD];                                                                            \
     for (int g = 0; g < G; g++) { m[g] = -FLT_MAX; l[g] = 0.f; memset(acc + g * hd, 0, sizeof(float) * hd); }      \
     for (int t0 = t_begin; t0 < t_end;) {                                                                           \
         int page = t0 / ps, first = t0 % ps;                                                                        \
         int cnt = (page + 1) * ps < t_end ? ps - first : t_end - t0;                                                \
         const T *base = pool + (int64_t)pages[page] * sp + (int64_t)first * st;                                    \
         for (int j = 0; j < cnt; j++) {                                                                             \
-            const T *k = base + j * st;                                                                             \
+            ROW(base + j * st, row, hd);                                                                            \
             for (int g = 0; g < G; g++) {                                                                           \
                 const float *qg = qs + g * hd;                                                                      \
                 float x = 0.f;                                                                                      \
                 _Pragma("omp simd reduction(+:x)")                                                                  \
-                for (int d = 0; d < hd; d++) x += qg[d] * LOAD(k, d);                                               \
+                for (int d = 0; d < hd; d++) x += qg[d] * row[d];                                                   \
                 s[g][j] = x;                                                                                        \
             }                                                                                                       \
         }                                                                                                           \
@@ -68,21 +71,21 @@ static void NAME(const float *qs, const T *pool, int64_t sp, int64_t sk, int64_t
             for (int d = 0; d < hd; d++) a[d] *= keep;                                                              \
         }                                                                                                           \
         for (int j = 0; j < cnt; j++) {                                                                             \
-            const T *v = base + sk + j * st;                                                                        \
+            ROW(base + sk + j * st, row, hd);                                                                       \
             for (int g = 0; g < G; g++) {                                                                           \
                 float p = s[g][j], *a = acc + g * hd;                                                               \
                 _Pragma("omp simd")                                                                                 \
-                for (int d = 0; d < hd; d++) a[d] += p * LOAD(v, d);                                                \
+                for (int d = 0; d < hd; d++) a[d] += p * row[d];                                                    \
             }                                                                                                       \
         }                                                                                                           \
         t0 += cnt;                                                                                                  \
     }                                                                                                               \
 }
 
-PART(part_f32, float, load_f32)
-PART(part_bf16, bf16_t, load_bf16)
+PART(part_f32, float, row_f32)
+PART(part_bf16, bf16_t, row_bf16)
 #ifdef __FLT16_MAX__
-PART(part_f16, _Float16, load_f16)
+PART(part_f16, _Float16, row_f16)
 #endif
 
 /* q [N, H, hd] and out [N, H, hd] float32, contiguous; dtype 0 float32, 1 bfloat16, 2 float16 (the pool's). */
