@@ -26,9 +26,10 @@ typedef uint16_t bf16_t;
 /* A row of hd values as float32 (the conversion loops vectorize: F16C / AVX-512 converts, a shift makes bf16). */
 static inline void row_f32(const float *p, float *out, int hd) { memcpy(out, p, sizeof(float) * hd); }
 static inline void row_bf16(const bf16_t *p, float *out, int hd) {
-    uint32_t *bits = (uint32_t *)out;
+    uint32_t bits[MAX_HD];                                    /* memcpy: no float read through an int pointer */
     _Pragma("omp simd")
     for (int d = 0; d < hd; d++) bits[d] = (uint32_t)p[d] << 16;
+    memcpy(out, bits, sizeof(float) * hd);
 }
 #ifdef __FLT16_MAX__                                          /* the compiler has _Float16 */
 static inline void row_f16(const _Float16 *p, float *out, int hd) {

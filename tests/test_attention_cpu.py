@@ -50,6 +50,21 @@ def test_decode_and_verify_match_the_reference(dtype, ps, H, KV, hd):
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_layer_of_the_page_major_pool(dtype):
+    """The engine's pool holds every attention layer in each page ([pages, layers, 2, ps, KV, hd]): a layer is a
+    strided view, read in place."""
+    lens = [50, 700]
+    pool, table = pool_and_table(lens, 16, 2, 64, dtype, seed=11)
+    layered = torch.stack([torch.randn_like(pool.float()).to(dtype), pool, torch.randn_like(pool.float()).to(dtype)],
+                          dim=1)                           # [pages, 3 layers, 2, ps, KV, hd]
+    view = layered[:, 1]
+    assert not view.is_contiguous()
+    q = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(3))
+    out, ref = both(q, view, table, torch.tensor(lens, dtype=torch.int32), 700)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+
+
 def test_one_long_sequence_split_over_threads():
     """Fewer (row, kv head) items than threads: each item's keys are split and the parts joined by their maxima."""
     pool, table = pool_and_table([5000], 16, 2, 64, torch.float32, seed=7)
