@@ -126,7 +126,19 @@ def read_deadline(prompt_tokens: int) -> float:
 
 
 class PrefixCache(Cache):
-    """The radix tree with its tiers, state snapshots and prefetch policy, behind the scheduler's calls."""
+    """The radix tree with its tiers, state snapshots and prefetch policy, behind the scheduler's calls.
+
+    The prefetch policy (cache.file.prefetch_policy): reading a cached prefix back is far faster than computing it,
+    so no policy starts a request's prefill while its file-tier read is in flight, except when waiting runs out:
+    - wait_complete: until the read is done; the requests behind it wait too;
+    - timeout: up to the deadline (1 s + 0.25 s per 1000 tokens), then compute; the requests behind it wait;
+    - best_effort: like timeout, but the requests queued behind it go first meanwhile.
+
+    A prefill chunk's state snapshots (plan_prefill): one due inside the chunk is written by its forward where it
+    lies a multiple of the kernels' alignment from the chunk's start and a slot is found; otherwise the chunk ends
+    at it (the next one starts from it, and advance takes it after the step). The first snapshot of a chunk may take
+    the slot of the cached snapshot least worth keeping, as advance's would (a full cache must not cut every prefill
+    at its snapshots); a snapshot is weighed against the others only once it is in the tree, after the step."""
 
     def __init__(self, cfg: Config, allocator: PageAllocator, state_pool: StatePool, page_size: int, hybrid: bool,
                  host: HostTier | None = None, file: FileTier | None = None,
@@ -154,12 +166,8 @@ class PrefixCache(Cache):
         run.read.add_done_callback(lambda _: self.wake())
 
     def admissible(self, waiting: Iterable[Request]) -> Iterator[Request]:
-        """The waiting requests in order, each as soon as it may be admitted. Reading a cached prefix back is far
-        faster than computing it, so no policy starts a request's prefill while its read is in flight, except when
-        waiting runs out:
-        - wait_complete: until the read is done; the requests behind it wait too;
-        - timeout: up to the deadline (1 s + 0.25 s per 1000 tokens), then compute; the requests behind it wait;
-        - best_effort: like timeout, but the requests queued behind it go first meanwhile."""
+        """The waiting requests in order, each as soon as it may be admitted (the prefetch policy: the class
+        docstring)."""
         for req in waiting:
             if self._ready(req):
                 yield req
@@ -181,9 +189,12 @@ class PrefixCache(Cache):
             blobs = run.read.result()
         run.read = None
         ids = req.cache_ids if req.reuse_cache else []     # nothing reused: the whole prompt is computed
-        loaded = self.tree.promote(ids, blobs if ids else [], run.read_first_page)
+        loaded = {}                                        # tier -> the token range it brought onto the device
+        if self.host is not None or (blobs and ids):
+            loaded = self.tree.promote(ids, blobs if ids else [], run.read_first_page)
         m = self.tree.match(ids)
-        self.divergences.note(req, m)
+        if m.branch is not None:
+            self.divergences.note(req, m)
         if m.node.snapshot is not None:
             self.state_pool.copy(m.node.snapshot, req.state_slot)
         else:
@@ -210,12 +221,8 @@ class PrefixCache(Cache):
     # ---- prefill chunks ----
     def plan_prefill(self, req: Request, n: int, align: int | None) -> tuple[int, list[tuple[int, int]]]:
         """How many of the next n prompt tokens req's prefill chunk computes, and the state snapshots its forward
-        writes inside the chunk, (position, snapshot slot). A snapshot due inside the chunk is written there when it
-        lies a multiple of `align` from the chunk's start (the kernels' alignment; None: never) and a slot is found;
-        otherwise the chunk ends at it (the next one starts from it, and advance takes it after the step). The first
-        snapshot of a chunk may take the slot of the cached snapshot least worth keeping, as advance's would (a full
-        cache must not cut every prefill at its snapshots); a snapshot is weighed against the others only once it is
-        in the tree, after the step. Slots not written (the scheduler cut the chunk shorter) go back at advance."""
+        writes inside it, (position, snapshot slot) (align: the kernels' alignment; the class docstring). Slots not
+        written (the scheduler cut the chunk shorter) go back at advance."""
         run, start = self.runs.get(req.request_id), req.num_computed
         if run is None:
             return n, []
@@ -242,7 +249,8 @@ class PrefixCache(Cache):
         return slot
 
     def make_room(self, pages: int) -> None:
-        self.tree.evict_pages(pages)
+        if self.allocator.num_free < pages:
+            self.tree.evict_pages(pages)
 
     # ---- after each step ----
     def advance(self, req: Request, pos: int, slot: int | None = None) -> None:

@@ -40,9 +40,9 @@ class Divergences:
         self._diverged: weakref.WeakSet[Request] = weakref.WeakSet()
 
     def note(self, req: Request, m: Match) -> None:
-        """req's prompt (a new one: no output yet) matched m; count it if it left the cached path at m.branch, and
-        log it if it is the first there."""
-        if m.branch is None or req.output_ids or req in self._diverged:
+        """req's prompt matched m, which leaves a cached path at m.branch: count it if it is a new prompt (no output
+        yet; each request once), and log it if it is the first there."""
+        if req.output_ids or req in self._diverged:
             return
         self.count += 1
         self._diverged.add(req)

@@ -306,23 +306,25 @@ class Grammar(Feature):
     def logit_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """(sampling rows, bitmask) of the requests whose grammar is active this step, filled by llguidance; None
         if none. reqs[i] samples at row rows[i] (a constrained request never speculates: one row)."""
-        states = [r.features.get(self.name) for r in reqs]
-        active = [i for i, g in enumerate(states) if g is not None and g.active]
-        if not active:
-            return None
+        active = [(row, g) for r, row in zip(reqs, rows) if (g := r.features.get(self.name)) is not None and g.active]
+        return self._fill(active) if active else None
+
+    def _fill(self, active: list[tuple[int, GrammarState]]) -> tuple[list[int], torch.Tensor]:
         if self._masks is None:
-            self._masks = MaskBuffer(states[active[0]].vocab_size)
-        return [rows[i] for i in active], self._masks.fill([states[i] for i in active])
+            self._masks = MaskBuffer(active[0][1].vocab_size)
+        return [row for row, _ in active], self._masks.fill([g for _, g in active])
 
     def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
+        state = seq.req.features.get(self.name)
+        return self._advance(seq.req, state, out.tokens[:kept]) if state is not None else None
+
+    @staticmethod
+    def _advance(req: Request, state: GrammarState, tokens: list[int]) -> str | None:
         """The matcher consumes the kept tokens; one it rejects cannot come with the mask applied: the request ends
-        rather than sample from an empty mask."""
-        state: GrammarState | None = seq.req.features.get(self.name)
-        if state is None:
-            return None
-        for tok in out.tokens[:kept]:
+        ("stop") rather than sample from an empty mask."""
+        for tok in tokens:
             if not state.advance(tok):
-                log.error("request %s: the grammar rejected token %d (%s)", seq.req.request_id, tok, state.error)
+                log.error("request %s: the grammar rejected token %d (%s)", req.request_id, tok, state.error)
                 return "stop"
         return None
 

@@ -31,32 +31,34 @@ class PromptLogprobs(Feature):
 
     def after_forward(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor,
                       outputs: list[SeqOutput], started: float) -> None:
-        """The prompt tokens' logprobs from the prefill chunks' rows: row q predicts prompt token q + 1, under the
-        raw model distribution (as sampled tokens' logprobs), with its top-n."""
         for i, s in enumerate(seqs):
-            req = s.req
-            if s.is_decode or req.params.prompt_logprobs is None:
-                continue
-            done = req.features.setdefault(self.name, [])
-            end = min(s.start + s.num_tokens, len(req.prompt_ids) - 1)
-            if len(done) >= end:
-                continue
-            assert len(done) >= s.start, "a request computing its prompt's logprobs resumes from no cached prefix"
-            n_top = req.params.prompt_logprobs
-            for q in range(len(done), end, PROMPT_LOGPROB_ROWS):
-                q_end = min(q + PROMPT_LOGPROB_ROWS, end)
-                row = packed.cu_seqlens[i] + q - s.start
-                logp = torch.log_softmax(self.model.compute_logits(hidden[row:row + q_end - q]).float(), dim=-1)
-                targets = torch.tensor(req.prompt_ids[q + 1:q_end + 1], device=hidden.device)
-                chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-                if n_top:
-                    top_lp, top_ids = top_n(logp, min(n_top, logp.shape[1]))
-                    tops = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
-                else:
-                    tops = [[] for _ in chosen]
-                done += zip(chosen, tops)
-            if len(done) == len(req.prompt_ids) - 1:
-                req.reuse_cache = True                  # all in: a recompute after preemption may resume
+            if not s.is_decode and s.req.params.prompt_logprobs is not None:
+                self._prompt_rows(s, packed.cu_seqlens[i], hidden)
+
+    def _prompt_rows(self, s: ScheduledSeq, first_row: int, hidden: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens a prefill chunk's rows predict: row q predicts prompt token q + 1,
+        under the raw model distribution (as sampled tokens' logprobs), with its top-n."""
+        req = s.req
+        done = req.features.setdefault(self.name, [])
+        end = min(s.start + s.num_tokens, len(req.prompt_ids) - 1)
+        if len(done) >= end:
+            return
+        assert len(done) >= s.start, "a request computing its prompt's logprobs resumes from no cached prefix"
+        n_top = req.params.prompt_logprobs
+        for q in range(len(done), end, PROMPT_LOGPROB_ROWS):
+            q_end = min(q + PROMPT_LOGPROB_ROWS, end)
+            row = first_row + q - s.start
+            logp = torch.log_softmax(self.model.compute_logits(hidden[row:row + q_end - q]).float(), dim=-1)
+            targets = torch.tensor(req.prompt_ids[q + 1:q_end + 1], device=hidden.device)
+            chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+            if n_top:
+                top_lp, top_ids = top_n(logp, min(n_top, logp.shape[1]))
+                tops = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
+            else:
+                tops = [[] for _ in chosen]
+            done += zip(chosen, tops)
+        if len(done) == len(req.prompt_ids) - 1:
+            req.reuse_cache = True                  # all in: a recompute after preemption may resume
 
     def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
         req = seq.req

@@ -202,11 +202,8 @@ class RadixCache:
         ps = self.page_size
         assert len(tokens) % ps == 0 and len(pages) == len(tokens) // ps
         path, pos = self._walk(tokens, split=True)
-        for node in path:
-            if node.pages is None:                     # host-only: the request's pages bring it back
-                node.pages = pages[node.start // ps:node.depth // ps]
-                self.allocator.retain(node.pages)
-                self.num_pages += len(node.pages)
+        if self.host is not None:
+            self._take_back(path, pages)
         node = path[-1] if path else self.root
         if pos < len(tokens):
             new = Node(tokens[pos:], pages[pos // ps:], node, depth=len(tokens))
@@ -225,10 +222,21 @@ class RadixCache:
             node.resume = True
         return node
 
+    def _take_back(self, path: list[Node], pages: list[int]) -> None:
+        """Host-only nodes on an inserted path: the inserted pages bring them back to the device."""
+        ps = self.page_size
+        for node in path:
+            if node.pages is None:
+                node.pages = pages[node.start // ps:node.depth // ps]
+                self.allocator.retain(node.pages)
+                self.num_pages += len(node.pages)
+
     # ---- tiers: backup, promotion ----
     def _backup_due(self, event: str, hits: int) -> bool:
-        """Is a node backed up now? event: "insert" (cached), "hit" (matched again; hits counts its matches),
-        "evict" (leaving the device)."""
+        """Is a node backed up now (never without a tier)? event: "insert" (cached), "hit" (matched again; hits
+        counts its matches), "evict" (leaving the device)."""
+        if self.host is None and self.file is None:
+            return False
         due = BACKUP_EVENT[self.write_policy]
         return event == due and (due != "hit" or hits >= 2)
 
@@ -464,13 +472,17 @@ class RadixCache:
         return (not copied, node not in interior, resume, node.last_use)
 
     def alloc_snapshot(self, resume: bool = True) -> int | None:
-        """A free device snapshot slot. When none is free, the least worth keeping snapshot (see _worth; a running
-        request's lock does not pin it, an admission in progress does) gives its slot up: demoted to the host tier when that has room (or can make it from less worth keeping
-        copies), dropped otherwise. resume=False (an interval snapshot) takes only the slot of an interior interval
-        snapshot or of one with a host copy: it never pushes out a resume point, a leaf or a branch point."""
+        """A free device snapshot slot; when none is free, the slot of the snapshot least worth keeping
+        (_take_snapshot_slot), or None."""
         slot = self.state_pool.alloc_snapshot()
-        if slot is not None:
-            return slot
+        return slot if slot is not None else self._take_snapshot_slot(resume)
+
+    def _take_snapshot_slot(self, resume: bool) -> int | None:
+        """The least worth keeping snapshot (see _worth; a running request's lock does not pin it, an admission in
+        progress does) gives its slot up: demoted to the host tier when that has room (or can make it from less
+        worth keeping copies), dropped otherwise. resume=False (an interval snapshot) takes only the slot of an
+        interior interval snapshot or of one with a host copy: it never pushes out a resume point, a leaf or a
+        branch point."""
         held = [n for n in self.nodes() if n.snapshot is not None and n not in self.pinned]
         if not held:
             return None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.features import Features
-from tinyserve.kernels.verify_layout import verify_layout
+from tinyserve.kernels.verify_layout import VerifyLayout, verify_layout
 from tinyserve.kv import KVPool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
 from tinyserve.request import Request
@@ -60,12 +60,6 @@ class Packed:
         """The packed sequences as the model's tensors on `device` (the eager forward's)."""
         max_pages = max(len(req.pages) for req, _, _ in self.spans)
         table = [req.pages + [0] * (max_pages - len(req.pages)) for req, _, _ in self.spans]
-        extended = None
-        if self.num_extended:
-            d, cu = self.num_decode, self.cu_seqlens
-            first, last = d, d + self.num_extended
-            extended = verify_layout([c - cu[first] for c in cu[first:last + 1]], self.seq_lens[first:last],
-                                     self.state_slots[first:last], list(self.state_after), device)
         return ForwardBatch(
             input_ids=torch.tensor(self.input_ids, dtype=torch.long, device=device),
             positions=torch.tensor(self.positions, dtype=torch.long, device=device),
@@ -75,8 +69,15 @@ class Packed:
             slot_mapping=torch.tensor(self.slot_mapping, dtype=torch.long, device=device),
             state_slots=self.state_slots,
             state_slots_t=torch.tensor(self.state_slots, dtype=torch.long, device=device),
-            num_decode=self.num_decode, num_extended=self.num_extended, extended=extended,
+            num_decode=self.num_decode, num_extended=self.num_extended,
+            extended=self.extended_layout(device) if self.num_extended else None,
             prefill_snapshots=self.prefill_snapshots)
+
+    def extended_layout(self, device: torch.device) -> VerifyLayout:
+        """Where the decodes with extra tokens read and write their state, token by token (the kernels' layout)."""
+        first, last, cu = self.num_decode, self.num_decode + self.num_extended, self.cu_seqlens
+        return verify_layout([c - cu[first] for c in cu[first:last + 1]], self.seq_lens[first:last],
+                             self.state_slots[first:last], list(self.state_after), device)
 
 
 class ModelRunner:
@@ -156,38 +157,47 @@ class ModelRunner:
 
     def _sample(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor) -> list[SeqOutput]:
         """One logits pass over the sampling rows (a sequence's last token; with extra tokens, its own last token
-        and each extra one), the plain rows sampled here and the others accepted by the feature that added them."""
-        sampled = [i for i, s in enumerate(seqs) if s.samples]
+        and each extra one), in batch order."""
+        sampled = [s for s in seqs if s.samples]
         if not sampled:
             return []
-        cu = packed.cu_seqlens
-        rows: list[int] = []
-        first: list[int] = []                      # each sampled sequence's first row of the logits
-        for i in sampled:
-            first.append(len(rows))
-            rows += range(cu[i + 1] - 1 - len(seqs[i].extra), cu[i + 1])
+        ends = [packed.cu_seqlens[i + 1] for i, s in enumerate(seqs) if s.samples]
+        rows = [r for s, end in zip(sampled, ends) for r in range(end - 1 - len(s.extra), end)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
-        plain = [j for j, i in enumerate(sampled) if not seqs[i].extra]
+        if len(rows) == len(sampled):                  # no extra tokens: one row each
+            return self._sample_rows(sampled, logits)
+        return self._sample_with_extra(sampled, logits)
+
+    def _sample_rows(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SeqOutput]:
+        """One token for each sequence from its row of logits."""
+        reqs = [s.req for s in seqs]
+        masks = self.features.logit_masks(reqs, list(range(len(reqs))))
+        sb = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
+                                 [r.seed for r in reqs], self.eos_token_ids, self.vocab_size, self.device, masks)
+        r = sample(logits, sb)
+        tokens = r.tokens.tolist()
+        lps = r.logprobs.tolist() if r.logprobs is not None else [None] * len(tokens)
+        top = None
+        if r.top_ids is not None:
+            top = [list(zip(i, lp)) for i, lp in zip(r.top_ids.tolist(), r.top_logprobs.tolist())]
+        out = []
+        for k, s in enumerate(seqs):
+            n = s.req.params.logprobs
+            out.append(SeqOutput(s, [tokens[k]], [lps[k]], [top[k][:n]] if top and n else None))
+        return out
+
+    def _sample_with_extra(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SeqOutput]:
+        """The plain sequences sampled here, the decodes with extra tokens accepted by the feature that added them
+        (its rows start at each one's first row)."""
+        first = [0]
+        for s in seqs:
+            first.append(first[-1] + 1 + len(s.extra))
+        plain = [k for k, s in enumerate(seqs) if not s.extra]
+        extended = [k for k, s in enumerate(seqs) if s.extra]
         out: dict[int, SeqOutput] = {}
         if plain:
-            reqs = [seqs[sampled[j]].req for j in plain]
-            masks = self.features.logit_masks(reqs, list(range(len(plain))))
-            sb = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
-                                     [r.output_ids for r in reqs], [r.seed for r in reqs], self.eos_token_ids,
-                                     self.vocab_size, self.device, masks)
-            x = logits if len(plain) == len(sampled) else logits[torch.tensor([first[j] for j in plain],
-                                                                             device=self.device)]
-            r = sample(x, sb)
-            tokens = r.tokens.tolist()
-            lps = r.logprobs.tolist() if r.logprobs is not None else [None] * len(tokens)
-            top = None
-            if r.top_ids is not None:
-                top = [list(zip(i, lp)) for i, lp in zip(r.top_ids.tolist(), r.top_logprobs.tolist())]
-            for k, (j, req) in enumerate(zip(plain, reqs)):
-                n, i = req.params.logprobs, sampled[j]
-                out[i] = SeqOutput(seqs[i], [tokens[k]], [lps[k]], [top[k][:n]] if top and n else None)
-        if len(plain) < len(sampled):
-            ext = [j for j, i in enumerate(sampled) if seqs[i].extra]
-            accepted = self.features.accept([seqs[sampled[j]] for j in ext], logits, [first[j] for j in ext])
-            out.update((sampled[j], o) for j, o in zip(ext, accepted))
-        return [out[i] for i in sampled]
+            picked = logits[torch.tensor([first[k] for k in plain], device=self.device)]
+            out.update(zip(plain, self._sample_rows([seqs[k] for k in plain], picked)))
+        out.update(zip(extended, self.features.accept([seqs[k] for k in extended], logits,
+                                                      [first[k] for k in extended])))
+        return [out[k] for k in range(len(seqs))]

@@ -22,6 +22,37 @@ GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0            # OpenAI's range for logit_bias values: [-100, 100]
 
+# Each numeric field: what it must be, its range as an error names it, and the range (None passes where the range
+# starts with "None"), in the order they are checked
+_RANGES = {
+    "temperature": ("a number", ">= 0 (0 = greedy)", lambda v, p: v >= 0.0 and math.isfinite(v)),
+    "top_p": ("a number", "in (0, 1]", lambda v, p: 0.0 < v <= 1.0),
+    "top_k": ("an integer", "-1, 0 (both disable it) or a positive integer", lambda v, p: v >= -1),
+    "min_p": ("a number", "in [0, 1]", lambda v, p: 0.0 <= v <= 1.0),
+    "presence_penalty": ("a number", "in [-2, 2]", lambda v, p: -2.0 <= v <= 2.0),
+    "frequency_penalty": ("a number", "in [-2, 2]", lambda v, p: -2.0 <= v <= 2.0),
+    "repetition_penalty": ("a number", "> 0 (1 = off)", lambda v, p: v > 0.0 and math.isfinite(v)),
+    "max_tokens": ("an integer", ">= 1", lambda v, p: v >= 1),
+    "min_tokens": ("an integer", "in [0, max_tokens={p.max_tokens}]", lambda v, p: 0 <= v <= p.max_tokens),
+    "logprobs": ("an integer", f"None or an integer in [0, {MAX_LOGPROBS}]", lambda v, p: 0 <= v <= MAX_LOGPROBS),
+    "seed": ("an integer", "None or an integer", lambda v, p: True),
+    "prompt_logprobs": ("an integer", f"None or an integer in [0, {MAX_LOGPROBS}]",
+                        lambda v, p: 0 <= v <= MAX_LOGPROBS),
+}
+
+
+def _check_logit_bias(bias: object) -> None:
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}")
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias must map token ids (non-negative integers); got the key {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must map each token id to a number in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}]; got {value!r} for token {token}")
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -43,64 +74,26 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's logprob (+ its top-n), from the prefill
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field and its allowed range."""
-
-        def number(name: str) -> float:
+        """Raise ValueError naming the first bad field and its allowed range (the ranges: _RANGES)."""
+        for name, (kind, allowed, ok) in _RANGES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            return float(value)
-
-        def integer(name: str) -> int:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-            return value
-
-        if not (number("temperature") >= 0.0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0.0 < number("top_p") <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if integer("top_k") < -1:
-            raise ValueError(f"top_k must be -1, 0 (both disable it) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= number("min_p") <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= number(name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if not (number("repetition_penalty") > 0.0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
-        if integer("max_tokens") < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
-        if not 0 <= integer("min_tokens") <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if self.logprobs is not None and not 0 <= integer("logprobs") <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.seed is not None:
-            integer("seed")
+            if value is None and allowed.startswith("None"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int if kind == "an integer" else (int, float)) \
+                    or value != value:                                      # NaN
+                raise ValueError(f"{name} must be {kind}, got {value!r}")
+            if not ok(value, self):
+                raise ValueError(f"{name} must be {allowed.format(p=self)}, got {value!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        if not isinstance(self.speculative, bool):
-            raise ValueError(f"speculative must be a boolean, got {self.speculative!r}")
+        for name in ("ignore_eos", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError(f"constraint must be a Constraint or None, got {self.constraint!r}")
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
-            for token, bias in self.logit_bias.items():
-                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                    raise ValueError(f"logit_bias must map token ids (non-negative integers); got the key {token!r}")
-                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
-                        not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                    raise ValueError(f"logit_bias must map each token id to a number in [-{MAX_LOGIT_BIAS:g}, "
-                                     f"{MAX_LOGIT_BIAS:g}]; got {bias!r} for token {token}")
-        if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs") <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
-                             f"got {self.prompt_logprobs!r}")
+            _check_logit_bias(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -172,79 +165,88 @@ class SamplingBatch:
                 f"SamplingBatch.build: params ({B}), prompt_ids ({len(prompt_ids)}), output_ids "
                 f"({len(output_ids)}) and seeds ({len(seeds)}) must have one entry per request")
         device = torch.device(device)
-        V = vocab_size
-
         sampled = [r for r, p in enumerate(params) if not p.is_greedy]
-        S = len(sampled)
-        batch = cls(batch_size=B, vocab_size=V, device=device, all_greedy=S == 0, any_greedy=S < B)
-        if 0 < S < B:
-            batch.sample_rows = torch.tensor(sampled, dtype=torch.int64, device=device)
-            batch.greedy_rows = torch.tensor([r for r in range(B) if params[r].is_greedy],
-                                             dtype=torch.int64, device=device)
+        batch = cls(batch_size=B, vocab_size=vocab_size, device=device, all_greedy=not sampled,
+                    any_greedy=len(sampled) < B)
+        if sampled:
+            batch._sampled_rows(params, sampled, output_ids, seeds)
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
+               for p in params):
+            batch._penalties_and_bias(params, prompt_ids, output_ids)
+        if any(len(out) < p.min_tokens for p, out in zip(params, output_ids)):
+            batch._min_tokens(params, output_ids, eos_token_ids)
+        if masks is not None and masks[0]:
+            batch.mask_rows = torch.tensor(masks[0], dtype=torch.int64, device=device)
+            batch.mask_bits = masks[1].to(device)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        if wanted:
+            batch.max_logprobs = max(wanted)
+            batch.top_n = [p.logprobs or 0 for p in params] if batch.max_logprobs else None
+        return batch
 
-        if S:
-            sp = [params[r] for r in sampled]
-            # One host->device transfer per dtype: pack the float and int columns, then split.
-            floats = torch.tensor([[p.temperature for p in sp], [p.top_p for p in sp], [p.min_p for p in sp]],
-                                  dtype=torch.float32).to(device)
-            ints = torch.tensor(
-                [[p.top_k if 0 < p.top_k < V else V for p in sp],
-                 [as_int64(seeds[r]) for r in sampled],
-                 [len(output_ids[r]) for r in sampled]], dtype=torch.int64).to(device)
-            batch.temperature = floats[0]
-            batch.seeds, batch.positions = ints[1], ints[2]
-            if any(0 < p.top_k < V for p in sp):
-                batch.top_k = ints[0]
-            if any(p.top_p < 1.0 for p in sp):
-                batch.top_p = floats[1]
-            if any(p.min_p > 0.0 for p in sp):
-                batch.min_p = floats[2]
+    def _sampled_rows(self, params: list[SamplingParams], sampled: list[int], output_ids: list[list[int]],
+                      seeds: list[int]) -> None:
+        """The columns of the rows that draw: temperature, the filters that some row sets, seeds and positions."""
+        B, V, device = self.batch_size, self.vocab_size, self.device
+        if len(sampled) < B:
+            self.sample_rows = torch.tensor(sampled, dtype=torch.int64, device=device)
+            self.greedy_rows = torch.tensor([r for r in range(B) if params[r].is_greedy], dtype=torch.int64,
+                                            device=device)
+        sp = [params[r] for r in sampled]
+        # One host->device transfer per dtype: pack the float and int columns, then split.
+        floats = torch.tensor([[p.temperature for p in sp], [p.top_p for p in sp], [p.min_p for p in sp]],
+                              dtype=torch.float32).to(device)
+        ints = torch.tensor(
+            [[p.top_k if 0 < p.top_k < V else V for p in sp],
+             [as_int64(seeds[r]) for r in sampled],
+             [len(output_ids[r]) for r in sampled]], dtype=torch.int64).to(device)
+        self.temperature = floats[0]
+        self.seeds, self.positions = ints[1], ints[2]
+        if any(0 < p.top_k < V for p in sp):
+            self.top_k = ints[0]
+        if any(p.top_p < 1.0 for p in sp):
+            self.top_p = floats[1]
+        if any(p.min_p > 0.0 for p in sp):
+            self.min_p = floats[2]
 
+    def _penalties_and_bias(self, params: list[SamplingParams], prompt_ids: list[list[int]],
+                            output_ids: list[list[int]]) -> None:
+        V, device = self.vocab_size, self.device
         if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-            batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32,
+            self.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32,
+                                                 device=device)
+            self.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32,
                                                   device=device)
-            batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32,
-                                                   device=device)
             flat, counts = torch.unique(_flat_ids(output_ids, V, device, "output_ids"), return_counts=True)
-            batch.output_flat, batch.output_counts = flat, counts.to(torch.float32)
+            self.output_flat, self.output_counts = flat, counts.to(torch.float32)
         if any(p.repetition_penalty != 1.0 for p in params):
-            batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,
-                                                    device=device)
+            self.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,
+                                                   device=device)
             seen = [pr + out for pr, out in zip(prompt_ids, output_ids)]
-            batch.seen_flat = torch.unique(_flat_ids(seen, V, device, "prompt_ids/output_ids"))
-
+            self.seen_flat = torch.unique(_flat_ids(seen, V, device, "prompt_ids/output_ids"))
         # logit_bias: only the (row, id) pairs requests set, so a batch costs what its biases hold, not B x V each
         bias = [(r, t, b) for r, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
         if bias:
             rows, cols, values = zip(*bias)
             if max(cols) >= V:
                 raise ValueError(f"logit_bias holds a token id outside [0, vocab_size={V})")
-            batch.bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-            batch.bias_cols = torch.tensor(cols, dtype=torch.int64, device=device)
-            batch.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+            self.bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            self.bias_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+            self.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
 
-        # min_tokens: the engine never stops a row early, and the row must not even *pick* eos/stop ids.
+    def _min_tokens(self, params: list[SamplingParams], output_ids: list[list[int]], eos_token_ids: list[int]) -> None:
+        """The engine never stops a row early, and the row must not even *pick* eos / stop ids."""
         suppress: list[tuple[int, int]] = []
         for r, p in enumerate(params):
             if len(output_ids[r]) < p.min_tokens:
                 banned = set(p.stop_token_ids)
                 if not p.ignore_eos:
                     banned.update(eos_token_ids)
-                suppress += [(r, t) for t in sorted(banned) if 0 <= t < V]  # ids outside the vocab can't be drawn
+                suppress += [(r, t) for t in sorted(banned) if 0 <= t < self.vocab_size]  # outside: never drawn
         if suppress:
             rows, cols = zip(*suppress)
-            batch.suppress_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-            batch.suppress_cols = torch.tensor(cols, dtype=torch.int64, device=device)
-
-        if masks is not None and masks[0]:
-            batch.mask_rows = torch.tensor(masks[0], dtype=torch.int64, device=device)
-            batch.mask_bits = masks[1].to(device)
-
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        batch.max_logprobs = max(wanted) if wanted else None
-        if batch.max_logprobs:
-            batch.top_n = [p.logprobs or 0 for p in params]
-        return batch
+            self.suppress_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            self.suppress_cols = torch.tensor(cols, dtype=torch.int64, device=self.device)
 
 
 def top_n(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -512,24 +514,26 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row. logits: [B, V], any float dtype; not modified."""
-    B, V = check_logits(logits, batch, "sample")
+    check_logits(logits, batch, "sample")
     raw = logits.to(torch.float32)
     x = process_logits(raw, batch)
-
-    if batch.all_greedy:
-        tokens = torch.argmax(x, dim=-1)
-    else:
-        xs = x if batch.sample_rows is None else x.index_select(0, batch.sample_rows)
-        drawn = draw_filtered(xs, batch)
-        if batch.sample_rows is None:
-            tokens = drawn
-        else:
-            tokens = torch.empty(B, dtype=torch.int64, device=x.device)
-            tokens[batch.sample_rows] = drawn
-            tokens[batch.greedy_rows] = torch.argmax(x.index_select(0, batch.greedy_rows), dim=-1)
-
+    tokens = torch.argmax(x, dim=-1) if batch.all_greedy else _draw_rows(x, batch)
+    if batch.max_logprobs is None:
+        return SampleResult(tokens=tokens, logprobs=None)
     chosen, top_ids, top_lp = token_logprobs(raw, tokens, batch)
     return SampleResult(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
+
+
+def _draw_rows(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The tokens of a batch with rows that draw: those drawn, the greedy ones' argmax."""
+    xs = x if batch.sample_rows is None else x.index_select(0, batch.sample_rows)
+    drawn = draw_filtered(xs, batch)
+    if batch.sample_rows is None:
+        return drawn
+    tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    tokens[batch.sample_rows] = drawn
+    tokens[batch.greedy_rows] = torch.argmax(x.index_select(0, batch.greedy_rows), dim=-1)
+    return tokens
 
 
 def check_logits(logits: torch.Tensor, batch: SamplingBatch, who: str) -> tuple[int, int]:
@@ -546,9 +550,9 @@ def process_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Logit bias, penalties, min_tokens and the grammar mask on float32 [B, V] logits: what greedy takes the argmax
     of, and what every filter (temperature, top-k, top-p, min-p) starts from. The bias comes first, as OpenAI
     applies it to the model's logits; logprobs stay those of the raw logits."""
-    x = apply_logit_bias(raw, batch)
+    x = raw if batch.bias_rows is None else apply_logit_bias(raw, batch)
     x = apply_penalties(x, batch) if batch.has_penalties else x
-    x = apply_min_tokens(x, batch)
+    x = x if batch.suppress_rows is None else apply_min_tokens(x, batch)
     if batch.mask_rows is not None:
         x = apply_mask(x, batch.mask_rows, unpack_bitmask(batch.mask_bits, raw.shape[1]))
     return x

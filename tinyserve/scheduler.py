@@ -207,24 +207,27 @@ class Scheduler:
     # ---- after the forward ----
     def advance(self, seqs: list[ScheduledSeq], kept: list[int]) -> None:
         """Record the step's computed tokens; the cache takes the snapshots that fall due at the new positions.
-        kept[i]: the tokens the engine kept of seq i's output; a decode with extra tokens keeps its first kept[i]
-        inputs (its own last token and the accepted extra ones, cut at a stop): the state after the last of them
-        becomes the request's (a slot swap: no copy), the other slots go back, and the cache's snapshots inside the
-        run are taken from the state at exactly their position. The KV written past them lies in the request's own
-        pages, and is overwritten."""
+        kept[i]: the tokens the engine kept of seq i's output."""
         for s, k in zip(seqs, kept):
-            req = s.req
             if s.extra:
-                for j in range(k):
-                    self.cache.advance(req, s.start + j + 1, s.state_after[j])
-                req.num_computed = s.start + k
-                req.state_slot = s.state_after[k - 1]
-                for j, slot in enumerate(s.state_after):
-                    if j != k - 1:
-                        self.state_pool.free(slot)
-            elif req.status == Status.RUNNING:
-                req.num_computed = s.start + s.num_tokens
-                self.cache.advance(req, req.num_computed)
+                self._advance_extended(s, k)
+            elif s.req.status == Status.RUNNING:
+                s.req.num_computed = s.start + s.num_tokens
+                self.cache.advance(s.req, s.req.num_computed)
+
+    def _advance_extended(self, s: ScheduledSeq, kept: int) -> None:
+        """A decode with extra tokens keeps its first `kept` inputs (its own last token and the accepted extra ones,
+        cut at a stop): the state after the last of them becomes the request's (a slot swap: no copy), the other
+        slots go back, and the cache's snapshots inside the run are taken from the state at exactly their position.
+        The KV written past them lies in the request's own pages, and is overwritten."""
+        req = s.req
+        for j in range(kept):
+            self.cache.advance(req, s.start + j + 1, s.state_after[j])
+        req.num_computed = s.start + kept
+        req.state_slot = s.state_after[kept - 1]
+        for j, slot in enumerate(s.state_after):
+            if j != kept - 1:
+                self.state_pool.free(slot)
 
     def finish(self, req: Request, reason: str) -> None:
         self.running.remove(req)

@@ -218,28 +218,17 @@ class StaticStep(Feature):
         return out[:packed.num_seqs] if T == 1 else out[real_rows]   # a gather copies: safe from the next replay
 
     def _fill(self, packed: Packed, target: bool) -> tuple[int, int, int, torch.Tensor]:
-        """Fill the buffers from the packed batch, each sequence's rows padded to T and the sequences to B. The
-        state after each token of a target step goes to the packing's slots (an extended sequence's state_after, a
-        plain decode's own state slot), the head's to padding_slot. Returns (B, T, the page-table width to read,
-        the real tokens' rows on the device)."""
-        spans, cu, ps = packed.spans, packed.cu_seqlens, self.kv_pool.page_size
+        """Fill the buffers from the packed batch, each sequence's rows padded to T and the sequences to B. Returns
+        (B, T, the page-table width to read, the real tokens' rows on the device)."""
+        spans, ps = packed.spans, self.kv_pool.page_size
         N, T = len(spans), max(n for _, _, n in spans)
         B = next(b for b in self.sizes if b >= N)
         scratch_page, pad_slot = self.kv_pool.scratch_page, self.padding_slot
-        ids, positions, slots, out_slots, token_lens, real_rows = [], [], [], [], [], []     # per token row
-        for i, (_, _, n) in enumerate(spans):
-            after = [pad_slot] * n
-            if target:
-                k = i - packed.num_decode
-                after = packed.state_after[k] if k >= 0 else [packed.state_slots[i]]
-            for t in range(T):
-                r = cu[i] + min(t, n - 1)                    # a padding token repeats the last real position
-                ids.append(packed.input_ids[r] if t < n else 0)
-                positions.append(packed.positions[r])
-                slots.append(packed.slot_mapping[r] if t < n else scratch_page * ps)
-                out_slots.append(after[t] if t < n else pad_slot)
-                token_lens.append(packed.positions[r] + 1)
-            real_rows += range(i * T, i * T + n)
+        if T == 1:                                       # one token per sequence: the packed rows as they are
+            ids, positions, slots = packed.input_ids, packed.positions, packed.slot_mapping
+            out_slots, token_lens, real_rows = [pad_slot] * N, [1] * N, list(range(N))
+        else:
+            ids, positions, slots, out_slots, token_lens, real_rows = self._rows(packed, T, target)
         pad_rows = (B - N) * T
         pages = max(len(req.pages) for req, _, _ in spans)
         W = self.table_width(pages)                            # columns the forward reads
@@ -262,6 +251,28 @@ class StaticStep(Feature):
             buf.copy_(vals[at:at + len(values)].view(buf.shape))
             at += len(values)
         return B, T, W, vals[at:]
+
+    def _rows(self, packed: Packed, T: int, target: bool) -> tuple[list[int], ...]:
+        """The token rows of sequences of up to T tokens, each padded to T: token ids, positions, KV slots, the
+        slot the state after each token goes to (a target step's: an extended sequence's state_after, a plain
+        decode's own state slot; the head's: padding_slot), the keys each sees; and the real tokens' rows. A padding
+        token repeats its sequence's last real position, writes the scratch page and its state to padding_slot."""
+        scratch, pad_slot, cu = self.kv_pool.scratch_page * self.kv_pool.page_size, self.padding_slot, packed.cu_seqlens
+        ids, positions, slots, out_slots, token_lens, real_rows = [], [], [], [], [], []
+        for i, (_, _, n) in enumerate(packed.spans):
+            after = [pad_slot] * n
+            if target:
+                k = i - packed.num_decode
+                after = packed.state_after[k] if k >= 0 else [packed.state_slots[i]]
+            for t in range(T):
+                r = cu[i] + min(t, n - 1)
+                ids.append(packed.input_ids[r] if t < n else 0)
+                positions.append(packed.positions[r])
+                slots.append(packed.slot_mapping[r] if t < n else scratch)
+                out_slots.append(after[t] if t < n else pad_slot)
+                token_lens.append(packed.positions[r] + 1)
+            real_rows += range(i * T, i * T + n)
+        return ids, positions, slots, out_slots, token_lens, real_rows
 
     # ---- the buffers and the forwards ----
     def pools(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -300,12 +311,9 @@ class StaticStep(Feature):
         """A forward of shape (B, T) over the filled buffers: its graph when captured, its compiled code when
         compiled, else eagerly. Returns the [B * T, H] rows (a view of `output(kind)` for a graph: read before the
         next replay); the head's KV pass returns None."""
-        graph = self.graphs.get((kind, B, T))
-        if graph is not None:
-            if self._pool_addresses() == self._captured_on:
-                graph.replay()
-                out = self.output(kind)
-                return None if out is None else out[:B * T]
+        if (kind, B, T) in self.graphs and self._pool_addresses() == self._captured_on:
+            return self._replay(kind, B, T)
+        if self.graphs and self._pool_addresses() != self._captured_on:
             log.warning("the KV / state pools moved since the CUDA graphs were captured: dropping the graphs")
             self.graphs.clear()
         max_len = self.max_len if self.for_graphs else None
@@ -313,6 +321,11 @@ class StaticStep(Feature):
         if self.compiled is not None:
             return self.compiled(kind, T, max_len, t)
         return self.eager(kind, T, max_len, t)
+
+    def _replay(self, kind: str, B: int, T: int) -> torch.Tensor | None:
+        self.graphs[kind, B, T].replay()
+        out = self.output(kind)
+        return None if out is None else out[:B * T]
 
     def args(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> tuple:
         """What FORWARDS[kind] is called with, eagerly or compiled."""
