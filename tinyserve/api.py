@@ -264,8 +264,9 @@ class Generation:
         log.info("%s: %s, prompt %d tokens, %d from the prefix cache (device %d, host %d, file %d), %d generated",
                  r.request_id, reason, r.prompt_tokens, r.cached_tokens, tiers.get("device", 0), tiers.get("host", 0),
                  tiers.get("file", 0), r.completion_tokens)
+        drafts = self.engine.drafts(r)
         self.metrics.on_finished(reason, r.prompt_tokens, r.cached_tokens_by_tier, time.monotonic() - self.arrival,
-                                 r.draft_rounds, r.accepted_draft_tokens)
+                                 drafts.rounds if drafts else 0, drafts.accepted if drafts else 0)
 
     async def deltas(self, index: int) -> AsyncIterator[Delta]:
         """One choice's deltas; the last one carries finish_reason."""
@@ -280,16 +281,12 @@ class Generation:
                 self.metrics.on_first_token(now - self.arrival, warm=2 * r.cached_tokens >= r.prompt_tokens > 0)
             self.metrics.on_tokens(len(events), None if last is None else now - last)
             last = now
-            ids = [e.token_id for e in events]
-            if len(ids) == 1:
-                text = detok.add(ids)
-            else:                                     # a NEXTN run: token by token, so nothing after a stop counts
-                text = ""
-                for k, token_id in enumerate(ids):
-                    text += detok.add([token_id])
-                    if detok.stopped:
-                        ids, events = ids[:k + 1], events[:k + 1]
-                        break
+            ids, text = [e.token_id for e in events], ""
+            for k, token_id in enumerate(ids):        # token by token, so nothing after a stop string counts
+                text += detok.add([token_id])
+                if detok.stopped:
+                    ids, events = ids[:k + 1], events[:k + 1]
+                    break
             self.completion_tokens += len(ids)
             if detok.stopped:                         # a stop string: the rest of the text is cut
                 stream.cancel()
@@ -353,10 +350,10 @@ class Generation:
         usage.cached_tokens = sum(r.cached_tokens for r in firsts)      # prompt (and hit what the first wrote)
         usage.cached_tokens_by_tier = {tier: sum(r.cached_tokens_by_tier.get(tier, 0) for r in firsts)
                                        for tier in firsts[0].cached_tokens_by_tier}
-        if self.engine.nextn is not None:
-            results = [s.result for s in self.streams]
-            usage.accepted_prediction_tokens = sum(r.accepted_draft_tokens for r in results)
-            usage.rejected_prediction_tokens = sum(r.draft_tokens - r.accepted_draft_tokens for r in results)
+        drafts = [self.engine.drafts(s.result) for s in self.streams]
+        if drafts[0] is not None:                     # speculative decoding is on
+            usage.accepted_prediction_tokens = sum(d.accepted for d in drafts)
+            usage.rejected_prediction_tokens = sum(d.drafted - d.accepted for d in drafts)
         return usage
 
 

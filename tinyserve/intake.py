@@ -279,8 +279,11 @@ class Intake:
             self.images_received += len(images)
         grammar = self._grammar_state(params) if params.constraint is not None else None
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, grammar=grammar,
-                       images=located)
+        records = {name: r for name, r in (("grammar", grammar), ("images", located)) if r is not None}
+        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed,
+                       prompt_keys=located.cache_ids if located else None,
+                       resume_hints=located.resume_hints() if located else (),
+                       reuse_cache=params.prompt_logprobs is None, features=records)
 
     def _grammar_state(self, params: SamplingParams) -> GrammarState:
         """The request's matcher (grammar.py); RequestError(field="response_format", or "tool_choice" / "tools" for a
