@@ -15,8 +15,8 @@ tree, its state snapshots and its tiers.
                 drop(req)                unlock, give back what the request held of the cache (after finish;
                                          abort, preemption)
 
-The engine also asks for stats(), flush(), close() and, every second, upkeep_due() / upkeep() (the host tier giving
-memory back when the machine runs short). The cache keeps each request's bookkeeping (a CacheRun) by request id,
+The engine also asks for stats(), flush(), close() and, when has_upkeep, every second upkeep_due() / upkeep() (the
+host tier giving memory back when the machine runs short). The cache keeps each request's bookkeeping (a CacheRun) by request id,
 from arrival to drop. The tree and its invariants are in radix.py; the tiers and their copies in host_tier.py and
 file_tier.py; where prompts leave cached paths in divergences.py.
 """
@@ -54,6 +54,7 @@ class CacheStats:
 
 class Cache:
     """The null cache, and the calls every cache answers (see the module docstring)."""
+    has_upkeep = False          # whether the engine asks upkeep_due() while serving
 
     def __init__(self, state_pool: StatePool) -> None:
         self.state_pool = state_pool
@@ -151,6 +152,7 @@ class PrefixCache(Cache):
         self.track_interval = cfg.cache.state_track_interval
         self.prefetch_policy = cfg.cache.file.prefetch_policy
         self.wake = wake                     # called from the reader thread when a read lands
+        self.has_upkeep = host is not None
         self.runs: dict[str, CacheRun] = {}  # request id -> its bookkeeping, from arrival to drop
         self.divergences = Divergences(describe)
 

@@ -375,13 +375,16 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._stopping = False
         self._serving = asyncio.wrap_future(compute_thread().submit(self._serve))
-        self._upkeep = asyncio.ensure_future(self._cache_upkeep())
+        if self.cache.has_upkeep:
+            self._upkeep = asyncio.ensure_future(self._cache_upkeep())
 
     async def stop(self) -> None:
         """Stop the step loop and flush pending file-tier writes (bounded)."""
         if self._serving is None:
             return
-        self._upkeep.cancel()
+        if self._upkeep is not None:
+            self._upkeep.cancel()
+            self._upkeep = None
         self._stopping = True
         self._work.set()
         await self._serving

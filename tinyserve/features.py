@@ -37,6 +37,19 @@ HOOKS = ("decode_tokens", "free", "prepare", "model_inputs", "forward", "logit_m
          "commit", "wake", "idle_timeout", "on_idle", "stats")
 
 
+def _no_accept(seqs, logits, first_rows):
+    raise RuntimeError("decodes with extra tokens, but no feature accepts them")
+
+
+# What each hook answers when no registered feature has it
+NO_FEATURE = {
+    "decode_tokens": lambda req, sched: [], "free": lambda req: None, "prepare": lambda seqs: {},
+    "model_inputs": lambda packed, shift=0: {}, "forward": lambda packed, inputs: None,
+    "logit_masks": lambda reqs, rows: None, "accept": _no_accept,
+    "after_forward": lambda seqs, packed, hidden, outputs, started: None, "commit": lambda seq, out, kept: None,
+    "wake": lambda: True, "idle_timeout": lambda: None, "on_idle": lambda: None, "stats": lambda: {}}
+
+
 class Feature:
     """Every hook, doing nothing: a feature overrides those it needs. `name` keys its records (req.features) and
     its stats."""
@@ -101,18 +114,31 @@ class Feature:
 
 
 class Features:
-    """The registered features, called hook by hook (each hook loops over the features that override it)."""
+    """The registered features, called hook by hook. A hook that no feature has answers as NO_FEATURE says; one
+    that a single feature has is that feature's method, called directly; one that several have is the method of
+    the same name here, which combines their answers."""
 
     def __init__(self, features: list[Feature] = ()) -> None:
         self.all: list[Feature] = []
-        self.by_hook: dict[str, list[Feature]] = {h: [] for h in HOOKS}
+        self.by_hook: dict[str, list[Feature]] = {}
+        self._bind()
         for f in features:
             self.add(f)
 
     def add(self, feature: Feature) -> None:
         """Register a feature (in place of one of the same name)."""
         self.all = [f for f in self.all if f.name != feature.name] + [feature]
+        self._bind()
+
+    def _bind(self) -> None:
         self.by_hook = {h: [f for f in self.all if getattr(type(f), h) is not getattr(Feature, h)] for h in HOOKS}
+        for hook, features in self.by_hook.items():
+            if not features:
+                setattr(self, hook, NO_FEATURE[hook])
+            elif len(features) == 1 and hook != "stats":
+                setattr(self, hook, getattr(features[0], hook))
+            else:
+                self.__dict__.pop(hook, None)          # the combining method of the class
 
     def named(self, name: str) -> Feature | None:
         return next((f for f in self.all if f.name == name), None)
@@ -155,9 +181,8 @@ class Features:
         return None
 
     def accept(self, seqs: list[ScheduledSeq], logits: torch.Tensor, first_rows: list[int]) -> list[SeqOutput]:
-        for f in self.by_hook["accept"]:
-            return f.accept(seqs, logits, first_rows)
-        raise RuntimeError("decodes with extra tokens, but no feature accepts them")
+        raise RuntimeError("two features accept decodes with extra tokens: " +
+                           ", ".join(f.name for f in self.by_hook["accept"]))
 
     def after_forward(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor,
                       outputs: list[SeqOutput], started: float) -> None:
