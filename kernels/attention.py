@@ -49,6 +49,8 @@ def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor | PoolLayer,
     attend = _attend_split if q.device.type == "cpu" else _attend_masked
     for i in range(len(seq_lens)):
         s, e, L = cu_seqlens[i], cu_seqlens[i + 1], seq_lens[i]
+        if e == s:                                       # no new token: nothing to attend (flash divides by it)
+            continue
         n_pages = (L + page_size - 1) // page_size
         k, v = _gather_kv(kv_cache, page_table[i, :n_pages].long(), L, q.dtype)
         o = attend(q[s:e].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

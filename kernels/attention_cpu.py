@@ -24,7 +24,10 @@ import torch
 
 log = logging.getLogger("tinyserve.kernels")
 SOURCE = Path(__file__).with_name("attention_cpu.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC"]
+# -ffast-math for the compile only (vectorised expf, reassociated sums): linked with it, gcc adds crtfastmath.o, which
+# sets flush-to-zero for the whole process at load time
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
+LINK = ["-shared", "-fopenmp", "-lm"]
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -49,17 +52,18 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler: CPU decode attention gathers the pages (the slower torch reference)")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LINK).encode() + _cpu_id().encode()).hexdigest()[:16]
     target = _cache_dir() / f"attention_cpu-{key}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                      capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise OSError(done.stderr.strip()[-500:])
+                built, obj = Path(tmp) / target.name, Path(tmp) / "attention_cpu.o"
+                for step in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                             [compiler, str(obj), *LINK, "-o", str(built)]):
+                    done = subprocess.run(step, capture_output=True, text=True)
+                    if done.returncode != 0:
+                        raise OSError(done.stderr.strip()[-500:])
                 os.replace(built, target)             # atomic: another process may be building it too
         except OSError as e:
             log.warning("building %s with %s failed (%s): CPU decode attention gathers the pages (the slower "
