@@ -85,7 +85,7 @@ def _attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 def row_groups(table_rows: torch.Tensor, q: torch.Tensor) -> list[tuple[int, int, int]] | None:
     """(first row, end row, page-table row) of each run of rows reading one page-table row, on the CPU, where
     reading the ids is free; None on a GPU or in a compiled step (each row gathers its own keys: no host read)."""
-    if q.device.type != "cpu" or torch.compiler.is_compiling():
+    if q.device.type != "cpu" or torch.compiler.is_dynamo_compiling():
         return None
     rows, groups, start = table_rows.tolist(), [], 0
     for end in range(1, len(rows) + 1):

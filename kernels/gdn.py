@@ -166,7 +166,7 @@ def slot_run(slot_ids: torch.Tensor, pool: torch.Tensor) -> int | None:
     """The first slot when slot_ids are consecutive ascending slots of a CPU pool (then `pool.narrow` is a view of
     exactly those rows); None otherwise. Reading the ids is free on the CPU; a GPU kernel indexes directly, and so
     does a compiled step (torch.compile), whose gather and scatter fuse with the update."""
-    if pool.device.type != "cpu" or torch.compiler.is_compiling():
+    if pool.device.type != "cpu" or torch.compiler.is_dynamo_compiling():
         return None
     ids = slot_ids.tolist()
     return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None

@@ -85,7 +85,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, norm: InputNorm | 
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight)
     rows = x.numel() // x.shape[-1]
-    if rows <= _fused_rows and x.dtype == torch.float32 and x.device.type == "cpu" and torch.compiler.is_compiling():
+    # is_dynamo_compiling: true in the code dynamo traces alone (is_compiling is one flag for the whole process, set
+    # on the engine thread's eager steps too while a graph compiles on another thread: compiled.py)
+    traced = torch.compiler.is_dynamo_compiling()
+    if rows <= _fused_rows and x.dtype == torch.float32 and x.device.type == "cpu" and traced:
         # A compiled lone decode, or a lone 2-token verify (compiled.py): a multiply-and-sum per row that inductor
         # fuses into the step's own C++, one pass over the weight for both rows, without a call out of the graph.
         # On a 2-core AMD EPYC (fp32): ~20% more tokens/s than oneDNN's GEMV for one row (the bench model); for two
@@ -94,7 +97,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, norm: InputNorm | 
         y = torch.stack([(x2[r] * weight).sum(-1) for r in range(rows)]) if rows > 1 else (x2 * weight).sum(-1)
         return y.reshape(*x.shape[:-1], weight.shape[0])
     if _onednn_ok(x, weight) and _route[_bucket(rows)] != "mkl":
-        if torch.compiler.is_compiling():
+        if traced:
             return torch.ops.tinyserve.onednn_linear(x, weight)
         return _onednn(x, weight)
     return F.linear(x, weight)

@@ -128,13 +128,13 @@ def nextn(eng: Engine):
     return eng.features.named("nextn")
 
 
-def static_steps(eng: Engine, build: bool = False, for_graphs: bool = True):
+def static_steps(eng: Engine, build: bool = False, for_graphs: bool = True, in_background: bool = False):
     """Switch an engine's static steps on for up to engine.max_running_requests sequences: built as engine start
-    builds them (captured with for_graphs, else compiled; None where that fails), or unbuilt (the CPU tests'
-    switch: the static batches run eagerly through the static buffers, in the CUDA graphs' layout with
-    for_graphs)."""
+    builds them (captured with for_graphs, else compiled, with in_background the NEXTN graphs left pending; None
+    where that fails), or unbuilt (the CPU tests' switch: the static batches run eagerly through the static
+    buffers, in the CUDA graphs' layout with for_graphs)."""
     max_batch = eng.cfg.engine.max_running_requests
-    static = built_static_step(eng.runner, max_batch, for_graphs) if build else \
+    static = built_static_step(eng.runner, max_batch, for_graphs, in_background) if build else \
         static_step(eng.runner, max_batch, for_graphs)
     if static is not None:
         eng.features.add(static)

@@ -1,10 +1,13 @@
 """The CPU's compiled static steps with NEXTN (compiled.CompiledSteps): the verify step and the head's passes
-compiled at start give the greedy tokens of plain eager decoding, and the eager head's drafts. One draft and at most
+compiled give the greedy tokens of plain eager decoding, and the eager head's drafts, both while they compile on
+their own thread after start (the steps eager until each is ready) and after. One draft and at most
 2 running requests (T = 1 and 2 tokens per sequence, a lone sequence and a batch: 8 graphs, ~1 minute of CPU), so
 the module is `slow` (left out of the quick tier); the plain decode graphs and their saved files:
 tests/test_compiled.py.
 """
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -43,13 +46,31 @@ def test_compiled_nextn_gives_the_unspeculated_tokens(tmp_path, cache_dir):
     assert drive(eager, schedule) == want
     eng = make_engine(model, **spec, **small)
     nextn(eng).step_cost = PinnedCost()
-    static = static_steps(eng, build=True, for_graphs=False)
+    static = static_steps(eng, build=True, for_graphs=False, in_background=True)     # as a server starts
     assert static is not None and static.compiled is not None and static.max_tokens == 2
+    compiled = static.compiled
+    assert set(compiled.graphs) == {("step", 1, True), ("step", 1, False)}, "the plain decode's alone at start"
+    every = {(kind, T, lone) for kind in ("step", "draft", "head_kv") for T in (1, 2) for lone in (True, False)}
+    assert {key for key, _ in compiled.pending} == every - set(compiled.graphs)
+    ready = []
+    compiled.compile_pending(on_ready=lambda: ready.append(threading.current_thread().name))
+    # while the graphs compile on their thread (and are swapped in as each is ready) the tokens stay the same
+    runs = 0
+    while compiled.pending or not runs:
+        assert drive(eng, schedule) == want
+        runs += 1
+    assert compiled.wait(timeout=600) and ready == ["tinyserve-compile"]
+    totals = nextn(eng).totals
+    before = (totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens)
     eager_calls = []
     eager_forward = static.eager
     static.eager = lambda *a, **k: eager_calls.append(a) or eager_forward(*a, **k)
     assert drive(eng, schedule) == want
-    assert nextn(eng).totals.num_accepted_tokens > 0
-    assert nextn(eng).totals == nextn(eager).totals
-    assert not eager_calls, "every verify and head pass ran through the graphs compiled at start"
+    totals, want_totals = nextn(eng).totals, nextn(eager).totals
+    assert (totals.num_drafts - before[0], totals.num_draft_tokens - before[1],
+            totals.num_accepted_tokens - before[2]) == \
+        (want_totals.num_drafts, want_totals.num_draft_tokens, want_totals.num_accepted_tokens)
+    assert want_totals.num_accepted_tokens > 0
+    assert not eager_calls, "every verify and head pass ran through the compiled graphs"
+    assert set(compiled.graphs) == every and not compiled.pending
     assert_no_leaks(eng)

@@ -62,6 +62,10 @@ def build_engine(cfg: Config) -> Engine:
         nextn = engine.features.named("nextn")
         if nextn is not None:
             nextn.price(engine)                # NEXTN: the first forwards, before serving
+        static = engine.features.named("static")
+        if static is not None and static.compiled is not None and static.compiled.pending:
+            # NEXTN's verify and head graphs, compiled while serving: the draft depths are priced again after
+            static.compiled.compile_pending(lambda: engine.call_soon(nextn.forget_draft_prices))
     except RuntimeError as e:                  # torch.OutOfMemoryError (CUDA) or the CPU allocator's failure
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
@@ -179,13 +183,16 @@ def compiled_steps(cfg: Config, plan: MemoryPlan, runner: ModelRunner) -> None:
     if plan.device == "cpu":
         from tinyserve.compiled import use_cache_dir
         log.info("compiling the CPU steps (inductor's cache: %s)", use_cache_dir(compile_cache_dir(cfg)))
-    static = built_static_step(runner, cfg.engine.max_running_requests, for_graphs=plan.device != "cpu")
+    static = built_static_step(runner, cfg.engine.max_running_requests, for_graphs=plan.device != "cpu",
+                               in_background=True)
     if static is not None:
         runner.features.add(static)
 
 
-def built_static_step(runner: ModelRunner, max_batch: int, for_graphs: bool) -> StaticStep | None:
-    """static.static_step, captured (for_graphs) or compiled (the CPU); None where that fails (logged)."""
+def built_static_step(runner: ModelRunner, max_batch: int, for_graphs: bool,
+                      in_background: bool = False) -> StaticStep | None:
+    """static.static_step, captured (for_graphs) or compiled (the CPU; in_background: CompiledSteps.build's); None
+    where that fails (logged)."""
     static = static_step(runner, max_batch, for_graphs)
     if for_graphs:
         try:
@@ -200,7 +207,7 @@ def built_static_step(runner: ModelRunner, max_batch: int, for_graphs: bool) -> 
     from tinyserve.compiled import CompiledSteps    # torch.compile's machinery: imported only when used
     try:
         compiled = CompiledSteps(static)
-        compiled.build()
+        compiled.build(in_background)
     except Exception as e:                     # noqa: BLE001 - no compiler, an op inductor cannot lower: eager
         log.warning("compiling the CPU steps failed, every step runs eagerly (engine.compile_steps = false skips "
                     "the attempt): %s: %s", type(e).__name__, str(e).strip().splitlines()[0] if str(e) else "")

@@ -5,9 +5,11 @@ What is compiled: static.target_forward (a decode step, T = 1, and a NEXTN verif
 static.draft_forward (the head's passes) and static.head_kv_forward (its KV alone), per tokens per sequence T, with
 the batch size and the page table's width dynamic: one graph for a lone sequence (what one request decodes through,
 fully specialised) and one for 2 .. max_running_requests sequences (two where a GEMM route splits the range), at
-any context length. All of them are made at start, before the server answers /health, and never again: a step
-whose shapes no graph covers runs eagerly, with one warning, instead of compiling for seconds in the middle of
-serving.
+any context length. The plain decode's are made at start, before the server answers /health; with NEXTN the verify
+and head graphs not saved yet are compiled on a thread of their own while the server already serves (a cold start
+would otherwise wait minutes for some twenty graphs), each forward's steps running eagerly until its graphs are
+published. Nothing is compiled after that: a step whose shapes no graph covers runs eagerly, with one warning,
+instead of compiling for seconds in the middle of serving.
 
 Each graph is compiled ahead of time (torch.compile's `aot_compile`) and saved whole, dynamo's bytecode and shape
 guards with inductor's library, as one file in the cache folder, named by a hash of everything it was traced from
@@ -25,6 +27,7 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -37,6 +40,8 @@ from tinyserve.kernels import linear, use_triton
 from tinyserve.static import FORWARDS, StaticStep, StepTensors
 
 log = logging.getLogger("tinyserve.compiled")
+
+NAMES = {"step": "decode / verify", "draft": "NEXTN head", "head_kv": "NEXTN head's KV"}   # by kind, for the log
 
 
 def use_cache_dir(folder: Path) -> Path:
@@ -90,6 +95,8 @@ class CompiledSteps:
         self.folder = Path(cache_dir()) / "tinyserve-steps"
         # (kind, T, lone sequence) -> the graphs for it; more than one where a size guard split the batch range
         self.graphs: dict[tuple[str, int, bool], list[Any]] = {}
+        self.pending: list[tuple[tuple[str, int, bool], list[tuple[int, int]]]] = []   # _shapes() not made yet
+        self._thread: threading.Thread | None = None
         self._warned = False
         model = static.model
         fingerprint = [torch.__version__, sys.version, _source_hash(), torch.backends.cpu.get_cpu_capability(),
@@ -99,51 +106,117 @@ class CompiledSteps:
         self._fingerprint = hashlib.sha256("\n".join(fingerprint).encode()).hexdigest()
         self.loaded = self.compiled = 0
 
-    def build(self) -> float:
+    def build(self, in_background: bool = False) -> float:
         """Make every graph a step can need, for each forward and T: one sequence, then 2 and the most sequences
         with page tables 2, 3 and the whole context wide; a shape the graphs so far do not cover (their size
-        guards) gets its own, loaded from the cache folder or compiled and saved. Logs a line per graph and the
-        total; returns the seconds taken. Raises what the compiler raised."""
+        guards) gets its own, loaded from the cache folder or compiled and saved. With in_background only the plain
+        decode's graphs (step, T = 1) are compiled now, the others saved are loaded, and the rest (NEXTN's verify
+        and head passes) wait in `pending` for compile_pending. Logs a line per graph and the total; returns the
+        seconds taken. Raises what the compiler raised."""
         st, start = self.static, time.perf_counter()
         st._pad()
-        kinds = st.kinds()
-        widths = sorted({min(st.width, w) for w in (2, 3, st.width)})
         with torch.inference_mode():
-            for kind in kinds:
-                for T in range(1, st.max_tokens + 1):
-                    for B in sorted({1, min(2, st.sizes[-1]), st.sizes[-1]}):
-                        for W in widths:
-                            args = st.args(kind, T, None, st.tensors(B, T, W))
-                            graphs = self.graphs.setdefault((kind, T, B == 1), [])
-                            if not any(g.guard_check(*args) for g in graphs):
-                                graphs.append(self._load_or_compile(kind, T, B, W, args))
-        for graphs in self.graphs.values():
-            if len(graphs) == 1:      # the only graph of its kind covers every shape routed to it: checked above
-                graphs[0].disable_guard_check()
+            for key, shapes in self._shapes():
+                graphs = self._make(st, key, shapes, compile=not in_background or key[:2] == ("step", 1))
+                if graphs is None:
+                    self.pending.append((key, shapes))
+                else:
+                    self.graphs[key] = graphs
         total = time.perf_counter() - start
         log.info("CPU step graphs ready in %.1f s: %d compiled, %d loaded from %s (%s; tokens per sequence 1..%d; "
-                 "any batch size up to %d, any context)", total, self.compiled, self.loaded, self.folder,
-                 " and ".join(kinds), st.max_tokens, st.sizes[-1])
+                 "any batch size up to %d, any context)%s", total, self.compiled, self.loaded, self.folder,
+                 " and ".join(st.kinds()), st.max_tokens, st.sizes[-1],
+                 f"; {len(self.pending)} more to compile while serving" if self.pending else "")
         return total
 
-    def _load_or_compile(self, kind: str, T: int, B: int, W: int, args: tuple) -> Any:
-        name = {"step": "decode / verify", "draft": "NEXTN head", "head_kv": "NEXTN head's KV"}[kind]
+    def compile_pending(self, on_ready: Callable[[], Any] | None = None) -> None:
+        """Compile the pending graphs on a thread of their own (tinyserve-compile) while the engine serves: each
+        forward's graphs are published together once made, and until then its steps run eagerly (the same math).
+        The thread traces through a twin of the static step (buffers of its own) and runs no torch compute of its
+        own: its graphs run first on the engine thread. on_ready: called on that thread when it is done."""
+        twin = self.static.twin()
+
+        def run() -> None:
+            start, made = time.perf_counter(), 0
+            if sys.platform == "linux":      # the serving thread first (a thread's own niceness on Linux)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            with torch.inference_mode():
+                while self.pending:
+                    key, shapes = self.pending[0]
+                    try:
+                        self.graphs[key] = self._make(twin, key, shapes, compile=True, warm_up=False)
+                    except Exception as e:    # noqa: BLE001 - an op inductor cannot lower: these steps stay eager
+                        log.warning("compiling the %s graphs for %d token(s) failed, those steps run eagerly: %s: %s",
+                                    key[0], key[1], type(e).__name__, str(e).strip().splitlines()[0] if str(e) else "")
+                    self.pending.pop(0)
+                    made += 1
+            log.info("the %d remaining CPU step graphs made while serving in %.1f s", made,
+                     time.perf_counter() - start)
+            if on_ready is not None:
+                on_ready()
+
+        self._thread = threading.Thread(target=run, name="tinyserve-compile", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for compile_pending's thread; True when no graph is pending."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.pending
+
+    def _shapes(self) -> list[tuple[tuple[str, int, bool], list[tuple[int, int]]]]:
+        """Each graph list's key (kind, T, lone sequence) and the (sequences, page-table width) shapes it covers,
+        the plain decode's first."""
+        st = self.static
+        widths = sorted({min(st.width, w) for w in (2, 3, st.width)})
+        many = sorted({min(2, st.sizes[-1]), st.sizes[-1]} - {1})
+        return [((kind, T, lone), [(B, W) for B in ([1] if lone else many) for W in widths])
+                for T in range(1, st.max_tokens + 1) for kind in st.kinds() for lone in (True, False)
+                if lone or many]
+
+    def _make(self, st: StaticStep, key: tuple[str, int, bool], shapes: list[tuple[int, int]], compile: bool,
+              warm_up: bool = True) -> list[Any] | None:
+        """The graphs of one key covering its shapes, each loaded from its file or (compile) compiled and saved;
+        None when one is not saved and compile is False."""
+        kind, T, _ = key
+        graphs: list[Any] = []
+        for B, W in shapes:
+            args = st.args(kind, T, None, st.tensors(B, T, W))
+            if any(g.guard_check(*args) for g in graphs):
+                continue
+            graph = self._load(kind, T, B, args)
+            if graph is None and not compile:
+                return None
+            graphs.append(graph if graph is not None else self._compile(kind, T, B, W, args, warm_up))
+        if len(graphs) == 1:          # the only graph of its kind covers every shape routed to it: checked above
+            graphs[0].disable_guard_check()
+        return graphs
+
+    def _path(self, kind: str, T: int, B: int, args: tuple) -> Path:
         key = hashlib.sha256(f"{self._fingerprint}\n{kind}\n{_describe(args[1:])}".encode()).hexdigest()[:32]
-        path = self.folder / f"{kind}-{B}x{T}-{key}.bin"
-        t0 = time.perf_counter()
-        if path.exists():
-            try:
-                with path.open("rb") as f:
-                    graph = torch.compiler.load_compiled_function(f, f_globals=vars(tinyserve.static))
-                if graph.guard_check(*args):
-                    self.loaded += 1
-                    log.info("loaded the %s forward for %d sequence(s) x %d token(s) in %.1f s", name, B, T,
-                             time.perf_counter() - t0)
-                    return graph
+        return self.folder / f"{kind}-{B}x{T}-{key}.bin"
+
+    def _load(self, kind: str, T: int, B: int, args: tuple) -> Any | None:
+        """The graph saved for this shape; None when there is none, or it cannot be used (logged)."""
+        path, t0 = self._path(kind, T, B, args), time.perf_counter()
+        if not path.exists():
+            return None
+        try:
+            with path.open("rb") as f:
+                graph = torch.compiler.load_compiled_function(f, f_globals=vars(tinyserve.static))
+            if not graph.guard_check(*args):
                 raise ValueError("its shape guards refuse the shape it was saved for")
-            except Exception as e:    # noqa: BLE001 - a truncated file, another torch: compile it again
-                log.warning("could not load the saved graph %s, compiling it again: %s: %s", path, type(e).__name__,
-                            str(e).strip().splitlines()[0] if str(e).strip() else "")
+        except Exception as e:        # noqa: BLE001 - a damaged file, another torch: compile it again
+            log.warning("could not load the saved graph %s, compiling it again: %s: %s", path, type(e).__name__,
+                        str(e).strip().splitlines()[0] if str(e).strip() else "")
+            return None
+        self.loaded += 1
+        log.info("loaded the %s forward for %d sequence(s) x %d token(s) in %.1f s", NAMES[kind], B, T,
+                 time.perf_counter() - t0)
+        return graph
+
+    def _compile(self, kind: str, T: int, B: int, W: int, args: tuple, warm_up: bool) -> Any:
+        t0 = time.perf_counter()
         if B > 1:                     # the batch size and the page table's width dynamic (1 stays a constant)
             for x in args[-1] + ((args[5],) if kind != "step" else ()):
                 torch._dynamo.maybe_mark_dynamic(x, 0)
@@ -155,12 +228,16 @@ class CompiledSteps:
                                                       "alignment_asserts": False, "scalar_asserts": False})
         with linear.fused_rows(fixed_rows=B == 1):
             graph = compile_fn.aot_compile((args, {}))
-        graph(*args)                  # runs once, as it will serve (on padding rows)
+        if warm_up:
+            graph(*args)              # runs once, as it will serve (on padding rows)
         self.folder.mkdir(parents=True, exist_ok=True)
-        graph.save_compiled_function(str(path))
+        path = self._path(kind, T, B, args)
+        partial = path.with_suffix(f".{os.getpid()}.part")       # a crash mid-write leaves no damaged graph
+        graph.save_compiled_function(str(partial))
+        os.replace(partial, path)
         self.compiled += 1
-        log.info("compiled the %s forward for %d sequence(s) x %d token(s) (page table %d wide) in %.1f s", name, B,
-                 T, W, time.perf_counter() - t0)
+        log.info("compiled the %s forward for %d sequence(s) x %d token(s) (page table %d wide) in %.1f s",
+                 NAMES[kind], B, T, W, time.perf_counter() - t0)
         return graph
 
     def _call(self, kind: str, T: int, t: StepTensors) -> torch.Tensor:
@@ -174,11 +251,12 @@ class CompiledSteps:
         raise LookupError("no graph covers this shape")
 
     def __call__(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> torch.Tensor:
-        """The forward through the graphs made at start; eagerly (with one warning) where none covers the shape."""
+        """The forward through the graphs made; eagerly where none covers the shape (with one warning, unless its
+        graphs are still being compiled)."""
         try:
             return self._call(kind, T, t)
         except LookupError as e:
-            if not self._warned:
+            if not self._warned and not any(key[:2] == (kind, T) for key, _ in self.pending):
                 self._warned = True
                 log.warning("a %s step of %d sequence(s) x %d token(s) needs a graph not compiled at start: such "
                             "steps run eagerly (%s)", kind, t.page_table.shape[0], T, e)

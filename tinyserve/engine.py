@@ -252,10 +252,14 @@ class Engine:
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn(*args) on the engine thread between two steps (all torch work and everything the engine owns
         stays on that thread) and return its result."""
+        return await asyncio.wrap_future(self.call_soon(fn, *args))
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """`call` from any thread: fn(*args) runs on the engine thread between two steps; its Future."""
         fut: Future = Future()
         self._calls.append((fut, fn, args))
         self._work.set()
-        return await asyncio.wrap_future(fut)
+        return fut
 
     # ---- the step (engine thread) ----
     def _step(self) -> list[StepEvent]:

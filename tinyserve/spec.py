@@ -413,6 +413,13 @@ class NextN(Feature):
                            report.get("accepted_draft_tokens", 0))
 
     # ---- pricing, at start ----
+    def forget_draft_prices(self) -> None:
+        """Forget what rounds with drafts cost (their verify and head passes ran eagerly until their compiled
+        graphs were made, after start: compiled.py): the rounds that run price them again."""
+        cost = self.step_cost
+        cost.seconds[1:] = [0.0] * len(cost.seconds[1:])
+        log.info("NEXTN: the draft depths are priced again by the steps that run (their graphs are ready)")
+
     def price(self, engine: Engine, steps: int = 3) -> None:
         """Time single-request decode steps at each draft depth on this machine and model (the StepCost that
         chooses how deep requests draft), with a throw-away request through the engine's scheduler with the prefix

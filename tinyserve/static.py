@@ -174,7 +174,17 @@ class StaticStep(Feature):
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}    # (kind, B, T): kinds()
         self._captured_on: tuple[int, ...] | None = None      # the pools' addresses the graphs were captured on
         self.compiled = None                                  # compiled.CompiledSteps (the CPU), once built
+        self.held_pools: tuple[torch.Tensor, ...] | None = None   # a twin's: the pools as they were when made
         self._pad()
+
+    def twin(self) -> "StaticStep":
+        """A step of the same shapes with buffers of its own, over the same model and the pools as they are now
+        (held: an idle release meanwhile frees them once the twin is gone): what compiles graphs on another thread
+        while this one serves (compiled.py). Its warm-ups write padding rows only, as this one's do."""
+        twin = StaticStep(self.model, self.kv_pool, self.state_pool, self.sizes[-1], self.max_len, self.max_tokens,
+                          self.nextn_kv_layer, for_graphs=self.for_graphs)
+        twin.held_pools = self.pools()
+        return twin
 
     def _pad(self) -> None:
         """Every row padding (before a capture or a compile, whose warm-ups run for real: on the scratch page and
@@ -277,6 +287,8 @@ class StaticStep(Feature):
     # ---- the buffers and the forwards ----
     def pools(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The KV pool and the state pools with their scratch slot (StatePool.conv_all), as the forwards take them."""
+        if self.held_pools is not None:
+            return self.held_pools
         return self.kv_pool.buffer, self.state_pool.conv_all, self.state_pool.ssm_all
 
     def _pool_addresses(self) -> tuple[int, ...]:
