@@ -254,10 +254,10 @@ def test_prompt_logprobs_match_transformers(model, ckpt, chunk):
     eng.generate([p[:80]], SamplingParams(max_tokens=1, **GREEDY))        # caches most of the prompt
     (events, result), (_, plain) = run_streams(eng, [p, p], [SamplingParams(max_tokens=2, prompt_logprobs=3, **GREEDY),
                                                             SamplingParams(max_tokens=2, **GREEDY)])
-    assert plain.prompt_logprobs is None and result.cached_tokens == 0 and len(events) == 2
+    assert "prompt_logprobs" not in plain.report and result.cached_tokens == 0 and len(events) == 2
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), dim=-1)
-    got = result.prompt_logprobs
+    got = result.report["prompt_logprobs"]
     assert len(got) == len(p) - 1                                  # the first prompt token has no logprob
     for q, (lp, top) in enumerate(got):
         assert abs(lp - ref[q, p[q + 1]].item()) < 1e-4

@@ -55,7 +55,7 @@ def test_idle_release_then_a_host_hit(hybrid_model):
 
     first, again, result = asyncio.run(scenario())
     assert first == cold and again == cold
-    assert result.cached_tokens_by_tier["host"] > 0, result.cached_tokens_by_tier
+    assert result.report["cached_by_tier"]["host"] > 0, result.report
     assert eng.kv_pool.allocated
     assert_no_leaks(eng)
 

@@ -360,7 +360,7 @@ def test_concurrent_sessions_with_host_evictions_match_uncached(model, tmp_path)
     eng = eng2
     outs, results = asyncio.run(scenario(prompts + prompts[::-1]))
     assert outs == expected + expected[::-1]
-    assert sum(r.cached_tokens_by_tier["file"] for r in results) > 0
+    assert sum(r.report["cached_by_tier"]["file"] for r in results) > 0
     assert_all_free(eng)
 
 

@@ -64,8 +64,8 @@ from .chat import ChatFormat, ChatRequest, TranslatedRequest, chat_tools, functi
     named_tool
 from .context_edits import Edit, apply_edits, parse_edits
 from .protocol import (APIError, ChoiceResult, Endpoint, GenerationOptions, ImageInput, Meta, Usage, bad_request,
-                       boolean_field, ignored_fields, image_bytes, image_from_url, integer_field, number_field,
-                       parse_response_format, refused_fields, stop_strings)
+                       boolean, image_bytes, image_from_url, integer, number, parse_response_format, read_field,
+                       stop_strings, unused_fields)
 from .sampling import SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, ContentJoiner, Tokenizer
 
@@ -340,7 +340,7 @@ def _tools(body: dict, left_out: list[str]) -> tuple[list[dict[str, Any]] | None
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind is not None:
-        boolean_field(choice, "disable_parallel_tool_use", False)
+        read_field(choice, "disable_parallel_tool_use", boolean)
     if choice is None or kind == "auto":
         return chat_tools(tools, "auto")
     if kind == "none":
@@ -361,7 +361,7 @@ def _thinking(body: dict) -> tuple[dict[str, Any], bool]:
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "disabled", "adaptive"):
         raise bad_request('thinking.type must be "enabled", "adaptive" or "disabled"', "thinking.type")
-    integer_field(thinking, "budget_tokens", None)  # type-checked; not enforced
+    read_field(thinking, "budget_tokens", integer)  # type-checked; not enforced
     display = thinking.get("display", "summarized")
     if display not in THINKING_DISPLAYS:
         raise bad_request(f"thinking.display must be one of {', '.join(THINKING_DISPLAYS)}; got {display!r}",
@@ -422,8 +422,7 @@ def parse_messages_request(body: dict, count_only: bool = False, fetch_image_url
     http(s) image sources become RemoteImages instead of a 400. betas: the request's anthropic-beta values
     (check_betas). A last message from the assistant is a prefill: the answer continues it (and holds only what
     follows it), as on Anthropic's API."""
-    refused_fields(body, REFUSED)
-    ignored_fields(body, IGNORED)
+    unused_fields(body, REFUSED, IGNORED)
     images: list[ImageInput] = []
     left_out: list[str] = []
     changes: list[tuple[str, Any]] = []
@@ -435,15 +434,16 @@ def parse_messages_request(body: dict, count_only: bool = False, fetch_image_url
     call_tools = _call_tools(tools, tool_choice, changes)
     edits = parse_edits(body.get("context_management"))
     template_kwargs, omit_thinking = _thinking(body)
-    max_tokens = integer_field(body, "max_tokens", None, lo=1)
+    max_tokens = read_field(body, "max_tokens", integer, lo=1)
     if max_tokens is None and not count_only:
         raise bad_request("max_tokens is required", "max_tokens")
-    stream = boolean_field(body, "stream", False)
-    params = SamplingParams(temperature=number_field(body, "temperature", 1.0),
-                            top_p=number_field(body, "top_p", 1.0), top_k=integer_field(body, "top_k", 0),
-                            speculative=boolean_field(body, "speculative", True), constraint=_output_config(body))
+    stream = read_field(body, "stream", boolean, False)
+    params = SamplingParams(temperature=read_field(body, "temperature", number, 1.0),
+                            top_p=read_field(body, "top_p", number, 1.0), top_k=read_field(body, "top_k", integer, 0),
+                            speculative=read_field(body, "speculative", boolean, True),
+                            constraint=_output_config(body))
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_tokens",
-                                stop=stop_strings(body, "stop_sequences", one_string=False), n=1, stream=stream,
+                                stop=read_field(body, "stop_sequences", stop_strings, [], one_string=False), n=1, stream=stream,
                                 include_usage=True, return_token_ids=False)
     choice = body.get("tool_choice")
     prefill = messages[-1]["role"] == "assistant"

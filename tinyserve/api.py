@@ -40,7 +40,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 from aiohttp import web
 
 from . import anthropic, responses, status
-from .chat import left_out_tools
 from .config import Config
 from .engine import Engine, RequestError
 from .http_images import prepare_images
@@ -179,12 +178,7 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except web.HTTPException as e:                    # routing (404, 405) and body size (413) from aiohttp
         if e.status < 400:
             raise
-        message = {404: f"no route {request.method} {request.path}",
-                   405: f"method {request.method} not allowed on {request.path}",
-                   413: f"request body is larger than server.max_request_body_mb "
-                        f"({state.cfg.server.max_request_body_mb:g} MB)"}.get(e.status, e.reason)
-        response = _refused(request, APIError(e.status, message, headers={
-            k: v for k, v in e.headers.items() if k.lower() == "allow"}))
+        response = _refused(request, _http_error(request, e, state.cfg))
     except (asyncio.CancelledError, ConnectionResetError):
         raise                                         # the client went away; the handler cleaned up
     except Exception:
@@ -195,26 +189,38 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     return response
 
 
+def _http_error(request: web.Request, e: web.HTTPException, cfg: Config) -> APIError:
+    message = {404: f"no route {request.method} {request.path}",
+               405: f"method {request.method} not allowed on {request.path}",
+               413: f"request body is larger than server.max_request_body_mb "
+                    f"({cfg.server.max_request_body_mb:g} MB)"}.get(e.status, e.reason)
+    return APIError(e.status, message, headers={k: v for k, v in e.headers.items() if k.lower() == "allow"})
+
+
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """`Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic clients), on every route."""
     key = request.app[STATE].cfg.server.api_key
     if key and request.path != "/health":
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "basic":                 # a browser on the status page: any user, the key as password
-            try:
-                given = base64.b64decode(given.strip(), validate=True).decode().partition(":")[2]
-            except (binascii.Error, UnicodeDecodeError):
-                given = ""
-        else:
-            given = given.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-        if not given or not hmac.compare_digest(given.encode(), key.encode()):
-            # the status page's routes ask a browser for the key (as the password); API clients get no prompt
-            challenge = {"WWW-Authenticate": 'Basic realm="tinyserve"'} if request.path in ("/", "/status.json") \
-                else None
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or "
-                                "'x-api-key: <key>')", code="invalid_api_key", headers=challenge)
+        _check_key(request, key)
     return await handler(request)
+
+
+def _check_key(request: web.Request, key: str) -> None:
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "basic":                     # a browser on the status page: any user, the key as password
+        try:
+            given = base64.b64decode(given.strip(), validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            given = ""
+    else:
+        given = given.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+    if not given or not hmac.compare_digest(given.encode(), key.encode()):
+        # the status page's routes ask a browser for the key (as the password); API clients get no prompt
+        challenge = {"WWW-Authenticate": 'Basic realm="tinyserve"'} if request.path in ("/", "/status.json") \
+            else None
+        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or "
+                            "'x-api-key: <key>')", code="invalid_api_key", headers=challenge)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,13 +265,13 @@ class Generation:
             return
         self._open.discard(index)
         r = self.streams[index].result
+        tiers = r.report["cached_by_tier"]
         # one line per request with its cache match, so prompt drift (0 cached on every turn) shows in the log
-        tiers = r.cached_tokens_by_tier
         log.info("%s: %s, prompt %d tokens, %d from the prefix cache (device %d, host %d, file %d), %d generated",
-                 r.request_id, reason, r.prompt_tokens, r.cached_tokens, tiers.get("device", 0), tiers.get("host", 0),
-                 tiers.get("file", 0), r.completion_tokens)
+                 r.request_id, reason, r.prompt_tokens, r.cached_tokens, tiers["device"], tiers["host"],
+                 tiers["file"], r.completion_tokens)
         drafts = self.engine.drafts(r)
-        self.metrics.on_finished(reason, r.prompt_tokens, r.cached_tokens_by_tier, time.monotonic() - self.arrival,
+        self.metrics.on_finished(reason, r.prompt_tokens, tiers, time.monotonic() - self.arrival,
                                  drafts.rounds if drafts else 0, drafts.accepted if drafts else 0)
 
     async def deltas(self, index: int) -> AsyncIterator[Delta]:
@@ -274,19 +280,19 @@ class Generation:
         detok = IncrementalDetokenizer(self.engine.tokenizer, self.stop)
         last = None
         async for events in stream:
-            prompt_logprobs = stream.result.prompt_logprobs if last is None else None   # they come with the first
+            # the prompt's logprobs (when asked for) come with the first tokens
+            prompt_logprobs = stream.result.report.get("prompt_logprobs") if last is None else None
             now = time.monotonic()
             if last is None:
                 r = stream.result
                 self.metrics.on_first_token(now - self.arrival, warm=2 * r.cached_tokens >= r.prompt_tokens > 0)
             self.metrics.on_tokens(len(events), None if last is None else now - last)
             last = now
-            ids, text = [e.token_id for e in events], ""
-            for k, token_id in enumerate(ids):        # token by token, so nothing after a stop string counts
-                text += detok.add([token_id])
-                if detok.stopped:
-                    ids, events = ids[:k + 1], events[:k + 1]
-                    break
+            if self.stop:
+                events, text = self._until_stop(detok, events)
+            else:
+                text = detok.add([e.token_id for e in events])
+            ids = [e.token_id for e in events]
             self.completion_tokens += len(ids)
             if detok.stopped:                         # a stop string: the rest of the text is cut
                 stream.cancel()
@@ -299,12 +305,27 @@ class Generation:
         self._finished(index, reason)
         yield Delta(detok.flush(), [], [], reason)
 
+    @staticmethod
+    def _until_stop(detok: IncrementalDetokenizer, events: list[Any]) -> tuple[list[Any], str]:
+        """The events up to the one that completes a stop string, and their text: token by token, so nothing after
+        the stop string counts."""
+        text = ""
+        for k, e in enumerate(events):
+            text += detok.add([e.token_id])
+            if detok.stopped:
+                return events[:k + 1], text
+        return events, text
+
     async def merged(self) -> AsyncIterator[tuple[int, Delta]]:
         """All choices' deltas as they come (one choice: no extra task or queue)."""
-        if len(self.streams) == 1:
-            async for d in self.deltas(0):
-                yield 0, d
+        if len(self.streams) > 1:
+            async for item in self._merged_choices():
+                yield item
             return
+        async for d in self.deltas(0):
+            yield 0, d
+
+    async def _merged_choices(self) -> AsyncIterator[tuple[int, Delta]]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int) -> None:
@@ -345,11 +366,10 @@ class Generation:
         return results
 
     def usage(self) -> Usage:
-        usage = Usage(sum(map(len, self.prompts)), self.completion_tokens)
         firsts = [s.result for s in self.streams[::self.n]]    # each prompt's first choice: the others share its
-        usage.cached_tokens = sum(r.cached_tokens for r in firsts)      # prompt (and hit what the first wrote)
-        usage.cached_tokens_by_tier = {tier: sum(r.cached_tokens_by_tier.get(tier, 0) for r in firsts)
-                                       for tier in firsts[0].cached_tokens_by_tier}
+        by_tier = [r.report["cached_by_tier"] for r in firsts]  # prompt (and hit what the first wrote)
+        usage = Usage(sum(map(len, self.prompts)), self.completion_tokens, sum(r.cached_tokens for r in firsts),
+                      {tier: sum(t[tier] for t in by_tier) for tier in by_tier[0]})
         drafts = [self.engine.drafts(s.result) for s in self.streams]
         if drafts[0] is not None:                     # speculative decoding is on
             usage.accepted_prediction_tokens = sum(d.accepted for d in drafts)
@@ -421,7 +441,8 @@ async def generate(request: web.Request, endpoint: Endpoint[Req]) -> web.StreamR
     engine = _serving_engine(state)
     body = await _read_json(request)
     req = endpoint.parse_request(body, engine.served_name, request.headers)
-    state.metrics.on_tools_left_out(left_out_tools(req))
+    if req.left_out:
+        state.metrics.on_tools_left_out(req.left_out)
     options = req.options
     _check_capacity(engine, state.cfg, options.n, endpoint.num_prompts(req))
     prompts = await _in_thread(endpoint.prompts, req, engine.tokenizer)

@@ -79,11 +79,6 @@ class TranslatedRequest:
         return self.chat.left_out
 
 
-def left_out_tools(req: Any) -> list[str]:
-    """The types of the tools a parsed request left out of its prompt (none for a completion request)."""
-    return list(getattr(req, "left_out", None) or [])
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Tools: every protocol's tool list and tool_choice, as the template, the tool parser and the grammar take them
 
@@ -306,11 +301,12 @@ class ChatFormat:
             except ValueError:                        # a template that insists on its generation prompt
                 without = ""                          # (then the whole prompt is judged)
             req.starts_in_reasoning = prompt_opens_reasoning(text, without)
-        if self.tool_parser == "qwen3_coder":
+        if self.tool_parser == "qwen3_coder" and req.tools:
             constraint = forced_tool_call(req.tools, req.tool_choice, req.custom_tools)
             if constraint is not None:                # the answer is the call: it replaces any response_format
                 req.options.params = replace(req.options.params, constraint=constraint)
-        req.options.params = constraint_after_reasoning(req.options.params, req.starts_in_reasoning, tokenizer)
+        if req.options.params.constraint is not None:
+            req.options.params = constraint_after_reasoning(req.options.params, req.starts_in_reasoning, tokenizer)
         return tokenizer.encode(text)
 
     # parsers are per choice: they are stateful
@@ -322,9 +318,10 @@ class ChatFormat:
                                     tool_names=tools.allowed_names if tools is not None else None)
 
     def tools(self, req: ChatRequest) -> Qwen3CoderToolParser | None:
-        if self.tool_parser != "qwen3_coder":
+        tools = req.tools if req.call_tools is None else req.call_tools
+        if self.tool_parser != "qwen3_coder" or not tools:
             return None
-        return make_tool_parser(req.tools if req.call_tools is None else req.call_tools, req.tool_choice)
+        return make_tool_parser(tools, req.tool_choice)
 
     def split(self, req: ChatRequest, r: ChoiceResult) -> Answer:
         """A finished choice's text -> reasoning, content and tool calls. A choice cut by max_tokens reads a value
@@ -379,10 +376,14 @@ class ChatStreamChoice:
                 reasoning_text, content = reasoning_text + r2, content + c2
             if reasoning_text:
                 out.append({"reasoning_content": reasoning_text})
-        if self.tools is None:
-            if content:
-                out.append({"content": content})
-            return out
+        if self.tools is not None:
+            return out + self._tool_pieces(content, final, truncated)
+        if content:
+            out.append({"content": content})
+        return out
+
+    def _tool_pieces(self, content: str, final: bool, truncated: bool) -> list[dict[str, Any]]:
+        """Content and tool_calls deltas, in the order they came."""
         tool_deltas = self.tools.feed(content) if content else []
         if final:
             tool_deltas += self.tools.finish(truncated)
@@ -390,4 +391,4 @@ class ChatStreamChoice:
             tool_deltas = [d for d in tool_deltas if "tool_calls" not in d or d["tool_calls"][0]["index"] == 0]
         for d in tool_deltas:
             self.called_tools = self.called_tools or "tool_calls" in d
-        return out + tool_deltas
+        return tool_deltas

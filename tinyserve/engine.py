@@ -82,17 +82,9 @@ class RequestResult:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
-    report: dict[str, Any] = field(default_factory=dict)   # what the cache and the features report of the request
-
-    @property
-    def cached_tokens_by_tier(self) -> dict[str, int]:
-        """The cache's split of cached_tokens by the tier they came from (read by api.py)."""
-        return self.report.get("cached_by_tier") or dict.fromkeys(TIERS, 0)
-
-    @property
-    def prompt_logprobs(self) -> list | None:
-        """prompt_logprobs.py's report, with the first tokens (read by api.py)."""
-        return self.report.get("prompt_logprobs")
+    # what the cache and the features report of the request: "cached_by_tier" (the cache's split of cached_tokens
+    # by the tier they came from), "prompt_logprobs" (prompt_logprobs.py's, with the first tokens), NEXTN's counts
+    report: dict[str, Any] = field(default_factory=lambda: {"cached_by_tier": dict.fromkeys(TIERS, 0)})
 
 
 @dataclass(frozen=True)
@@ -415,7 +407,7 @@ class Engine:
             res = stream.result
             res.cached_tokens = ev.cached_tokens
             if ev.report is not None:
-                res.report = ev.report
+                res.report.update(ev.report)
             if ev.tokens:
                 res.completion_tokens += len(ev.tokens)
                 if res.first_token_time is None:

@@ -18,9 +18,9 @@ from typing import Any
 
 from .chat import ChatFormat, ChatRequest, ChatStreamChoice, chat_tools, function_tool, function_tools
 from .protocol import (APIError, ChoiceResult, Delta, Endpoint, EndpointStream, GenerationOptions, ImageInput,
-                       LegacyToken, Meta, TextOffsets, Usage, bad_request, boolean_field, completion_logprobs,
-                       ignored_fields, image_from_url, integer_field, logprob_content, parse_options,
-                       parse_response_format, refused_fields, token_id_list)
+                       LegacyToken, Meta, TextOffsets, Usage, bad_request, boolean, completion_logprobs, image_from_url,
+                       integer, logprob_content, parse_options, parse_response_format, read_field, token_id_list,
+                       unused_fields)
 from .sampling import MAX_LOGPROBS
 from .tokenizer import SYSTEM_ROLES, MessageError, Tokenizer, content_text, tool_call_arguments
 
@@ -34,13 +34,15 @@ CHAT_TOOL = '{"type": "function", "function": {...}}'
 
 def _check_model(body: dict, served_name: str) -> None:
     model = body.get("model")
-    if model is None:
-        return
+    if model is not None and model != served_name:
+        raise _model_error(model, served_name)
+
+
+def _model_error(model: Any, served_name: str) -> APIError:
     if not isinstance(model, str):
-        raise bad_request(f"model must be a string, got {model!r}", "model")
-    if model != served_name:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {served_name!r}",
-                       "model", code="model_not_found")
+        return bad_request(f"model must be a string, got {model!r}", "model")
+    return APIError(404, f"model {model!r} is not served here; this server serves {served_name!r}", "model",
+                    code="model_not_found")
 
 
 def _chat_image(part: dict, param: str, fetch: bool) -> ImageInput:
@@ -76,36 +78,45 @@ def _parse_messages(value: Any, images: list[ImageInput], fetch_image_urls: bool
     """The messages as the template takes them; their image parts are appended to `images` in order."""
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(value):
-        p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"{p} must be an object with role and content", p)
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"{p}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{p}.role")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}   # templates know "system"
-        content = m.get("content")
-        if content is None and role != "assistant":   # an assistant turn may be tool calls only
-            raise bad_request(f"{p}.content is required", f"{p}.content")
-        try:                                          # the tokenizer's normaliser: one rule for both paths
-            msg["content"] = content_text(content, f"{p}.content", images=role not in SYSTEM_ROLES) or ""
-            if role == "assistant" and m.get("tool_calls"):
-                msg["tool_calls"] = _assistant_tool_calls(m["tool_calls"], f"{p}.tool_calls")
-        except MessageError as e:
-            raise bad_request(str(e), e.param) from None
-        if isinstance(content, list):                 # content_text put a marker where each of these goes
-            images += [_chat_image(part, f"{p}.content[{j}]", fetch_image_urls) for j, part in enumerate(content)
-                       if isinstance(part, dict) and part.get("type") == "image_url"]
-        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
-            msg["reasoning_content"] = m["reasoning_content"]
-        for key in ("name", "tool_call_id"):
-            if m.get(key) is not None:
-                if not isinstance(m[key], str):
-                    raise bad_request(f"{p}.{key} must be a string", f"{p}.{key}")
-                msg[key] = m[key]
-        out.append(msg)
-    return out
+    return [_parse_message(m, f"messages[{i}]", images, fetch_image_urls) for i, m in enumerate(value)]
+
+
+def _parse_message(m: Any, p: str, images: list[ImageInput], fetch_image_urls: bool) -> dict[str, Any]:
+    """A message of text alone is taken as sent; anything else is _message_parts's."""
+    if not isinstance(m, dict):
+        raise bad_request(f"{p} must be an object with role and content", p)
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{p}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{p}.role")
+    msg: dict[str, Any] = {"role": "system" if role == "developer" else role,   # templates know "system"
+                           "content": m.get("content")}
+    if not isinstance(msg["content"], str) or len(m) > 2:
+        _message_parts(m, msg, p, images, fetch_image_urls)
+    return msg
+
+
+def _message_parts(m: dict, msg: dict[str, Any], p: str, images: list[ImageInput], fetch_image_urls: bool) -> None:
+    """Content parts (joined into the text; the images appended to `images`), an assistant's earlier tool calls and
+    reasoning, a name or a tool_call_id, into msg."""
+    role, content = m["role"], m.get("content")
+    if content is None and role != "assistant":   # an assistant turn may be tool calls only
+        raise bad_request(f"{p}.content is required", f"{p}.content")
+    try:                                          # the tokenizer's normaliser: one rule for both paths
+        msg["content"] = content_text(content, f"{p}.content", images=role not in SYSTEM_ROLES) or ""
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _assistant_tool_calls(m["tool_calls"], f"{p}.tool_calls")
+    except MessageError as e:
+        raise bad_request(str(e), e.param) from None
+    if isinstance(content, list):                 # content_text put a marker where each of these goes
+        images += [_chat_image(part, f"{p}.content[{j}]", fetch_image_urls) for j, part in enumerate(content)
+                   if isinstance(part, dict) and part.get("type") == "image_url"]
+    if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+        msg["reasoning_content"] = m["reasoning_content"]
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise bad_request(f"{p}.{key} must be a string", f"{p}.{key}")
+            msg[key] = m[key]
 
 
 def _chat_tool(tool: dict[str, Any], p: str) -> dict[str, Any]:
@@ -117,15 +128,13 @@ def _chat_tool(tool: dict[str, Any], p: str) -> dict[str, Any]:
 
 
 def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any]:
-    tools = function_tools(body.get("tools"), _chat_tool, CHAT_TOOL)
-    choice = body.get("tool_choice")
-    return chat_tools(tools, "auto" if choice is None else choice)
+    choice = "auto" if body.get("tool_choice") is None else body["tool_choice"]
+    if body.get("tools") is None:                     # nothing to check: the choice is "auto" or "none" (the caller)
+        return None, choice
+    return chat_tools(function_tools(body["tools"], _chat_tool, CHAT_TOOL), choice)
 
 
-def _parse_template_kwargs(body: dict) -> dict[str, Any]:
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        return {}
+def _template_kwargs(kwargs: Any, name: str) -> dict[str, Any]:
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
     for reserved in ("messages", "tools", "add_generation_prompt"):
@@ -162,57 +171,58 @@ CHAT_REFUSED = {
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
-def _reasoning_effort(body: dict, kwargs: dict[str, Any]) -> None:
+def _reasoning_effort(effort: Any, name: str) -> str:
     """reasoning_effort "none" turns thinking off (chat_template_kwargs.enable_thinking, when given, wins); other
     efforts leave the template's default: Qwen's templates take no budget."""
-    effort = body.get("reasoning_effort")
-    if effort is None:
-        return
     if effort not in REASONING_EFFORTS:
         raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
                           "reasoning_effort")
-    if effort == "none":
-        kwargs.setdefault("enable_thinking", False)
+    return effort
 
 
 def _continuation(body: dict, messages: list[dict[str, Any]]) -> tuple[bool, bool, bool]:
     """(continue_final_message, add_generation_prompt, echo): vLLM's extensions for a prefill, which continue the
     last (assistant) message instead of closing it; echo puts that message's text before the answer."""
-    cont = boolean_field(body, "continue_final_message", False)
-    gen = boolean_field(body, "add_generation_prompt", not cont)
-    echo = boolean_field(body, "echo", False)
-    if cont and gen:
+    cont = read_field(body, "continue_final_message", boolean, False)
+    gen = read_field(body, "add_generation_prompt", boolean, not cont)
+    echo = read_field(body, "echo", boolean, False)
+    if cont:
+        _check_continued(gen, messages)
+    return cont, gen, echo
+
+
+def _check_continued(add_generation_prompt: bool, messages: list[dict[str, Any]]) -> None:
+    if add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                           "continue_final_message")
-    if cont and messages[-1]["role"] != "assistant":
+    if messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
-    return cont, gen, echo
 
 
 def parse_chat_request(body: dict, served_name: str, fetch_image_urls: bool = False) -> ChatRequest:
     """fetch_image_urls (server.fetch_image_urls): http(s) image URLs become RemoteImages instead of a 400."""
     _check_model(body, served_name)
-    refused_fields(body, CHAT_REFUSED)
-    ignored_fields(body, IGNORED)
-    constraint = parse_response_format(body.get("response_format"))
+    unused_fields(body, CHAT_REFUSED, IGNORED)
+    constraint = read_field(body, "response_format", parse_response_format)
     images: list[ImageInput] = []
     messages = _parse_messages(body.get("messages"), images, fetch_image_urls)
     if body.get("tool_choice") not in (None, "none") and not body.get("tools"):
         raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
     tools, tool_choice = _parse_tools(body)
-    logprobs = boolean_field(body, "logprobs", False)
-    top_logprobs = integer_field(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+    logprobs = read_field(body, "logprobs", boolean, False)
+    top_logprobs = read_field(body, "top_logprobs", integer, 0, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs and not logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     options = parse_options(body, top_logprobs if logprobs else None)
     options.params = replace(options.params, constraint=constraint)
-    template_kwargs = _parse_template_kwargs(body)
-    _reasoning_effort(body, template_kwargs)
+    template_kwargs = read_field(body, "chat_template_kwargs", _template_kwargs) or {}
+    if read_field(body, "reasoning_effort", _reasoning_effort) == "none":
+        template_kwargs.setdefault("enable_thinking", False)
     cont, gen, echo = _continuation(body, messages)
     return ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
                        logprobs=logprobs, top_logprobs=top_logprobs, options=options, images=images,
                        continue_final=cont, add_generation_prompt=gen,
-                       parallel_tool_calls=boolean_field(body, "parallel_tool_calls", True),
+                       parallel_tool_calls=read_field(body, "parallel_tool_calls", boolean, True),
                        echo=messages[-1]["content"] if echo and messages[-1]["role"] == "assistant" else "")
 
 
@@ -227,10 +237,8 @@ class CompletionRequest:
     echo: bool = False                # each choice's text (and logprobs) starts with its prompt's
     prompt_only: bool = False         # echo with max_tokens 0: the prompt alone (one token is generated, not sent)
     echo_texts: list[str] = field(default_factory=list)   # each prompt as text, set with the prompt ids
-
-    @property
-    def images(self) -> list[ImageInput]:
-        return []                     # a completion prompt is text or token ids
+    images: list[ImageInput] = field(default_factory=list)   # none: a completion prompt is text or token ids
+    left_out: list[str] = field(default_factory=list)        # no tools
 
 
 COMPLETION_REFUSED = {
@@ -262,13 +270,12 @@ def _prompts(value: Any) -> list[str | list[int]]:
 
 def parse_completion_request(body: dict, served_name: str) -> CompletionRequest:
     _check_model(body, served_name)
-    refused_fields(body, COMPLETION_REFUSED)
-    ignored_fields(body, IGNORED)
+    unused_fields(body, COMPLETION_REFUSED, IGNORED)
     prompts = _prompts(body.get("prompt"))
-    logprobs = integer_field(body, "logprobs", None, lo=0, hi=MAX_COMPLETION_LOGPROBS)
-    echo = boolean_field(body, "echo", False)
+    logprobs = read_field(body, "logprobs", integer, lo=0, hi=MAX_COMPLETION_LOGPROBS)
+    echo = read_field(body, "echo", boolean, False)
     options = parse_options(body, logprobs)
-    best_of = integer_field(body, "best_of", None, lo=1)
+    best_of = read_field(body, "best_of", integer, lo=1)
     if best_of is not None and best_of != options.n:
         raise bad_request(f"best_of={best_of} is not supported by this server: it returns the n it samples (best_of "
                           "may only equal n)", "best_of")

@@ -98,8 +98,6 @@ class Qwen3ReasoningParser:
 
     def _first_call(self, limit: int, final: bool) -> tuple[str, int] | None:
         """The first call start (YES / CUT) or possible one (WAIT) at an index below `limit`."""
-        if not self.tool_names:
-            return None
         buf, pos = self._buf, 0
         while 0 <= (i := buf.find("<", pos)) < limit:
             verdict, _, _ = call_start(buf, i, self.tool_names, self._line_start, final)
@@ -109,98 +107,119 @@ class Qwen3ReasoningParser:
         return None
 
     def _run(self, final: bool) -> tuple[str, str]:
+        """Runs the machine over the buffer, one mode after the other (each a _mode_* method that says whether it
+        handed over to another mode), until it waits for more text or has taken it all."""
         reasoning: list[str] = []
         content: list[str] = []
-        while True:
-            buf = self._buf
-            if self._mode == "before":
-                i = buf.find(THINK_START)
-                if i >= 0 and not buf[:i].strip():       # only whitespace before <think>: drop it
-                    self._take(i + len(THINK_START))
-                    self._mode, self._section_start, self.saw_reasoning = "reasoning", True, True
-                    continue
-                hold = 0 if final else _partial_suffix(buf, THINK_START)
-                if not buf[:len(buf) - hold].strip() and not final:
-                    return "".join(reasoning), "".join(content)   # whitespace so far: a <think> may follow
-                self._mode, self._section_start = "content", False   # the answer started without thinking
-                continue
-            if self._mode == "reasoning":
-                if self._section_start:
-                    stripped = buf.lstrip("\n")
-                    self._take(len(buf) - len(stripped))
-                    buf = stripped
-                    if not self._repeat_checked:               # the model may repeat the prompt's <think>
-                        if buf.startswith(THINK_START):
-                            self._take(len(THINK_START))
-                            buf = self._buf.lstrip("\n")
-                            self._take(len(self._buf) - len(buf))
-                            self._repeat_checked = True
-                        elif final or not THINK_START.startswith(buf):
-                            self._repeat_checked = True
-                    if not final and (not buf or not self._repeat_checked):
-                        return "".join(reasoning), "".join(content)
-                    self._section_start = False
-                i = buf.find(THINK_END)
-                call = self._first_call(i if i >= 0 else len(buf), final)
-                if call is not None and call[0] != WAIT:       # a call ends the reasoning (unless it was a draft)
-                    c = call[1]
-                    text = buf[:c]
-                    kept = text.rstrip()
-                    reasoning.append(kept)
-                    self._ws_before_call = text[len(kept):]
-                    self._take(c)
-                    self.end_offset = self._consumed
-                    self._mode = "call"
-                    continue
-                if call is None and i >= 0:
-                    reasoning.append(buf[:i].rstrip("\n"))
-                    self._take(i + len(THINK_END))
-                    self.end_offset = self._consumed
-                    self._mode, self._section_start = "content", True
-                    continue
-                if final:
-                    reasoning.append(buf)
-                    self._take(len(buf))
-                    return "".join(reasoning), "".join(content)
-                end = call[1] if call is not None else len(buf) - _partial_suffix(buf, THINK_END)
-                keep = buf[:end].rstrip()                      # whitespace may frame a </think> or a call
-                reasoning.append(keep)
-                self._take(len(keep))
-                return "".join(reasoning), "".join(content)
-            if self._mode == "call":
-                # A call started inside the think block: a real call unless the model closes the block later and
-                # calls after it (then everything up to </think> was drafted while thinking).
-                t = buf.find(THINK_END)
-                if t >= 0:
-                    after = t + len(THINK_END)
-                    later = self._first_call_after(after, final)
-                    if later is None and not final:
-                        return "".join(reasoning), "".join(content)
-                    if later:                                  # drafts: they stay reasoning
-                        reasoning.append(self._ws_before_call + buf[:t].rstrip("\n"))
-                        self._take(after)
-                        self.end_offset = self._consumed
-                        self._mode, self._section_start = "content", True
-                        continue
-                    content.append(buf[:t] + buf[after:])      # the stray </think> is dropped
-                    self._take(len(buf))
-                    self._mode, self._section_start = "content", False
-                    return "".join(reasoning), "".join(content)
-                if not final:
-                    return "".join(reasoning), "".join(content)
-                content.append(buf)
-                self._take(len(buf))
-                self._mode, self._section_start = "content", False
-                return "".join(reasoning), "".join(content)
-            # content
-            if self._section_start:
-                stripped = buf.lstrip("\n")
-                self._take(len(buf) - len(stripped))
-                if not stripped and not final:
-                    return "".join(reasoning), "".join(content)
-                self._section_start = False
-            content.append(self._take(len(self._buf)))
-            return "".join(reasoning), "".join(content)
+        while getattr(self, f"_mode_{self._mode}")(final, reasoning, content):
+            pass
+        return "".join(reasoning), "".join(content)
+
+    def _mode_before(self, final: bool, reasoning: list[str], content: list[str]) -> bool:
+        """Nothing yet: a <think> after whitespace alone opens the reasoning; anything else starts the answer."""
+        buf = self._buf
+        i = buf.find(THINK_START)
+        if i >= 0 and not buf[:i].strip():            # only whitespace before <think>: drop it
+            self._take(i + len(THINK_START))
+            self._mode, self._section_start, self.saw_reasoning = "reasoning", True, True
+            return True
+        hold = 0 if final else _partial_suffix(buf, THINK_START)
+        if not buf[:len(buf) - hold].strip() and not final:
+            return False                              # whitespace so far: a <think> may follow
+        self._mode, self._section_start = "content", False   # the answer started without thinking
+        return True
+
+    def _mode_reasoning(self, final: bool, reasoning: list[str], content: list[str]) -> bool:
+        """Inside the think block, up to </think> or a call that ends it; what may still become either waits."""
+        if self._section_start and not self._open_section(final):
+            return False
+        buf = self._buf
+        i = buf.find(THINK_END)
+        call = self._first_call(i if i >= 0 else len(buf), final) if self.tool_names else None
+        if call is not None and call[0] != WAIT:      # a call ends the reasoning (unless it was a draft)
+            self._end_at_call(buf[:call[1]], reasoning)
+            return True
+        if call is None and i >= 0:
+            reasoning.append(buf[:i].rstrip("\n"))
+            self._take(i + len(THINK_END))
+            self.end_offset = self._consumed
+            self._mode, self._section_start = "content", True
+            return True
+        if final:
+            reasoning.append(buf)
+            self._take(len(buf))
+            return False
+        end = call[1] if call is not None else len(buf) - _partial_suffix(buf, THINK_END)
+        keep = buf[:end].rstrip()                     # whitespace may frame a </think> or a call
+        reasoning.append(keep)
+        self._take(len(keep))
+        return False
+
+    def _open_section(self, final: bool) -> bool:
+        """The think block's start: its framing newlines go, and so does a <think> the model repeats after the
+        prompt's; False while that cannot be told yet."""
+        stripped = self._buf.lstrip("\n")
+        self._take(len(self._buf) - len(stripped))
+        if not self._repeat_checked:
+            if stripped.startswith(THINK_START):
+                self._take(len(THINK_START))
+                stripped = self._buf.lstrip("\n")
+                self._take(len(self._buf) - len(stripped))
+                self._repeat_checked = True
+            elif final or not THINK_START.startswith(stripped):
+                self._repeat_checked = True
+        if not final and (not stripped or not self._repeat_checked):
+            return False
+        self._section_start = False
+        return True
+
+    def _end_at_call(self, text: str, reasoning: list[str]) -> None:
+        """A call right after `text` ends the reasoning; the whitespace between them waits with the call (it goes
+        back to the reasoning if the call turns out a draft)."""
+        kept = text.rstrip()
+        reasoning.append(kept)
+        self._ws_before_call = text[len(kept):]
+        self._take(len(text))
+        self.end_offset = self._consumed
+        self._mode = "call"
+
+    def _mode_call(self, final: bool, reasoning: list[str], content: list[str]) -> bool:
+        """A call started inside the think block: a real call unless the model closes the block later and calls
+        after it (then everything up to </think> was drafted while thinking)."""
+        buf = self._buf
+        t = buf.find(THINK_END)
+        if t >= 0:
+            after = t + len(THINK_END)
+            later = self._first_call_after(after, final)
+            if later is None and not final:
+                return False
+            if later:                                 # drafts: they stay reasoning
+                reasoning.append(self._ws_before_call + buf[:t].rstrip("\n"))
+                self._take(after)
+                self.end_offset = self._consumed
+                self._mode, self._section_start = "content", True
+                return True
+            content.append(buf[:t] + buf[after:])     # the stray </think> is dropped
+            self._take(len(buf))
+            self._mode, self._section_start = "content", False
+            return False
+        if not final:
+            return False
+        content.append(buf)
+        self._take(len(buf))
+        self._mode, self._section_start = "content", False
+        return False
+
+    def _mode_content(self, final: bool, reasoning: list[str], content: list[str]) -> bool:
+        """The answer: everything (but the newlines that frame its start)."""
+        if self._section_start:
+            stripped = self._buf.lstrip("\n")
+            self._take(len(self._buf) - len(stripped))
+            if not stripped and not final:
+                return False
+            self._section_start = False
+        content.append(self._take(len(self._buf)))
+        return False
 
     def _first_call_after(self, start: int, final: bool) -> bool | None:
         """After the </think> that follows a call made while thinking: does another call come? None: can't tell

@@ -3,7 +3,7 @@ logprobs): each prompt token's logprob under the model, and the top-n at its pos
 
 A feature (features.py) on two hooks: `after_forward` (the rows of the prefill chunks of a request that asks go
 through the LM head PROMPT_LOGPROB_ROWS at a time, so a long chunk never holds [chunk, V] logits) and `commit` (the
-list goes to the request's report with its first tokens: RequestResult.prompt_logprobs). Its per-request record is
+list goes to the request's report with its first tokens: RequestResult.report). Its per-request record is
 the list itself (req.features["prompt_logprobs"]). Such a request computes its whole prompt (Request.reuse_cache is
 False, set by the intake): its rows are read from the forward; once they are all in, a recompute may reuse the
 cache again.

@@ -9,12 +9,12 @@ responses.py OpenAI's Responses. The three chat protocols translate their reques
 they render one prompt through one template and split the answer with the same parsers.
 
 A body reaches a protocol as a JSON object (json_body.py: nesting and encoding checked, every failure a 400).
-Parsing checks types and the protocol's own limits
-(n, top_logprobs, completion logprobs, stop strings, logit_bias keys and values), each a 400 naming its field;
-refused_fields and ignored_fields walk the fields a protocol knows and does not act on. Ranges (sampling parameters, token ids inside the vocabulary) and whether the prompt fits are
-the engine's to decide: api.py maps its RequestError to a 400 naming the field the client sent. Image parts are
-checked as far as their bytes (scheme, media type, base64) and kept in prompt order on the request (`.images`); the
-template text gets tokenizer.IMAGE_MARKER where each one was, and the engine decodes them.
+Parsing checks types and the protocol's own limits (n, top_logprobs, completion logprobs, stop strings, logit_bias
+keys and values), each a 400 naming its field; unused_fields walks the fields a protocol knows and does not act on.
+Ranges (sampling parameters, token ids inside the vocabulary) and whether the prompt fits are the engine's to decide:
+api.py maps its RequestError to a 400 naming the field the client sent. Image parts are checked as far as their
+bytes (scheme, media type, base64) and kept in prompt order on the request (`.images`); the template text gets
+tokenizer.IMAGE_MARKER where each one was, and the engine decodes them.
 """
 from __future__ import annotations
 
@@ -84,21 +84,21 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Field parsing: each failure names its field
+# Field parsing: each failure names its field. A reader checks a value the body has (not None); read_field reads
+# one field through a reader, or gives a default when the body leaves it out, so an absent field costs nothing.
 
-def number_field(body: dict, name: str, default: Any) -> Any:
+def read_field(body: dict, name: str, read: Callable[..., Any], default: Any = None, **limits: Any) -> Any:
     value = body.get(name)
-    if value is None:
-        return default
+    return default if value is None else read(value, name, **limits)
+
+
+def number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise bad_request(f"{name} must be a number, got {value!r}", name)   # json.loads takes NaN: not a number
     return float(value)
 
 
-def integer_field(body: dict, name: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
+def integer(value: Any, name: str, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)                            # 16.0 from some clients
     if isinstance(value, bool) or not isinstance(value, int):
@@ -109,20 +109,14 @@ def integer_field(body: dict, name: str, default: Any, lo: int | None = None, hi
     return value
 
 
-def boolean_field(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
+def boolean(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise bad_request(f"{name} must be a boolean, got {value!r}", name)
     return value
 
 
-def stop_strings(body: dict, name: str = "stop", one_string: bool = True) -> list[str]:
+def stop_strings(value: Any, name: str, one_string: bool = True) -> list[str]:
     """A list of stop strings (OpenAI's `stop` also takes one string; Anthropic's `stop_sequences` does not)."""
-    value = body.get(name)
-    if value is None:
-        return []
     if isinstance(value, str) and one_string:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
@@ -132,12 +126,9 @@ def stop_strings(body: dict, name: str = "stop", one_string: bool = True) -> lis
     return [s for s in value if s]                    # "" would stop at once; OpenAI ignores it
 
 
-def logit_bias_field(body: dict) -> dict[int, float] | None:
+def logit_bias(value: Any, name: str) -> dict[int, float]:
     """OpenAI's logit_bias: {"token id": bias in [-100, 100]}. Every key that is no token id is named at once;
     whether the ids are inside the vocabulary is the engine's to say."""
-    value = body.get("logit_bias")
-    if value is None:
-        return None
     if not isinstance(value, dict):
         raise bad_request("logit_bias must be an object mapping token ids (as strings) to a bias in [-100, 100]",
                           "logit_bias")
@@ -157,33 +148,31 @@ def logit_bias_field(body: dict) -> dict[int, float] | None:
 
 _TOKEN_ID = re.compile(r"[0-9]{1,12}")
 
+Refusal = Callable[[Any], "str | None"]             # a field's value -> why it is refused; None: it is accepted
 
-def ignored_fields(body: dict, fields: dict[str, type | tuple[type, ...]]) -> None:
-    """Fields the protocol lets clients send that change nothing here (documented in docs/api.md): type-checked,
-    so a malformed one is still a 400 naming it."""
-    for name, kind in fields.items():
-        value = body.get(name)
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds):
-            names = " or ".join(JSON_TYPES.get(k, k.__name__) for k in kinds)
-            raise bad_request(f"{name} must be {names}, got {value!r:.40}", name)
+
+def unused_fields(body: dict, refused: dict[str, Refusal], ignored: dict[str, type | tuple[type, ...]]) -> None:
+    """The fields a protocol knows and does not act on, of those the body sends. `refused`: not implemented (for
+    the values each rule refuses): a 400 naming the field beats output that silently differs from what the client
+    asked for. `ignored`: they change nothing here (documented in docs/api.md), but are type-checked, so a
+    malformed one is still a 400 naming it."""
+    for name in [n for n in refused if body.get(n) is not None]:
+        reason = refused[name](body[name])
+        if reason:
+            raise bad_request(f"{name} is not supported by this server: {reason}", name)
+    for name in [n for n in ignored if body.get(n) is not None]:
+        _check_type(body[name], name, ignored[name])
+
+
+def _check_type(value: Any, name: str, kind: type | tuple[type, ...]) -> None:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+        names = " or ".join(JSON_TYPES.get(k, k.__name__) for k in kinds)
+        raise bad_request(f"{name} must be {names}, got {value!r:.40}", name)
 
 
 JSON_TYPES = {str: "a string", dict: "an object", list: "a list", bool: "a boolean", int: "an integer",
               float: "a number"}
-
-
-Refusal = Callable[[Any], "str | None"]             # a field's value -> why it is refused; None: it is accepted
-
-
-def refused_fields(body: dict, rules: dict[str, Refusal]) -> None:
-    """Fields we know and do not implement (for the values each rule refuses): a 400 naming the field beats output
-    that silently differs from what the client asked for."""
-    for name, why in rules.items():
-        value = body.get(name)
-        reason = why(value) if value is not None else None
-        if reason:
-            raise bad_request(f"{name} is not supported by this server: {reason}", name)
 
 
 def token_id_list(value: Any, name: str, allow_empty: bool = True) -> list[int]:
@@ -210,46 +199,43 @@ class GenerationOptions:
     continuous_usage: bool = False   # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
 
 
+# The sampling fields of OpenAI's bodies (and vLLM's extensions), in the order they are read: types here, ranges of
+# SamplingParams in the engine. A field left out keeps SamplingParams' default.
+SAMPLING_FIELDS: dict[str, Callable[[Any, str], Any]] = {
+    "min_tokens": integer, "temperature": number, "top_p": number, "top_k": integer, "min_p": number,
+    "presence_penalty": number, "frequency_penalty": number, "repetition_penalty": number,
+    # JSON integers are unbounded; the sampler's generator takes 64 bits
+    "seed": lambda value, name: integer(value, name, lo=-(2 ** 63), hi=2 ** 64 - 1),
+    "stop_token_ids": lambda value, name: token_id_list(value or [], name),
+    "ignore_eos": boolean,
+    "speculative": boolean,                           # extension: false keeps this request off NEXTN
+    "logit_bias": logit_bias}
+
+
 def parse_options(body: dict, logprobs: int | None) -> GenerationOptions:
-    """Sampling and streaming fields: types here, ranges of SamplingParams in the engine."""
+    """Sampling and streaming fields (SAMPLING_FIELDS, then the rest)."""
+    sampling = {name: read(body[name], name) for name, read in SAMPLING_FIELDS.items() if body.get(name) is not None}
+    # the newer OpenAI name wins
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    params = SamplingParams(                          # the newer OpenAI name wins (above)
-        min_tokens=integer_field(body, "min_tokens", 0),
-        temperature=number_field(body, "temperature", 1.0),
-        top_p=number_field(body, "top_p", 1.0),
-        top_k=integer_field(body, "top_k", 0),
-        min_p=number_field(body, "min_p", 0.0),
-        presence_penalty=number_field(body, "presence_penalty", 0.0),
-        frequency_penalty=number_field(body, "frequency_penalty", 0.0),
-        repetition_penalty=number_field(body, "repetition_penalty", 1.0),
-        # JSON integers are unbounded; the sampler's generator takes 64 bits
-        seed=integer_field(body, "seed", None, lo=-(2 ** 63), hi=2 ** 64 - 1),
-        stop_token_ids=token_id_list(body.get("stop_token_ids") or [], "stop_token_ids"),
-        ignore_eos=boolean_field(body, "ignore_eos", False),
-        logprobs=logprobs,
-        speculative=boolean_field(body, "speculative", True),   # extension: false keeps this request off NEXTN
-        logit_bias=logit_bias_field(body),
-    )
-    stream = boolean_field(body, "stream", False)
-    stream_options = stream_options_field(body, stream)
+    stream = read_field(body, "stream", boolean, False)
+    stream_options = read_field(body, "stream_options", stream_options_field, {}, stream=stream)
     return GenerationOptions(
-        params=params, max_tokens=integer_field(body, max_field, None), max_tokens_field=max_field,
-        stop=stop_strings(body), n=integer_field(body, "n", 1, lo=1, hi=MAX_N), stream=stream,
-        include_usage=boolean_field(stream_options, "include_usage", False),
-        return_token_ids=boolean_field(body, "return_token_ids", False),
-        continuous_usage=boolean_field(stream_options, "continuous_usage_stats", False))
+        params=SamplingParams(logprobs=logprobs, **sampling), max_tokens=read_field(body, max_field, integer),
+        max_tokens_field=max_field, stop=read_field(body, "stop", stop_strings, []),
+        n=read_field(body, "n", integer, 1, lo=1, hi=MAX_N), stream=stream,
+        include_usage=read_field(stream_options, "include_usage", boolean, False),
+        return_token_ids=read_field(body, "return_token_ids", boolean, False),
+        continuous_usage=read_field(stream_options, "continuous_usage_stats", boolean, False))
 
 
 STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
 
 
-def stream_options_field(body: dict, stream: bool, allowed: tuple[str, ...] = STREAM_OPTIONS) -> dict[str, Any]:
+def stream_options_field(value: Any, name: str, stream: bool, allowed: tuple[str, ...] = STREAM_OPTIONS
+                         ) -> dict[str, Any]:
     """stream_options, which only a stream takes (OpenAI answers 400 otherwise, as vLLM does). include_obfuscation
     pads chunks against length side channels on OpenAI's service; there is nothing to pad here, so it is accepted
     and has no effect."""
-    value = body.get("stream_options")
-    if value is None:
-        return {}
     if not isinstance(value, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     if not stream:
@@ -258,7 +244,7 @@ def stream_options_field(body: dict, stream: bool, allowed: tuple[str, ...] = ST
     if unknown:
         raise bad_request(f"stream_options.{unknown[0]} is not supported (supported: {', '.join(allowed)})",
                           f"stream_options.{unknown[0]}")
-    boolean_field(value, "include_obfuscation", True)
+    read_field(value, "include_obfuscation", boolean)
     return value
 
 
@@ -337,8 +323,6 @@ def parse_response_format(value: Any, param: str = "response_format", nested: bo
     Chat nests the schema ({"type": "json_schema", "json_schema": {"name", "schema", "strict"}}); the Responses
     API's text.format has name / schema / strict beside type (nested=False). Whether the schema compiles is the
     engine's to say (a 400 naming this field); `strict` is accepted either way: the schema is always enforced."""
-    if value is None:
-        return None
     if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
         got = value.get("type") if isinstance(value, dict) else value
         raise bad_request(f"{param}.type must be one of {', '.join(RESPONSE_FORMATS)}; got {got!r}", f"{param}.type")
@@ -536,6 +520,11 @@ class ParsedRequest(Protocol):
     @property
     def images(self) -> list[ImageInput]:
         """The image parts, in prompt order."""
+        ...
+
+    @property
+    def left_out(self) -> list[str]:
+        """The types of the tools left out of the prompt (chat.leave_out)."""
         ...
 
 

@@ -63,7 +63,8 @@ from typing import Any
 from .chat import (FREEFORM_INPUT, ChatFormat, ChatRequest, TranslatedRequest, chat_tools, count_reasoning_tokens,
                    freeform_tool, function_tool, function_tools, leave_out, named_tool)
 from .protocol import (APIError, ChoiceResult, Endpoint, GenerationOptions, ImageInput, Meta, Usage, bad_request,
-                       boolean_field, ignored_fields, image_from_url, integer_field, logprob_content, number_field, parse_response_format, refused_fields, stream_options_field)
+                       boolean, image_from_url, integer, logprob_content, number, parse_response_format, read_field,
+                       stream_options_field, unused_fields)
 from .responses_output import (ResponsesStream, call_item, message_item, new_id, reasoning_item, response_body,
                                status_of, usage_body)
 from .sampling import MAX_LOGPROBS, SamplingParams
@@ -362,7 +363,7 @@ def _include(body: dict) -> bool:
 def _check_stateless(body: dict) -> None:
     if body.get("previous_response_id") is not None:
         raise bad_request(f"{STATELESS} previous_response_id", "previous_response_id")
-    store = boolean_field(body, "store", False)
+    store = read_field(body, "store", boolean, False)
     if store:
         raise bad_request(f"{STATELESS} store: true", "store")
     if body.get("conversation") is not None:
@@ -372,8 +373,7 @@ def _check_stateless(body: dict) -> None:
 def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> ResponsesRequest:
     """fetch_image_urls (server.fetch_image_urls): http(s) image URLs become RemoteImages instead of a 400."""
     _check_stateless(body)
-    refused_fields(body, REFUSED)
-    ignored_fields(body, IGNORED)
+    unused_fields(body, REFUSED, IGNORED)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"model must be a string, got {model!r}", "model")
@@ -401,18 +401,19 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("user must be a string", "user")
-    max_tokens = integer_field(body, "max_output_tokens", None, lo=1)
+    max_tokens = read_field(body, "max_output_tokens", integer, lo=1)
     logprobs = _include(body)
-    top_logprobs = integer_field(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
-    params = SamplingParams(temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
+    top_logprobs = read_field(body, "top_logprobs", integer, 0, lo=0, hi=MAX_LOGPROBS)
+    params = SamplingParams(temperature=read_field(body, "temperature", number, 1.0),
+                            top_p=read_field(body, "top_p", number, 1.0),
                             constraint=parse_response_format(text["format"], "text.format", nested=False),
-                            speculative=boolean_field(body, "speculative", True),
+                            speculative=read_field(body, "speculative", boolean, True),
                             logprobs=top_logprobs if logprobs else None)
-    stream = boolean_field(body, "stream", False)
-    stream_options_field(body, stream, ("include_obfuscation",))
+    stream = read_field(body, "stream", boolean, False)
+    read_field(body, "stream_options", stream_options_field, stream=stream, allowed=("include_obfuscation",))
     options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_output_tokens", stop=[],
                                 n=1, stream=stream, include_usage=True, return_token_ids=False)
-    parallel = boolean_field(body, "parallel_tool_calls", True)
+    parallel = read_field(body, "parallel_tool_calls", boolean, True)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
                        logprobs=logprobs, top_logprobs=top_logprobs, options=options, images=images, custom_tools=custom,
                        left_out=left_out, parallel_tool_calls=parallel)

@@ -213,35 +213,50 @@ def normalise_messages(messages: list[dict]) -> list[dict]:
     parts joined, images as IMAGE_MARKER (content_text), tool-call arguments parsed (tool_call_arguments). Qwen's
     templates take one system message, first ("System message must be at the beginning."): the system messages
     that open the conversation are joined into one, and a later one becomes a user turn in its place
-    (late_system_text). Raises MessageError."""
+    (late_system_text). A message of text alone is taken as it is. Raises MessageError."""
     out: list[dict] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise MessageError(f"messages[{i}] must be an object", f"messages[{i}]")
-        msg = dict(msg)
-        system = msg.get("role") in SYSTEM_ROLES
-        if system:
-            msg["role"] = "system"                   # templates know "system", not OpenAI's "developer"
-        if "content" in msg:
-            msg["content"] = content_text(msg["content"], f"messages[{i}].content", images=not system)
-        if system and len(out) == 1 and out[0].get("role") == "system":
-            out[0]["content"] = "\n\n".join(t for t in (out[0].get("content"), msg.get("content")) if t)
-            continue
-        if system and out:
-            msg = {"role": "user", "content": late_system_text(msg.get("content") or "")}
-        calls = msg.get("tool_calls")
-        if isinstance(calls, list):
-            new_calls = []
-            for j, call in enumerate(calls):
-                if isinstance(call, dict) and isinstance(call.get("function"), dict):
-                    fn = dict(call["function"])
-                    fn["arguments"] = tool_call_arguments(fn.get("arguments"),
-                                                          f"messages[{i}].tool_calls[{j}].function.arguments")
-                    call = {**call, "function": fn}
-                new_calls.append(call)
-            msg["tool_calls"] = new_calls
-        out.append(msg)
+        if msg.get("role") in SYSTEM_ROLES:
+            _add_system(out, msg, i)
+        elif isinstance(msg.get("content"), (str, type(None))) and not isinstance(msg.get("tool_calls"), list):
+            out.append(msg)
+        else:
+            out.append(_normalise_parts(msg, i))
     return out
+
+
+def _add_system(out: list[dict], msg: dict, i: int) -> None:
+    """A system message: the one that opens the conversation (joined with those right before it), or a user turn in
+    its place once the conversation started."""
+    if not out:                                      # templates know "system", not OpenAI's "developer"
+        out.append(_normalise_parts({**msg, "role": "system"}, i, images=False))
+        return
+    text = content_text(msg.get("content"), f"messages[{i}].content", images=False)
+    if len(out) == 1 and out[0].get("role") == "system":
+        out[0]["content"] = "\n\n".join(t for t in (out[0].get("content"), text) if t)
+    else:
+        out.append({"role": "user", "content": late_system_text(text or "")})
+
+
+def _normalise_parts(msg: dict, i: int, images: bool = True) -> dict:
+    """A copy of msg with its content parts joined and its tool calls' arguments parsed."""
+    msg = dict(msg)
+    if "content" in msg:
+        msg["content"] = content_text(msg["content"], f"messages[{i}].content", images=images)
+    calls = msg.get("tool_calls")
+    if isinstance(calls, list):
+        new_calls = []
+        for j, call in enumerate(calls):
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                fn = dict(call["function"])
+                fn["arguments"] = tool_call_arguments(fn.get("arguments"),
+                                                      f"messages[{i}].tool_calls[{j}].function.arguments")
+                call = {**call, "function": fn}
+            new_calls.append(call)
+        msg["tool_calls"] = new_calls
+    return msg
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -472,10 +487,12 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text):]
 
     def _release(self, final: bool) -> str:
-        """Return what of _pending can be sent now; stop at a stop string."""
-        text = self._pending
-        if not text:
-            return ""
+        """Return what of _pending can be sent now: all of it without stop strings."""
+        text, self._pending = self._pending, ""
+        return self._until_stop(text, final) if self.stop and text else text
+
+    def _until_stop(self, text: str, final: bool) -> str:
+        """What of the text can be sent: up to a stop string (and then no more), or all but what may start one."""
         hit, hit_at = None, -1
         for s in self.stop:
             i = text.find(s)
@@ -483,10 +500,9 @@ class IncrementalDetokenizer:
                 hit, hit_at = s, i
         if hit is not None:
             self.stopped, self.stop_reason = True, hit
-            self._pending = ""
             return text[:hit_at]
         hold = 0 if final else self._stop_prefix_len(text)
-        self._pending = text[len(text) - hold:] if hold else ""
+        self._pending = text[len(text) - hold:]
         return text[:len(text) - hold]
 
     def _stop_prefix_len(self, text: str) -> int:
