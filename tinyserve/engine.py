@@ -14,6 +14,8 @@ Threads of a serving process, and what each may do:
   6. tinyserve-file-read:  reads and checks file-tier blobs; tensors are views of the bytes read (no compute).
   6b. tinyserve-images (2): decode and preprocess request images (PIL, numpy; `prepare_images`; no torch compute).
   6c. tinyserve-status:  every 5 s hands the status page's sample (`engine.call(engine.stats)`) to the event loop.
+  6d. tinyserve-compile: after start, compiles the CPU step graphs NEXTN needs that were not saved (compiled.py):
+                         dynamo's tracing and inductor's compiler only, no torch compute; publishes each graph.
   7. aiohttp and asyncio internals (DNS resolver threads etc.), unused by us.
 The event loop and the engine thread share only thread-safe queues: new requests, aborts and `call` jobs go in
 (`_new`, `_aborts`, `_calls`, drained at the top of each step, so an abort frees its pages at the next step
