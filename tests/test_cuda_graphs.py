@@ -308,6 +308,23 @@ def test_static_decode_with_a_short_pool(dense):
     assert_no_leaks(eng)
 
 
+def test_a_page_row_follows_its_requests_pages(dense):
+    """The static step keeps each request's pages as an array between steps (StaticStep._page_row): pages appended
+    extend it, a list replaced whole (the prefix cache's match, a release) is read again, even at the same length."""
+    from tinyserve.sampling import SamplingParams
+    static = static_steps(make_engine(dense, 16))
+    eng = make_engine(dense, 16)
+    req = eng.intake.make_request(tokens(5, 1), SamplingParams(max_tokens=1), None)
+    req.pages = [3, 4]
+    assert static._page_row(req).tolist() == [3, 4]
+    req.pages += [9]
+    assert static._page_row(req).tolist() == [3, 4, 9]
+    req.pages = [7, 8, 1]
+    assert static._page_row(req).tolist() == [7, 8, 1]
+    req.pages = []
+    assert static._page_row(req).tolist() == []
+
+
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="on the CPU engine.compile_steps compiles (tests/test_compiled.py)")
 def test_the_engine_captures_on_cuda(dense):
     static = make_engine(dense, 16, engine={"compile_steps": True}).features.named("static")

@@ -21,6 +21,7 @@ import logging
 import time
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tinyserve.features import Feature
@@ -29,6 +30,7 @@ from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kernels.verify_layout import VerifyLayout
 from tinyserve.kv import KVPool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
+from tinyserve.request import Request
 from tinyserve.runner import ModelRunner, Packed
 from tinyserve.state import StatePool
 
@@ -175,6 +177,7 @@ class StaticStep(Feature):
         self._captured_on: tuple[int, ...] | None = None      # the pools' addresses the graphs were captured on
         self.compiled = None                                  # compiled.CompiledSteps (the CPU), once built
         self.held_pools: tuple[torch.Tensor, ...] | None = None   # a twin's: the pools as they were when made
+        self._page_rows: dict[int, tuple[list[int], np.ndarray]] = {}   # id(request) -> (its pages, as an array)
         self._pad()
 
     def twin(self) -> "StaticStep":
@@ -243,7 +246,6 @@ class StaticStep(Feature):
         pages = max(len(req.pages) for req, _, _ in spans)
         W = self.table_width(pages)                            # columns the forward reads
         w = min(self.width, pages) if self.for_graphs else W   # columns written (a graph's later ones: never read)
-        table = [p for req, _, _ in spans for p in req.pages[:w] + [scratch_page] * (w - len(req.pages[:w]))]
         R = B * T
         # every buffer with its values, padding sequences last: packed into one host tensor, copied once
         layout = [(self.input_ids[:R], ids + [0] * pad_rows),
@@ -252,15 +254,37 @@ class StaticStep(Feature):
                   (self.out_slots[:R], out_slots + [pad_slot] * pad_rows),
                   (self.token_lens[:R], token_lens + [1] * pad_rows),
                   (self.seq_lens[:B], packed.seq_lens + [1] * (B - N)),
-                  (self.state_slots[:B], packed.state_slots + [pad_slot] * (B - N)),
-                  (self.table(B, W)[:, :w], table + [scratch_page] * ((B - N) * w))]
-        host = torch.tensor([v for _, values in layout for v in values] + real_rows, dtype=torch.long)
-        vals = host.to(self.input_ids.device, non_blocking=True)
+                  (self.state_slots[:B], packed.state_slots + [pad_slot] * (B - N))]
+        small = [v for _, values in layout for v in values] + real_rows
+        host = np.full(len(small) + B * w, scratch_page, dtype=np.int64)
+        host[:len(small)] = small
+        table = host[len(small):].reshape(B, w)         # the page table last, without a Python loop over its pages
+        for i, (req, _, _) in enumerate(spans):
+            row = self._page_row(req)[:w]
+            table[i, :len(row)] = row
+        vals = torch.from_numpy(host).to(self.input_ids.device, non_blocking=True)
         at = 0
         for buf, values in layout:
             buf.copy_(vals[at:at + len(values)].view(buf.shape))
             at += len(values)
-        return B, T, W, vals[at:]
+        self.table(B, W)[:, :w].copy_(vals[len(small):].view(B, w))
+        return B, T, W, vals[at:len(small)]
+
+    def _page_row(self, req: Request) -> np.ndarray:
+        """req.pages as an array, extended by the pages added since the last step. A request's page list only
+        grows by appends, or is replaced whole (cache.match, release: a new list), so a step copies each row
+        instead of walking every page of a long context in Python."""
+        pages, held = req.pages, self._page_rows.get(id(req))
+        if held is None or held[0] is not pages or len(held[1]) > len(pages):
+            row = np.asarray(pages, dtype=np.int32)
+        elif len(held[1]) < len(pages):
+            row = np.concatenate((held[1], np.asarray(pages[len(held[1]):], dtype=np.int32)))
+        else:
+            return held[1]
+        if len(self._page_rows) > 4 * self.sizes[-1]:  # finished requests' (their lists are held: an id reused
+            self._page_rows.clear()                     # by a new request comes with another list)
+        self._page_rows[id(req)] = (pages, row)
+        return row
 
     def _rows(self, packed: Packed, T: int, target: bool) -> tuple[list[int], ...]:
         """The token rows of sequences of up to T tokens, each padded to T: token ids, positions, KV slots, the
