@@ -62,10 +62,7 @@ def build_engine(cfg: Config) -> Engine:
         nextn = engine.features.named("nextn")
         if nextn is not None:
             nextn.price(engine)                # NEXTN: the first forwards, before serving
-        static = engine.features.named("static")
-        if static is not None and static.compiled is not None and static.compiled.pending:
-            # NEXTN's verify and head graphs, compiled while serving: the draft depths are priced again after
-            static.compiled.compile_pending(lambda: engine.call_soon(nextn.forget_draft_prices))
+        compile_while_serving(engine)
     except RuntimeError as e:                  # torch.OutOfMemoryError (CUDA) or the CPU allocator's failure
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
@@ -119,16 +116,15 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
                           snapshot_align=snapshot_alignment(device) if plan.hybrid else None)
     runner = ModelRunner(model, kv_pool, state_pool, eos_token_ids, features, plan.context_length)
     vision = model.visual is not None
-    intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, eos_token_ids, tokenizer,
-                    mc.image_token_id, image_processor_for(model) if vision else None,
-                    weights_digest(model.visual) if vision else b"")
+    intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, features, mc.image_token_id,
+                    image_processor_for(model) if vision else None, weights_digest(model.visual) if vision else b"")
     # the optional features, one line each (features.py); the static steps last, as they run the others' forwards
     if plan.nextn_layers:
         features.add(NextN(cfg.speculative.num_steps, cfg.speculative.max_running, len(mc.attn_layer_ids), runner,
                            running=lambda: len(scheduler.running)))
     if vision:
         features.add(Images(model.encode_images, device, intake))
-    features.add(Grammar())
+    features.add(Grammar(tokenizer, mc.vocab_size, eos_token_ids))
     features.add(PromptLogprobs(model))
     if cfg.engine.idle_release_s:
         features.add(IdleRelease(cfg.engine.idle_release_s, kv_pool, state_pool, allocator, cache, copies, features))
@@ -187,6 +183,17 @@ def compiled_steps(cfg: Config, plan: MemoryPlan, runner: ModelRunner) -> None:
                                in_background=True)
     if static is not None:
         runner.features.add(static)
+
+
+def compile_while_serving(engine: Engine):
+    """Start compiling the CPU step graphs left for after start (NEXTN's verify and head passes not saved yet:
+    compiled.py) on a thread of their own; once they are made the draft depths are priced again. Returns the
+    CompiledSteps (its `wait` joins the thread), None when no graph is left."""
+    static, nextn = engine.features.named("static"), engine.features.named("nextn")
+    if static is None or static.compiled is None or not static.compiled.pending:
+        return None
+    static.compiled.compile_pending(lambda: nextn is not None and engine.call_soon(nextn.forget_draft_prices))
+    return static.compiled
 
 
 def built_static_step(runner: ModelRunner, max_batch: int, for_graphs: bool,
