@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from server_util import ServerProcess, free_port, http, lazy_import, server_config
-from tinyserve.grammar import Constraint, GrammarCompiler, MaskBuffer, apply_mask, unpack_bitmask
-from tinyserve.sampling import SamplingBatch, SamplingParams, sample
+from tinyserve.grammar import GrammarCompiler, MaskBuffer
+from tinyserve.sampling import Constraint, SamplingBatch, SamplingParams, apply_mask, sample, unpack_bitmask
 openai = lazy_import("openai")
 
 SCHEMA = {"type": "object",

@@ -23,13 +23,12 @@ from checkpoints import make_qwen3_5_vl
 from conftest import assert_no_leaks, engine_for, static_steps, tokens
 from tinyserve.engine import EngineStats
 from tinyserve.features import HOOKS, Feature
-from tinyserve.grammar import Constraint
 from tinyserve.images import ImageSource
 from tinyserve.loader import load_model
 from tinyserve.models.qwen3_next import ForwardBatch
 from tinyserve.request import Request
 from tinyserve.runner import Packed
-from tinyserve.sampling import SamplingParams
+from tinyserve.sampling import Constraint, SamplingParams
 from tinyserve.scheduler import ScheduledSeq
 from tinyserve.tokenizer import Tokenizer
 from test_vision_engine import png, user_turn
@@ -93,7 +92,7 @@ def test_each_hook_is_called_from_one_place():
     calls = hook_calls()
     assert {h: len(c) for h, c in calls.items()} == dict.fromkeys(HOOKS, 1), calls
     assert {h: c[0] for h, c in calls.items()} == {
-        "decode_tokens": "scheduler", "free": "scheduler", "prepare": "engine", "model_inputs": "runner",
+        "on_request": "intake", "decode_tokens": "scheduler", "free": "scheduler", "prepare": "engine", "model_inputs": "runner",
         "forward": "runner", "logit_masks": "runner", "accept": "runner", "after_forward": "runner",
         "commit": "engine", "wake": "engine", "idle_timeout": "engine", "on_idle": "engine", "stats": "engine"}
 
@@ -110,13 +109,15 @@ def importers(module: str) -> set[str]:
 
 def test_a_feature_module_is_reached_through_its_registration_alone():
     """What may be deleted with its registration line (build.py): only build.py (and the feature's own modules)
-    import it. The core finds a feature by its name (Features.named), never by importing it."""
+    import it; its records of a request are its own to make (Feature.on_request). The core finds a feature by its name (Features.named), never by importing it."""
     assert importers("spec") == {"build"}
     assert importers("verify") == {"spec"}
     assert importers("static") <= {"build", "compiled"}
     assert importers("compiled") <= {"build"}
     assert importers("idle") == {"build"}
     assert importers("prompt_logprobs") == {"build"}
+    assert importers("grammar") == {"build"}
+    assert importers("multimodal") == {"build"}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,10 +27,9 @@ import torch
 from checkpoints import make_agreeing_head, make_qwen3_5_text, make_qwen3_next
 from conftest import PinnedCost, TEST_DEVICE, assert_no_leaks, engine_for, nextn, static_steps, tokens
 from tinyserve.engine import Engine
-from tinyserve.grammar import Constraint
 from tinyserve.loader import load_model
 from tinyserve.request import Request, Status
-from tinyserve.sampling import SamplingParams
+from tinyserve.sampling import Constraint, SamplingParams
 from tinyserve.spec import ALPHA_START, PROBE_EVERY, PROBE_EVERY_MAX
 
 K = 3                                                    # speculative.num_steps

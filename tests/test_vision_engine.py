@@ -3,7 +3,7 @@ Qwen3_5ForConditionalGeneration (the oracle: its own processor-free path with ou
 tests/test_vision.py checks bit for bit against its image processor), and every prefix-cache path against a cold
 run of the same request (identical tokens, the expected cached counts).
 
-The cache keys an image's tokens on its pixels (multimodal.image_keys), so: the same image twice is a hit through
+The cache keys an image's tokens on its pixels (intake.image_keys), so: the same image twice is a hit through
 the image; a different image of the same size diverges at its first pad; the same image after different text
 misses the KV but skips the vision tower (feature cache); a later turn that adds an image resumes from the previous
 turn; a file-tier hit after a restart gives the cold tokens."""

@@ -70,7 +70,7 @@ from .sampling import SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, ContentJoiner, Tokenizer
 
 if TYPE_CHECKING:
-    from .grammar import Constraint
+    from .sampling import Constraint
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 __all__ = ["Messages", "MessagesRequest", "error_body", "is_anthropic_path", "parse_messages_request"]

@@ -116,16 +116,15 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
                           snapshot_align=snapshot_alignment(device) if plan.hybrid else None)
     runner = ModelRunner(model, kv_pool, state_pool, eos_token_ids, features, plan.context_length)
     vision = model.visual is not None
-    intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, eos_token_ids, tokenizer,
-                    mc.image_token_id, image_processor_for(model) if vision else None,
-                    weights_digest(model.visual) if vision else b"")
+    intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, features, mc.image_token_id,
+                    image_processor_for(model) if vision else None, weights_digest(model.visual) if vision else b"")
     # the optional features, one line each (features.py); the static steps last, as they run the others' forwards
     if plan.nextn_layers:
         features.add(NextN(cfg.speculative.num_steps, cfg.speculative.max_running, len(mc.attn_layer_ids), runner,
                            running=lambda: len(scheduler.running)))
     if vision:
         features.add(Images(model.encode_images, device, intake))
-    features.add(Grammar())
+    features.add(Grammar(tokenizer, mc.vocab_size, eos_token_ids))
     features.add(PromptLogprobs(model))
     if cfg.engine.idle_release_s:
         features.add(IdleRelease(cfg.engine.idle_release_s, kv_pool, state_pool, allocator, cache, copies, features))

@@ -22,11 +22,11 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from .grammar import FORMAT_SYNTAXES, FREEFORM_INPUT, Constraint
 from .parsers import Qwen3ReasoningParser, prompt_opens_reasoning
 from .protocol import ChoiceResult, GenerationOptions, ImageInput, bad_request, constraint_after_reasoning
+from .sampling import Constraint
 from .tokenizer import Tokenizer
-from .tool_calls import Qwen3CoderToolParser, tool_function
+from .tool_calls import FORMAT_SYNTAXES, FREEFORM_INPUT, Qwen3CoderToolParser, tool_function
 
 log = logging.getLogger("tinyserve.chat")
 

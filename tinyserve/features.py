@@ -7,6 +7,8 @@ registered feature overrides costs the core one empty loop, so a feature that is
 else. A feature keeps its per-request state in a record of its own, in `req.features` under its name.
 
     hook            called from               when                                     used by
+    on_request      Intake.make_request       a request is made: its records           grammar, images, prompt
+                                                                                        logprobs
     decode_tokens   Scheduler.schedule        a running request decodes: extra tokens  NEXTN (its drafts)
     free            Scheduler._free           a request gives back its pages           NEXTN, images
     prepare         Engine.run_step           a step is scheduled, before it runs      images (encoding)
@@ -29,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from tinyserve.images import ProcessedImage
     from tinyserve.request import Request
     from tinyserve.runner import Packed, SeqOutput
     from tinyserve.scheduler import ScheduledSeq, Scheduler
 
-HOOKS = ("decode_tokens", "free", "prepare", "model_inputs", "forward", "logit_masks", "accept", "after_forward",
+HOOKS = ("on_request", "decode_tokens", "free", "prepare", "model_inputs", "forward", "logit_masks", "accept", "after_forward",
          "commit", "wake", "idle_timeout", "on_idle", "stats")
 
 
@@ -43,7 +46,7 @@ def _no_accept(seqs, logits, first_rows):
 
 # What each hook answers when no registered feature has it
 NO_FEATURE = {
-    "decode_tokens": lambda req, sched: [], "free": lambda req: None, "prepare": lambda seqs: {},
+    "on_request": lambda req, images: None, "decode_tokens": lambda req, sched: [], "free": lambda req: None, "prepare": lambda seqs: {},
     "model_inputs": lambda packed, shift=0: {}, "forward": lambda packed, inputs: None,
     "logit_masks": lambda reqs, rows: None, "accept": _no_accept,
     "after_forward": lambda seqs, packed, hidden, outputs, started: None, "commit": lambda seq, out, kept: None,
@@ -54,6 +57,10 @@ class Feature:
     """Every hook, doing nothing: a feature overrides those it needs. `name` keys its records (req.features) and
     its stats."""
     name = ""
+
+    def on_request(self, req: Request, images: list[ProcessedImage]) -> None:
+        """A request is made: the feature's record of it (req.features[name]) if it asks for the feature; a
+        RequestError (intake.py) refuses it. images: its processed images, in prompt order."""
 
     def decode_tokens(self, req: Request, sched: Scheduler) -> list[int]:
         """Tokens to compute after req's last one in this step, as a decode with extra tokens (their pages and a
@@ -142,6 +149,10 @@ class Features:
 
     def named(self, name: str) -> Feature | None:
         return next((f for f in self.all if f.name == name), None)
+
+    def on_request(self, req: Request, images: list[ProcessedImage]) -> None:
+        for f in self.by_hook["on_request"]:
+            f.on_request(req, images)
 
     def decode_tokens(self, req: Request, sched: Scheduler) -> list[int]:
         for f in self.by_hook["decode_tokens"]:

@@ -4,14 +4,15 @@ Why llguidance: CPU wheels on PyPI with no torch dependency, JSON schema and Lar
 trie straight from an HF `tokenizers` tokenizer.json (xgrammar also ships wheels, but pins torch-side pieces that
 would tie our torch version to its releases).
 
-A request's `SamplingParams.constraint` (a frozen `Constraint`) is compiled once at submit into a `GrammarState`
-(one llguidance matcher), the request's record (req.features["grammar"], made by the intake). A feature
-(features.py, `Grammar`) on two hooks: `logit_masks` (on the engine thread, before sampling, the library writes the
-allowed-token bitmask of every constrained row into one preallocated int32 [rows, ceil(V / 32)] buffer,
-`MaskBuffer`; sampling unpacks it and applies it to the [B, V] logits in one batched masked_fill) and `commit` (each
-constrained request's matcher consumes its token; a token it rejects ends the request). The model's vocabulary may
-be larger than the tokenizer's: the matcher's vocabulary is sized to the model's, and ids the tokenizer lacks have
-no bytes, so they are never allowed. EOS (the engine's eos ids) is allowed only where the grammar accepts.
+A request's `SamplingParams.constraint` (a frozen `Constraint`, sampling.py) is compiled once at submit into a
+`GrammarState` (one llguidance matcher), the request's record (req.features["grammar"]). A feature (features.py,
+`Grammar`) on three hooks: `on_request` (the matcher, or a RequestError naming the field), `logit_masks` (on the
+engine thread, before sampling, the library writes the allowed-token bitmask of every constrained row into one
+preallocated int32 [rows, ceil(V / 32)] buffer, `MaskBuffer`; sampling unpacks it and applies it to the [B, V]
+logits in one batched masked_fill) and `commit` (each constrained request's matcher consumes its token; a token it
+rejects ends the request). The model's vocabulary may be larger than the tokenizer's: the matcher's vocabulary is
+sized to the model's, and ids the tokenizer lacks have no bytes, so they are never allowed. EOS (the engine's eos
+ids) is allowed only where the grammar accepts.
 
 Tool calls: kind "tool_call" forces exactly one qwen3_coder call (`<tool_call>\n<function=NAME>\n<parameter=P>\n
 VALUE\n</parameter>\n...</function>\n</tool_call>`, then EOS) of one of the given tools (tool_choice required / any)
@@ -34,14 +35,16 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
 from .features import Feature
-from .tool_calls import FUNCTION_END, PARAMETER_END, TOOL_CALL_END, TOOL_CALL_START, schema_types, tool_function
+from .intake import RequestError
+from .sampling import Constraint, SamplingParams
+from .tool_calls import (FORMAT_SYNTAXES, FREEFORM_INPUT, FUNCTION_END, PARAMETER_END, TOOL_CALL_END,
+                         TOOL_CALL_START, schema_types)
 
 if TYPE_CHECKING:
     from .request import Request
@@ -56,55 +59,25 @@ KINDS = ("json_object", "json_schema", "tool_call")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-@dataclass(frozen=True)
-class Constraint:
-    """What the output must match: kind "json_object" (any JSON object), "json_schema" (schema: its JSON text,
-    so the dataclass stays hashable and frozen) or "tool_call" (schema: the JSON text of the callable tools,
-    [{"name", "parameters"}]). start_after: a token id (the reasoning end, `</think>`) before which the output is
-    free; None: constrained from the first token."""
-
-    kind: str
-    schema: str | None = None
-    start_after: int | None = None
-
-    @classmethod
-    def json_schema(cls, schema: dict[str, Any]) -> "Constraint":
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
-
-    @classmethod
-    def tool_call(cls, tools: list[dict[str, Any]], name: str | None = None,
-                  formats: dict[str, dict[str, Any]] | None = None) -> "Constraint":
-        """One call of any of these OpenAI function tools, or of the one named. formats: the freeform tools (by
-        name) and the format of their `input` ({"type": "text"} or {"type": "grammar", "syntax", "definition"})."""
-        callable_ = []
-        for tool in tools:
-            fn = tool_function(tool)
-            if name is None or fn.get("name") == name:
-                if fn.get("name") in (formats or {}):
-                    callable_.append({"name": fn.get("name"), "format": formats[fn["name"]]})
-                else:
-                    callable_.append({"name": fn.get("name"), "parameters": fn.get("parameters")})
-        return cls("tool_call", json.dumps(callable_))
-
-    def grammar(self, tool_call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
-        """The llguidance grammar; ValueError on a kind or schema it cannot take. tool_call_tokens: the ids of
-        `<tool_call>` and `</tool_call>` (None: the tokenizer has no such token; the text is matched)."""
-        if self.kind == "tool_call":
-            return tool_call_grammar(json.loads(self.schema or "[]"), *tool_call_tokens)
-        if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
-        if self.kind != "json_schema":
-            raise ValueError(f"unknown constraint kind {self.kind!r} (expected one of {', '.join(KINDS)})")
-        try:
-            schema = json.loads(self.schema or "")
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the schema is not valid JSON ({e})") from None
-        if not isinstance(schema, dict):
-            raise ValueError("the schema must be a JSON object")
-        try:
-            return LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
-        except Exception as e:                        # noqa: BLE001 - the library raises plain exceptions
-            raise ValueError(f"the schema cannot be compiled: {e}") from None
+def constraint_grammar(constraint: Constraint, tool_call_tokens: tuple[int | None, int | None] = (None, None)) -> str:
+    """The llguidance grammar of a constraint; ValueError on a kind or schema it cannot take. tool_call_tokens: the
+    ids of `<tool_call>` and `</tool_call>` (None: the tokenizer has no such token; the text is matched)."""
+    if constraint.kind == "tool_call":
+        return tool_call_grammar(json.loads(constraint.schema or "[]"), *tool_call_tokens)
+    if constraint.kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
+    if constraint.kind != "json_schema":
+        raise ValueError(f"unknown constraint kind {constraint.kind!r} (expected one of {', '.join(KINDS)})")
+    try:
+        schema = json.loads(constraint.schema or "")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the schema is not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError("the schema must be a JSON object")
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
+    except Exception as e:                            # noqa: BLE001 - the library raises plain exceptions
+        raise ValueError(f"the schema cannot be compiled: {e}") from None
 
 
 def _lark_string(s: str) -> str:
@@ -116,8 +89,6 @@ def _lark_string(s: str) -> str:
 # `</parameter>`), so whatever the grammar lets through, the parser reads back as it was meant.
 RAW_VALUE = (r"/(.|\n)*\n<\/parameter>/ & ~/(.|\n)*<\/parameter>(.|\n)+/ & ~/(.|\n)*<\/function>(.|\n)*/"
              r" & ~/(.|\n)*<parameter=(.|\n)*/")
-FREEFORM_INPUT = "input"              # the one parameter of a freeform tool
-FORMAT_SYNTAXES = ("lark", "regex")
 
 
 def _tag_name(name: Any, what: str) -> str:
@@ -255,7 +226,7 @@ class GrammarCompiler:
         with self._lock:
             grammar = self._grammars.get(key)
         if grammar is None:
-            grammar = constraint.grammar(self.tool_call_tokens)
+            grammar = constraint_grammar(constraint, self.tool_call_tokens)
             err = LLMatcher.validate_grammar(grammar, self.ll)
             if err and not err.startswith("WARNING"):
                 raise ValueError(f"the schema cannot be compiled: {err}")
@@ -296,12 +267,43 @@ class MaskBuffer:
 
 
 class Grammar(Feature):
-    """Constrained output at the sampler: the masks of the constrained rows, the matchers advanced as tokens are
-    kept."""
+    """Constrained output at the sampler: a matcher for each constrained request, the masks of the constrained rows,
+    the matchers advanced as tokens are kept."""
     name = "grammar"
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         self._masks: MaskBuffer | None = None      # made on first use
+        # llguidance's view of the tokenizer, built once here (~1 s for a 250k vocabulary: not on the event loop)
+        self._compiler: GrammarCompiler | None = None
+        self._error = "the engine has no tokenizer"
+        if tokenizer is not None:
+            try:
+                self._compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+            except Exception as e:                   # noqa: BLE001 - serve without constrained decoding
+                self._error = f"llguidance cannot use this tokenizer ({e})"
+                log.warning("constrained decoding (response_format) is off: %s", self._error)
+
+    def on_request(self, req: Request, images: list[Any]) -> None:
+        if req.params.constraint is not None:
+            req.features[self.name] = self._state(req.params)
+
+    def _state(self, params: SamplingParams) -> GrammarState:
+        """The request's matcher; RequestError(field="response_format", or "tool_choice" / "tools" for a forced tool
+        call) on a constraint it cannot take. Compiling a schema runs on the caller's thread (milliseconds for
+        API-sized schemas; cached)."""
+        tool_call = params.constraint.kind == "tool_call"
+        what = "a forced tool call (tool_choice)" if tool_call else "a constrained response_format"
+        if params.ignore_eos or params.min_tokens:
+            raise RequestError(f"{what} cannot be combined with ignore_eos or min_tokens "
+                               "(the grammar decides where the output ends)",
+                               "tool_choice" if tool_call else "response_format")
+        field = "tools" if tool_call else "response_format"
+        if self._compiler is None:
+            raise RequestError(f"{field}: constrained decoding is not available: {self._error}", field)
+        try:
+            return self._compiler.state(params.constraint)
+        except ValueError as e:
+            raise RequestError(f"{field}: {e}", field) from None
 
     def logit_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """(sampling rows, bitmask) of the requests whose grammar is active this step, filled by llguidance; None
@@ -327,22 +329,3 @@ class Grammar(Feature):
                 log.error("request %s: the grammar rejected token %d (%s)", req.request_id, tok, state.error)
                 return "stop"
         return None
-
-
-_bit_shifts: dict[torch.device, torch.Tensor] = {}
-
-
-def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 [R, ceil(V / 32)] bitmask (bit j of word w = token 32 w + j) -> bool [R, V] allowed."""
-    shifts = _bit_shifts.get(bits.device)
-    if shifts is None:
-        shifts = _bit_shifts[bits.device] = torch.arange(32, dtype=torch.int32, device=bits.device)
-    allowed = ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab_size]
-    return allowed.bool()
-
-
-def apply_mask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Out of place: logits [B, V] with -inf where rows[i]'s token is not allowed[i] (one batched masked_fill)."""
-    x = logits.clone()
-    x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
-    return x

@@ -10,6 +10,8 @@ there is none; the room comes back when the last reference to the pixels goes (e
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import logging
 import os
 import random
@@ -20,14 +22,47 @@ from collections import deque
 from pathlib import Path
 
 from tinyserve.config import Config, ConfigError
-from tinyserve.grammar import GrammarCompiler, GrammarState
+from tinyserve.features import Features
 from tinyserve.images import (ImageError, ImageProcessorConfig, ImageSource, ProcessedImage, decode_image, open_image,
                               pixel_bytes, preprocess)
-from tinyserve.multimodal import expand_image_pads, image_keys, request_images
 from tinyserve.request import Request
 from tinyserve.sampling import SamplingParams
 
 log = logging.getLogger("tinyserve.intake")
+
+KEY_LIMIT = 1 << 31                  # image cache key values stay below this (int32 in the file tier's hashes)
+
+
+@functools.lru_cache(maxsize=64)
+def image_keys(digest: bytes, n: int, vocab_size: int) -> tuple[int, ...]:
+    """The cache key values of an image's n tokens: sha256(digest || block) in counter mode, eight 32-bit words
+    per block, each folded into [vocab_size, 2^31). Kept for the last images (prepare_images computes them on a
+    worker thread; each choice's request then finds them: multimodal.request_images)."""
+    span = KEY_LIMIT - vocab_size
+    out: list[int] = []
+    block = 0
+    while len(out) < n:
+        words = hashlib.sha256(digest + block.to_bytes(8, "little")).digest()
+        out += [vocab_size + int.from_bytes(words[i:i + 4], "little") % span for i in range(0, 32, 4)]
+        block += 1
+    return tuple(out[:n])
+
+
+def expand_image_pads(prompt_ids: list[int], images: list[ProcessedImage], image_token_id: int,
+                      merge_size: int) -> list[int]:
+    """Widen the template's single pad per image to the image's token count. Raises ValueError when the number
+    of pads is not the number of images (e.g. a literal <|image_pad|> typed in the text)."""
+    pads = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
+    if len(pads) != len(images):
+        raise ValueError(f"the prompt has {len(pads)} image placeholder token(s) for {len(images)} image(s)")
+    out: list[int] = []
+    prev = 0
+    for at, image in zip(pads, images):
+        gh, gw = image.token_grid(merge_size)
+        out += prompt_ids[prev:at] + [image_token_id] * (gh * gw)
+        prev = at + 1
+    return out + prompt_ids[prev:]
+
 
 IMAGE_BUDGET_REQUESTS = 2    # the budget holds this many requests at the per-request limits (one being encoded,
 IMAGE_BUDGET_SHARE = 8       # one ready behind it), but at most this share (1/8) of the machine's memory
@@ -118,33 +153,24 @@ class RequestError(ValueError):
 
 
 class Intake:
-    """Fits max_tokens to the context and the KV pool, validates sampling parameters and prompts, prepares images
-    and the grammar state of a constrained request, and makes the Request."""
+    """Fits max_tokens to the context and the KV pool, validates sampling parameters and prompts, prepares images,
+    and makes the Request, which the registered features then take up (features.Feature.on_request: a constrained
+    request's matcher, its images' places)."""
 
-    def __init__(self, cfg: Config, context_length: int, kv_tokens: int, vocab_size: int, eos_token_ids: list[int],
-                 tokenizer, image_token_id: int | None = None, image_processor: ImageProcessorConfig | None = None,
+    def __init__(self, cfg: Config, context_length: int, kv_tokens: int, vocab_size: int, features: Features,
+                 image_token_id: int | None = None, image_processor: ImageProcessorConfig | None = None,
                  vision_fingerprint: bytes = b"") -> None:
         self.cfg, self.context_length, self.kv_tokens = cfg, context_length, kv_tokens
-        self.vocab_size = vocab_size
+        self.vocab_size, self.features = vocab_size, features
         self.image_token_id, self.image_processor = image_token_id, image_processor
         # image tokens' cache keys depend on the tower that makes their features (the file tier's fingerprint
         # leaves the tower out, so text pages are shared whether model.vision is on or off)
         self.vision_fingerprint = vision_fingerprint
-        self.images_received = 0             # images in requests made
         self.image_budget = ImageBudget(image_budget_bytes(cfg, image_processor))
         if image_processor is not None:
             log.info("image budget: %.2f GiB of pixels waiting for the vision tower (%d requests of model.max_images"
                      " = %d at most, 1/%d of this machine's memory at most)", self.image_budget.limit / (1 << 30),
                      IMAGE_BUDGET_REQUESTS, cfg.model.max_images, IMAGE_BUDGET_SHARE)
-        # llguidance's view of the tokenizer, built once here (~1 s for a 250k vocabulary: not on the event loop)
-        self._grammar: GrammarCompiler | None = None
-        self._grammar_error = "the engine has no tokenizer"
-        if tokenizer is not None:
-            try:
-                self._grammar = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-            except Exception as e:                       # noqa: BLE001 - serve without constrained decoding
-                self._grammar_error = f"llguidance cannot use this tokenizer ({e})"
-                log.warning("constrained decoding (response_format) is off: %s", self._grammar_error)
 
     # ---- lengths and parameters ----
     def fit_max_tokens(self, prompt_len: int, max_tokens: int | None, clamp: bool = False) -> int:
@@ -152,28 +178,31 @@ class Intake:
         default), but never past what the KV pool holds, which on a small card or the CPU can be less. With clamp,
         a larger max_tokens is cut to what fits instead of refused (Anthropic's clients send one large
         max_tokens whatever the server's context)."""
-        context, pool = self.context_length, self.kv_tokens
-        if prompt_len >= context:
-            raise RequestError(f"the prompt is {prompt_len} tokens long, but the context is {context} tokens "
-                               "(there must be room for at least one generated token)", "prompt",
-                               (prompt_len, context - 1))
-        if prompt_len >= pool:
-            raise RequestError(f"the prompt is {prompt_len} tokens long, but the KV cache holds {pool} tokens; "
-                               "raise engine.kv_cache_tokens", "prompt", (prompt_len, pool - 1))
-        fits = min(context, pool) - prompt_len
+        fits = min(self.context_length, self.kv_tokens) - prompt_len
+        if fits <= 0:
+            raise self._prompt_too_long(prompt_len)
         if max_tokens is None:
             return fits
-        if clamp:
-            return min(max_tokens, fits)
-        room = context - prompt_len
-        if max_tokens > room:
-            raise RequestError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) is longer than the "
-                               f"context ({context} tokens); at most {room} tokens fit", "max_tokens")
-        if prompt_len + max_tokens > pool:
-            raise RequestError(f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}, which is more "
-                               f"than the KV cache holds ({pool} tokens); raise engine.kv_cache_tokens",
-                               "max_tokens")
-        return max_tokens
+        if max_tokens > fits and not clamp:
+            raise self._max_tokens_too_large(prompt_len, max_tokens)
+        return min(max_tokens, fits)
+
+    def _prompt_too_long(self, prompt_len: int) -> RequestError:
+        context, pool = self.context_length, self.kv_tokens
+        if prompt_len >= context:
+            return RequestError(f"the prompt is {prompt_len} tokens long, but the context is {context} tokens "
+                                "(there must be room for at least one generated token)", "prompt",
+                                (prompt_len, context - 1))
+        return RequestError(f"the prompt is {prompt_len} tokens long, but the KV cache holds {pool} tokens; "
+                            "raise engine.kv_cache_tokens", "prompt", (prompt_len, pool - 1))
+
+    def _max_tokens_too_large(self, prompt_len: int, max_tokens: int) -> RequestError:
+        context, pool = self.context_length, self.kv_tokens
+        if max_tokens > context - prompt_len:
+            return RequestError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) is longer than the "
+                                f"context ({context} tokens); at most {context - prompt_len} tokens fit", "max_tokens")
+        return RequestError(f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}, which is more than "
+                            f"the KV cache holds ({pool} tokens); raise engine.kv_cache_tokens", "max_tokens")
 
     def validate(self, params: SamplingParams) -> None:
         """The one validation of sampling parameters; raises RequestError naming the field."""
@@ -181,6 +210,11 @@ class Intake:
             params.validate()
         except ValueError as e:                          # its messages start with the field name
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
+        if params.stop_token_ids or params.logit_bias:
+            self._check_vocabulary(params)
+
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        """The token ids of stop_token_ids and logit_bias are inside the vocabulary."""
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
@@ -261,47 +295,21 @@ class Intake:
                      images: list[ProcessedImage] = ()) -> Request:
         """images: what prepare_images returned for these (expanded) prompt ids."""
         self.validate(params)
-        if not prompt_ids:
-            raise RequestError("the prompt is empty", "prompt")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                               "prompt")
+        if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise self._bad_prompt(prompt_ids)
         self.fit_max_tokens(len(prompt_ids), params.max_tokens)
-        located = None
         if images:
             self.check_images(["prompt"] * len(images))
-            try:
-                located = request_images(prompt_ids, list(images), self.image_token_id,
-                                         self.image_processor.merge_size, self.vocab_size, self.vision_fingerprint)
-            except ValueError as e:
-                raise RequestError(str(e), "prompt") from None
-            self.images_received += len(images)
-        grammar = self._grammar_state(params) if params.constraint is not None else None
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        records = {name: r for name, r in (("grammar", grammar), ("images", located)) if r is not None}
-        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed,
-                       prompt_keys=located.cache_ids if located else None,
-                       resume_hints=located.resume_hints() if located else (),
-                       reuse_cache=params.prompt_logprobs is None, features=records)
+        req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed)
+        self.features.on_request(req, list(images))
+        return req
 
-    def _grammar_state(self, params: SamplingParams) -> GrammarState:
-        """The request's matcher (grammar.py); RequestError(field="response_format", or "tool_choice" / "tools" for a
-        forced tool call) on a constraint it cannot take. Compiling a schema runs here, on the caller's thread
-        (milliseconds for API-sized schemas; cached)."""
-        tool_call = params.constraint.kind == "tool_call"
-        what = "a forced tool call (tool_choice)" if tool_call else "a constrained response_format"
-        if params.ignore_eos or params.min_tokens:
-            raise RequestError(f"{what} cannot be combined with ignore_eos or min_tokens "
-                               "(the grammar decides where the output ends)",
-                               "tool_choice" if tool_call else "response_format")
-        field = "tools" if tool_call else "response_format"
-        if self._grammar is None:
-            raise RequestError(f"{field}: constrained decoding is not available: {self._grammar_error}", field)
-        try:
-            return self._grammar.state(params.constraint)
-        except ValueError as e:
-            raise RequestError(f"{field}: {e}", field) from None
+    def _bad_prompt(self, prompt_ids: list[int]) -> RequestError:
+        if not prompt_ids:
+            return RequestError("the prompt is empty", "prompt")
+        bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
+        return RequestError(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
 
 
 def image_processor_for(model) -> ImageProcessorConfig:

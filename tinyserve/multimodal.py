@@ -1,18 +1,19 @@
 """Images in a request as the engine sees them (placeholders, grid sizes and M-RoPE positions).
 
-A feature (features.py) registered when the checkpoint has a vision tower, on these hooks: `prepare` (the vision
+A feature (features.py) registered when the checkpoint has a vision tower, on these hooks: `on_request` (the record
+below), `prepare` (the vision
 features of every image a step's prefill chunks read, so an image the tower cannot encode fails its own request),
 `model_inputs` (the M-RoPE rows of a batch with an image, and the packed rows that take image features, for the
 target and, one token further, the NEXTN head), `after_forward` (features of fully computed images let go), `free`
 (a preempted request's device features go) and `stats`. Its per-request record is `RequestImages`
-(req.features["images"], made by the intake with the request, which also sets the request's prompt_keys and
+(req.features["images"], made by `on_request` with the request, which also sets the request's prompt_keys and
 resume_hints for the prefix cache).
 
-- Where each image sits: the chat template emits one `<|image_pad|>` per image; `expand_image_pads` widens each to
-  the image's token count (gh x gw merged tokens) and records its span.
+- Where each image sits: the chat template emits one `<|image_pad|>` per image; the intake widens each to the
+  image's token count (gh x gw merged tokens: intake.expand_image_pads) and `request_images` records its span.
 - What the prefix cache sees: every pad has the same id, so a cache keyed on token ids would serve one picture's
   KV for another. `RequestImages.cache_ids` replaces the pads by per-position values derived from the image's
-  digest (sha256 of its processed pixels, grid and processor settings), all in [vocab_size, 2^31): never a real
+  digest (intake.image_keys: sha256 of its processed pixels, grid and processor settings), all in [vocab_size, 2^31): never a real
   token id, and int32 for the file tier's chain hashes. Two different images diverge at their first pad; the same
   image in the same place matches through it. The model is always fed the real ids.
 - Rotary positions: 3-row M-RoPE for any range of the sequence (`positions`), i + delta past the last image.
@@ -22,8 +23,6 @@ resume_hints for the prefix cache).
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -35,29 +34,14 @@ from tinyserve.features import Feature
 from tinyserve.images import ProcessedImage
 from tinyserve.models.qwen_vision import ImageSpan, mrope_delta, mrope_positions_range
 
+from tinyserve.intake import Intake, RequestError, image_keys
+
 if TYPE_CHECKING:
-    from tinyserve.intake import Intake
     from tinyserve.request import Request
     from tinyserve.runner import Packed, SeqOutput
     from tinyserve.scheduler import ScheduledSeq
 
-KEY_LIMIT = 1 << 31                  # cache key values stay below this (int32 in the file tier's hashes)
 FEATURE_CACHE_BYTES = 256 << 20      # vision features kept by digest (a 1024x1024 image on a 27B: 10 MiB)
-
-
-@functools.lru_cache(maxsize=64)
-def image_keys(digest: bytes, n: int, vocab_size: int) -> tuple[int, ...]:
-    """The cache key values of an image's n tokens: sha256(digest || block) in counter mode, eight 32-bit words
-    per block, each folded into [vocab_size, 2^31). Kept for the last images (prepare_images computes them on a
-    worker thread; each choice's request then finds them)."""
-    span = KEY_LIMIT - vocab_size
-    out: list[int] = []
-    block = 0
-    while len(out) < n:
-        words = hashlib.sha256(digest + block.to_bytes(8, "little")).digest()
-        out += [vocab_size + int.from_bytes(words[i:i + 4], "little") % span for i in range(0, 32, 4)]
-        block += 1
-    return tuple(out[:n])
 
 
 @dataclass(eq=False)
@@ -93,22 +77,6 @@ class RequestImages:
         """Where cached states help a later request resume: before the first image (the same text with another
         picture resumes there) and after the last one (other text after the same pictures): Request.resume_hints."""
         return self.items[0].span.start, self.items[-1].span.end
-
-
-def expand_image_pads(prompt_ids: list[int], images: list[ProcessedImage], image_token_id: int,
-                      merge_size: int) -> list[int]:
-    """Widen the template's single pad per image to the image's token count. Raises ValueError when the number
-    of pads is not the number of images (e.g. a literal <|image_pad|> typed in the text)."""
-    pads = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
-    if len(pads) != len(images):
-        raise ValueError(f"the prompt has {len(pads)} image placeholder token(s) for {len(images)} image(s)")
-    out: list[int] = []
-    prev = 0
-    for at, image in zip(pads, images):
-        gh, gw = image.token_grid(merge_size)
-        out += prompt_ids[prev:at] + [image_token_id] * (gh * gw)
-        prev = at + 1
-    return out + prompt_ids[prev:]
 
 
 def request_images(prompt_ids: list[int], images: list[ProcessedImage], image_token_id: int, merge_size: int,
@@ -181,9 +149,10 @@ class Images(Feature):
     name = "images"
 
     def __init__(self, encode: Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor],
-                 device: torch.device, intake: Intake | None = None) -> None:
+                 device: torch.device, intake: Intake) -> None:
         self.encode, self.device, self.intake = encode, device, intake
         self.cache = FeatureCache()
+        self.images_received = 0
         self.images_encoded = 0
         self.encode_seconds = 0.0
 
@@ -207,6 +176,21 @@ class Images(Feature):
         return item.features
 
     # ---- hooks ----
+    def on_request(self, req: Request, images: list[ProcessedImage]) -> None:
+        """A request with images: where each sits and the prefix cache's keys for its tokens (req.prompt_keys), with
+        the positions where a cached state helps (req.resume_hints)."""
+        if not images:
+            return
+        intake = self.intake
+        try:
+            located = request_images(req.prompt_ids, images, intake.image_token_id,
+                                     intake.image_processor.merge_size, intake.vocab_size, intake.vision_fingerprint)
+        except ValueError as e:
+            raise RequestError(str(e), "prompt") from None
+        req.features[self.name] = located
+        req.prompt_keys, req.resume_hints = located.cache_ids, located.resume_hints()
+        self.images_received += len(images)
+
     def prepare(self, seqs: list[ScheduledSeq]) -> dict[Request, Exception]:
         """Before a step: the features of every image its prefill chunks (and the NEXTN head, one token further)
         will read, so that an image the tower cannot encode (out of memory, a malformed input) fails its own
@@ -270,8 +254,6 @@ class Images(Feature):
                 item.features = None
 
     def stats(self) -> ImageStats:
-        intake = self.intake
-        budget = intake.image_budget if intake is not None else None
-        return ImageStats(intake.images_received if intake is not None else 0, self.images_encoded,
-                          self.encode_seconds, budget.limit if budget else 0, budget.held if budget else 0,
-                          budget.waiting if budget else 0)
+        budget = self.intake.image_budget
+        return ImageStats(self.images_received, self.images_encoded, self.encode_seconds, budget.limit, budget.held,
+                          budget.waiting)

@@ -1,18 +1,21 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs: vLLM's prompt_logprobs, the completions API's echo with
 logprobs): each prompt token's logprob under the model, and the top-n at its position, from the prefill's own rows.
 
-A feature (features.py) on two hooks: `after_forward` (the rows of the prefill chunks of a request that asks go
-through the LM head PROMPT_LOGPROB_ROWS at a time, so a long chunk never holds [chunk, V] logits) and `commit` (the
-list goes to the request's report with its first tokens: RequestResult.report). Its per-request record is
-the list itself (req.features["prompt_logprobs"]). Such a request computes its whole prompt (Request.reuse_cache is
-False, set by the intake): its rows are read from the forward; once they are all in, a recompute may reuse the
-cache again.
+A feature (features.py) on three hooks: `on_request` (such a request computes its whole prompt: Request.reuse_cache
+is False), `after_forward` (the rows of the prefill chunks of a request that asks go through the LM head
+PROMPT_LOGPROB_ROWS at a time, so a long chunk never holds [chunk, V] logits) and `commit` (the list goes to the
+request's report with its first tokens: RequestResult.report). Its per-request record is the list itself
+(req.features["prompt_logprobs"]). Its rows are read from the forward; once they are all in, a recompute may reuse
+the cache again.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from tinyserve.features import Feature
+from tinyserve.request import Request
 from tinyserve.runner import Packed, SeqOutput
 from tinyserve.sampling import top_n
 from tinyserve.scheduler import ScheduledSeq
@@ -28,6 +31,10 @@ class PromptLogprobs(Feature):
 
     def __init__(self, model) -> None:
         self.model = model                    # its LM head: compute_logits
+
+    def on_request(self, req: Request, images: list[Any]) -> None:
+        if req.params.prompt_logprobs is not None:
+            req.reuse_cache = False             # its rows are read from the forward: the whole prompt is computed
 
     def after_forward(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor,
                       outputs: list[SeqOutput], started: float) -> None:

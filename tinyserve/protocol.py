@@ -26,10 +26,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generic, Mapping, Protocol, TypeVar
 
-from .grammar import Constraint
 from .images import SUPPORTED_MEDIA_TYPES, ImageError, ImageSource, decode_base64, parse_data_url
 from .parsers import THINK_END
-from .sampling import MAX_LOGIT_BIAS, SamplingParams
+from .sampling import MAX_LOGIT_BIAS, Constraint, SamplingParams
 from .tokenizer import Tokenizer
 
 MAX_N = 8

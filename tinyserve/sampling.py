@@ -9,13 +9,14 @@ seed and p, not on the batch it shares, its row, or preemption.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from tinyserve.draws import as_int64, draw, random_uniform, row_uniform
-from tinyserve.grammar import Constraint, apply_mask, unpack_bitmask
 
 # Temperatures below this are treated as greedy (same cut-off vLLM uses); dividing by them would overflow.
 GREEDY_EPS = 1e-5
@@ -39,6 +40,39 @@ _RANGES = {
     "prompt_logprobs": ("an integer", f"None or an integer in [0, {MAX_LOGPROBS}]",
                         lambda v, p: 0 <= v <= MAX_LOGPROBS),
 }
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match: kind "json_object" (any JSON object), "json_schema" (schema: its JSON text,
+    so the dataclass stays hashable and frozen) or "tool_call" (schema: the JSON text of the callable tools,
+    [{"name", "parameters"}]). start_after: a token id (the reasoning end, `</think>`) before which the output is
+    free; None: constrained from the first token. Enforced by grammar.py, which turns it into a logit mask."""
+
+    kind: str
+    schema: str | None = None
+    start_after: int | None = None
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any]) -> "Constraint":
+        return cls("json_schema", json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def tool_call(cls, tools: list[dict[str, Any]], name: str | None = None,
+                  formats: dict[str, dict[str, Any]] | None = None) -> "Constraint":
+        """One call of any of these OpenAI function tools ({"type": "function", "function": {...}} or the bare
+        function), or of the one named. formats: the freeform tools (by name) and the format of their `input`
+        ({"type": "text"} or {"type": "grammar", "syntax", "definition"})."""
+        callable_ = []
+        for tool in tools:
+            fn = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
+            fn = fn if isinstance(fn, dict) else {}
+            if name is None or fn.get("name") == name:
+                if fn.get("name") in (formats or {}):
+                    callable_.append({"name": fn.get("name"), "format": formats[fn["name"]]})
+                else:
+                    callable_.append({"name": fn.get("name"), "parameters": fn.get("parameters")})
+        return cls("tool_call", json.dumps(callable_))
 
 
 def _check_logit_bias(bias: object) -> None:
@@ -544,6 +578,25 @@ def check_logits(logits: torch.Tensor, batch: SamplingBatch, who: str) -> tuple[
     if V != batch.vocab_size:
         raise ValueError(f"{who}: logits have vocab {V} but the SamplingBatch was built for {batch.vocab_size}")
     return B, V
+
+
+_bit_shifts: dict[torch.device, torch.Tensor] = {}
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [R, ceil(V / 32)] bitmask (bit j of word w = token 32 w + j) -> bool [R, V] allowed."""
+    shifts = _bit_shifts.get(bits.device)
+    if shifts is None:
+        shifts = _bit_shifts[bits.device] = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab_size]
+    return allowed.bool()
+
+
+def apply_mask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Out of place: logits [B, V] with -inf where rows[i]'s token is not allowed[i] (one batched masked_fill)."""
+    x = logits.clone()
+    x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
+    return x
 
 
 def process_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -211,6 +211,10 @@ def _frame(raw: str) -> str:
 # the parser
 # ---------------------------------------------------------------------------------------------------------------
 
+FREEFORM_INPUT = "input"              # the one parameter of a freeform tool (Responses `custom`)
+FORMAT_SYNTAXES = ("lark", "regex")   # the grammars a freeform tool's format may give its input in
+
+
 def tool_function(tool: dict) -> dict:
     """The function of an OpenAI tool ({"type": "function", "function": {...}}) or the bare function object."""
     fn = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
