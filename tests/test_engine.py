@@ -179,7 +179,7 @@ def test_stop_token_and_max_tokens_finish_reasons(model):
     assert res_stop.finish_reason == "stop" and res_stop.completion_tokens == k + 1
     assert [e.token_id for e in ev_len] == free[:4]
     assert res_len.finish_reason == "length" and res_len.completion_tokens == 4
-    assert res_len.prompt_tokens == 12 and res_len.first_token_time is not None
+    assert res_len.prompt_tokens == 12
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +293,6 @@ def test_async_streams_match_generate(model):
     for (events, res), r in zip(results, ref):
         assert [e.token_id for e in events] == r
         assert res.finish_reason == "length" and res.completion_tokens == 9
-        assert res.finish_time >= res.first_token_time >= res.arrival_time
     assert_idle_and_no_leaks(eng)
 
 

@@ -28,11 +28,10 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from tinyserve.cache import TIERS, Cache, CacheStats
 from tinyserve.config import Config
@@ -81,9 +80,6 @@ class RequestResult:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    finish_time: float | None = None
     # what the cache and the features report of the request: "cached_by_tier" (the cache's split of cached_tokens
     # by the tier they came from), "prompt_logprobs" (prompt_logprobs.py's, with the first tokens), NEXTN's counts
     report: dict[str, Any] = field(default_factory=lambda: {"cached_by_tier": dict.fromkeys(TIERS, 0)})
@@ -179,14 +175,9 @@ class RequestStream:
         self.result = result
         self._queue: asyncio.Queue[list[TokenEvent] | None] = asyncio.Queue()
 
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> list[TokenEvent]:
-        item = await self._queue.get()
-        if item is None:
-            raise StopAsyncIteration
-        return item
+    async def __aiter__(self) -> AsyncIterator[list[TokenEvent]]:
+        while (events := await self._queue.get()) is not None:
+            yield events
 
     def cancel(self) -> None:
         if self.result.finish_reason is None:
@@ -260,33 +251,50 @@ class Engine:
         """Take what the event loop handed over (jobs, new requests, aborts), then run one step."""
         while self._calls:
             run_job(*self._calls.popleft())
-        events: list[StepEvent] = []
-        if self._new and not self.features.wake():     # a feature has no room for them now: the next ones retry
-            while self._new:
-                req = self._new.popleft()
-                req.status, req.finish_reason = Status.FINISHED, "error"
-                events.append(self._event(req, []))
+        events = self._refuse_new() if self._new and not self.features.wake() else []
         while self._new:                                 # before the aborts: a request may be cancelled at once
             self.scheduler.add(self._new.popleft())
+        if self._aborts:
+            events += self._take_aborts()
+        return events + self.run_step(self.scheduler)
+
+    def _refuse_new(self) -> list[StepEvent]:
+        """A feature has no room for the new requests now: they fail (the next ones try again)."""
+        events = []
+        while self._new:
+            req = self._new.popleft()
+            req.status, req.finish_reason = Status.FINISHED, "error"
+            events.append(self._event(req, []))
+        return events
+
+    def _take_aborts(self) -> list[StepEvent]:
+        events = []
         while self._aborts:
             req = self._aborts.popleft()
             if req.status != Status.FINISHED:
                 self.scheduler.abort(req)
                 events.append(self._event(req, []))
-        return events + self.run_step(self.scheduler)
+        return events
 
     def run_step(self, sched: Scheduler) -> list[StepEvent]:
         """One forward over what `sched` schedules, its tokens committed."""
         seqs, events = sched.schedule(), []
-        for req, error in self.features.prepare(seqs).items():     # only that request fails
+        failed = self.features.prepare(seqs)
+        if failed:                                       # only those requests fail
+            events = self._fail_before_step(sched, failed)
+            seqs = [s for s in seqs if s.req.status == Status.RUNNING]
+        if not seqs:
+            return events
+        return events + self._commit(sched, seqs, self.runner.step(seqs))
+
+    def _fail_before_step(self, sched: Scheduler, failed: dict[Request, Exception]) -> list[StepEvent]:
+        events = []
+        for req, error in failed.items():
             log.error("request %s failed before its step: %s", req.request_id, error)
             sched.abort(req)
             req.finish_reason = "error"
             events.append(self._event(req, []))
-        seqs = [s for s in seqs if s.req.status == Status.RUNNING]
-        if not seqs:
-            return events
-        return events + self._commit(sched, seqs, self.runner.step(seqs))
+        return events
 
     def _commit(self, sched: Scheduler, seqs: list[ScheduledSeq], outputs: list[SeqOutput]) -> list[StepEvent]:
         """Commit each sequence's tokens one by one (a decode with extra tokens may bring several): nothing after a
@@ -401,7 +409,6 @@ class Engine:
                 log.exception("prefix cache: its upkeep failed")
 
     def _dispatch(self, events: list[StepEvent]) -> None:
-        now = time.monotonic()
         for ev in events:
             stream = self._streams.get(ev.request_id)
             if stream is None:
@@ -412,12 +419,9 @@ class Engine:
                 res.report.update(ev.report)
             if ev.tokens:
                 res.completion_tokens += len(ev.tokens)
-                if res.first_token_time is None:
-                    res.first_token_time = now
                 stream._queue.put_nowait(ev.tokens)
             if ev.finish_reason is not None:
                 res.finish_reason = ev.finish_reason
-                res.finish_time = now
                 stream._queue.put_nowait(None)
                 del self._streams[ev.request_id]
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,6 @@ class Request:
     num_computed: int = 0                              # tokens whose KV and GDN state are in the pools
     cached_tokens: int = 0                             # prompt tokens taken from the prefix cache
     finish_reason: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
     admit_order: int = 0                               # larger = admitted later (preempted first)
     # what the prefix cache keys the prompt on where that is not prompt_ids (an image's tokens: its key values), and
     # prompt positions where a cached state helps later requests resume (before and after the images)

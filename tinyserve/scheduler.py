@@ -87,24 +87,37 @@ class Scheduler:
 
     # ---- one step ----
     def schedule(self) -> list[ScheduledSeq]:
-        batch: list[ScheduledSeq] = []
-        # 1. decodes, oldest first; a decode that cannot get a page preempts the newest running request. Decodes
-        #    with extra tokens go after the plain ones (the model's packed layout).
-        decoding = [r for r in self.running if self._decoding(r)]
+        """This step's batch: 1. the decodes; 2. the running requests still prefilling; 3. waiting requests
+        admitted, while the token budget lasts."""
+        batch = self._decodes()
+        budget = self.chunk_budget - sum(s.num_tokens for s in batch)
         prefilling = [r for r in self.running if not self._decoding(r)]
+        starved = False
+        if prefilling:
+            budget, starved = self._prefills(prefilling, batch, budget)
+        if self.waiting and not starved:
+            self._admit(batch, budget)
+        return batch
+
+    def _decodes(self) -> list[ScheduledSeq]:
+        """The decodes, oldest first; a decode that cannot get a page preempts the newest running request. Decodes
+        with extra tokens go after the plain ones (the model's packed layout)."""
+        plain: list[ScheduledSeq] = []
         extended: list[ScheduledSeq] = []
-        for req in sorted(decoding, key=lambda r: r.admit_order):
+        for req in sorted([r for r in self.running if self._decoding(r)], key=lambda r: r.admit_order):
             if req.status != Status.RUNNING:
                 continue                                   # preempted by an older request in this loop
             extra = self.features.decode_tokens(req, self)
             if extra and (seq := self._extended(req, extra)) is not None:
                 extended.append(seq)
             elif self._grow(req, 1):
-                batch.append(ScheduledSeq(req, req.num_computed, 1, True, is_decode=True))
-        batch += extended
-        budget = self.chunk_budget - sum(s.num_tokens for s in batch)
-        # 2. running requests still prefilling, oldest first; one that finds no free page preempts newer requests
-        #    (not yet in this batch), so the pool can never fill up with half-prefilled requests and stall
+                plain.append(ScheduledSeq(req, req.num_computed, 1, True, is_decode=True))
+        return plain + extended
+
+    def _prefills(self, prefilling: list[Request], batch: list[ScheduledSeq], budget: int) -> tuple[int, bool]:
+        """Chunks of the running requests still prefilling, oldest first, into batch; one that finds no free page
+        preempts newer requests (not yet in this batch), so the pool can never fill up with half-prefilled requests
+        and stall. Returns the budget left and whether a request found no room (starved)."""
         starved = False
         for req in sorted(prefilling, key=lambda r: r.admit_order):
             if budget <= 0 or req.status != Status.RUNNING:
@@ -121,16 +134,20 @@ class Scheduler:
                 budget -= chunk.num_tokens
             else:
                 starved = True
-        # 3. admit waiting requests in arrival order (not while a running request waits for pages), as the cache
-        #    lets them in (one whose file-tier read is in flight waits, or lets those behind it go first)
+        return budget, starved
+
+    def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
+        """Waiting requests in arrival order, as the cache lets them in (one whose file-tier read is in flight
+        waits, or lets those behind it go first), while there are running slots, state slots and pages: their
+        first chunks into batch."""
         for req in self.cache.admissible(list(self.waiting)):
-            if budget <= 0 or len(self.running) >= self.max_running or starved:
+            if budget <= 0 or len(self.running) >= self.max_running:
                 break
             slot = self.state_pool.alloc()
             if slot is None:
                 break
             req.state_slot = slot
-            self.cache.admit(req)                      # resumes from the cached prefix: pages, num_computed
+            self.cache.admit(req)                          # resumes from the cached prefix: pages, num_computed
             chunk = self._prefill_chunk(req, budget)
             if chunk is None:                              # not even one page free: wait for room
                 self._free(req)
@@ -142,7 +159,6 @@ class Scheduler:
             self.running.append(req)
             batch.append(chunk)
             budget -= chunk.num_tokens
-        return batch
 
     def _pages_for(self, req: Request, new_tokens: int) -> int:
         need = -(-(req.num_computed + new_tokens) // self.page_size)
