@@ -157,28 +157,24 @@ class RadixCache:
         """Longest usable device-resident prefix of tokens, always leaving at least one token to compute."""
         limit = self._limit(tokens)
         path, walked = self._walk(tokens[:limit], split=True)
-        last = path[-1] if path else self.root
-        on_device = []
+        usable, pages, kv_len = self.root, [], 0
         for node in path:
-            if node.pages is None:
+            if node.pages is None:                     # host-only from here on
                 break
-            on_device.append(node)
-        usable = self.root
-        for node in on_device:
             node.touch()
             node.hits += 1
             if self._backup_due("hit", node.hits):
                 self._backup(node)
+            pages += node.pages
+            kv_len = node.depth
             if not self.hybrid or node.snapshot is not None:
                 usable = node
-        pages = [p for node in on_device[:on_device.index(usable) + 1] for p in node.pages] \
-            if usable is not self.root else []
         self.query_tokens += len(tokens)
         self.hit_tokens += usable.depth
-        kv_len = on_device[-1].depth if on_device else 0
         # the walk stopped short of the limit at a node with children: no child continues the prompt's next page
+        last = path[-1] if path else self.root
         branch = last if 0 < walked < limit and last.children else None
-        return Match(usable, usable.depth, pages, kv_len, walked, branch)
+        return Match(usable, usable.depth, pages[:usable.depth // self.page_size], kv_len, walked, branch)
 
     def lock(self, node: Node, delta: int) -> None:
         while node is not None and node is not self.root:
