@@ -186,14 +186,8 @@ class PrefixCache(Cache):
     def admit(self, req: Request) -> None:
         """Resume from the longest usable cached prefix: share its pages, copy its state, skip its prefill."""
         run = self.runs.setdefault(req.request_id, CacheRun())
-        blobs: list[Blob] = []
-        if run.read is not None and run.read.done() and run.read.exception() is None:
-            blobs = run.read.result()
-        run.read = None
         ids = req.cache_ids if req.reuse_cache else []     # nothing reused: the whole prompt is computed
-        loaded = {}                                        # tier -> the token range it brought onto the device
-        if self.host is not None or (blobs and ids):
-            loaded = self.tree.promote(ids, blobs if ids else [], run.read_first_page)
+        loaded = self._load(run, ids) if self.host is not None or run.read is not None else {}
         m = self.tree.match(ids)
         if m.branch is not None:
             self.divergences.note(req, m)
@@ -219,6 +213,17 @@ class PrefixCache(Cache):
         req.pages, req.num_computed, req.cached_tokens = list(m.pages), m.length, cached
         req.report["cached_by_tier"] = {"device": cached - sum(by_tier.values()), "host": by_tier.get("host", 0),
                                         "file": by_tier.get("file", 0)}
+
+    def _load(self, run: CacheRun, ids: list[int]) -> dict[str, tuple[int, int]]:
+        """Bring what the host tier and the file-tier read hold of ids onto the device: tier -> the token range it
+        brought."""
+        blobs: list[Blob] = []
+        if run.read is not None and run.read.done() and run.read.exception() is None:
+            blobs = run.read.result()
+        run.read = None
+        if self.host is not None or (blobs and ids):
+            return self.tree.promote(ids, blobs if ids else [], run.read_first_page)
+        return {}
 
     # ---- prefill chunks ----
     def plan_prefill(self, req: Request, n: int, align: int | None) -> tuple[int, list[tuple[int, int]]]:
