@@ -309,31 +309,26 @@ class ChatFormat:
             req.options.params = constraint_after_reasoning(req.options.params, req.starts_in_reasoning, tokenizer)
         return tokenizer.encode(text)
 
-    # parsers are per choice: they are stateful
-    def reasoning(self, req: ChatRequest) -> Qwen3ReasoningParser | None:
+    def parsers(self, req: ChatRequest) -> tuple[Qwen3ReasoningParser | None, Qwen3CoderToolParser | None]:
+        """One choice's reasoning and tool-call parsers (None: off), fresh: they are stateful."""
+        tools = None
+        if self.tool_parser == "qwen3_coder":
+            tools = make_tool_parser(req.tools if req.call_tools is None else req.call_tools, req.tool_choice)
         if self.reasoning_parser != "qwen3":
-            return None
-        tools = self.tools(req)                       # a call of one of these ends the reasoning
+            return None, tools
         return Qwen3ReasoningParser(starts_in_reasoning=req.starts_in_reasoning, enabled=req.enable_thinking,
-                                    tool_names=tools.allowed_names if tools is not None else None)
-
-    def tools(self, req: ChatRequest) -> Qwen3CoderToolParser | None:
-        tools = req.tools if req.call_tools is None else req.call_tools
-        if self.tool_parser != "qwen3_coder" or not tools:
-            return None
-        return make_tool_parser(tools, req.tool_choice)
+                                    tool_names=tools.allowed_names if tools is not None else None), tools
 
     def split(self, req: ChatRequest, r: ChoiceResult) -> Answer:
         """A finished choice's text -> reasoning, content and tool calls. A choice cut by max_tokens reads a value
         the end left open as cut (its call keeps the parameters before it)."""
         reasoning, content, reasoning_end = None, r.text, None
-        parser = self.reasoning(req)
+        parser, tools = self.parsers(req)
         if parser is not None:
             reasoning, content = parser.parse(r.text)
             reasoning_end = parser.end_offset
         calls: list[dict[str, Any]] = []
         cut = False
-        tools = self.tools(req)
         if tools is not None and content:
             content, calls = tools.parse(content, truncated=r.finish_reason == "length")
             cut = len(calls) - 1 in tools.cut_calls
@@ -359,8 +354,7 @@ class ChatStreamChoice:
     """One choice's parsers while streaming: text deltas in, OpenAI chat delta dicts out."""
 
     def __init__(self, chat: ChatFormat, req: ChatRequest) -> None:
-        self.reasoning = chat.reasoning(req)
-        self.tools = chat.tools(req)
+        self.reasoning, self.tools = chat.parsers(req)
         self.called_tools = False
         self.parallel_tool_calls = req.parallel_tool_calls
 
