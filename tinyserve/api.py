@@ -288,10 +288,9 @@ class Generation:
                 self.metrics.on_first_token(now - self.arrival, warm=2 * r.cached_tokens >= r.prompt_tokens > 0)
             self.metrics.on_tokens(len(events), None if last is None else now - last)
             last = now
-            if self.stop:
-                events, text = self._until_stop(detok, events)
-            else:
-                text = detok.add([e.token_id for e in events])
+            taken = len(detok.token_ids)
+            text = detok.add([e.token_id for e in events])
+            events = events[:len(detok.token_ids) - taken]     # nothing after a stop string counts
             ids = [e.token_id for e in events]
             self.completion_tokens += len(ids)
             if detok.stopped:                         # a stop string: the rest of the text is cut
@@ -304,17 +303,6 @@ class Generation:
         reason = stream.result.finish_reason or "abort"
         self._finished(index, reason)
         yield Delta(detok.flush(), [], [], reason)
-
-    @staticmethod
-    def _until_stop(detok: IncrementalDetokenizer, events: list[Any]) -> tuple[list[Any], str]:
-        """The events up to the one that completes a stop string, and their text: token by token, so nothing after
-        the stop string counts."""
-        text = ""
-        for k, e in enumerate(events):
-            text += detok.add([e.token_id])
-            if detok.stopped:
-                return events[:k + 1], text
-        return events, text
 
     async def merged(self) -> AsyncIterator[tuple[int, Delta]]:
         """All choices' deltas as they come (one choice: no extra task or queue)."""
@@ -440,7 +428,7 @@ async def generate(request: web.Request, endpoint: Endpoint[Req]) -> web.StreamR
     arrival = time.monotonic()
     engine = _serving_engine(state)
     body = await _read_json(request)
-    req = endpoint.parse_request(body, engine.served_name, request.headers)
+    req = endpoint.parse(body, engine.served_name, request.headers)
     if req.left_out:
         state.metrics.on_tools_left_out(req.left_out)
     options = req.options

@@ -516,14 +516,19 @@ class IncrementalDetokenizer:
         return best
 
     def add(self, token_ids: list[int] | int) -> str:
-        """Append generated ids; return the newly final text ('' once stopped)."""
+        """Append generated ids; return the newly final text ('' once stopped). The ids after the one that completes
+        a stop string are not taken (token_ids grows by the ids taken)."""
         if self.stopped or self._finished:
             return ""
         # One id at a time (as vLLM does) so text before an incomplete character is not held back with it.
+        text = ""
         for tid in [token_ids] if isinstance(token_ids, int) else token_ids:
             self._ids.append(tid)
             self._pending += self._decode_new(final=False)
-        return self._release(final=False)
+            text += self._release(final=False)
+            if self.stopped:
+                break
+        return text
 
     def flush(self) -> str:
         """End of generation: return everything held back (a trailing partial character decodes as U+FFFD)."""
