@@ -471,11 +471,9 @@ class Messages(Endpoint[MessagesRequest]):
         self.format = ChatFormat(reasoning_parser, tool_parser)
         self.fetch_image_urls = fetch_image_urls
 
-    def parse(self, body: dict, served_name: str) -> MessagesRequest:
-        return parse_messages_request(body, fetch_image_urls=self.fetch_image_urls)
-
-    def parse_request(self, body: dict, served_name: str, headers: Any) -> MessagesRequest:
-        return parse_messages_request(body, fetch_image_urls=self.fetch_image_urls, betas=check_betas(headers))
+    def parse(self, body: dict, served_name: str, headers: Any = None) -> MessagesRequest:
+        return parse_messages_request(body, fetch_image_urls=self.fetch_image_urls,
+                                      betas=check_betas(headers) if headers is not None else None)
 
     def parse_count(self, body: dict, headers: Any) -> MessagesRequest:
         return parse_messages_request(body, count_only=True, fetch_image_urls=self.fetch_image_urls,

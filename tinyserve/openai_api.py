@@ -328,7 +328,7 @@ class Chat(Endpoint[ChatRequest]):
         self.format = ChatFormat(reasoning_parser, tool_parser)
         self.fetch_image_urls = fetch_image_urls
 
-    def parse(self, body: dict, served_name: str) -> ChatRequest:
+    def parse(self, body: dict, served_name: str, headers: Any = None) -> ChatRequest:
         return parse_chat_request(body, served_name, self.fetch_image_urls)
 
     def prompt_ids(self, req: ChatRequest, tokenizer: Tokenizer) -> list[int]:
@@ -424,7 +424,7 @@ class Completions(Endpoint[CompletionRequest]):
     id_prefix = "cmpl-"
     prompt_field = "prompt"
 
-    def parse(self, body: dict, served_name: str) -> CompletionRequest:
+    def parse(self, body: dict, served_name: str, headers: Any = None) -> CompletionRequest:
         return parse_completion_request(body, served_name)
 
     def num_prompts(self, req: CompletionRequest) -> int:

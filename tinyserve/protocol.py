@@ -538,11 +538,8 @@ class Endpoint(ABC, Generic[Req]):
     clamp_max_tokens = False                          # cut a max_tokens past the context instead of a 400
 
     @abstractmethod
-    def parse(self, body: dict, served_name: str) -> Req: ...
-
-    def parse_request(self, body: dict, served_name: str, headers: Mapping[str, str]) -> Req:
-        """parse, for a protocol that also reads request headers (Anthropic's anthropic-beta)."""
-        return self.parse(body, served_name)
+    def parse(self, body: dict, served_name: str, headers: Mapping[str, str] | None = None) -> Req:
+        """headers: the HTTP request's, for a protocol that reads them (Anthropic's anthropic-beta)."""
 
     def context_error(self, err: APIError, tokens: tuple[int, int] | None) -> APIError:
         """The error for a prompt or max_tokens past the context; tokens: (the prompt's length, the most it may be)

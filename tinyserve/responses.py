@@ -435,7 +435,7 @@ class Responses(Endpoint[ResponsesRequest]):
         self.format = ChatFormat(reasoning_parser, tool_parser)
         self.fetch_image_urls = fetch_image_urls
 
-    def parse(self, body: dict, served_name: str) -> ResponsesRequest:
+    def parse(self, body: dict, served_name: str, headers: Any = None) -> ResponsesRequest:
         return parse_responses_request(body, self.fetch_image_urls)
 
     def error_param(self, req: ResponsesRequest, engine_field: str) -> str:
