@@ -489,7 +489,8 @@ class CompletionStream(_OpenAIStream):
         super().__init__(req.options, meta, "text_completion")
         self.req = req
         choices = len(meta.prompts) * req.options.n
-        self.offsets = [TextOffsets() for _ in range(choices)]   # each choice's text offsets, for logprobs
+        # each choice's text offsets, for logprobs
+        self.offsets = [TextOffsets() for _ in range(choices)] if req.logprobs is not None else []
         self.started = [False] * choices
 
     def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
