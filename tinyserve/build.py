@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tinyserve.blob import model_fingerprint, weights_digest
-from tinyserve.cache import Cache, PrefixCache
+from tinyserve.cache import Cache, DevicePrefixCache, PrefixCache
 from tinyserve.config import Config, ConfigError
 from tinyserve.copies import CopyStream, copy_stream_for
 from tinyserve.demo import default_cache_dir
@@ -159,8 +159,9 @@ def prefix_cache(cfg: Config, plan: MemoryPlan, model, tokenizer, kv_pool: KVPoo
                                   probe_every=cfg.cache.state_track_interval // plan.page_size)
         log.info("file tier %s: %d blobs found", plan.file_dir, file.num_blobs)
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
-    return PrefixCache(cfg, allocator, state_pool, plan.page_size, plan.hybrid, host, file, wake=wake,
-                       describe=lambda d: describe_divergence(d, decode, model.cfg.vocab_size))
+    cls = PrefixCache if host is not None or file is not None else DevicePrefixCache
+    return cls(cfg, allocator, state_pool, plan.page_size, plan.hybrid, host, file, wake=wake,
+               describe=lambda d: describe_divergence(d, decode, model.cfg.vocab_size))
 
 
 def compiled_steps(cfg: Config, plan: MemoryPlan, runner: ModelRunner) -> None:

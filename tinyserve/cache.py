@@ -1,6 +1,6 @@
 """The prefix cache as the scheduler sees it: eight calls. `Cache` answers them as the null cache (cache.enabled =
 false: every request starts from an empty state and nothing is kept); `PrefixCache` answers them from the radix
-tree, its state snapshots and its tiers.
+tree, its state snapshots and its tiers (`DevicePrefixCache`: with no tier, nothing to read ahead).
 
     arrival:    on_arrival(req)          start reading the prompt's file-tier blobs in the background
                 admissible(waiting)      the waiting requests that may be admitted now, in order (the prefetch policy)
@@ -358,3 +358,10 @@ class PrefixCache(Cache):
 
     def check(self) -> None:
         self.tree.check()
+
+
+class DevicePrefixCache(PrefixCache):
+    """PrefixCache without a host or a file tier (build.prefix_cache picks it then): no file-tier read to start on
+    arrival or to wait for, so arrival and admission order are the null cache's."""
+    on_arrival = Cache.on_arrival
+    admissible = Cache.admissible
