@@ -97,6 +97,8 @@ class RadixCache:
         self.allocator, self.state_pool = allocator, state_pool
         self.page_size, self.hybrid = page_size, hybrid
         self.host, self.file, self.write_policy = host, file, write_policy
+        # the event that backs a node up (_backup_due); None without a tier
+        self.backup_event = BACKUP_EVENT[write_policy] if host is not None or file is not None else None
         self.root = Node([], [])
         self.root.lock = 1                   # never evicted
         self.pinned: set[Node] = set()       # nodes whose snapshots an admission is loading (promote): never taken
@@ -231,10 +233,7 @@ class RadixCache:
     def _backup_due(self, event: str, hits: int) -> bool:
         """Is a node backed up now (never without a tier)? event: "insert" (cached), "hit" (matched again; hits
         counts its matches), "evict" (leaving the device)."""
-        if self.host is None and self.file is None:
-            return False
-        due = BACKUP_EVENT[self.write_policy]
-        return event == due and (due != "hit" or hits >= 2)
+        return event == self.backup_event and (event != "hit" or hits >= 2)
 
     def _path_tokens(self, node: Node) -> list[int]:
         parts = []
