@@ -411,8 +411,7 @@ class ChatStream(_OpenAIStream):
                     choice["token_ids"] = d.token_ids
             chunks.append(self.chunk(choice))
         if final:
-            reason = d.finish_reason
-            reason = "tool_calls" if c.called_tools and reason == "stop" else reason
+            reason = "tool_calls" if c.called_tools and d.finish_reason == "stop" else d.finish_reason
             chunks.append(self.chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}))
         return chunks
 
