@@ -94,7 +94,8 @@ def set_engine(app: web.Application, engine: Engine) -> None:
 def create_app(engine: Engine | None, cfg: Config) -> web.Application:
     """The aiohttp application. `engine` may be None and set later with set_engine (loading)."""
     max_body = int(cfg.server.max_request_body_mb * 1024 * 1024)
-    app = web.Application(client_max_size=max_body, middlewares=[_error_middleware, _auth_middleware])
+    auth = [_auth_middleware] if cfg.server.api_key else []          # no key: every route is open
+    app = web.Application(client_max_size=max_body, middlewares=[_error_middleware, *auth])
     state = ServerState(cfg=cfg, engine=engine, endpoints=_endpoints(cfg))
     app[STATE] = state
     for path, endpoint in state.endpoints.items():
@@ -199,10 +200,10 @@ def _http_error(request: web.Request, e: web.HTTPException, cfg: Config) -> APIE
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """`Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic clients), on every route."""
-    key = request.app[STATE].cfg.server.api_key
-    if key and request.path != "/health":
-        _check_key(request, key)
+    """`Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic clients), on every route but
+    /health; in the app when server.api_key is set."""
+    if request.path != "/health":
+        _check_key(request, request.app[STATE].cfg.server.api_key)
     return await handler(request)
 
 
