@@ -31,34 +31,44 @@ static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
-/* A row of hd values as float32: a float32 pool is read where it lies, a half one converted into `buf` first (one
- * vectorised loop: bf16 is a shift, f16 a hardware conversion where the CPU has F16C). */
-static inline const float *row_f32(const float *p, float *buf, int hd) { (void)buf; (void)hd; return p; }
-static inline const float *row_bf16(const bf16_t *p, float *buf, int hd) {
-    uint32_t bits[MAX_HD];                                    /* memcpy: no float read through an int pointer */
-    _Pragma("omp simd")
-    for (int d = 0; d < hd; d++) bits[d] = (uint32_t)p[d] << 16;
-    memcpy(buf, bits, sizeof(float) * hd);
-    return buf;
+/* 8 values of a pool row as float32, converted in registers: bf16 is a shift, f16 a hardware conversion where the
+ * CPU has one (x86's F16C, ARM's FP16). */
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+static inline v8 ld_f32(const float *p) { return load8(p); }
+static inline v8 ld_bf16(const bf16_t *p) {
+    u16x8 h;
+    memcpy(&h, p, sizeof h);
+    u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+    v8 v;
+    memcpy(&v, &w, sizeof v);                                 /* memcpy: no float read through an int pointer */
+    return v;
 }
-#ifdef __FLT16_MAX__                                          /* the compiler has _Float16 */
-static inline const float *row_f16(const _Float16 *p, float *buf, int hd) {
-    _Pragma("omp simd")
-    for (int d = 0; d < hd; d++) buf[d] = (float)p[d];
-    return buf;
+#if defined(__F16C__)                                         /* x86's conversion instruction */
+#include <immintrin.h>
+static inline v8 ld_f16(const _Float16 *p) {
+    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    v8 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
 }
+#elif defined(__FLT16_MAX__)                                  /* the compiler has _Float16 (ARM: one instruction) */
+typedef _Float16 h8 __attribute__((vector_size(16)));
+static inline v8 ld_f16(const _Float16 *p) { h8 h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, v8); }
 #endif
 
+#define BLOCK 64                                              /* output values of one head kept in 8 registers */
+
 /* One part of one row: keys [t_begin, t_end), for all H query heads (head h reads kv head h / G). Writes the part's
- * running maximum m[h], sum l[h] and unnormalised output acc[h][d]. A page is read in memory order (token by token,
- * each kv head's row, K then V), each row once for the G heads that share it: 8 lanes of each head's dot at a time,
- * one horizontal sum per head and key. */
-#define PART(NAME, T, ROW)                                                                                          \
+ * running maximum m[h], sum l[h] and unnormalised output acc[h][d]. Scores: a page is read in memory order (token
+ * by token, each kv head's key row once for the G heads that share it: 8 lanes of each head's dot at a time, one
+ * horizontal sum per head and key). Values: for each head, BLOCK outputs stay in registers while the page's value
+ * rows stream through (the page is in L1 by then), so each multiply-add costs one load, not a load and a store. */
+#define PART(NAME, T, LD)                                                                                           \
 static void NAME(const float *qs, const T *pool, int64_t sp, int64_t sk, int64_t st, int64_t sh,                   \
                  const int32_t *pages, int t_begin, int t_end, int H, int G, int hd, int ps, float *m, float *l,   \
                  float *acc) {                                                                                      \
     static _Thread_local float s[MAX_H][MAX_PS];                                                                    \
-    float buf[MAX_HD];                                                                                              \
     int KV = H / G;                                                                                                 \
     for (int h = 0; h < H; h++) { m[h] = -FLT_MAX; l[h] = 0.f; memset(acc + h * hd, 0, sizeof(float) * hd); }      \
     for (int t0 = t_begin; t0 < t_end;) {                                                                           \
@@ -67,11 +77,11 @@ static void NAME(const float *qs, const T *pool, int64_t sp, int64_t sk, int64_t
         const T *base = pool + (int64_t)pages[page] * sp + (int64_t)first * st;                                    \
         for (int j = 0; j < cnt; j++)                                                                               \
             for (int kvh = 0; kvh < KV; kvh++) {                                                                    \
-                const float *k = ROW(base + j * st + kvh * sh, buf, hd);                                            \
+                const T *k = base + j * st + kvh * sh;                                                              \
                 v8 dots[MAX_G];                                                                                     \
                 for (int g = 0; g < G; g++) dots[g] = (v8){0};                                                      \
                 for (int d = 0; d < hd; d += 8) {                                                                   \
-                    v8 kd = load8(k + d);                                                                           \
+                    v8 kd = LD(k + d);                                                                              \
                     for (int g = 0; g < G; g++) dots[g] += load8(qs + (kvh * G + g) * hd + d) * kd;                 \
                 }                                                                                                   \
                 for (int g = 0; g < G; g++) s[kvh * G + g][j] = hsum8(dots[g]);                                     \
@@ -90,25 +100,31 @@ static void NAME(const float *qs, const T *pool, int64_t sp, int64_t sk, int64_t
                 for (int d = 0; d < hd; d++) a[d] *= keep;                                                          \
             }                                                                                                       \
         }                                                                                                           \
-        for (int j = 0; j < cnt; j++)                                                                               \
-            for (int kvh = 0; kvh < KV; kvh++) {                                                                    \
-                const float *v = ROW(base + sk + j * st + kvh * sh, buf, hd);                                       \
-                for (int d = 0; d < hd; d += 8) {                                                                   \
-                    v8 vd = load8(v + d);                                                                           \
-                    for (int g = 0; g < G; g++) {                                                                   \
-                        float *a = acc + (kvh * G + g) * hd + d;                                                    \
-                        store8(a, load8(a) + s[kvh * G + g][j] * vd);                                               \
-                    }                                                                                               \
-                }                                                                                                   \
+        for (int h = 0; h < H; h++) {                                                                               \
+            const T *v = base + sk + (h / G) * sh;                                                                  \
+            const float *p = s[h];                                                                                  \
+            int d0 = 0;                                                                                             \
+            for (; d0 + BLOCK <= hd; d0 += BLOCK) {                                                                 \
+                v8 a[BLOCK / 8];                                                                                    \
+                for (int c = 0; c < BLOCK / 8; c++) a[c] = load8(acc + h * hd + d0 + 8 * c);                        \
+                for (int j = 0; j < cnt; j++)                                                                       \
+                    for (int c = 0; c < BLOCK / 8; c++) a[c] += p[j] * LD(v + j * st + d0 + 8 * c);                 \
+                for (int c = 0; c < BLOCK / 8; c++) store8(acc + h * hd + d0 + 8 * c, a[c]);                        \
             }                                                                                                       \
+            for (; d0 < hd; d0 += 8) {                                /* hd not a multiple of BLOCK: 8 at a time */ \
+                v8 a = load8(acc + h * hd + d0);                                                                    \
+                for (int j = 0; j < cnt; j++) a += p[j] * LD(v + j * st + d0);                                      \
+                store8(acc + h * hd + d0, a);                                                                       \
+            }                                                                                                       \
+        }                                                                                                           \
         t0 += cnt;                                                                                                  \
     }                                                                                                               \
 }
 
-PART(part_f32, float, row_f32)
-PART(part_bf16, bf16_t, row_bf16)
+PART(part_f32, float, ld_f32)
+PART(part_bf16, bf16_t, ld_bf16)
 #ifdef __FLT16_MAX__
-PART(part_f16, _Float16, row_f16)
+PART(part_f16, _Float16, ld_f16)
 #endif
 
 /* q [N, H, hd] and out [N, H, hd] float32, contiguous; dtype 0 float32, 1 bfloat16, 2 float16 (the pool's). A row
