@@ -464,7 +464,8 @@ async def stream_sse(session, url: str, body: dict, progress) -> StreamResult:
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"POST {url}: HTTP {resp.status}: {(await resp.text())[:500]}")
-        async for raw in resp.content:
+        # an event may be long: with return_token_ids the first carries the prompt's ids (~0.8 MB at 128K tokens)
+        while raw := await resp.content.readline(max_line_length=64 << 20):
             line = raw.strip()
             if not line.startswith(b"data: {"):
                 continue
