@@ -311,9 +311,8 @@ class ChatFormat:
 
     def parsers(self, req: ChatRequest) -> tuple[Qwen3ReasoningParser | None, Qwen3CoderToolParser | None]:
         """One choice's reasoning and tool-call parsers (None: off), fresh: they are stateful."""
-        tools = None
-        if self.tool_parser == "qwen3_coder":
-            tools = make_tool_parser(req.tools if req.call_tools is None else req.call_tools, req.tool_choice)
+        offered = req.tools if req.call_tools is None else req.call_tools
+        tools = make_tool_parser(offered, req.tool_choice) if self.tool_parser == "qwen3_coder" and offered else None
         if self.reasoning_parser != "qwen3":
             return None, tools
         return Qwen3ReasoningParser(starts_in_reasoning=req.starts_in_reasoning, enabled=req.enable_thinking,
