@@ -461,29 +461,25 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stopped = False
         self.stop_reason: str | None = None
-        self._ids: list[int] = []
+        self.token_ids: list[int] = []  # the ids taken so far
         self._prefix_offset = 0
         self._read_offset = 0
         self._pending = ""          # decoded text not yet returned (a possible stop-string start)
         self._finished = False
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._ids
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_new(self, final: bool) -> str:
         """Text of the ids past read_offset; '' while the tail is an incomplete UTF-8 character (unless final)."""
-        if self._read_offset >= len(self._ids):
+        if self._read_offset >= len(self.token_ids):
             return ""
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset:])
+        prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self.token_ids[self._prefix_offset:])
         if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)):
             return ""  # nothing visible yet (skipped special token) or a partial character: wait for more ids
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._read_offset = len(self.token_ids)
         return full_text[len(prefix_text):]
 
     def _release(self, final: bool) -> str:
@@ -523,7 +519,7 @@ class IncrementalDetokenizer:
         # One id at a time (as vLLM does) so text before an incomplete character is not held back with it.
         text = ""
         for tid in [token_ids] if isinstance(token_ids, int) else token_ids:
-            self._ids.append(tid)
+            self.token_ids.append(tid)
             self._pending += self._decode_new(final=False)
             text += self._release(final=False)
             if self.stopped:
