@@ -4,9 +4,9 @@
  * One query row per sequence position: row i attends to keys 0 .. lens[i]-1 of page-table row rows[i] (rows NULL:
  * row i). The pool of one layer holds element (page, k/v, token, kv head, d) at
  *   page * sp + kv * sk + token * st + head * sh + d          (d contiguous)
- * so a page's rows are read in place, never gathered into a copy of the context. Each (row, kv head) is one work
- * item: the G query heads that share the kv head read each key once, and the scores of a page stay in a small
- * block (online softmax, page by page). When there are fewer items than threads, each item's keys are split into
+ * so a page's rows are read in place, never gathered into a copy of the context. Each row is one work item: its
+ * heads read a page while it is in L1 (the G query heads of a kv head share its rows, no per-head copy), and the
+ * scores of a page stay in a small block (online softmax, page by page). When there are fewer items than threads, each item's keys are split into
  * parts whose partial sums are joined by their maxima (as flash decoding does), so a single long sequence uses every
  * core. The threads are torch's own OpenMP team (the same libgomp, loaded once).
  */
@@ -16,6 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #define MAX_G 32
 #define MAX_H 128
@@ -30,12 +33,32 @@ typedef float v8 __attribute__((vector_size(32)));
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+/* the sums of 8 vectors, one per lane: pairs, then quads, then halves added across */
+static inline v8 sum8x8(const v8 a[8]) {
+    v8 u[4], w[2];
+    for (int i = 0; i < 4; i++)
+        u[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14)
+             + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(w[0], w[1], 0, 1, 2, 3, 8, 9, 10, 11)
+         + __builtin_shufflevector(w[0], w[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
 
 /* 8 values of a pool row as float32, converted in registers: bf16 is a shift, f16 a hardware conversion where the
  * CPU has one (x86's F16C, ARM's FP16). */
+static inline v8 ld_f32(const float *p) { return load8(p); }
+#if defined(__AVX2__)
+static inline v8 ld_bf16(const bf16_t *p) {                   /* widen to 32 bits, shift into the high half */
+    __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    v8 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+#else
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
-static inline v8 ld_f32(const float *p) { return load8(p); }
 static inline v8 ld_bf16(const bf16_t *p) {
     u16x8 h;
     memcpy(&h, p, sizeof h);
@@ -44,8 +67,8 @@ static inline v8 ld_bf16(const bf16_t *p) {
     memcpy(&v, &w, sizeof v);                                 /* memcpy: no float read through an int pointer */
     return v;
 }
+#endif
 #if defined(__F16C__)                                         /* x86's conversion instruction */
-#include <immintrin.h>
 static inline v8 ld_f16(const _Float16 *p) {
     __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     v8 v;
@@ -60,32 +83,38 @@ static inline v8 ld_f16(const _Float16 *p) { h8 h; memcpy(&h, p, sizeof h); retu
 #define BLOCK 64                                              /* output values of one head kept in 8 registers */
 
 /* One part of one row: keys [t_begin, t_end), for all H query heads (head h reads kv head h / G). Writes the part's
- * running maximum m[h], sum l[h] and unnormalised output acc[h][d]. Scores: a page is read in memory order (token
- * by token, each kv head's key row once for the G heads that share it: 8 lanes of each head's dot at a time, one
- * horizontal sum per head and key). Values: for each head, BLOCK outputs stay in registers while the page's value
- * rows stream through (the page is in L1 by then), so each multiply-add costs one load, not a load and a store. */
+ * running maximum m[h], sum l[h] and unnormalised output acc[h][d]. Scores: for each head, 8 keys at a time, their
+ * 8 dot products kept in registers and summed across lanes together (sum8x8), the G heads of a kv head reading its
+ * key rows from L1 after the first. Values: for each head, BLOCK outputs stay in registers while the page's value
+ * rows stream through, so each multiply-add costs one load, not a load and a store. */
 #define PART(NAME, T, LD)                                                                                           \
 static void NAME(const float *qs, const T *pool, int64_t sp, int64_t sk, int64_t st, int64_t sh,                   \
                  const int32_t *pages, int t_begin, int t_end, int H, int G, int hd, int ps, float *m, float *l,   \
                  float *acc) {                                                                                      \
     static _Thread_local float s[MAX_H][MAX_PS];                                                                    \
-    int KV = H / G;                                                                                                 \
     for (int h = 0; h < H; h++) { m[h] = -FLT_MAX; l[h] = 0.f; memset(acc + h * hd, 0, sizeof(float) * hd); }      \
     for (int t0 = t_begin; t0 < t_end;) {                                                                           \
         int page = t0 / ps, first = t0 % ps;                                                                        \
         int cnt = (page + 1) * ps < t_end ? ps - first : t_end - t0;                                                \
         const T *base = pool + (int64_t)pages[page] * sp + (int64_t)first * st;                                    \
-        for (int j = 0; j < cnt; j++)                                                                               \
-            for (int kvh = 0; kvh < KV; kvh++) {                                                                    \
-                const T *k = base + j * st + kvh * sh;                                                              \
-                v8 dots[MAX_G];                                                                                     \
-                for (int g = 0; g < G; g++) dots[g] = (v8){0};                                                      \
+        for (int h = 0; h < H; h++) {                                                                               \
+            const float *qh = qs + h * hd;                                                                          \
+            const T *k = base + (h / G) * sh;                                                                       \
+            int j = 0;                                                                                              \
+            for (; j + 8 <= cnt; j += 8) {                     /* 8 keys at a time: 8 sums in registers */          \
+                v8 a[8] = {{0}};                                                                                    \
                 for (int d = 0; d < hd; d += 8) {                                                                   \
-                    v8 kd = LD(k + d);                                                                              \
-                    for (int g = 0; g < G; g++) dots[g] += load8(qs + (kvh * G + g) * hd + d) * kd;                 \
+                    v8 qd = load8(qh + d);                                                                          \
+                    for (int c = 0; c < 8; c++) a[c] += qd * LD(k + (j + c) * st + d);                              \
                 }                                                                                                   \
-                for (int g = 0; g < G; g++) s[kvh * G + g][j] = hsum8(dots[g]);                                     \
+                store8(s[h] + j, sum8x8(a));                                                                        \
             }                                                                                                       \
+            for (; j < cnt; j++) {                                                                                  \
+                v8 a = {0};                                                                                         \
+                for (int d = 0; d < hd; d += 8) a += load8(qh + d) * LD(k + j * st + d);                            \
+                s[h][j] = hsum8(a);                                                                                 \
+            }                                                                                                       \
+        }                                                                                                           \
         for (int h = 0; h < H; h++) {                                                                               \
             float top = m[h], sum = 0.f;                                                                            \
             for (int j = 0; j < cnt; j++) top = s[h][j] > top ? s[h][j] : top;                                      \
