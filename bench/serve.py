@@ -353,6 +353,7 @@ async def run(args: argparse.Namespace) -> int:
     device = cfg.model.device           # "auto": the transformers worker picks as tinyserve does
 
     systems: dict[str, HTTPSystem | WorkerSystem] = {}
+    context_figures = None
     try:
         # start every system (one after the other), then measure
         for name in names:
@@ -393,7 +394,7 @@ async def run(args: argparse.Namespace) -> int:
             print(f"{name}: ready in {systems[name].ready_s:.1f} s", file=sys.stderr)
 
         if contexts:
-            await measure_contexts(args, shape, contexts, systems, threads, load_before, meter)
+            context_figures = await measure_contexts(args, shape, contexts, systems)
             return 0
         res = Results()
         kinds = [ONE, BATCH, PREFILL, TTFT]
@@ -437,6 +438,9 @@ async def run(args: argparse.Namespace) -> int:
     finally:
         for s in systems.values():
             await s.close()
+        if context_figures is not None:  # printed once the servers are stopped: their CPU time then counts as ours
+            report_contexts(args, shape, contexts, systems, threads, load_before, meter.others_cores(),
+                            *context_figures)
     others = meter.others_cores()
     report(args, shape, folder, threads, systems, res, load_before, load_average(), others, diff)
     if args.keep:
@@ -446,9 +450,9 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def measure_contexts(args, shape: Shape, contexts: list[int], systems: dict, threads: int, load_before: str,
-                           meter: CpuMeter) -> None:
-    """--context: each length's prompt prefilled once per system, then its decode rate each round (a cache hit)."""
+async def measure_contexts(args, shape: Shape, contexts: list[int], systems: dict) -> tuple[dict, dict]:
+    """--context: each length's prompt prefilled once per system, then its decode rate each round (a cache hit).
+    Returns (decode tok/s per round, prefill tok/s), keyed by (system, context)."""
     prefill: dict[tuple[str, int], float] = {}
     decode: dict[tuple[str, int], list[float]] = {}
     for context in contexts:
@@ -465,6 +469,11 @@ async def measure_contexts(args, shape: Shape, contexts: list[int], systems: dic
                               Sample(stream.end - stream.start, [stream.token_ids], [stream.count]))
                 decode.setdefault((name, context), []).append((stream.count - 1) / (stream.end - stream.first))
         print(f"context {context} done", file=sys.stderr)
+    return decode, prefill
+
+
+def report_contexts(args, shape: Shape, contexts: list[int], systems: dict, threads: int, load_before: str,
+                    others: float, decode: dict, prefill: dict) -> None:
     names = list(systems)
     pick = statistics.median if args.stat == "median" else max
     rows = []
@@ -476,7 +485,7 @@ async def measure_contexts(args, shape: Shape, contexts: list[int], systems: dic
     for name in names:
         print(f"  {name}: {systems[name].info}; start to ready {systems[name].ready_s:.1f} s")
     print(f"  load average before {load_before}, after {load_average()}; other processes used "
-          f"{meter.others_cores():.2f} cores on average during the run\n")
+          f"{others:.2f} cores on average during the run\n")
     print(fmt_table(rows, ("context", *(f"{n} decode tok/s" for n in names), *(f"{n} prefill tok/s" for n in names))))
     if len(names) > 1:
         base = names[0]
