@@ -157,6 +157,17 @@ def drive(eng: Engine, schedule: list[tuple[int, list[int], int]]) -> list[list[
     return [r.output_ids for r in reqs]
 
 
+def prefill_logits(eng: Engine, req) -> torch.Tensor:
+    """Logits of every prompt position of `req`, computed through the scheduler's chunked prefill and the runner."""
+    eng.scheduler.add(req)
+    hidden = []
+    while req.num_computed < len(req.prompt_ids):
+        seqs = eng.scheduler.schedule()
+        hidden.append(eng.runner.forward(seqs)[1])
+        req.num_computed += seqs[0].num_tokens
+    return eng.model.compute_logits(torch.cat(hidden))
+
+
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

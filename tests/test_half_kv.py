@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TEST_DEVICE, engine_for
+from conftest import TEST_DEVICE, engine_for, prefill_logits
 from test_parity import FAMILIES
 from tinyserve.loader import load_model
 from tinyserve.request import Request
@@ -41,14 +41,7 @@ def test_half_kv_logits_within_the_written_bound(family, kv_dtype):
         ref = hf(torch.tensor([ids])).logits[0]
     eng = make_engine(model, kv_dtype)
     assert eng.kv_pool.buffer.dtype == getattr(torch, kv_dtype)
-    req = Request("r", ids, SamplingParams(max_tokens=1), seed=0)
-    eng.scheduler.add(req)
-    hidden = []
-    while req.num_computed < len(ids):
-        seqs = eng.scheduler.schedule()
-        hidden.append(eng.runner.forward(seqs)[1])
-        req.num_computed += seqs[0].num_tokens
-    ours = model.compute_logits(torch.cat(hidden)).cpu()
+    ours = prefill_logits(eng, Request("r", ids, SamplingParams(max_tokens=1), seed=0)).cpu()
     assert (ours - ref).abs().max().item() < BOUNDS[kv_dtype]
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoints import make_qwen3_5_conditional, make_qwen3_5_text, make_qwen3_next
-from conftest import TEST_DEVICE, engine_for
+from conftest import TEST_DEVICE, engine_for, prefill_logits
 from tinyserve.loader import load_model
 from tinyserve.sampling import SamplingParams
 from tinyserve.request import Request
@@ -34,14 +34,7 @@ def engine_logits(model, ids: list[int], page_size: int, chunk: int) -> torch.Te
     """Logits of every prompt position, computed through the scheduler's chunked prefill and the runner."""
     eng = engine_for(model, engine={"page_size": page_size, "kv_cache_tokens": 1024, "max_running_requests": 2,
                                     "chunked_prefill_size": chunk})
-    req = Request("r", ids, SamplingParams(max_tokens=1), seed=0)
-    eng.scheduler.add(req)
-    hidden = []
-    while req.num_computed < len(ids):
-        seqs = eng.scheduler.schedule()
-        hidden.append(eng.runner.forward(seqs)[1])
-        req.num_computed += seqs[0].num_tokens
-    return model.compute_logits(torch.cat(hidden))
+    return prefill_logits(eng, Request("r", ids, SamplingParams(max_tokens=1), seed=0))
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:

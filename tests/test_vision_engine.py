@@ -16,11 +16,10 @@ import torch
 from PIL import Image
 
 from checkpoints import make_qwen3_5_vl
-from conftest import assert_no_leaks, engine_for, nextn
+from conftest import assert_no_leaks, engine_for, nextn, prefill_logits
 from tinyserve.engine import RequestError
 from tinyserve.images import ImageSource
 from tinyserve.loader import load_model
-from tinyserve.request import Request
 from tinyserve.sampling import SamplingParams
 from tinyserve.tokenizer import Tokenizer
 
@@ -64,14 +63,7 @@ def hf_inputs(vl, ids: list[int], images) -> dict:
 
 def engine_logits(eng, ids, images) -> torch.Tensor:
     """Logits of every prompt position through the scheduler's chunked prefill and the runner."""
-    req = eng.intake.make_request(ids, SamplingParams(max_tokens=1), None, images)
-    eng.scheduler.add(req)
-    hidden = []
-    while req.num_computed < len(ids):
-        seqs = eng.scheduler.schedule()
-        hidden.append(eng.runner.forward(seqs)[1])
-        req.num_computed += seqs[0].num_tokens
-    return eng.model.compute_logits(torch.cat(hidden))
+    return prefill_logits(eng, eng.intake.make_request(ids, SamplingParams(max_tokens=1), None, images))
 
 
 CASES = {
