@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from tinyserve.runner import Packed, SeqOutput
     from tinyserve.scheduler import ScheduledSeq, Scheduler
 
-HOOKS = ("on_request", "decode_tokens", "free", "prepare", "model_inputs", "forward", "logit_masks", "accept", "after_forward",
-         "commit", "wake", "idle_timeout", "on_idle", "stats")
+HOOKS = ("on_request", "decode_tokens", "free", "prepare", "model_inputs", "forward", "logit_masks", "accept",
+         "after_forward", "commit", "wake", "idle_timeout", "on_idle", "stats")
 
 
 def _no_accept(seqs, logits, first_rows):
@@ -46,7 +46,8 @@ def _no_accept(seqs, logits, first_rows):
 
 # What each hook answers when no registered feature has it
 NO_FEATURE = {
-    "on_request": lambda req, images: None, "decode_tokens": lambda req, sched: [], "free": lambda req: None, "prepare": lambda seqs: {},
+    "on_request": lambda req, images: None, "decode_tokens": lambda req, sched: [], "free": lambda req: None,
+    "prepare": lambda seqs: {},
     "model_inputs": lambda packed, shift=0: {}, "forward": lambda packed, inputs: None,
     "logit_masks": lambda reqs, rows: None, "accept": _no_accept,
     "after_forward": lambda seqs, packed, hidden, outputs, started: None, "commit": lambda seq, out, kept: None,

@@ -272,8 +272,8 @@ class StaticStep(Feature):
 
     def _page_row(self, req: Request) -> np.ndarray:
         """req.pages as an array, extended by the pages added since the last step. A request's page list only
-        grows by appends, or is replaced whole (PrefixCache.admit, Scheduler._free: a new list), so a step copies each row
-        instead of walking every page of a long context in Python."""
+        grows by appends, or is replaced whole (PrefixCache.admit, Scheduler._free: a new list), so a step copies
+        each row instead of walking every page of a long context in Python."""
         pages, held = req.pages, self._page_rows.get(id(req))
         if held is None or held[0] is not pages or len(held[1]) > len(pages):
             row = np.asarray(pages, dtype=np.int32)
