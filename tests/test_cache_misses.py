@@ -78,6 +78,34 @@ def test_a_drifting_prompt_is_counted_and_logged_once_per_branch_point(demo, pag
     assert_no_leaks(eng)
 
 
+def test_a_changed_last_message_resumes_where_that_message_starts(demo):
+    """An agent resends its conversation with the last message changed (Qwen Code drops a reminder it put before
+    the user's words): the next turn resumes where that message starts, though no interval snapshot lies on the
+    path (the interval is longer than the prompts), and answers as a cold run does. The oracle for the places is
+    the template rendering the messages before them."""
+    model, tok = demo
+    pages = {"page_size": 16, "kv_cache_tokens": 4096}
+    eng = engine_for(model, tok, engine=pages, cache={"state_track_interval": 2048})
+    cold = engine_for(model, tok, engine=pages, cache={"enabled": False})
+    reminder = "<system-reminder>Today is 2026-07-12 and the shell is bash.</system-reminder>\n"
+    system = {"role": "system", "content": SYSTEM}
+    first = [system, {"role": "user", "content": reminder + reminder.replace("bash", "zsh") + "Say hello"}]
+    ids = tok.encode(tok.apply_chat_template(first))
+    message_start = len(tok.encode(tok.apply_chat_template(first[:1], add_generation_prompt=False)))
+    answer_start = len(tok.encode(tok.apply_chat_template(first, add_generation_prompt=False)))
+    (req,) = eng.run_requests([ids], PARAMS)
+    assert req.resume_hints == (answer_start, message_start)
+    nxt = [system, {"role": "user", "content": reminder + "Say hello"},
+           {"role": "assistant", "content": tok.decode(req.output_ids)}, {"role": "user", "content": "Now goodbye"}]
+    again = tok.encode(tok.apply_chat_template(nxt))
+    assert message_start + 16 < first_difference(ids, again) < answer_start - 16
+    (req,) = eng.run_requests([again], PARAMS)
+    assert req.cached_tokens == message_start // 16 * 16
+    assert req.output_ids == cold.generate([again], PARAMS)[0]
+    eng.cache.check()
+    assert_no_leaks(eng)
+
+
 def test_no_divergence_without_a_prefix_cache(demo):
     model, tok = demo
     eng = engine_for(model, tok, engine={"page_size": 16}, cache={"enabled": False})

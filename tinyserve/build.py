@@ -117,7 +117,8 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
     runner = ModelRunner(model, kv_pool, state_pool, eos_token_ids, features, plan.context_length)
     vision = model.visual is not None
     intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, features, mc.image_token_id,
-                    image_processor_for(model) if vision else None, weights_digest(model.visual) if vision else b"")
+                    image_processor_for(model) if vision else None, weights_digest(model.visual) if vision else b"",
+                    tokenizer.turn_start_id if tokenizer else None)
     # the optional features, one line each (features.py); the static steps last, as they run the others' forwards
     if plan.nextn_layers:
         features.add(NextN(cfg.speculative.num_steps, cfg.speculative.max_running, len(mc.attn_layer_ids), runner,

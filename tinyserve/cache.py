@@ -205,8 +205,9 @@ class PrefixCache(Cache):
         run.resume_points = {(end - 1) // ps * ps}         # page-aligned end of the prompt
         if m.kv_length > m.length:
             run.resume_points.add(m.kv_length)             # branch point: cached KV but no state there yet
-        # where the request says a state helps (before the first image: the same text with another picture
-        # resumes there; after the last one: other text after the same pictures)
+        # where the request says a state helps (the last message's start: the same conversation with that message
+        # changed resumes there; before the first image: the same text with another picture; after the last one:
+        # other text after the same pictures)
         run.resume_points |= {p // ps * ps for p in req.resume_hints if 0 < p // ps * ps < end}
         run.snapshot_points = sorted(p for p in points | run.resume_points if p > m.length)
         run.prompt_end = end

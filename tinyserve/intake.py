@@ -159,8 +159,9 @@ class Intake:
 
     def __init__(self, cfg: Config, context_length: int, kv_tokens: int, vocab_size: int, features: Features,
                  image_token_id: int | None = None, image_processor: ImageProcessorConfig | None = None,
-                 vision_fingerprint: bytes = b"") -> None:
+                 vision_fingerprint: bytes = b"", turn_start_id: int | None = None) -> None:
         self.cfg, self.context_length, self.kv_tokens = cfg, context_length, kv_tokens
+        self.turn_start_id = turn_start_id
         self.vocab_size, self.features = vocab_size, features
         self.image_token_id, self.image_processor = image_token_id, image_processor
         # image tokens' cache keys depend on the tower that makes their features (the file tier's fingerprint
@@ -301,9 +302,27 @@ class Intake:
         if images:
             self.check_images(["prompt"] * len(images))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed)
+        req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed,
+                      resume_hints=self.last_message_starts(prompt_ids))
         self.features.on_request(req, list(images))
         return req
+
+    def last_message_starts(self, ids: list[int]) -> tuple[int, ...]:
+        """Where the prompt's last two messages start (the last two turn markers; after a generation prompt the
+        second last opens the last message). Agents resend a conversation with its last message changed (a
+        reminder dropped, a tool result cut short), so a state cached there resumes their next prompt, where the
+        interval snapshots below it may have been evicted (Request.resume_hints)."""
+        if self.turn_start_id is None:
+            return ()
+        starts: list[int] = []
+        backwards, end = ids[::-1], len(ids)
+        for _ in range(2):
+            try:
+                end = len(ids) - 1 - backwards.index(self.turn_start_id, len(ids) - end)
+            except ValueError:
+                break
+            starts.append(end)
+        return tuple(starts)
 
     def _bad_prompt(self, prompt_ids: list[int]) -> RequestError:
         if not prompt_ids:

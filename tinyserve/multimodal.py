@@ -188,7 +188,8 @@ class Images(Feature):
         except ValueError as e:
             raise RequestError(str(e), "prompt") from None
         req.features[self.name] = located
-        req.prompt_keys, req.resume_hints = located.cache_ids, located.resume_hints()
+        req.prompt_keys = located.cache_ids
+        req.resume_hints += located.resume_hints()
         self.images_received += len(images)
 
     def prepare(self, seqs: list[ScheduledSeq]) -> dict[Request, Exception]:

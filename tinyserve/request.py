@@ -29,7 +29,8 @@ class Request:
     finish_reason: str | None = None
     admit_order: int = 0                               # larger = admitted later (preempted first)
     # what the prefix cache keys the prompt on where that is not prompt_ids (an image's tokens: its key values), and
-    # prompt positions where a cached state helps later requests resume (before and after the images)
+    # prompt positions where a cached state helps later requests resume (where the last messages start; before and
+    # after the images)
     prompt_keys: list[int] | None = None
     resume_hints: tuple[int, ...] = ()
     reuse_cache: bool = True                           # False: compute the whole prompt, whatever is cached

@@ -348,6 +348,12 @@ class Tokenizer:
 
     # ---- encode / decode ----
     @property
+    def turn_start_id(self) -> int | None:
+        """The token that opens each message of a rendered chat (ChatML's <|im_start|>, which every Qwen template
+        writes), if the vocabulary has it."""
+        return self.hf.token_to_id("<|im_start|>")
+
+    @property
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
