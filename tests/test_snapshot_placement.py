@@ -162,6 +162,21 @@ def test_interior_interval_snapshots_go_first_and_intervals_never_push_out_resum
     assert_no_leaks(eng)
 
 
+def test_each_path_keeps_its_deepest_interval_snapshots(model, cold):
+    """Y (200 tokens: intervals at 32..160, its prompt end at 192) is cached, then X's prompt takes slots: the
+    interval snapshots that go are Y's shallow ones and X's own, never Y's KEPT_INTERVALS deepest (by LRU alone
+    Y's older ones would all go before X's), so Y with its last stretch changed (at 150, before Y's deepest
+    interval) resumes within one interval of the change."""
+    eng = engine(model, state_slots=7)
+    y, x = tokens(200, 65), tokens(140, 66)
+    play(eng, cold, [y, x])
+    kept = [n.depth for n in eng.cache.tree.nodes() if n.snapshot is not None and n.tokens[0] == y[n.depth - 32]]
+    assert eng.cache.stats().snapshots_evicted > 0 and sorted(kept) == [128, 160, 192]
+    (changed,) = play(eng, cold, [y[:150] + tokens(50, 67)])
+    assert changed.cached_tokens == 128
+    assert_no_leaks(eng)
+
+
 def test_a_running_requests_lock_pins_its_pages_not_its_snapshots(model, cold):
     """Sessions running on one shared prefix lock its path; if a lock pinned the snapshots on it too, every slot
     would be held by running requests and nobody else could leave a state behind (the coding trace of

@@ -22,12 +22,13 @@ Invariants (radix_check.check_tree asserts them; tests call it after every scena
   LRU first. A node backed up on the host is demoted to host-only; one that is not is removed with its subtree.
 - Host eviction takes host copies without host-backed children, LRU first; a host-only node goes with its copy.
 - Snapshots are evicted on their own (their slots are the scarce resource), by worth (`_worth`): a copy the other
-  tier also holds first, then interior interval snapshots (a deeper state exists below them), other interior ones,
-  leaf snapshots, and resume points (prompt ends, branch points, request ends; `insert(..., resume=True)`) last,
-  LRU within each. A device snapshot that goes is demoted to the host tier when it has room or holds a copy worth
-  less; an interval snapshot (`alloc_snapshot(resume=False)`) never displaces a leaf or a resume point. A leaf left
-  with no snapshot anywhere goes with it, since nothing can resume there. Held snapshots never exceed the plan's
-  slots (device) and snapshots (host), checked in bytes.
+  tier also holds first, then interior interval snapshots (a deeper state exists below them; each path's
+  KEPT_INTERVALS deepest last among them), other interior ones, leaf snapshots, and resume points (prompt ends,
+  branch points, request ends, the last messages' starts; `insert(..., resume=True)`) last, LRU within each. A
+  device snapshot that goes is demoted to the host tier when it has room or holds a copy worth less; an interval
+  snapshot (`alloc_snapshot(resume=False)`) never displaces a leaf or a resume point. A leaf left with no snapshot
+  anywhere goes with it, since nothing can resume there. Held snapshots never exceed the plan's slots (device) and
+  snapshots (host), checked in bytes.
 - File tier: each cached page is stored once. A node records the stored run that holds its pages (`file_run`; both
   halves of a split keep it) and the blob that holds the state at its end (`file_state`; a state blob when that end
   lies inside a stored run), and is written only when the file tier lacks them.
@@ -49,6 +50,14 @@ _clock = itertools.count()
 # The one table of write policies (cache.host.write_policy, in config.py's order): at which event a device node is
 # backed up to the host tier (and from there, or straight from the device without a host tier, to the file tier).
 BACKUP_EVENT = dict(zip(WRITE_POLICIES, ("insert", "hit", "evict")))
+# Interval snapshots each path keeps above its other interior ones: its last stretch changed anywhere but the last
+# interval, the next prompt still resumes within one interval of the change.
+KEPT_INTERVALS = 2
+
+
+def _resumes(node: "Node") -> bool:
+    """A resume point (a prompt end, a request end, a hinted place: insert(..., resume=True)) or a branch point."""
+    return node.resume or len(node.children) > 1
 
 
 @dataclass(eq=False)
@@ -449,22 +458,36 @@ class RadixCache:
                 self._remove_subtree(victim)
 
     # ---- snapshot placement ----
-    def _interior(self) -> set[Node]:
-        """Nodes with a state snapshot (device or host) somewhere below them: their own snapshot serves only the
-        prompts that leave the path between them and the deeper one."""
-        out: set[Node] = set()
+    def _ranks(self) -> tuple[set[Node], set[Node]]:
+        """(interior, kept): the nodes with a state snapshot (device or host) somewhere below them, whose own
+        snapshot serves only the prompts that leave the path between them and the deeper one; and each path's
+        KEPT_INTERVALS deepest interval snapshots (up from a leaf's, passing resume points), which resume a prompt
+        that changes its last stretch (an agent's last message with a reminder dropped) close to the change."""
+        interior: set[Node] = set()
         for n in reversed(self.nodes()):                  # children before their parents
-            if n is not self.root and (n in out or n.snapshot is not None or n.host_snapshot is not None):
-                out.add(n.parent)
-        return out
+            if n is not self.root and (n in interior or n.snapshot is not None or n.host_snapshot is not None):
+                interior.add(n.parent)
+        kept: set[Node] = set()
+        for leaf in self.nodes():
+            if leaf in interior or (leaf.snapshot is None and leaf.host_snapshot is None):
+                continue
+            up, found = leaf.parent, 0
+            while up is not self.root and found < KEPT_INTERVALS:
+                if not _resumes(up) and (up.snapshot is not None or up.host_snapshot is not None):
+                    kept.add(up)
+                    found += 1
+                up = up.parent
+        return interior, kept
 
-    def _worth(self, node: Node, interior: set[Node], copied: bool) -> tuple[bool, bool, bool, int]:
+    def _worth(self, node: Node, ranks: tuple[set[Node], set[Node]], copied: bool) \
+            -> tuple[bool, bool, bool, bool, int]:
         """How much a tier's copy of node's snapshot is worth keeping; the least is dropped first:
-        a copy that the other tier also holds (`copied`: nothing is lost), then interior interval snapshots,
-        other interior ones, then leaf snapshots (the deepest state on their path), resume points (prompt ends,
-        branch points, request ends) last; least recently used first within each."""
-        resume = node.resume or len(node.children) > 1
-        return (not copied, node not in interior, resume, node.last_use)
+        a copy that the other tier also holds (`copied`: nothing is lost), then interior interval snapshots, each
+        path's deepest interval snapshots (_ranks), other interior ones, then leaf snapshots (the deepest state on
+        their path), resume points (prompt ends, branch points, request ends) last; least recently used first
+        within each."""
+        interior, kept = ranks
+        return (not copied, node not in interior, _resumes(node), node in kept, node.last_use)
 
     def alloc_snapshot(self, resume: bool = True) -> int | None:
         """A free device snapshot slot; when none is free, the slot of the snapshot least worth keeping
@@ -481,10 +504,10 @@ class RadixCache:
         held = [n for n in self.nodes() if n.snapshot is not None and n not in self.pinned]
         if not held:
             return None
-        interior = self._interior()
-        victim = min(held, key=lambda n: self._worth(n, interior, n.host_snapshot is not None))
-        unique, leaf, kept, _ = self._worth(victim, interior, victim.host_snapshot is not None)
-        if not resume and unique and (leaf or kept):
+        ranks = self._ranks()
+        victim = min(held, key=lambda n: self._worth(n, ranks, n.host_snapshot is not None))
+        unique, leaf, resumes, _, _ = self._worth(victim, ranks, victim.host_snapshot is not None)
+        if not resume and unique and (leaf or resumes):
             return None
         if self.host is not None:
             self._snapshot_to_host(victim)
@@ -560,10 +583,10 @@ class RadixCache:
                 and (x.snapshot is not None or x not in self.pinned)]
         if not held:
             return None
-        interior = self._interior()
-        victim = min(held, key=lambda x: self._worth(x, interior, x.snapshot is not None))
-        if copy_of is not None and self._worth(victim, interior, victim.snapshot is not None) >= \
-                self._worth(copy_of, interior, copied):
+        ranks = self._ranks()
+        victim = min(held, key=lambda x: self._worth(x, ranks, x.snapshot is not None))
+        if copy_of is not None and self._worth(victim, ranks, victim.snapshot is not None) >= \
+                self._worth(copy_of, ranks, copied):
             return None
         return victim
 
