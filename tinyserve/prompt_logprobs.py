@@ -17,7 +17,7 @@ import torch
 from tinyserve.features import Feature
 from tinyserve.request import Request
 from tinyserve.runner import Packed, SeqOutput
-from tinyserve.sampling import top_n
+from tinyserve.top_k_top_p import top_n
 from tinyserve.scheduler import ScheduledSeq
 
 PROMPT_LOGPROB_ROWS = 128      # prompt rows per LM-head pass ([rows, vocab] float32 at a time)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.draws import draw, random_uniform, row_uniform
-from tinyserve.sampling import (SamplingBatch, candidates, check_logits, draw_filtered, process_logits, to_probs,
-                                token_logprobs)
+from tinyserve.sampling import SamplingBatch, check_logits, process_logits, to_probs, token_logprobs
+from tinyserve.top_k_top_p import candidates, draw_filtered
 
 # Speculative decoding (NEXTN): XORed into a request's seed so the draft's draw and the accept coin at an output
 # position are independent of the target's own coin there (which draws the bonus / corrected token).
