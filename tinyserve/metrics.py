@@ -7,7 +7,8 @@ never stale and the engine does not need to know about Prometheus.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Iterable
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics,
                                generate_latest)
@@ -15,7 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from tinyserve.engine import EngineStats
+    from tinyserve.cache import CacheStats
+    from tinyserve.engine import EngineInfo, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -41,6 +43,114 @@ def sample_key(name: str, labels: dict[str, str] | None = None) -> str:
     return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
 
 
+G, C = GaugeMetricFamily, CounterMetricFamily
+# The engine's gauges and counters, from each scrape's EngineStats: (family, name, help, the EngineStats field).
+ENGINE_SERIES = (
+    (G, "num_requests_running", "Requests in the running batch.", "num_running"),
+    (G, "num_requests_waiting", "Requests waiting for admission.", "num_waiting"),
+    (G, "kv_pages_used", "Device KV pages in use.", "kv_pages_used"),
+    (G, "kv_pages_total", "Device KV pages in the pool.", "kv_pages_total"),
+    (C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "cache.query_tokens"),
+    (C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "cache.hit_tokens"),
+    (C, "prefix_cache_divergences", "Prompts that left a cached path that goes on with other tokens (the first at "
+        "each point is logged with the tokens either side).", "cache.divergences"),
+    (G, "prefix_cache_pages", "Device KV pages held by the prefix cache.", "cache.cached_pages"),
+    (G, "prefix_cache_snapshots", "Recurrent-state snapshots held by the prefix cache.", "cache.snapshots_held"),
+    (C, "prefix_cache_snapshots_evicted", "State snapshots evicted from the prefix cache.", "cache.snapshots_evicted"),
+    (C, "num_preemptions", "Requests preempted (pages freed, recomputed later).", "num_preemptions"),
+)
+# Shares (0..1): (name, help, part, whole).
+ENGINE_RATIOS = (
+    ("kv_cache_usage_perc", "Share of device KV pages in use (0..1).", "kv_pages_used", "kv_pages_total"),
+    ("state_pool_usage_perc", "Share of recurrent-state slots in use (0..1).", "state_slots_used", "state_slots_total"),
+    ("cache_hit_rate", "Prefix-cache hit tokens / query tokens since start (0..1).", "cache.hit_tokens",
+     "cache.query_tokens"),
+)
+# The optional features' series, shown whether the feature is on or not (0 when off): (feature, family, name, help,
+# the field of the feature's stats).
+FEATURE_SERIES = (
+    ("idle", G, "device_pools_released", "1 while the device KV and state pools are freed after "
+     "engine.idle_release_s without requests.", "pools_freed"),
+    ("idle", C, "idle_releases", "Times the device pools were freed after engine.idle_release_s idle.", "times"),
+    ("images", C, "images", "Images in submitted requests (a request with n choices counts its images n times).",
+     "received"),
+    ("images", C, "images_encoded", "Images run through the vision tower (the others came from its feature cache).",
+     "encoded"),
+    ("images", C, "vision_encoder_seconds", "Time spent in the vision tower.", "encode_seconds"),
+)
+# Shown only while the feature is on: the image budget, NEXTN (vLLM's counters and definitions), the tiers.
+IMAGE_BUDGET_SERIES = (
+    (G, "image_budget_bytes", "Most bytes of image pixels waiting for the vision tower (derived: docs/operators.md).",
+     "budget_bytes"),
+    (G, "image_bytes_held", "Bytes of image pixels held now (preprocessed, not encoded yet).", "bytes_held"),
+    (G, "image_requests_waiting", "Requests waiting for room in the image budget.", "requests_waiting"),
+)
+NEXTN_SERIES = (
+    (C, "spec_decode_num_drafts", "Verify rounds of speculating requests.", "num_drafts"),
+    (C, "spec_decode_num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
+    (C, "spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+    (G, "spec_decode_mean_accept_length", "Tokens committed per verify round since start, the bonus token included "
+     "(1 + accepted / drafts; 0 before the first round).", "mean_accept_length"),
+)
+TIER_SERIES = (       # one family each, a sample per tier ("errors": the file tier's only)
+    (C, "tier_hit_tokens", "Prompt tokens loaded from the tier.", "hit_tokens"),
+    (C, "tier_bytes_in", "Bytes written into the tier (backups).", "bytes_in"),
+    (C, "tier_bytes_out", "Bytes read from the tier (loads).", "bytes_out"),
+    (C, "tier_transfer_seconds", "Time spent copying / reading / writing.", "seconds"),
+    (C, "tier_errors", "Corrupt, truncated or foreign blobs (each deleted).", "errors"),
+    (G, "tier_used", "Used capacity (pages for host, bytes for file).", "used"),
+    (G, "tier_capacity", "Capacity (pages for host, bytes for file).", "capacity"),
+)
+HOST_MEMORY_SERIES = (
+    (G, "host_memory_allocated_bytes", "Host-tier memory held now (whole segments, taken as it fills).",
+     "allocated_bytes"),
+    (G, "host_memory_budget_bytes", "Most host-tier memory (cache.host.size_gb as planned).", "budget_bytes"),
+    (G, "host_memory_min_free_bytes", "Available host memory the tier leaves to the machine "
+     "(cache.host.min_free_gb).", "min_free_bytes"),
+    (C, "host_memory_pressure_events", "Episodes of the host's available memory below cache.host.min_free_gb (the "
+     "tier gave memory back).", "pressure_events"),
+    (C, "host_memory_released_bytes", "Host-tier memory given back under memory pressure.", "released_bytes"),
+)
+
+
+def _series(table, of) -> list[Metric]:
+    """One family per row of a (family, name, help, field) table, its value the field of `of`."""
+    return [family(f"tinyserve:{name}", doc, value=float(attrgetter(field)(of))) for family, name, doc, field in table]
+
+
+def _setup(i: EngineInfo) -> list[Metric]:
+    """The set-up, fixed at start."""
+    info = G("tinyserve:model_info", "The server's set-up (value 1).",
+             labels=["model", "served_name", "device", "dtype", "kv_cache_dtype", "speculative"])
+    info.add_metric([i.model, i.served_name, i.device, i.dtype, i.kv_dtype, i.speculative], 1.0)
+    plan = G("tinyserve:memory_plan_bytes", "The memory plan by part (weights, kv_pool, state_slots, snapshot_slots "
+             "on the device; host_tier, file_tier).", labels=["part"])
+    for part, n in i.plan_bytes.items():
+        plan.add_metric([part], float(n))
+    return [info, G("tinyserve:context_length_tokens", "Longest prompt + completion (model.context_length as "
+                    "planned).", value=i.context_length),
+            G("tinyserve:kv_pool_tokens", "Tokens the device KV pool holds.", value=i.kv_tokens),
+            G("tinyserve:idle_release_seconds", "engine.idle_release_s (0: off).", value=i.idle_release_s), plan]
+
+
+def _nextn(sp: Any) -> list[Metric]:
+    per_pos = C("tinyserve:spec_decode_num_accepted_tokens_per_pos",
+                "Rounds whose draft at this position (0 = first) was accepted.", labels=["position"])
+    for i, n in enumerate(sp.accepted_per_pos):
+        per_pos.add_metric([str(i)], float(n))
+    return [*_series(NEXTN_SERIES, sp), per_pos]
+
+
+def _tiers(c: CacheStats) -> list[Metric]:
+    tiers = {name: t for name, t in (("host", c.host), ("file", c.file)) if t is not None}
+    out = []
+    for family, name, doc, field in TIER_SERIES:
+        out.append(family(f"tinyserve:{name}", doc, labels=["tier"]))
+        for tier, t in tiers.items():
+            out[-1].add_metric([tier], float(getattr(t, field, 0)))
+    return out + (_series(HOST_MEMORY_SERIES, c.host) if c.host is not None else [])
+
+
 class _EngineCollector(Collector):
     """Turns the EngineStats of the current scrape into gauges and the engine's cumulative counters."""
 
@@ -51,112 +161,20 @@ class _EngineCollector(Collector):
         st = self.stats
         if st is None:                            # still loading: nothing to report yet
             return []
-        c = st.cache
-        out: list[Metric] = []
-
-        def gauge(name: str, doc: str, value: float) -> None:
-            out.append(GaugeMetricFamily(f"tinyserve:{name}", doc, value=value))
-
-        def counter(name: str, doc: str, value: float) -> None:
-            out.append(CounterMetricFamily(f"tinyserve:{name}", doc, value=value))
-
-        def ratio(used: float, total: float) -> float:
-            return used / total if total else 0.0
-
-        if st.info is not None:                     # the set-up: fixed at start
-            i = st.info
-            info = GaugeMetricFamily("tinyserve:model_info", "The server's set-up (value 1).",
-                                     labels=["model", "served_name", "device", "dtype", "kv_cache_dtype",
-                                             "speculative"])
-            info.add_metric([i.model, i.served_name, i.device, i.dtype, i.kv_dtype, i.speculative], 1.0)
-            out.append(info)
-            gauge("context_length_tokens", "Longest prompt + completion (model.context_length as planned).",
-                  i.context_length)
-            gauge("kv_pool_tokens", "Tokens the device KV pool holds.", i.kv_tokens)
-            gauge("idle_release_seconds", "engine.idle_release_s (0: off).", i.idle_release_s)
-            plan = GaugeMetricFamily("tinyserve:memory_plan_bytes", "The memory plan by part (weights, kv_pool, "
-                                     "state_slots, snapshot_slots on the device; host_tier, file_tier).",
-                                     labels=["part"])
-            for part, n in i.plan_bytes.items():
-                plan.add_metric([part], float(n))
-            out.append(plan)
-        gauge("num_requests_running", "Requests in the running batch.", st.num_running)
-        gauge("num_requests_waiting", "Requests waiting for admission.", st.num_waiting)
-        gauge("kv_cache_usage_perc", "Share of device KV pages in use (0..1).",
-              ratio(st.kv_pages_used, st.kv_pages_total))
-        gauge("state_pool_usage_perc", "Share of recurrent-state slots in use (0..1).",
-              ratio(st.state_slots_used, st.state_slots_total))
-        gauge("kv_pages_used", "Device KV pages in use.", st.kv_pages_used)
-        gauge("kv_pages_total", "Device KV pages in the pool.", st.kv_pages_total)
-        counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", c.query_tokens)
-        counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", c.hit_tokens)
-        counter("prefix_cache_divergences", "Prompts that left a cached path that goes on with other tokens (the "
-                "first at each point is logged with the tokens either side).", c.divergences)
-        gauge("cache_hit_rate", "Prefix-cache hit tokens / query tokens since start (0..1).",
-              ratio(c.hit_tokens, c.query_tokens))
-        gauge("prefix_cache_pages", "Device KV pages held by the prefix cache.", c.cached_pages)
-        gauge("prefix_cache_snapshots", "Recurrent-state snapshots held by the prefix cache.", c.snapshots_held)
-        counter("prefix_cache_snapshots_evicted", "State snapshots evicted from the prefix cache.",
-                c.snapshots_evicted)
-        counter("num_preemptions", "Requests preempted (pages freed, recomputed later).", st.num_preemptions)
-        idle, images, nextn = (st.features.get(name) for name in ("idle", "images", "nextn"))
-        gauge("device_pools_released", "1 while the device KV and state pools are freed after engine.idle_release_s "
-              "without requests.", float(idle.pools_freed if idle else False))
-        counter("idle_releases", "Times the device pools were freed after engine.idle_release_s idle.",
-                idle.times if idle else 0)
-        counter("images", "Images in submitted requests (a request with n choices counts its images n times).",
-                images.received if images else 0)
-        counter("images_encoded", "Images run through the vision tower (the others came from its feature cache).",
-                images.encoded if images else 0)
-        counter("vision_encoder_seconds", "Time spent in the vision tower.", images.encode_seconds if images else 0.0)
+        out = (_setup(st.info) if st.info is not None else []) + _series(ENGINE_SERIES, st)
+        for name, doc, part, whole in ENGINE_RATIOS:
+            total = attrgetter(whole)(st)
+            out.append(G(f"tinyserve:{name}", doc, value=attrgetter(part)(st) / total if total else 0.0))
+        for feature, family, name, doc, field in FEATURE_SERIES:
+            stats = st.features.get(feature)
+            out.append(family(f"tinyserve:{name}", doc, value=float(getattr(stats, field) if stats else 0)))
+        images, nextn = st.features.get("images"), st.features.get("nextn")
         if images is not None and images.budget_bytes:
-            gauge("image_budget_bytes", "Most bytes of image pixels waiting for the vision tower (derived: "
-                  "docs/operators.md).", images.budget_bytes)
-            gauge("image_bytes_held", "Bytes of image pixels held now (preprocessed, not encoded yet).",
-                  images.bytes_held)
-            gauge("image_requests_waiting", "Requests waiting for room in the image budget.",
-                  images.requests_waiting)
-        if nextn is not None:                      # NEXTN, with vLLM's counters and definitions
-            sp = nextn
-            counter("spec_decode_num_drafts", "Verify rounds of speculating requests.", sp.num_drafts)
-            counter("spec_decode_num_draft_tokens", "Draft tokens verified.", sp.num_draft_tokens)
-            counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", sp.num_accepted_tokens)
-            per_pos = CounterMetricFamily("tinyserve:spec_decode_num_accepted_tokens_per_pos",
-                                          "Rounds whose draft at this position (0 = first) was accepted.",
-                                          labels=["position"])
-            for i, n in enumerate(sp.accepted_per_pos):
-                per_pos.add_metric([str(i)], float(n))
-            out.append(per_pos)
-            gauge("spec_decode_mean_accept_length", "Tokens committed per verify round since start, the bonus "
-                  "token included (1 + accepted / drafts; 0 before the first round).", sp.mean_accept_length)
-        tiers = {name: t for name, t in (("host", c.host), ("file", c.file)) if t is not None}
-        if not tiers:
-            return out
-        for name, doc, family_type in [
-                ("hit_tokens", "Prompt tokens loaded from the tier.", CounterMetricFamily),
-                ("bytes_in", "Bytes written into the tier (backups).", CounterMetricFamily),
-                ("bytes_out", "Bytes read from the tier (loads).", CounterMetricFamily),
-                ("seconds", "Time spent copying / reading / writing.", CounterMetricFamily),
-                ("errors", "Corrupt, truncated or foreign blobs (each deleted).", CounterMetricFamily),
-                ("used", "Used capacity (pages for host, bytes for file).", GaugeMetricFamily),
-                ("capacity", "Capacity (pages for host, bytes for file).", GaugeMetricFamily)]:
-            metric = "tier_transfer_seconds" if name == "seconds" else f"tier_{name}"
-            family = family_type(f"tinyserve:{metric}", doc, labels=["tier"])
-            for tier, t in tiers.items():
-                family.add_metric([tier], float(getattr(t, name, 0)))      # errors: the file tier's only
-            out.append(family)
-        if c.host is not None:
-            h = c.host
-            gauge("host_memory_allocated_bytes", "Host-tier memory held now (whole segments, taken as it fills).",
-                  h.allocated_bytes)
-            gauge("host_memory_budget_bytes", "Most host-tier memory (cache.host.size_gb as planned).",
-                  h.budget_bytes)
-            gauge("host_memory_min_free_bytes", "Available host memory the tier leaves to the machine "
-                  "(cache.host.min_free_gb).", h.min_free_bytes)
-            counter("host_memory_pressure_events", "Episodes of the host's available memory below "
-                    "cache.host.min_free_gb (the tier gave memory back).", h.pressure_events)
-            counter("host_memory_released_bytes", "Host-tier memory given back under memory pressure.",
-                    h.released_bytes)
+            out += _series(IMAGE_BUDGET_SERIES, images)
+        if nextn is not None:
+            out += _nextn(nextn)
+        if st.cache.host is not None or st.cache.file is not None:
+            out += _tiers(st.cache)
         return out
 
 
