@@ -25,7 +25,7 @@ from tinyserve.grammar import Grammar
 from tinyserve.host_tier import HostTier
 from tinyserve.idle import IdleRelease
 from tinyserve.intake import Intake, image_processor_for
-from tinyserve.kernels import attention_cpu, set_backend as set_kernel_backend, triton_problem, use_triton
+from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
 from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.gdn import snapshot_alignment
 from tinyserve.kernels.linear import calibrate as calibrate_linear, pack as pack_weights
@@ -139,6 +139,7 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
         routes = calibrate_linear(list(shapes.values()), may_pack=may_pack)
         added = pack_weights(dense)
         log.info("CPU GEMM route: %s%s", routes, f" (packed weight copies: {added / GIB:.2f} GiB)" if added else "")
+        from tinyserve.kernels import attention_cpu   # here: registering its torch op is the engine thread's work
         attention_cpu.library()                # the C decode attention: built for this CPU (once) and loaded now
     compiled_steps(cfg, plan, runner)
     return Engine(cfg, plan, model, tokenizer, kv_pool=kv_pool, allocator=allocator, state_pool=state_pool,

@@ -16,7 +16,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from tinyserve.cache import CacheStats
     from tinyserve.engine import EngineInfo, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -141,7 +140,8 @@ def _nextn(sp: Any) -> list[Metric]:
     return [*_series(NEXTN_SERIES, sp), per_pos]
 
 
-def _tiers(c: CacheStats) -> list[Metric]:
+def _tiers(st: EngineStats) -> list[Metric]:
+    c = st.cache
     tiers = {name: t for name, t in (("host", c.host), ("file", c.file)) if t is not None}
     out = []
     for family, name, doc, field in TIER_SERIES:
@@ -174,7 +174,7 @@ class _EngineCollector(Collector):
         if nextn is not None:
             out += _nextn(nextn)
         if st.cache.host is not None or st.cache.file is not None:
-            out += _tiers(st.cache)
+            out += _tiers(st)
         return out
 
 
