@@ -50,8 +50,8 @@ _clock = itertools.count()
 # The one table of write policies (cache.host.write_policy, in config.py's order): at which event a device node is
 # backed up to the host tier (and from there, or straight from the device without a host tier, to the file tier).
 BACKUP_EVENT = dict(zip(WRITE_POLICIES, ("insert", "hit", "evict")))
-# Interval snapshots each path keeps above its other interior ones: its last stretch changed anywhere but the last
-# interval, the next prompt still resumes within one interval of the change.
+# The deepest interval snapshots of each path, kept above its other interior ones: a prompt that changes the path in
+# its last KEPT_INTERVALS intervals (an agent's last message edited) still resumes within one interval of the change.
 KEPT_INTERVALS = 2
 
 
