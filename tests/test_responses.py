@@ -388,6 +388,18 @@ def test_a_forced_call_cut_by_max_output_tokens_is_no_call(client, stream):
     whole = create(client, "List the files", tools=[enum], tool_choice="required", max_output_tokens=200,
                    temperature=0)
     assert [item.type for item in whole.output] == ["function_call"] and whole.status == "completed"
+    # the limit one token short of the end of turn: the call closed within it, so it is whole and returned as it
+    # is, completed, in a response that is incomplete (the stream and the whole body alike)
+    kw = dict(tools=[enum], tool_choice="required", max_output_tokens=whole.usage.output_tokens - 1, temperature=0)
+    if stream:
+        with client.responses.stream(model="tinyserve", input="List the files", **kw) as s:
+            list(s)
+            short = s.get_final_response()
+    else:
+        short = create(client, "List the files", **kw)
+    assert short.status == "incomplete" and [(item.type, item.status) for item in short.output] == \
+        [("function_call", "completed")]
+    assert short.output[0].arguments == whole.output[0].arguments
 
 
 def test_history_becomes_chat_messages():

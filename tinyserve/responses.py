@@ -470,7 +470,8 @@ class Responses(Endpoint[ResponsesRequest]):
         status = status_of(r.finish_reason)
         if status == "incomplete" and not output:
             output.append(message_item(new_id("msg_"), ""))
-        if status == "incomplete":
+        # the item the token limit cut is incomplete; a call is whole (a cut one was dropped), as the stream has it
+        if status == "incomplete" and output[-1]["type"] not in ("function_call", "custom_tool_call"):
             output[-1]["status"] = "incomplete"
         return response_body(req, meta, output, status, usage_body(usage, tokens))
 
