@@ -21,14 +21,12 @@ Invariants (radix_check.check_tree asserts them; tests call it after every scena
 - Nodes on the device form a subtree at the root: device eviction takes unlocked nodes with no child on the device,
   LRU first. A node backed up on the host is demoted to host-only; one that is not is removed with its subtree.
 - Host eviction takes host copies without host-backed children, LRU first; a host-only node goes with its copy.
-- Snapshots are evicted on their own (their slots are the scarce resource), by worth (`_worth`): a copy the other
-  tier also holds first, then interior interval snapshots (a deeper state exists below them; each path's
-  KEPT_INTERVALS deepest last among them), other interior ones, leaf snapshots, and resume points (prompt ends,
-  branch points, request ends, the last messages' starts; `insert(..., resume=True)`) last, LRU within each. A
-  device snapshot that goes is demoted to the host tier when it has room or holds a copy worth less; an interval
-  snapshot (`alloc_snapshot(resume=False)`) never displaces a leaf or a resume point. A leaf left with no snapshot
-  anywhere goes with it, since nothing can resume there. Held snapshots never exceed the plan's slots (device) and
-  snapshots (host), checked in bytes.
+- Snapshots are evicted on their own (their slots are the scarce resource), in the order of snapshot_worth.py:
+  copies the other tier also holds first, ..., resume points (prompt ends, branch points, request ends, the last
+  messages' starts; `insert(..., resume=True)`) last. A device snapshot that goes is demoted to the host tier when
+  it has room or holds a copy worth less; an interval snapshot (`alloc_snapshot(resume=False)`) never displaces a
+  leaf or a resume point. A leaf left with no snapshot anywhere goes with it, since nothing can resume there. Held
+  snapshots never exceed the plan's slots (device) and snapshots (host), checked in bytes.
 - File tier: each cached page is stored once. A node records the stored run that holds its pages (`file_run`; both
   halves of a split keep it) and the blob that holds the state at its end (`file_state`; a state blob when that end
   lies inside a stored run), and is written only when the file tier lacks them.
@@ -44,22 +42,13 @@ from tinyserve.file_tier import FileTier
 from tinyserve.host_tier import HostTier
 from tinyserve.kv import PageAllocator
 from tinyserve.radix_check import check_tree
+from tinyserve.snapshot_worth import snapshot_ranks, worth
 from tinyserve.state import StatePool
 
 _clock = itertools.count()
 # The one table of write policies (cache.host.write_policy, in config.py's order): at which event a device node is
 # backed up to the host tier (and from there, or straight from the device without a host tier, to the file tier).
 BACKUP_EVENT = dict(zip(WRITE_POLICIES, ("insert", "hit", "evict")))
-# The deepest interval snapshots of each path, kept above its other interior ones: a prompt that changes the path in
-# its last KEPT_INTERVALS intervals (an agent's last message edited) still resumes within one interval of the change.
-KEPT_INTERVALS = 2
-
-
-def _resumes(node: "Node") -> bool:
-    """A resume point (a prompt end, a request end, a hinted place: insert(..., resume=True)) or a branch point."""
-    return node.resume or len(node.children) > 1
-
-
 @dataclass(eq=False)
 class Node:
     tokens: list[int]
@@ -74,7 +63,7 @@ class Node:
     last_use: int = 0
     depth: int = 0                       # tokens from the root to this node's end
     resume: bool = False                 # the state at this node's end resumes requests: a prompt end, a branch
-                                         # point or a request end (not just an interval snapshot)
+                                         # point, a request end or a hinted place (not just an interval snapshot)
     file_run: tuple[bytes, bytes] | None = None    # file tier: the stored run (start, end hash) holding this
                                                    # node's pages (after a split, a run longer than the node)
     file_state: tuple[bytes, bytes] | None = None  # file tier: the blob holding the state at this node's end
@@ -458,37 +447,6 @@ class RadixCache:
                 self._remove_subtree(victim)
 
     # ---- snapshot placement ----
-    def _ranks(self) -> tuple[set[Node], set[Node]]:
-        """(interior, kept): the nodes with a state snapshot (device or host) somewhere below them, whose own
-        snapshot serves only the prompts that leave the path between them and the deeper one; and each path's
-        KEPT_INTERVALS deepest interval snapshots (up from a leaf's, passing resume points), which resume a prompt
-        that changes its last stretch (an agent's last message with a reminder dropped) close to the change."""
-        interior: set[Node] = set()
-        for n in reversed(self.nodes()):                  # children before their parents
-            if n is not self.root and (n in interior or n.snapshot is not None or n.host_snapshot is not None):
-                interior.add(n.parent)
-        kept: set[Node] = set()
-        for leaf in self.nodes():
-            if leaf in interior or (leaf.snapshot is None and leaf.host_snapshot is None):
-                continue
-            up, found = leaf.parent, 0
-            while up is not self.root and found < KEPT_INTERVALS:
-                if not _resumes(up) and (up.snapshot is not None or up.host_snapshot is not None):
-                    kept.add(up)
-                    found += 1
-                up = up.parent
-        return interior, kept
-
-    def _worth(self, node: Node, ranks: tuple[set[Node], set[Node]], copied: bool) \
-            -> tuple[bool, bool, bool, bool, int]:
-        """How much a tier's copy of node's snapshot is worth keeping; the least is dropped first:
-        a copy that the other tier also holds (`copied`: nothing is lost), then interior interval snapshots, each
-        path's deepest interval snapshots (_ranks), other interior ones, then leaf snapshots (the deepest state on
-        their path), resume points (prompt ends, branch points, request ends) last; least recently used first
-        within each."""
-        interior, kept = ranks
-        return (not copied, node not in interior, _resumes(node), node in kept, node.last_use)
-
     def alloc_snapshot(self, resume: bool = True) -> int | None:
         """A free device snapshot slot; when none is free, the slot of the snapshot least worth keeping
         (_take_snapshot_slot), or None."""
@@ -496,17 +454,17 @@ class RadixCache:
         return slot if slot is not None else self._take_snapshot_slot(resume)
 
     def _take_snapshot_slot(self, resume: bool) -> int | None:
-        """The least worth keeping snapshot (see _worth; a running request's lock does not pin it, an admission in
-        progress does) gives its slot up: demoted to the host tier when that has room (or can make it from less
-        worth keeping copies), dropped otherwise. resume=False (an interval snapshot) takes only the slot of an
-        interior interval snapshot or of one with a host copy: it never pushes out a resume point, a leaf or a
-        branch point."""
+        """The least worth keeping snapshot (snapshot_worth.worth; a running request's lock does not pin it, an
+        admission in progress does) gives its slot up: demoted to the host tier when that has room (or can make
+        it from less worth keeping copies), dropped otherwise. resume=False (an interval snapshot) takes only
+        the slot of an interior interval snapshot or of one with a host copy: it never pushes out a resume
+        point, a leaf or a branch point."""
         held = [n for n in self.nodes() if n.snapshot is not None and n not in self.pinned]
         if not held:
             return None
-        ranks = self._ranks()
-        victim = min(held, key=lambda n: self._worth(n, ranks, n.host_snapshot is not None))
-        unique, leaf, resumes, _, _ = self._worth(victim, ranks, victim.host_snapshot is not None)
+        ranks = snapshot_ranks(self)
+        victim = min(held, key=lambda n: worth(n, ranks, n.host_snapshot is not None))
+        unique, leaf, resumes, _, _ = worth(victim, ranks, victim.host_snapshot is not None)
         if not resume and unique and (leaf or resumes):
             return None
         if self.host is not None:
@@ -575,18 +533,18 @@ class RadixCache:
 
     def _host_snapshot_victim(self, protect: Node | None, copy_of: Node | None = None, copied: bool = False) \
             -> Node | None:
-        """The node whose host snapshot is least worth keeping (see _worth). With copy_of (the node whose snapshot
-        would take its place; copied: it stays on the device too), only one worth less than that: a copy never
-        pushes out a better one."""
+        """The node whose host snapshot is least worth keeping (snapshot_worth.worth). With copy_of (the node whose
+        snapshot would take its place; copied: it stays on the device too), only one worth less than that: a copy
+        never pushes out a better one."""
         # a node of an admission in progress without a device snapshot may be about to load this one: pinned
         held = [x for x in self.nodes() if x.host_snapshot is not None and x is not protect
                 and (x.snapshot is not None or x not in self.pinned)]
         if not held:
             return None
-        ranks = self._ranks()
-        victim = min(held, key=lambda x: self._worth(x, ranks, x.snapshot is not None))
-        if copy_of is not None and self._worth(victim, ranks, victim.snapshot is not None) >= \
-                self._worth(copy_of, ranks, copied):
+        ranks = snapshot_ranks(self)
+        victim = min(held, key=lambda x: worth(x, ranks, x.snapshot is not None))
+        if copy_of is not None and worth(victim, ranks, victim.snapshot is not None) >= \
+                worth(copy_of, ranks, copied):
             return None
         return victim
 
