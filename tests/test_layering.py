@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("tinyserve", "models", "kernels")
 API_MODULES = ("api", "http_images", "protocol", "json_body", "chat", "openai_api", "anthropic", "responses",
-               "responses_output", "tokenizer", "parsers", "tool_calls", "metrics", "status", "cli")
+               "responses_output", "tokenizer", "parsers", "tool_calls", "tool_values", "metrics", "status", "cli")
 ENGINE_PARTS = ("models", "kernels", "build", "loader", "model_config", "fp8_scheme", "runner", "static", "spec",
                 "scheduler", "cache", "radix", "host_tier", "file_tier", "file_index", "blob", "copies", "idle", "kv",
                 "state", "request", "plan")

@@ -9,7 +9,8 @@ import pytest
 
 from tinyserve.parsers import Qwen3ReasoningParser, prompt_opens_reasoning
 from tinyserve.chat import make_tool_parser
-from tinyserve.tool_calls import Qwen3CoderToolParser, convert_parameter
+from tinyserve.tool_calls import Qwen3CoderToolParser
+from tinyserve.tool_values import convert_parameter
 
 
 def chunkings(text: str, seed: int = 0, n_random: int = 30) -> list[list[str]]:

@@ -43,8 +43,8 @@ from llguidance import LLMatcher, LLTokenizer
 from .features import Feature
 from .intake import RequestError
 from .sampling import Constraint, SamplingParams
-from .tool_calls import (FORMAT_SYNTAXES, FREEFORM_INPUT, FUNCTION_END, PARAMETER_END, TOOL_CALL_END,
-                         TOOL_CALL_START, schema_types)
+from .tool_calls import FORMAT_SYNTAXES, FREEFORM_INPUT, FUNCTION_END, PARAMETER_END, TOOL_CALL_END, TOOL_CALL_START
+from .tool_values import schema_types
 
 if TYPE_CHECKING:
     from .request import Request
