@@ -12,7 +12,8 @@ table's width. Two ways to make that fast:
   - CUDA: B is the smallest graph batch size >= N, the page table spans the whole context, and one graph per shape
     (and per forward: the target's, the NEXTN head's) is captured at start and replayed;
   - CPU: B = N, the page table spans the step's pages, and the forwards are compiled once by torch.compile
-    (compiled.py) for every batch size and context length.
+    (compiled.py) for every batch size and context length; a decode step (one token per sequence, nothing to pad)
+    reads tensors made from the packed rows, without the buffers (decode_tensors).
 Without either (the CPU tests) the same batches run eagerly: the same math.
 """
 from __future__ import annotations
@@ -145,7 +146,8 @@ class StaticStep(Feature):
     the whole context (`max_len`, at most the pool), not this step's, so nothing inside a forward changes from step
     to step but the buffers' contents: one graph per shape (and per forward) is captured at start (`capture`) and
     replayed. Otherwise (the CPU): B = N, and the page table spans the step's pages (at least 2, so torch.compile
-    sees a width it keeps dynamic): the forwards run as compiled at start (`compiled`, compiled.CompiledSteps), or
+    sees a width it keeps dynamic), a decode step reads tensors made from its packed rows (no buffer: nothing to
+    pad, no address to keep), and the forwards run as compiled at start (`compiled`, compiled.CompiledSteps), or
     eagerly. The logits and the sampling run outside, as for an eager step, on the real rows."""
     name = "static"
 
@@ -210,6 +212,8 @@ class StaticStep(Feature):
         with model inputs of their own (images) run eagerly."""
         if inputs or packed.num_decode + packed.num_extended != packed.num_seqs or not self.fits(packed):
             return None
+        if not self.for_graphs and not packed.num_extended:     # a CPU decode: no buffers to pad into
+            return self._forward_on("step", 1, self.decode_tensors(packed))
         return self.run(packed)
 
     def fits(self, packed: Packed) -> bool:
@@ -269,6 +273,20 @@ class StaticStep(Feature):
             at += len(values)
         self.table(B, W)[:, :w].copy_(vals[len(small):].view(B, w))
         return B, T, W, vals[at:len(small)]
+
+    def decode_tensors(self, packed: Packed) -> StepTensors:
+        """A CPU decode's tensors, the packed rows as they are (one token per sequence, nothing to pad): only a CUDA
+        graph needs the buffers' fixed addresses. out_slots and token_lens are not read at T = 1."""
+        N, dev = packed.num_seqs, self.input_ids.device
+        W = self.table_width(max(len(req.pages) for req, _, _ in packed.spans))
+        table = np.full((N, W), self.kv_pool.scratch_page, dtype=np.int32)
+        for i, (req, _, _) in enumerate(packed.spans):
+            row = self._page_row(req)[:W]
+            table[i, :len(row)] = row
+        ids, positions, slots, state_slots = (torch.tensor(v, dtype=torch.long, device=dev) for v in (
+            packed.input_ids, packed.positions, packed.slot_mapping, packed.state_slots))
+        return StepTensors(ids, positions, slots, torch.tensor(packed.seq_lens, dtype=torch.int32, device=dev),
+                           torch.from_numpy(table).to(dev), state_slots, self.out_slots[:N], self.token_lens[:N])
 
     def _page_row(self, req: Request) -> np.ndarray:
         """req.pages as an array, extended by the pages added since the last step. A request's page list only
@@ -352,8 +370,11 @@ class StaticStep(Feature):
         if self.graphs and self._pool_addresses() != self._captured_on:
             log.warning("the KV / state pools moved since the CUDA graphs were captured: dropping the graphs")
             self.graphs.clear()
+        return self._forward_on(kind, T, self.tensors(B, T, W))
+
+    def _forward_on(self, kind: str, T: int, t: StepTensors) -> torch.Tensor | None:
+        """The forward over these tensors: compiled when it is (the CPU), else eagerly."""
         max_len = self.max_len if self.for_graphs else None
-        t = self.tensors(B, T, W)
         if self.compiled is not None:
             return self.compiled(kind, T, max_len, t)
         return self.eager(kind, T, max_len, t)
