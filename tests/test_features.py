@@ -215,6 +215,34 @@ def test_each_feature_alone(vl, everything, name):
     assert_no_leaks(eng)
 
 
+def test_a_per_request_hook_reaches_only_the_requests_with_the_feature_record(vl):
+    """logit_masks and commit (features.PER_REQUEST) reach a feature for the requests it keeps a record of alone,
+    also when it is the only feature on the hook: the others meet none of its code."""
+    class Marked(Feature):
+        name = "marked"
+
+        def __init__(self) -> None:
+            self.masked, self.committed = [], []
+
+        def on_request(self, req, images):
+            if req.params.seed == 7:
+                req.features[self.name] = True
+
+        def logit_masks(self, reqs, rows):
+            self.masked.append([r.params.seed for r in reqs])
+
+        def commit(self, seq, out, kept):
+            self.committed.append(seq.req.params.seed)
+
+    eng = engine(vl, keep=())
+    marked = Marked()
+    eng.features.add(marked)
+    eng.run_requests(PLAIN, [dataclasses.replace(GREEDY, seed=7), dataclasses.replace(GREEDY, seed=8)])
+    assert marked.masked and all(seeds == [7] for seeds in marked.masked)
+    assert marked.committed == [7] * GREEDY.max_tokens
+    assert_no_leaks(eng)
+
+
 def test_the_grammar_off_leaves_a_constrained_request_free(vl):
     """With every feature off a constrained request is served as a free one (its matcher is never consulted)."""
     eng = engine(vl, keep=())

@@ -4,7 +4,9 @@ A feature (NEXTN, images, constrained output, prompt logprobs, the static steps,
 class that subclasses Feature and overrides the hooks it needs. build.py registers the ones the configuration and
 the checkpoint turn on, one line each, and the core calls every hook through the engine's Features: a hook that no
 registered feature overrides costs the core one empty loop, so a feature that is off costs the plain path nothing
-else. A feature keeps its per-request state in a record of its own, in `req.features` under its name.
+else. A feature keeps its per-request state in a record of its own, in `req.features` under its name, and the
+per-request hooks (PER_REQUEST) reach it only for the requests that hold its record: a request that asks for no
+feature meets none of them.
 
     hook            called from               when                                     used by
     on_request      Intake.make_request       a request is made: its records           grammar, images, prompt
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
     from tinyserve.request import Request
     from tinyserve.runner import Packed, SeqOutput
     from tinyserve.scheduler import ScheduledSeq, Scheduler
+
+# Called for the requests that hold the feature's record (req.features[name]) alone
+PER_REQUEST = ("logit_masks", "commit")
 
 HOOKS = ("on_request", "decode_tokens", "free", "prepare", "model_inputs", "forward", "logit_masks", "accept",
          "after_forward", "commit", "wake", "idle_timeout", "on_idle", "stats")
@@ -143,7 +148,7 @@ class Features:
         for hook, features in self.by_hook.items():
             if not features:
                 setattr(self, hook, NO_FEATURE[hook])
-            elif len(features) == 1 and hook != "stats":
+            elif len(features) == 1 and hook != "stats" and hook not in PER_REQUEST:
                 setattr(self, hook, getattr(features[0], hook))
             else:
                 self.__dict__.pop(hook, None)          # the combining method of the class
@@ -187,8 +192,8 @@ class Features:
 
     def logit_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
         for f in self.by_hook["logit_masks"]:
-            masks = f.logit_masks(reqs, rows)
-            if masks is not None:
+            held = [(r, row) for r, row in zip(reqs, rows) if f.name in r.features]
+            if held and (masks := f.logit_masks([r for r, _ in held], [row for _, row in held])) is not None:
                 return masks
         return None
 
@@ -204,7 +209,8 @@ class Features:
     def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
         reason = None
         for f in self.by_hook["commit"]:
-            reason = f.commit(seq, out, kept) or reason
+            if f.name in seq.req.features:
+                reason = f.commit(seq, out, kept) or reason
         return reason
 
     def wake(self) -> bool:

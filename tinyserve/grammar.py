@@ -308,7 +308,7 @@ class Grammar(Feature):
     def logit_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """(sampling rows, bitmask) of the requests whose grammar is active this step, filled by llguidance; None
         if none. reqs[i] samples at row rows[i] (a constrained request never speculates: one row)."""
-        active = [(row, g) for r, row in zip(reqs, rows) if (g := r.features.get(self.name)) is not None and g.active]
+        active = [(row, g) for r, row in zip(reqs, rows) if (g := r.features[self.name]).active]
         return self._fill(active) if active else None
 
     def _fill(self, active: list[tuple[int, GrammarState]]) -> tuple[list[int], torch.Tensor]:
@@ -317,8 +317,7 @@ class Grammar(Feature):
         return [row for row, _ in active], self._masks.fill([g for _, g in active])
 
     def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
-        state = seq.req.features.get(self.name)
-        return self._advance(seq.req, state, out.tokens[:kept]) if state is not None else None
+        return self._advance(seq.req, seq.req.features[self.name], out.tokens[:kept])
 
     @staticmethod
     def _advance(req: Request, state: GrammarState, tokens: list[int]) -> str | None:

@@ -34,19 +34,20 @@ class PromptLogprobs(Feature):
 
     def on_request(self, req: Request, images: list[Any]) -> None:
         if req.params.prompt_logprobs is not None:
+            req.features[self.name] = []        # its record: the prompt's logprobs so far
             req.reuse_cache = False             # its rows are read from the forward: the whole prompt is computed
 
     def after_forward(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor,
                       outputs: list[SeqOutput], started: float) -> None:
         for i, s in enumerate(seqs):
-            if not s.is_decode and s.req.params.prompt_logprobs is not None:
+            if not s.is_decode and self.name in s.req.features:
                 self._prompt_rows(s, packed.cu_seqlens[i], hidden)
 
     def _prompt_rows(self, s: ScheduledSeq, first_row: int, hidden: torch.Tensor) -> None:
         """The logprobs of the prompt tokens a prefill chunk's rows predict: row q predicts prompt token q + 1,
         under the raw model distribution (as sampled tokens' logprobs), with its top-n."""
         req = s.req
-        done = req.features.setdefault(self.name, [])
+        done = req.features[self.name]
         end = min(s.start + s.num_tokens, len(req.prompt_ids) - 1)
         if len(done) >= end:
             return
@@ -69,6 +70,6 @@ class PromptLogprobs(Feature):
 
     def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
         req = seq.req
-        if req.params.prompt_logprobs is not None and len(req.output_ids) == kept:    # its first tokens
-            req.report[self.name] = req.features.get(self.name, [])
+        if len(req.output_ids) == kept:                # its first tokens
+            req.report[self.name] = req.features[self.name]
         return None
