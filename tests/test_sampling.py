@@ -42,6 +42,24 @@ def test_greedy_is_argmax(dtype):
     assert torch.equal(res.tokens, logits.float().argmax(-1))
 
 
+@pytest.mark.parametrize("change", [{}, {"temperature": 0.5}, {"logprobs": 0}, {"logit_bias": {3: -5.0}},
+                                    {"min_tokens": 2}, {"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+                                    {"repetition_penalty": 3.0}])
+def test_plain_greedy_is_the_raw_argmax(change):
+    """SamplingParams.plain_greedy (the runner takes the argmax without the sampler) holds exactly when the
+    sampler would give the raw logits' argmax with no logprobs: anything that moves a logit, draws, or asks for
+    logprobs takes a greedy request out of it."""
+    p = dataclasses.replace(SamplingParams(temperature=0.0, max_tokens=4), **change)
+    assert p.plain_greedy == (not change)
+    logits = rand_logits(4).abs()
+    logits[:, 3] = logits.max(-1).values + 0.5           # each row's argmax, by less than what moves it below
+    res = sample(logits, build([p] * 4, prompt=[[3]] * 4, output=[[3]] * 4, eos=(3,)))
+    if p.plain_greedy:
+        assert torch.equal(res.tokens, logits.argmax(-1)) and res.logprobs is None
+    elif "temperature" not in change:                    # the others move token 3's logit or add logprobs
+        assert not torch.equal(res.tokens, logits.argmax(-1)) or res.logprobs is not None
+
+
 def test_mixed_batch_greedy_rows_are_argmax():
     logits = rand_logits(6)
     params = [SamplingParams(temperature=0.0 if r % 2 else 1.0) for r in range(6)]

@@ -29,13 +29,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import hmac
 import logging
 import socket
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from aiohttp import web
 
@@ -99,7 +100,7 @@ def create_app(engine: Engine | None, cfg: Config) -> web.Application:
     state = ServerState(cfg=cfg, engine=engine, endpoints=_endpoints(cfg))
     app[STATE] = state
     for path, endpoint in state.endpoints.items():
-        app.router.add_post(path, _generation_handler(endpoint))
+        app.router.add_post(path, functools.partial(generate, endpoint=endpoint))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model_info)
@@ -398,18 +399,8 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
     measured and parsed in a worker thread, off the event loop."""
     raw = await request.read()                        # raises 413 past client_max_size
     if len(raw) > LARGE_BODY:
-        return await _in_thread(parse_json_body, raw)
+        return await asyncio.to_thread(parse_json_body, raw)
     return parse_json_body(raw)
-
-
-async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-def _generation_handler(endpoint: Endpoint[Any]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    async def handle(request: web.Request) -> web.StreamResponse:
-        return await generate(request, endpoint)
-    return handle
 
 
 def _fit(engine: Engine, endpoint: Endpoint[Req], req: Req, prompt: list[int], which: int | None) -> int:
@@ -434,7 +425,7 @@ async def generate(request: web.Request, endpoint: Endpoint[Req]) -> web.StreamR
         state.metrics.on_tools_left_out(req.left_out)
     options = req.options
     _check_capacity(engine, state.cfg, options.n, endpoint.num_prompts(req))
-    prompts = await _in_thread(endpoint.prompts, req, engine.tokenizer)
+    prompts = await asyncio.to_thread(endpoint.prompts, req, engine.tokenizer)
     images: list[Any] = []
     if req.images:                                    # the ids grow by each image's tokens
         prompt_ids, images = await prepare_images(engine, state.cfg, endpoint, req, prompts[0])
@@ -496,7 +487,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     endpoint = state.endpoints["/v1/messages"]
     assert isinstance(endpoint, anthropic.Messages)
     req = endpoint.parse_count(await _read_json(request), request.headers)
-    ids = await _in_thread(endpoint.prompt_ids, req, engine.tokenizer)
+    ids = await asyncio.to_thread(endpoint.prompt_ids, req, engine.tokenizer)
     if req.images:
         ids, _ = await prepare_images(engine, state.cfg, endpoint, req, ids)
     return web.json_response({"input_tokens": len(ids)}, dumps=dumps)

@@ -169,9 +169,12 @@ class ModelRunner:
         return self._sample_with_extra(sampled, logits)
 
     def _sample_rows(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SeqOutput]:
-        """One token for each sequence from its row of logits."""
+        """One token for each sequence from its row of logits: the argmax when every row is plainly greedy, else
+        through the sampler."""
         reqs = [s.req for s in seqs]
         masks = self.features.logit_masks(reqs, list(range(len(reqs))))
+        if masks is None and all(r.params.plain_greedy for r in reqs):
+            return [SeqOutput(s, [token], [None]) for s, token in zip(seqs, logits.argmax(-1).tolist())]
         sb = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
                                  [r.seed for r in reqs], self.eos_token_ids, self.vocab_size, self.device, masks)
         r = sample(logits, sb)

@@ -1,6 +1,7 @@
 """Batched sampling: logit bias, penalties, min_tokens, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
-The engine calls `SamplingBatch.build(...)` and `sample(logits, batch)` once per step for all running requests. All
+The runner calls `SamplingBatch.build(...)` and `sample(logits, batch)` once per step for all running requests
+(unless every one is plainly greedy, SamplingParams.plain_greedy: then the token is the logits' argmax). All
 math is batched over [B, V] tensors in float32; Python only loops over the (few) requests to gather their
 parameters. Top-k / top-p / min-p and the draw from what they keep are in top_k_top_p.py, the coins in draws.py: a
 request's draw at position p depends only on its own seed and p, not on the batch it shares, its row, or preemption.
@@ -132,6 +133,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply to the logits first and no logprobs: the token is the raw logits' argmax."""
+        return self.is_greedy and self.logprobs is None and not self.logit_bias and not self.min_tokens and \
+            self.presence_penalty == self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0
 
 
 @dataclass
