@@ -198,7 +198,7 @@ class ResponsesStream(NamedEventStream):
         """The held call's events, when it is whole (else it is dropped: the end of output cut it off)."""
         if self.held is None:
             return []
-        (index, item, arguments), self.held = self.held, None
+        (_, item, arguments), self.held = self.held, None
         if not whole:
             return []
         out = self._open(item)
