@@ -287,12 +287,32 @@ def test_detokenizer_never_splits_characters(tok):
         assert "".join(chunks) == tok.decode(ids) == SAMPLE
 
 
-def test_detokenizer_window_stays_small(tok):
-    ids = tok.encode(SAMPLE * 5)
-    det = IncrementalDetokenizer(tok)
-    for i in ids:
-        det.add(i)
-        assert det._read_offset - det._prefix_offset <= 8   # the decoded window does not grow with the output
+def test_detokenizer_holds_back_only_an_incomplete_character(tok):
+    ids = tok.encode(SAMPLE * 3)
+    det, sent = IncrementalDetokenizer(tok), ""
+    for k, i in enumerate(ids):
+        sent += det.add(i)
+        whole = tok.decode(ids[:k + 1])
+        if not whole.endswith("\ufffd"):          # every character complete: all of it is out
+            assert sent == whole
+        else:
+            assert whole.startswith(sent) and len(whole) - len(sent) <= 4
+
+
+def test_detokenizer_follows_the_tokenizers_decode_on_any_ids(tok):
+    """Random ids (invalid UTF-8 among them, special tokens skipped or kept): the text sent is what the
+    tokenizer's own decode gives for all of them."""
+    rng = random.Random(5)
+    for trial in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 60))]
+        skip = trial % 4 != 0
+        det = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        pos, sent = 0, ""
+        while pos < len(ids):
+            k = rng.randrange(1, 4)
+            sent += det.add(ids[pos:pos + k])
+            pos += k
+        assert sent + det.flush() == tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_detokenizer_special_tokens(tok):

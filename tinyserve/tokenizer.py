@@ -7,6 +7,7 @@ into text that is safe to send: no half UTF-8 characters, no half stop strings.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from dataclasses import dataclass, field
@@ -20,7 +21,6 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-_REPLACEMENT_CHAR = "\ufffd"
 # The tags the reasoning and tool-call parsers read in the output text. Qwen's tokenizers make them ordinary added
 # tokens, but some fine-tunes flag them special, and detokenizing with skip_special_tokens would drop them: decode
 # keeps them by id whatever the flags say.
@@ -286,9 +286,8 @@ class Tokenizer:
 
     def __post_init__(self) -> None:
         special = {i: t.content for i, t in self.hf.get_added_tokens_decoder().items() if t.special}
-        # None: no marker is flagged special, skip_special_tokens can do its own work
-        self._skipped_ids = {i for i, text in special.items() if text not in PARSER_MARKERS} \
-            if set(special.values()) & set(PARSER_MARKERS) else None
+        # what skip_special_tokens drops: the special tokens but the parser markers
+        self.skipped_ids = frozenset(i for i, text in special.items() if text not in PARSER_MARKERS)
         self._env = _make_environment()
         self._bytes: dict[int, bytes] = {}            # token_bytes, cached: logprobs ask for the same ids again
         self._added = {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
@@ -362,9 +361,9 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """skip_special_tokens drops the special tokens but the parser markers (PARSER_MARKERS)."""
-        if skip_special_tokens and self._skipped_ids is not None:
-            return self.hf.decode([i for i in ids if i not in self._skipped_ids], skip_special_tokens=False)
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.skipped_ids]
+        return self.hf.decode(list(ids), skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token adds to the text (a piece of a character, for a byte token), so that a client can
@@ -453,40 +452,23 @@ def _cut_after_final(rendered: str, messages: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 class IncrementalDetokenizer:
-    """Token ids in, final text out, one step at a time.
+    """Token ids in, final text out, one step at a time, stop strings applied.
 
-    Decoding uses a sliding window (vLLM's prefix/read offsets): only ids[prefix_offset:] are decoded each step and
-    the text of ids[prefix_offset:read_offset] (already sent) is cut off the front, so the cost per step does not
-    grow with the output. The window keeps a little left context because some decoders (SentencePiece) render a
-    token differently at the start of a string.
+    Each token adds its own bytes to the text (Tokenizer.token_bytes: exact for a byte-level BPE, every Qwen
+    checkpoint's), decoded by Python's incremental UTF-8 decoder: a character split across tokens comes out whole
+    once its last byte arrives, and a step costs its own token, however long the output.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
-        self.skip_special_tokens = skip_special_tokens
         self.stopped = False
         self.stop_reason: str | None = None
         self.token_ids: list[int] = []  # the ids taken so far
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._skipped = tokenizer.skipped_ids if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._pending = ""          # decoded text not yet returned (a possible stop-string start)
         self._finished = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _decode_new(self, final: bool) -> str:
-        """Text of the ids past read_offset; '' while the tail is an incomplete UTF-8 character (unless final)."""
-        if self._read_offset >= len(self.token_ids):
-            return ""
-        prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self.token_ids[self._prefix_offset:])
-        if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)):
-            return ""  # nothing visible yet (skipped special token) or a partial character: wait for more ids
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self.token_ids)
-        return full_text[len(prefix_text):]
 
     def _release(self, final: bool) -> str:
         """Return what of _pending can be sent now: all of it without stop strings."""
@@ -526,7 +508,8 @@ class IncrementalDetokenizer:
         text = ""
         for tid in [token_ids] if isinstance(token_ids, int) else token_ids:
             self.token_ids.append(tid)
-            self._pending += self._decode_new(final=False)
+            if tid not in self._skipped:
+                self._pending += self._utf8.decode(self.tokenizer.token_bytes(tid))
             text += self._release(final=False)
             if self.stopped:
                 break
@@ -536,7 +519,7 @@ class IncrementalDetokenizer:
         """End of generation: return everything held back (a trailing partial character decodes as U+FFFD)."""
         if self.stopped or self._finished:
             return ""
-        self._pending += self._decode_new(final=True)
+        self._pending += self._utf8.decode(b"", final=True)     # an incomplete character at the end: U+FFFD
         out = self._release(final=True)
         self._finished = True
         return out
