@@ -491,7 +491,7 @@ def test_parsed_freeform_call_and_reasoning_ended_by_a_call():
     events = out.start()
     for k in range(0, len(text), 5):
         events += out.delta(0, Delta(text[k:k + 5], chars[k:k + 5], []))
-    events += out.delta(0, Delta("", [], [], "stop")) + out.end(usage)
+    events += out.delta(0, Delta("", [], [], "stop")) + out.end(lambda: usage)
     final = events[-1]["response"]
 
     def strip(items: list[dict]) -> list[dict]:

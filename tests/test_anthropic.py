@@ -182,7 +182,7 @@ def test_tool_use_response_blocks():
     events = []
     for k in range(0, len(text), 7):
         events += out.delta(0, Delta(text[k:k + 7], [], []))
-    events += out.delta(0, Delta("", [], [], "stop")) + out.end(Usage(3, 20, cached_tokens=1))
+    events += out.delta(0, Delta("", [], [], "stop")) + out.end(lambda: Usage(3, 20, cached_tokens=1))
     blocks: list[dict] = []
     for e in events:
         if e["type"] == "content_block_start":

@@ -215,7 +215,7 @@ def test_completion_body_and_stream():
     (a,) = stream.delta(0, Delta("<7>", [7], [_Event(7)]))
     (b,) = stream.delta(0, Delta("", [], [], "length"))
     assert a["choices"][0]["logprobs"]["text_offset"] == [0] and b["choices"][0]["finish_reason"] == "length"
-    (last,) = stream.end(Usage(3, 1))
+    (last,) = stream.end(lambda: Usage(3, 1))
     assert last["choices"] == [] and "prompt_tokens_details" not in last["usage"]
     assert stream.frame({"a": 1}) == b'data: {"a":1}\n\n' and stream.done == b"data: [DONE]\n\n"
 
@@ -230,7 +230,7 @@ def test_chat_stream_chunks():
     assert piece["choices"][0]["logprobs"]["content"][0]["token"] == "<5>"
     (fin,) = stream.delta(1, Delta("", [], [], "stop"))
     assert fin["choices"][0] == {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop"}
-    assert stream.end(Usage(3, 1)) == []                     # no include_usage
+    assert stream.end(lambda: pytest.fail("usage made for a stream that does not send it")) == []   # no include_usage
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -288,7 +288,7 @@ def test_parsed_items_and_their_stream():
     events = out.start()
     for k in range(0, len(text), 7):
         events += out.delta(0, Delta(text[k:k + 7], chars[k:k + 7], []))
-    events += out.delta(0, Delta("", [], [], "stop")) + out.end(usage)
+    events += out.delta(0, Delta("", [], [], "stop")) + out.end(lambda: usage)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.completed"
@@ -336,7 +336,7 @@ def test_namespace_tools_are_offered_and_called_under_their_names():
     events = out.start()
     for k in range(0, len(text), 5):
         events += out.delta(0, Delta(text[k:k + 5], [], []))
-    events += out.delta(0, Delta("", [], [], "stop")) + out.end(Usage(1, 9))
+    events += out.delta(0, Delta("", [], [], "stop")) + out.end(lambda: Usage(1, 9))
     added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
     assert [(i["name"], i["namespace"]) for i in added] == [("spawn_agent", "multi_agent_v1")]
     replay = parse_responses_request({"input": [

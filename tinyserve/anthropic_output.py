@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .chat import ChatFormat, ChatStreamChoice, count_reasoning_tokens
 from .protocol import APIError, ChoiceResult, Delta, Meta, NamedEventStream, Usage
@@ -210,9 +210,9 @@ class MessagesStream(NamedEventStream):
             self.reason = stop_reason(d.finish_reason, d.stop_string, self.choice.called_tools)
         return out
 
-    def end(self, usage: Usage) -> list[dict[str, Any]]:
+    def end(self, usage: Callable[[], Usage]) -> list[dict[str, Any]]:
         reason, sequence = self.reason
         return self._start() + self._close() + [
             {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-             "usage": self._usage(usage), **_context_management(self.req)},
+             "usage": self._usage(usage()), **_context_management(self.req)},
             {"type": "message_stop"}]

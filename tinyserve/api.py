@@ -465,7 +465,7 @@ async def _stream(request: web.Request, gen: Generation, out: EndpointStream) ->
             await send(out.start())
             async for i, d in gen.merged():
                 await send(out.delta(i, d))
-            await send(out.end(gen.usage()))
+            await send(out.end(gen.usage))
         except APIError as e:                         # after the headers went out: an error event
             log.warning("%s %s: %d %s (in the stream)", request.method, request.path, e.status, e.message)
             await send([out.error(e)])

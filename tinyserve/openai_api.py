@@ -14,7 +14,7 @@ output) or, where it changes nothing here, type-checked and documented as such (
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from .chat import ChatFormat, ChatRequest, ChatStreamChoice, chat_tools, function_tool, function_tools
 from .protocol import (APIError, ChoiceResult, Delta, Endpoint, EndpointStream, GenerationOptions, ImageInput,
@@ -366,8 +366,8 @@ class _OpenAIStream(EndpointStream):
             out["usage"] = usage_body(self.meta.usage())
         return out
 
-    def end(self, usage: Usage) -> list[dict[str, Any]]:
-        return [{**self.base, "choices": [], "usage": usage_body(usage)}] if self.options.include_usage else []
+    def end(self, usage: Callable[[], Usage]) -> list[dict[str, Any]]:
+        return [{**self.base, "choices": [], "usage": usage_body(usage())}] if self.options.include_usage else []
 
 
 class ChatStream(_OpenAIStream):

@@ -479,7 +479,8 @@ def completion_logprobs(meta: Meta, tokens: list[LegacyToken], offsets: TextOffs
 # Endpoints: one protocol's half of the generation skeleton in api.py
 
 class EndpointStream(ABC):
-    """One streamed response: chunks before, per delta and after the generation."""
+    """One streamed response: chunks before, per delta and after the generation. `end` gets the usage as a call,
+    made only by a stream that sends it."""
 
     done: bytes = SSE_DONE                            # what ends the event stream
 
@@ -497,7 +498,7 @@ class EndpointStream(ABC):
     def delta(self, index: int, d: Delta) -> list[dict[str, Any]]: ...
 
     @abstractmethod
-    def end(self, usage: Usage) -> list[dict[str, Any]]: ...
+    def end(self, usage: Callable[[], Usage]) -> list[dict[str, Any]]: ...
 
 
 class NamedEventStream(EndpointStream):

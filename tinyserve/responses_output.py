@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .chat import ChatFormat, ChatStreamChoice, count_reasoning_tokens, freeform_input
 from .parsers import THINK_END
@@ -236,7 +236,7 @@ class ResponsesStream(NamedEventStream):
             self.finish_reason = d.finish_reason
         return out
 
-    def end(self, usage: Usage) -> list[dict[str, Any]]:
+    def end(self, usage: Callable[[], Usage]) -> list[dict[str, Any]]:
         status = status_of(self.finish_reason)
         out = self._close(status)
         if status == "incomplete" and not self.output:
@@ -245,5 +245,5 @@ class ResponsesStream(NamedEventStream):
         tokens = count_reasoning_tokens(self.token_ids, self.meta.token_text, self.reasoning,
                                         parser.end_offset if parser is not None else None)
         body = response_body(self.req, self.meta, [dict(item) for item in self.output], status,
-                             usage_body(usage, tokens))
+                             usage_body(usage(), tokens))
         return out + [self._event("response.completed", response=body)]
