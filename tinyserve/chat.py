@@ -301,13 +301,19 @@ class ChatFormat:
             except ValueError:                        # a template that insists on its generation prompt
                 without = ""                          # (then the whole prompt is judged)
             req.starts_in_reasoning = prompt_opens_reasoning(text, without)
+        if req.tools or req.options.params.constraint is not None:
+            self._settle_constraint(req, tokenizer)
+        return tokenizer.encode(text)
+
+    def _settle_constraint(self, req: ChatRequest, tokenizer: Tokenizer) -> None:
+        """A forced tool call is the request's constraint (it replaces any response_format), and a constraint starts
+        after the reasoning when the answer starts inside a think block."""
         if self.tool_parser == "qwen3_coder" and req.tools:
             constraint = forced_tool_call(req.tools, req.tool_choice, req.custom_tools)
-            if constraint is not None:                # the answer is the call: it replaces any response_format
+            if constraint is not None:
                 req.options.params = replace(req.options.params, constraint=constraint)
         if req.options.params.constraint is not None:
             req.options.params = constraint_after_reasoning(req.options.params, req.starts_in_reasoning, tokenizer)
-        return tokenizer.encode(text)
 
     def parsers(self, req: ChatRequest) -> tuple[Qwen3ReasoningParser | None, Qwen3CoderToolParser | None]:
         """One choice's reasoning and tool-call parsers (None: off), fresh: they are stateful."""
