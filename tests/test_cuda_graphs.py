@@ -150,6 +150,31 @@ def test_static_decode_gives_the_eager_tokens(dense, page_size):
     check_scratch(eng)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cpu_layout_decode_reads_the_packed_rows(dense, page_size):
+    """The CPU's static decode (for_graphs off) makes its tensors from the packed rows (decode_tensors), no buffer
+    filled: the eager tokens while the batch shrinks and grows, every decode step taken, page tables as wide as
+    the step's longest sequence (at least 2)."""
+    schedule = workload(page_size)
+    want = drive(make_engine(dense, page_size), schedule)
+    eng = make_engine(dense, page_size)
+    static = static_steps(eng, for_graphs=False)
+    static.run = lambda *a, **k: pytest.fail("a CPU decode step went through the buffers")
+    made, decode_tensors = [], static.decode_tensors
+
+    def recorded(packed):
+        t = decode_tensors(packed)
+        pages = max(len(req.pages) for req, _, _ in packed.spans)
+        made.append((packed.num_seqs, tuple(t.page_table.shape) == (packed.num_seqs, max(pages, 2)),
+                     t.page_table.is_contiguous() and t.input_ids.shape == (packed.num_seqs,)))
+        return t
+    static.decode_tensors = recorded
+    assert drive(eng, schedule) == want
+    assert {n for n, _, _ in made} >= set(range(1, MAX_RUNNING + 1))
+    assert all(width_ok and layout_ok for _, width_ok, layout_ok in made)
+    assert_no_leaks(eng)
+
+
 @pytest.mark.slow
 def test_static_decode_moe(moe):
     """Qwen3-Next (MoE): padding rows are routed to experts like any row and change nothing."""
