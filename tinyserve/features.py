@@ -16,15 +16,16 @@ feature meets none of them.
     prepare         Engine.run_step           a step is scheduled, before it runs      images (encoding)
     model_inputs    ModelRunner.pack          a batch is packed: the model's inputs    images (M-RoPE, features)
     forward         ModelRunner.forward       a target step's forward                  static steps (graphs, compiled)
-    logit_masks     ModelRunner._sample       the rows are sampled                     grammar
+    logit_masks *   ModelRunner._sample_rows  the rows are sampled                     grammar
     accept          ModelRunner._sample       decodes with extra tokens are sampled    NEXTN (verify)
     after_forward   ModelRunner.step          the step's tokens are sampled            NEXTN (drafting), images,
                                                                                         prompt logprobs
-    commit          Engine._commit            a request's tokens are kept              grammar, NEXTN, prompt logprobs
+    commit *        Engine._commit            a request's tokens are kept              grammar, NEXTN, prompt logprobs
     wake            Engine._step              new requests arrive                      idle release (pools back)
     idle_timeout    Engine._serve             the engine has nothing to do             idle release
     on_idle         Engine._serve             ... for idle_timeout() seconds           idle release
     stats           Engine.stats              the status page / metrics ask            NEXTN, images, idle release
+    (* per request: only for the requests that hold the feature's record)
 """
 from __future__ import annotations
 
