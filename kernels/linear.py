@@ -10,7 +10,7 @@ times both on the model's own weight shapes at start, separately for one row (a 
 (a batch of decodes) and many rows (prefill), and `linear` follows its choice. Measured on one Intel CPU here:
 MKL's GEMV won for one row, oneDNN for 8 and 256 rows. Until calibrated, oneDNN is used where available. Greedy
 tokens do not depend on the route (both are exact GEMMs; only summation order differs). Inside a compiled CPU step
-one or two rows are a fused multiply-and-sum instead (see `linear`).
+one or two rows are a fused multiply-and-sum instead (`_multiply_and_sum`).
 
 oneDNN also has a third route: a copy of each weight laid out ahead of time in its own blocked format (`pack`). It
 reads that ~1.4x faster than the plain [N, K] weight it reorders on every call, for 2 to 8 rows (a batch of decodes,
@@ -53,7 +53,7 @@ _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.b
     else None
 BUCKETS = {"one": 1, "few": 8, "many": 256}   # row-count buckets and the row count each is timed at
 FEW_MAX = 16                                    # "few": 2..16 rows (a batch of decodes); "many": more
-FUSED_ROWS = 2                  # rows a compiled CPU step of fixed row counts multiplies in its own code (`linear`)
+FUSED_ROWS = 2                  # rows a compiled CPU step multiplies in its own code (`_multiply_and_sum`)
 _fused_rows = 1                 # FUSED_ROWS while such a step is traced (`fused_rows`); a batch of any size: 1
 ROUTES = ("onednn", "onednn-packed", "mkl")
 _route = dict.fromkeys(BUCKETS, "onednn" if _onednn_linear is not None else "mkl")
@@ -89,13 +89,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, norm: InputNorm | 
     # on the engine thread's eager steps too while a graph compiles on another thread: compiled.py)
     traced = torch.compiler.is_dynamo_compiling()
     if rows <= _fused_rows and x.dtype == torch.float32 and x.device.type == "cpu" and traced:
-        # A compiled lone decode, or a lone 2-token verify (compiled.py): a multiply-and-sum per row that inductor
-        # fuses into the step's own C++, one pass over the weight for both rows, without a call out of the graph.
-        # On a 2-core AMD EPYC (fp32): ~20% more tokens/s than oneDNN's GEMV for one row (the bench model); for two
-        # rows 1.08x one row's time where oneDNN takes 1.3x (0.76 GB of weights).
-        x2 = x.reshape(rows, -1)
-        y = torch.stack([(x2[r] * weight).sum(-1) for r in range(rows)]) if rows > 1 else (x2 * weight).sum(-1)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return _multiply_and_sum(x, weight, rows)
     if _onednn_ok(x, weight) and _route[_bucket(rows)] != "mkl":
         if traced:
             return torch.ops.tinyserve.onednn_linear(x, weight)
@@ -120,6 +114,16 @@ def traced_routes() -> dict[str, str]:
     """The route of each row-count bucket as a compiled graph holds it: MKL or oneDNN (whether oneDNN reads the
     packed copy is decided inside its op, at run time)."""
     return {kind: "mkl" if r == "mkl" else "onednn" for kind, r in _route.items()}
+
+
+def _multiply_and_sum(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """A compiled lone decode, or a lone 2-token verify (compiled.py): a multiply-and-sum per row that inductor fuses
+    into the step's own C++, one pass over the weight for both rows, without a call out of the graph. On a 2-core AMD
+    EPYC (fp32): ~20% more tokens/s than oneDNN's GEMV for one row (the bench model); for two rows 1.08x one row's
+    time where oneDNN takes 1.3x (0.76 GB of weights)."""
+    x2 = x.reshape(rows, -1)
+    y = torch.stack([(x2[r] * weight).sum(-1) for r in range(rows)]) if rows > 1 else (x2 * weight).sum(-1)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _bucket(rows: int) -> str:
