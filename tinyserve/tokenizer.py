@@ -504,7 +504,7 @@ class IncrementalDetokenizer:
         a stop string are not taken (token_ids grows by the ids taken)."""
         if self.stopped or self._finished:
             return ""
-        # One id at a time (as vLLM does) so text before an incomplete character is not held back with it.
+        # One id at a time: the ids after the one that completes a stop string are not taken.
         text = ""
         for tid in [token_ids] if isinstance(token_ids, int) else token_ids:
             self.token_ids.append(tid)
