@@ -53,7 +53,7 @@ _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.b
     else None
 BUCKETS = {"one": 1, "few": 8, "many": 256}   # row-count buckets and the row count each is timed at
 FEW_MAX = 16                                    # "few": 2..16 rows (a batch of decodes); "many": more
-FUSED_ROWS = 2                  # rows a compiled CPU step multiplies in its own code (`_multiply_and_sum`)
+FUSED_ROWS = 2                  # rows a compiled lone sequence's step multiplies in its own code (_multiply_and_sum)
 _fused_rows = 1                 # FUSED_ROWS while such a step is traced (`fused_rows`); a batch of any size: 1
 ROUTES = ("onednn", "onednn-packed", "mkl")
 _route = dict.fromkeys(BUCKETS, "onednn" if _onednn_linear is not None else "mkl")

@@ -86,7 +86,7 @@ def _describe(value: Any) -> str:
 
 
 class CompiledSteps:
-    """The compiled forwards of a StaticStep (for_graphs False), called as StaticStep._forward calls them."""
+    """The compiled forwards of a StaticStep (for_graphs False), called as StaticStep._forward_on calls them."""
 
     def __init__(self, static: StaticStep) -> None:
         assert not static.for_graphs and static.model.device.type == "cpu"
@@ -222,7 +222,8 @@ class CompiledSteps:
                 torch._dynamo.maybe_mark_dynamic(x, 0)
         torch._dynamo.maybe_mark_dynamic(args[-1].page_table, 1)
         # no size, stride and alignment asserts on the outputs of the ops called out of the graph (the GEMMs): they
-        # cost ~0.15 ms a step of 8 sequences, and every input is one of static.py's own fixed buffers
+        # cost ~0.15 ms a step of 8 sequences, and every input is a contiguous tensor static.py made, laid out as
+        # traced (its buffers, or a CPU decode's decode_tensors)
         compile_fn: Callable = torch.compile(FORWARDS[kind], fullgraph=True,
                                              options={"guard_filter_fn": _shape_guards_only, "size_asserts": False,
                                                       "alignment_asserts": False, "scalar_asserts": False})

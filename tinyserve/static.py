@@ -2,7 +2,8 @@
 the NEXTN head's passes after them.
 
 A feature on one hook: `forward` (features.py), which takes a target step's packed batch (runner.Packed) when it
-is all decodes and fits the buffers, pads it into them and runs the forward of that shape. NEXTN's head passes call
+is all decodes and fits the buffers: a CPU decode step reads tensors made from it (decode_tensors), any other is
+padded into the buffers; then the forward of that shape runs. NEXTN's head passes call
 `run` themselves (spec.py), and idle release drops the graphs with the pools they point into and captures them
 again (idle.py). Off, or a batch it does not take: the runner's eager forward, the same math.
 
@@ -63,7 +64,8 @@ class ShapeBatch(ForwardBatch):
 
 
 class StepTensors(NamedTuple):
-    """What a static forward reads, per token row (B * T) or per sequence (B), views of StaticStep's buffers."""
+    """What a static forward reads, per token row (B * T) or per sequence (B): views of StaticStep's buffers, or a
+    CPU decode's own contiguous tensors (decode_tensors), laid out the same."""
     input_ids: torch.Tensor        # [B*T] int64
     positions: torch.Tensor        # [B*T] int64
     slot_mapping: torch.Tensor     # [B*T] int64
