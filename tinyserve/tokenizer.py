@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -20,6 +21,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+log = logging.getLogger("tinyserve.tokenizer")
 
 # The tags the reasoning and tool-call parsers read in the output text. Qwen's tokenizers make them ordinary added
 # tokens, but some fine-tunes flag them special, and detokenizing with skip_special_tokens would drop them: decode
@@ -292,6 +295,10 @@ class Tokenizer:
         self._bytes: dict[int, bytes] = {}            # token_bytes, cached: logprobs ask for the same ids again
         self._added = {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
         self._byte_level = _decoder_kinds(self.hf) & {"ByteLevel"}
+        if _decoder_kinds(self.hf) != {"ByteLevel"}:     # every Qwen checkpoint's is
+            log.warning("the tokenizer's decoder is %s, not a byte-level BPE's: streamed text is each token's bytes "
+                        "(IncrementalDetokenizer), which may differ from a whole decode at the start of a text",
+                        "+".join(sorted(k or "?" for k in _decoder_kinds(self.hf))) or "none")
         self._template: jinja2.Template | None = None
         if self.chat_template is not None:
             try:
