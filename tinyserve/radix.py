@@ -49,6 +49,8 @@ _clock = itertools.count()
 # The one table of write policies (cache.host.write_policy, in config.py's order): at which event a device node is
 # backed up to the host tier (and from there, or straight from the device without a host tier, to the file tier).
 BACKUP_EVENT = dict(zip(WRITE_POLICIES, ("insert", "hit", "evict")))
+
+
 @dataclass(eq=False)
 class Node:
     tokens: list[int]

@@ -3,12 +3,12 @@ parses the request).
 
 Mapping (response): output items reasoning ("rs_...", summary [], content [reasoning_text]), message ("msg_...",
 one output_text part), function_call ("fc_...", call_id "call_...", arguments a JSON string) and custom_tool_call
-("ctc_...", input a string); status "incomplete"
-with incomplete_details.reason "max_output_tokens" when the generation was cut by the token limit (its last item is
-"incomplete" too, unless it is a call: a call the limit cut is dropped, so one that is there is whole). usage.output_tokens_details.reasoning_tokens counts the generated tokens up to the one that closes
-the think block. A stream ends with response.completed whatever the status (the openai client's
-get_final_response() needs it), carrying the same response the blocking call returns; every event carries the item
-as it was at that event.
+("ctc_...", input a string); status "incomplete" with incomplete_details.reason "max_output_tokens" when the
+generation was cut by the token limit (its last item is "incomplete" too, unless it is a call: a call the limit cut
+is dropped, so one that is there is whole). usage.output_tokens_details.reasoning_tokens counts the generated tokens
+up to the one that closes the think block. A stream ends with response.completed whatever the status (the openai
+client's get_final_response() needs it), carrying the same response the blocking call returns; every event carries
+the item as it was at that event.
 """
 from __future__ import annotations
 

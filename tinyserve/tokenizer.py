@@ -294,11 +294,12 @@ class Tokenizer:
         self._env = _make_environment()
         self._bytes: dict[int, bytes] = {}            # token_bytes, cached: logprobs ask for the same ids again
         self._added = {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
-        self._byte_level = _decoder_kinds(self.hf) & {"ByteLevel"}
-        if _decoder_kinds(self.hf) != {"ByteLevel"}:     # every Qwen checkpoint's is
+        kinds = _decoder_kinds(self.hf)
+        self._byte_level = "ByteLevel" in kinds
+        if kinds != {"ByteLevel"}:                     # every Qwen checkpoint's is
             log.warning("the tokenizer's decoder is %s, not a byte-level BPE's: streamed text is each token's bytes "
                         "(IncrementalDetokenizer), which may differ from a whole decode at the start of a text",
-                        "+".join(sorted(k or "?" for k in _decoder_kinds(self.hf))) or "none")
+                        "+".join(sorted(k or "?" for k in kinds)) or "none")
         self._template: jinja2.Template | None = None
         if self.chat_template is not None:
             try:
