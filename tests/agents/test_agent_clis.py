@@ -191,8 +191,10 @@ def run_agent(server: Server, agent: str, home: Path, work: Path, env_lines: str
                                      for m in map(REQUEST_LINE.match, log.splitlines()) if m])
     assert run.requests, f"{agent} {name}: no request reached the server\n{shown}"
     assert run.main.generated >= 1
+    # the random demo model samples an answer of any length, a few characters now and then ("; for" and a lone
+    # byte shown as U+FFFD were seen): what is checked is that the agent shows text and it is no error
     text = out.stdout.strip()
-    assert len(text) >= 8 and not ERRORS.search(text), f"{agent} {name}: no answer shown\n{shown}"
+    assert text and not ERRORS.search(text), f"{agent} {name}: no answer shown\n{shown}"
     REPORT.append(run)
     return run
 
