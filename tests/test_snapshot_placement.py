@@ -235,3 +235,45 @@ def test_a_prompts_snapshots_are_written_inside_its_one_prefill_forward(model, c
             (r,) = eng.run_requests([other], GREEDY)
             assert r.cached_tokens == 96 and r.output_ids == cold.generate([other], GREEDY)[0]
         assert_no_leaks(eng)
+
+
+def test_a_sessions_prompt_end_outlives_older_sessions_leaves(model, cold):
+    """An agent's next turn renders the last answer back otherwise (a think block dropped), so it resumes at the last
+    prompt's end, not at the request's end below it. With the slots full of older sessions' leaves, the newest
+    request's prompt end stays (it counts as its request's, snapshot_worth), also when a second run found it cached
+    (its claim) and its own end is still to come; the oldest session's states go. Ranked below every leaf, the
+    prompt end went as soon as its own request's end took a slot."""
+    eng = engine(model, state_slots=4)
+    answer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    sessions = [tokens(90, 70 + i) for i in range(5)]
+    for prompt in sessions + [sessions[-1]]:             # the last one twice: the second resumes at its prompt end
+        (req,) = eng.run_requests([prompt], answer)
+        eng.cache.check()
+    assert req.cached_tokens == 80                       # (90 - 1) // 16 * 16
+    rendered_otherwise = sessions[-1] + tokens(30, 80) + tokens(10, 81)
+    (turn,) = play(eng, cold, [rendered_otherwise])
+    assert turn.cached_tokens == 80
+    (first,) = play(eng, cold, [sessions[0] + tokens(10, 82)])
+    assert first.cached_tokens == 0                      # the oldest session's states went first
+    assert_no_leaks(eng)
+
+
+def test_a_sessions_last_interval_snapshots_outlive_older_sessions_leaves(model, cold):
+    """An agent's next turn drops a reminder from inside its last message: it resumes from an interval snapshot
+    just before the change, one of the KEPT_INTERVALS last before the prompt's end, which the cache asks for as for
+    a resume point; with the slots full of older sessions' states, the last session's stay (the two sessions before
+    it keep theirs: INTERVAL_AGE). An interval snapshot that may never take a leaf's or a resume point's slot is
+    never made once the slots are full."""
+    eng = engine(model, state_slots=8)
+    answer = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i in range(5):                                   # older sessions, a prompt end and a request end each
+        eng.run_requests([tokens(100, 90 + i)], answer)
+    prompt = tokens(200, 95)                             # intervals at 32 .. 192; kept: 128 and 160
+    for _ in range(2):                                   # run twice, the second from the cache
+        (req,) = eng.run_requests([prompt], answer)
+        eng.cache.check()
+    assert req.cached_tokens == 192
+    changed = prompt[:170] + tokens(40, 96)              # changed past the last kept interval snapshot
+    (turn,) = play(eng, cold, [changed])
+    assert turn.cached_tokens == 160
+    assert_no_leaks(eng)

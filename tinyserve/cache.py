@@ -35,6 +35,7 @@ from tinyserve.host_tier import HostStats, HostTier
 from tinyserve.kv import PageAllocator
 from tinyserve.radix import Node, RadixCache
 from tinyserve.request import Request
+from tinyserve.snapshot_worth import KEPT_INTERVALS
 from tinyserve.state import StatePool
 
 TIERS = ("device", "host", "file")     # where cached tokens come from (req.report["cached_by_tier"])
@@ -107,11 +108,13 @@ class Cache:
 @dataclass(eq=False)
 class CacheRun:
     """One request's prefix-cache bookkeeping, from arrival to drop."""
-    node: Node | None = None                # the cached node this run resumed from (locked while running)
+    node: Node | None = None                # the deepest cached node its prompt matched (locked while running)
     snapshot_points: list[int] = field(default_factory=list)   # prefill positions where a snapshot is taken
     resume_points: set[int] = field(default_factory=set)       # those that resume requests: the prompt's end,
                                                                # a branch point (kept longer than interval ones)
+    kept_points: set[int] = field(default_factory=set)         # the last interval ones before the prompt's end
     prompt_end: int = 0                     # tokens known at admission: later positions are decodes
+    stamp: int = 0                          # the tree's stamp for this request's resume points (RadixCache.claim)
     track_slot: int | None = None           # copy of the state at the last page boundary
     track_pos: int = -1
     written: dict[int, int] = field(default_factory=dict)      # position -> snapshot slot a forward writes into
@@ -198,8 +201,8 @@ class PrefixCache(Cache):
         self.allocator.retain(m.pages)
         cached = min(m.length, len(req.prompt_ids))
         by_tier = {t: max(0, min(end, cached) - start) for t, (start, end) in loaded.items()}
-        self.tree.lock(m.node, +1)
-        run.node = m.node
+        self.tree.lock(m.deepest, +1)                   # up to the branch point: the tokens it passes over stay
+        run.node = m.deepest
         ps, end = self.page_size, req.num_tokens
         points = set(range(self.track_interval, end, self.track_interval))
         run.resume_points = {(end - 1) // ps * ps}         # page-aligned end of the prompt
@@ -209,8 +212,12 @@ class PrefixCache(Cache):
         # changed resumes there; before the first image: the same text with another picture; after the last one:
         # other text after the same pictures)
         run.resume_points |= {p // ps * ps for p in req.resume_hints if 0 < p // ps * ps < end}
+        # the last interval snapshots before the prompt's end, kept with its resume points (snapshot_worth): a next
+        # turn that changes the last message part-way resumes within one interval of the change
+        run.kept_points = set(sorted(p for p in points if p < (end - 1) // ps * ps)[-KEPT_INTERVALS:])
         run.snapshot_points = sorted(p for p in points | run.resume_points if p > m.length)
-        run.prompt_end = end
+        run.prompt_end, run.stamp = end, self.tree.stamp()
+        self.tree.claim(ids[:m.length], run.resume_points | run.kept_points, run.stamp)
         req.pages, req.num_computed, req.cached_tokens = list(m.pages), m.length, cached
         req.report["cached_by_tier"] = {"device": cached - sum(by_tier.values()), "host": by_tier.get("host", 0),
                                         "file": by_tier.get("file", 0)}
@@ -250,7 +257,7 @@ class PrefixCache(Cache):
     def _snapshot_slot(self, run: CacheRun, pos: int, evict: bool) -> int | None:
         if not evict:
             slot = self.state_pool.alloc_snapshot()
-        elif (slot := self.tree.alloc_snapshot(resume=pos in run.resume_points)) is not None:
+        elif (slot := self.tree.alloc_snapshot(resume=pos in run.resume_points | run.kept_points)) is not None:
             self.state_pool.fence([slot])        # the forward writes it: a save of its old snapshot must be done
         if slot is not None:
             run.written[pos] = slot
@@ -269,12 +276,14 @@ class PrefixCache(Cache):
         for at in sorted(run.written):
             written = run.written.pop(at)
             if at < pos:                             # cache tokens [0, at) with the state the forward wrote
-                self.tree.insert(req.cache_ids[:at], req.pages[:at // ps], written, resume=at in run.resume_points)
+                self.tree.insert(req.cache_ids[:at], req.pages[:at // ps], written, resume=at in run.resume_points,
+                                 claim=run.stamp if at in run.resume_points | run.kept_points else 0)
             else:                                    # the chunk was cut before it: a later one takes it
                 self.state_pool.free_snapshot(written)
         slot = req.state_slot if slot is None else slot
         if pos in run.snapshot_points or (pos > run.prompt_end and pos % self.track_interval == 0):
-            self._snapshot(req, pos, slot, resume=pos in run.resume_points)
+            self._snapshot(req, pos, slot, resume=pos in run.resume_points, claim=run.stamp,
+                           keep=pos in run.kept_points)
         elif self.hybrid and ps > 1 and pos % ps == 0:
             # keep the state at the last page boundary, a prefill's included: a prompt that ends on one and a
             # request that stops before the next cache the prompt's last page with it
@@ -284,17 +293,20 @@ class PrefixCache(Cache):
                 self.state_pool.copy(slot, run.track_slot)
                 run.track_pos = pos
 
-    def _snapshot(self, req: Request, pos: int, slot: int | None = None, resume: bool = True) -> None:
+    def _snapshot(self, req: Request, pos: int, slot: int | None = None, resume: bool = True, claim: int = 0,
+                  keep: bool = False) -> None:
         """Cache tokens [0, pos) of req with a copy of `slot` (default: its state slot), its state at pos.
-        resume: pos resumes requests (a prompt end, a branch point, the request's end), not just an interval."""
+        resume: pos resumes requests (a prompt end, a branch point, the request's end), not just an interval;
+        claim: the request's stamp; keep: one of its kept interval snapshots (it may take a resume point's slot)."""
         if not self.hybrid:                                # no recurrent state: the KV pages are enough
             self.tree.insert(req.cache_ids[:pos], req.pages[:pos // self.page_size], None)
             return
-        snap = self.tree.alloc_snapshot(resume=resume)     # an interval snapshot never pushes out a resume point
+        snap = self.tree.alloc_snapshot(resume=resume or keep)   # other intervals never push out a resume point
         if snap is None:
             return
         self.state_pool.copy(req.state_slot if slot is None else slot, snap)
-        self.tree.insert(req.cache_ids[:pos], req.pages[:pos // self.page_size], snap, resume=resume)
+        self.tree.insert(req.cache_ids[:pos], req.pages[:pos // self.page_size], snap, resume=resume,
+                         claim=claim if resume or keep else 0)
 
     # ---- end ----
     def finish(self, req: Request) -> None:
@@ -304,10 +316,10 @@ class PrefixCache(Cache):
         if end == 0:
             return
         if end == req.num_computed:
-            self._snapshot(req, end)
+            self._snapshot(req, end, claim=run.stamp)
         elif run.track_pos == end:
             slot, run.track_slot, run.track_pos = run.track_slot, None, -1
-            self.tree.insert(req.cache_ids[:end], req.pages[:end // ps], slot, resume=True)
+            self.tree.insert(req.cache_ids[:end], req.pages[:end // ps], slot, resume=True, claim=run.stamp)
         elif not self.hybrid:
             self.tree.insert(req.cache_ids[:end], req.pages[:end // ps], None)
 

@@ -14,7 +14,9 @@ Invariants (radix_check.check_tree asserts them; tests call it after every scena
   device snapshot and its host blocks. Running requests hold their own page references, so evicting a node never
   pulls KV from under a request.
 - Pages in the tree are full pages below every writer's position: nobody writes to a cached page again.
-- A locked node (a running request started from it) and its ancestors keep their KV pages on the device. A lock
+- A locked node (a running request matched its prompt up to it: it resumes there or above, and computes the same
+  tokens below) and its ancestors keep their KV pages on the device, and stay in the tree without a state (a
+  stateless node dropped under the request would be written to the file tier again when the request inserts it). A lock
   does not pin the node's snapshot: the request copied that state at admission and never reads it again, so the
   snapshot is ranked like any other (many sessions on one shared prefix would otherwise pin every slot). Only the
   snapshots of an admission in progress (`promote`, `pinned`) are never taken.
@@ -23,10 +25,11 @@ Invariants (radix_check.check_tree asserts them; tests call it after every scena
 - Host eviction takes host copies without host-backed children, LRU first; a host-only node goes with its copy.
 - Snapshots are evicted on their own (their slots are the scarce resource), in the order of snapshot_worth.py:
   copies the other tier also holds first, ..., resume points (prompt ends, branch points, request ends, the last
-  messages' starts; `insert(..., resume=True)`) last. A device snapshot that goes is demoted to the host tier when
-  it has room or holds a copy worth less; an interval snapshot (`alloc_snapshot(resume=False)`) never displaces a
-  leaf or a resume point. A leaf left with no snapshot anywhere goes with it, since nothing can resume there. Held
-  snapshots never exceed the plan's slots (device) and snapshots (host), checked in bytes.
+  messages' starts; `insert(..., resume=True)`) and leaves last, a request's together (`claim`). A device snapshot
+  that goes is demoted to the host tier when it has room or holds a copy worth less; an interval snapshot
+  (`alloc_snapshot(resume=False)`) never displaces a leaf or a resume point. A leaf left with no snapshot anywhere
+  goes with it, since nothing can resume there. Held snapshots never exceed the plan's slots (device) and snapshots
+  (host), checked in bytes.
 - File tier: each cached page is stored once. A node records the stored run that holds its pages (`file_run`; both
   halves of a split keep it) and the blob that holds the state at its end (`file_state`; a state blob when that end
   lies inside a stored run), and is written only when the file tier lacks them.
@@ -66,6 +69,8 @@ class Node:
     depth: int = 0                       # tokens from the root to this node's end
     resume: bool = False                 # the state at this node's end resumes requests: a prompt end, a branch
                                          # point, a request end or a hinted place (not just an interval snapshot)
+    claimed: int = 0                     # the stamp of the last request that had a resume point or a kept
+                                         # interval snapshot here (made or found cached): snapshot_worth
     file_run: tuple[bytes, bytes] | None = None    # file tier: the stored run (start, end hash) holding this
                                                    # node's pages (after a split, a run longer than the node)
     file_state: tuple[bytes, bytes] | None = None  # file tier: the blob holding the state at this node's end
@@ -86,6 +91,7 @@ class Match:
     kv_length: int            # longest matched prefix on the device regardless of state (a branch point)
     walked: int = 0           # tokens matched in the tree, any tier (page-aligned)
     branch: Node | None = None    # where the prompt left a cached path that goes on (a divergence); None: it didn't
+    deepest: Node | None = None   # the node ending at kv_length (the root for none): what the request locks
 
 
 class RadixCache:
@@ -105,6 +111,7 @@ class RadixCache:
         self.num_pages = 0                   # device pages referenced by the tree
         self.num_snapshots = 0               # device snapshots held
         self.snapshots_evicted = 0
+        self.requests = 0                    # stamps given out (`stamp`)
         self.query_tokens = 0
         self.hit_tokens = 0
 
@@ -159,7 +166,7 @@ class RadixCache:
         """Longest usable device-resident prefix of tokens, always leaving at least one token to compute."""
         limit = self._limit(tokens)
         path, walked = self._walk(tokens[:limit], split=True)
-        usable, pages, kv_len = self.root, [], 0
+        usable, pages, kv_len, deepest = self.root, [], 0, self.root
         for node in path:
             if node.pages is None:                     # host-only from here on
                 break
@@ -168,7 +175,7 @@ class RadixCache:
             if self._backup_due("hit", node.hits):
                 self._backup(node)
             pages += node.pages
-            kv_len = node.depth
+            kv_len, deepest = node.depth, node
             if not self.hybrid or node.snapshot is not None:
                 usable = node
         self.query_tokens += len(tokens)
@@ -176,7 +183,21 @@ class RadixCache:
         # the walk stopped short of the limit at a node with children: no child continues the prompt's next page
         last = path[-1] if path else self.root
         branch = last if 0 < walked < limit and last.children else None
-        return Match(usable, usable.depth, pages[:usable.depth // self.page_size], kv_len, walked, branch)
+        return Match(usable, usable.depth, pages[:usable.depth // self.page_size], kv_len, walked, branch, deepest)
+
+    def stamp(self) -> int:
+        """A new request's stamp (they count requests: snapshot_worth.INTERVAL_AGE), for `claim` and
+        insert(..., claim=)."""
+        self.requests += 1
+        return self.requests
+
+    def claim(self, tokens: list[int], ends: set[int], stamp: int) -> None:
+        """A request's resume points and kept interval snapshots that are cached already (its prompt end or last
+        message's start, found in the tree): they count as its own (snapshot_worth), as if it had made them."""
+        path, _ = self._walk(tokens, split=False)
+        for node in path:
+            if node.depth in ends and (node.snapshot is not None or node.host_snapshot is not None):
+                node.claimed = stamp
 
     def lock(self, node: Node, delta: int) -> None:
         while node is not None and node is not self.root:
@@ -185,13 +206,17 @@ class RadixCache:
             node = node.parent
 
     # ---- insertion ----
-    def insert(self, tokens: list[int], pages: list[int], snapshot: int | None, resume: bool = False) -> Node:
+    def insert(self, tokens: list[int], pages: list[int], snapshot: int | None, resume: bool = False,
+               claim: int = 0) -> Node:
         """Cache a page-aligned prefix (its KV pages, and the state at its end if given). Parts already on the
         device keep their pages (host-only parts take these); the tree takes a reference on the pages it keeps.
         A snapshot the node already has is given back. resume: the state at this end resumes requests (a prompt
-        end, a branch point, a request end), so it is kept longer than interval snapshots. Returns the node
-        ending at tokens' end (the root for no tokens)."""
+        end, a branch point, a request end), so it is kept longer than interval snapshots; claim: the stamp
+        (`stamp`) of the request whose resume point or kept interval snapshot this is. Returns the node ending at
+        tokens' end (the root for no tokens)."""
         node = self._insert(tokens, pages, snapshot, resume)
+        if claim and node is not self.root:
+            node.claimed = claim
         if node is not self.root and self._backup_due("insert", node.hits):
             self._backup(node)
         return node
@@ -451,7 +476,8 @@ class RadixCache:
     # ---- snapshot placement ----
     def alloc_snapshot(self, resume: bool = True) -> int | None:
         """A free device snapshot slot; when none is free, the slot of the snapshot least worth keeping
-        (_take_snapshot_slot), or None."""
+        (_take_snapshot_slot), or None. resume: a snapshot its request resumes from or keeps (a resume point, or
+        one of its last interval snapshots before its prompt end), not just an interval one."""
         slot = self.state_pool.alloc_snapshot()
         return slot if slot is not None else self._take_snapshot_slot(resume)
 
@@ -466,8 +492,8 @@ class RadixCache:
             return None
         ranks = snapshot_ranks(self)
         victim = min(held, key=lambda n: worth(n, ranks, n.host_snapshot is not None))
-        unique, leaf, resumes, _, _ = worth(victim, ranks, victim.host_snapshot is not None)
-        if not resume and unique and (leaf or resumes):
+        unique, kind, *_ = worth(victim, ranks, victim.host_snapshot is not None)
+        if not resume and unique and kind > 0:          # a leaf, a resume point or a group's
             return None
         if self.host is not None:
             self._snapshot_to_host(victim)
@@ -538,9 +564,10 @@ class RadixCache:
         """The node whose host snapshot is least worth keeping (snapshot_worth.worth). With copy_of (the node whose
         snapshot would take its place; copied: it stays on the device too), only one worth less than that: a copy
         never pushes out a better one."""
-        # a node of an admission in progress without a device snapshot may be about to load this one: pinned
-        held = [x for x in self.nodes() if x.host_snapshot is not None and x is not protect
-                and (x.snapshot is not None or x not in self.pinned)]
+        # an admission in progress may be about to load the deepest host-only snapshot on its path: pinned
+        loading = max((x for x in self.pinned if x.host_snapshot is not None and x.snapshot is None),
+                      key=lambda x: x.depth, default=None)
+        held = [x for x in self.nodes() if x.host_snapshot is not None and x is not protect and x is not loading]
         if not held:
             return None
         ranks = snapshot_ranks(self)
