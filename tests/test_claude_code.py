@@ -168,18 +168,55 @@ def test_thinking_token_count(client):
 # ---------------------------------------------------------------------------------------------------------------
 # anthropic-beta, and the errors Claude Code reads
 
-def test_every_beta_claude_code_sends_is_known_and_others_are_refused_by_name(server):
-    status, _, raw = http("POST", server.base_url + "/v1/messages",
-                          {"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
-                          headers={"anthropic-beta": CLAUDE_CODE_BETAS + ",mid-conversation-system-2026-04-07"})
-    assert status == 200, raw
-    status, _, raw = http("POST", server.base_url + "/v1/messages",
-                          {"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
-                          headers={"anthropic-beta": "claude-code-20250219, afk-mode-2026-01-31"})
-    error = json.loads(raw)["error"]
-    assert status == 400 and error["type"] == "invalid_request_error"
-    assert "`afk-mode-2026-01-31`" in error["message"] and "anthropic-beta" in error["message"]
-    assert "claude-code-20250219`" not in error["message"]
+def test_every_beta_flag_is_accepted_and_an_unknown_one_is_logged_once(server):
+    """A flag says which fields a client may send; it asks for nothing. Claude Code 2.1.197 sends
+    prompt-caching-scope-2026-01-05 on every request: a server refusing flags it does not know refused them all."""
+    body = {"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for flags in (CLAUDE_CODE_BETAS + ",mid-conversation-system-2026-04-07", "claude-code-20250219, afk-mode-2026-01-31",
+                  "a-flag-of-2027-01-01", "a-flag-of-2027-01-01,another-2027-02-02"):
+        status, _, raw = http("POST", server.base_url + "/v1/messages", body,
+                              headers={"anthropic-beta": flags, "anthropic-version": "2099-01-01"})
+        assert status == 200, raw
+    log = server.log()
+    assert log.count("anthropic-beta: 'a-flag-of-2027-01-01' is not one this server knows") == 1
+    assert log.count("anthropic-beta: 'another-2027-02-02' is not one this server knows") == 1
+    assert log.count("anthropic-version: '2099-01-01' is not one this server knows") == 1
+    assert "afk-mode-2026-01-31' is not one" not in log               # known: in anthropic.BETAS
+
+
+def test_the_sdks_beta_calls_succeed_with_any_flag(client):
+    """The Anthropic SDK's beta namespace, as a client on a newer SDK calls it, with a flag no server knows yet."""
+    betas = ["token-counting-2024-11-01", "a-flag-of-2027-03-03"]
+    plain = anthropic.Anthropic(base_url=client.base_url, api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Hello"}]
+    made = plain.beta.messages.create(model="tinyserve", max_tokens=4, messages=messages, betas=betas)
+    assert made.usage.output_tokens >= 1
+    with plain.beta.messages.stream(model="tinyserve", max_tokens=4, messages=messages, betas=betas) as stream:
+        final = stream.get_final_message()
+    assert final.usage.output_tokens >= 1
+    counted = plain.beta.messages.count_tokens(model="tinyserve", messages=messages, betas=betas)
+    assert counted.input_tokens == made.usage.input_tokens
+
+
+def test_safeguards_are_accepted_and_not_run(server):
+    """Claude Code 2.1.286's auto mode sends safeguards [{"type": "dangerous_tool_use", "classifier_context": ...}]:
+    a check Anthropic runs on its side. None runs here; each type is logged once; a malformed one is a 400."""
+    body = {"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+            "safeguards": [{"type": "dangerous_tool_use", "classifier_context": {"permission_mode": "auto"}}]}
+    for _ in range(2):
+        status, _, raw = http("POST", server.base_url + "/v1/messages", body)
+        assert status == 200, raw
+    assert server.log().count("safeguards of type 'dangerous_tool_use'") == 1
+    status, _, raw = http("POST", server.base_url + "/v1/messages", {**body, "safeguards": "on"})
+    assert status == 400 and json.loads(raw)["error"]["message"].startswith("safeguards must be")
+
+
+def test_claude_codes_reachability_probe_is_answered(server):
+    """Claude Code 2.1.286 sends HEAD /api/hello to ANTHROPIC_BASE_URL as it starts (a connection opened early)."""
+    for method in ("HEAD", "GET"):
+        status, _, _ = http(method, server.base_url + "/api/hello")
+        assert status == 200
+    assert "/api/hello: 404" not in server.log()
 
 
 def test_a_prompt_past_the_context_is_worded_as_anthropic_words_it(client):

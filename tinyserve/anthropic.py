@@ -46,16 +46,19 @@ Mapping (request):
   (and the older output_format)       response_format; the SDK's messages.parse); output_config.effort accepted
   tool_choice.disable_parallel_tool_use -> at most one tool_use block
   context_management               -> its edits are applied (context_edits.py) and reported
-  anthropic-beta header            -> each value is one of BETAS (accepted: what it means here) or refused by name,
-                                      in Anthropic's words, as Anthropic refuses a value it does not know
+  anthropic-beta header            -> every value accepted: BETAS says what each known one means here, an unknown
+                                      one is logged once (a flag only allows fields; each field is checked where
+                                      it is read); anthropic-version likewise
   metadata, service_tier, cache_control, inference_geo, speed: type-checked, no effect (docs/api.md); container,
-                                      mcp_servers: 400
+                                      mcp_servers: 400; safeguards (checks Anthropic runs over tool calls): none
+                                      run here, each type logged once
 A prompt longer than the context is a 400 worded as Anthropic's ("prompt is too long: N tokens > M maximum"):
 Claude Code reads the numbers to compact the conversation.
 """
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,8 +67,8 @@ from .chat import ChatFormat, ChatRequest, TranslatedRequest, chat_tools, functi
     named_tool
 from .context_edits import Edit, apply_edits, parse_edits
 from .protocol import (APIError, ChoiceResult, Endpoint, GenerationOptions, ImageInput, Meta, Usage, bad_request,
-                       boolean, image_bytes, image_from_url, integer, number, parse_response_format, read_field,
-                       stop_strings, unused_fields)
+                       boolean, header_values, image_bytes, image_from_url, integer, note_markers, number,
+                       parse_response_format, read_field, stop_strings, unused_fields)
 from .sampling import SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, ContentJoiner, Tokenizer
 
@@ -73,11 +76,12 @@ if TYPE_CHECKING:
     from .sampling import Constraint
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+log = logging.getLogger("tinyserve.anthropic")
 __all__ = ["Messages", "MessagesRequest", "error_body", "is_anthropic_path", "parse_messages_request"]
 
 # The anthropic-beta values this server knows (Claude Code sends a list on every request), each with what it means
-# here. A value not in this table is refused, naming it, as Anthropic refuses one it does not know: Claude Code then
-# drops the beta and asks again.
+# here. A value not in this table is accepted and logged once (read_betas): a beta lets a client send new fields,
+# and each field is checked, or refused by name, where it is read.
 BETAS = {
     "claude-code-20250219": "Claude Code's requests: nothing changes",
     "interleaved-thinking-2025-05-14": "thinking between tool calls: the parsers read reasoning wherever it is",
@@ -100,7 +104,11 @@ BETAS = {
     "web-fetch-2025-09-10": "server tools are left out of the prompt (tinyserve:tools_left_out)",
     "code-execution-2025-05-22": "server tools are left out of the prompt (tinyserve:tools_left_out)",
     "code-execution-2025-08-25": "server tools are left out of the prompt (tinyserve:tools_left_out)",
+    "prompt-caching-scope-2026-01-05": "cache_control scope is accepted: the prefix cache needs no marks",
+    "afk-mode-2026-01-31": "Claude Code's unattended mode: nothing changes",
+    "dangerous-tool-use-2026-09-03": "safeguards dangerous_tool_use is accepted and not run (Anthropic's own check)",
 }
+VERSIONS = ("2023-06-01",)           # anthropic-version: the one the Messages API has
 THINKING_DISPLAYS = ("summarized", "omitted")
 
 
@@ -108,16 +116,12 @@ def is_anthropic_path(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
-def check_betas(headers: Any) -> set[str]:
-    """The anthropic-beta values a request names (comma-separated, in one header or several: `headers` is aiohttp's
-    multidict), each one of BETAS; any other is a 400 naming it."""
-    values = {v.strip() for header in headers.getall("anthropic-beta", []) for v in header.split(",")} - {""}
-    unknown = sorted(values - BETAS.keys())
-    if unknown:
-        shown = ", ".join(f"`{v}`" for v in unknown)
-        raise APIError(400, f"Unexpected value(s) {shown} for the `anthropic-beta` header; this server knows "
-                            f"{', '.join(sorted(BETAS))} (docs/api.md)")
-    return values
+def read_betas(headers: Any) -> set[str]:
+    """The anthropic-beta values a request names, and its anthropic-version, noted (protocol.note_markers): a value
+    outside BETAS or VERSIONS is logged once, never refused. Where a known beta changes what the answer holds
+    (thinking-token-count), parse_messages_request honours it."""
+    note_markers("anthropic-version", header_values(headers, "anthropic-version"), VERSIONS)
+    return note_markers("anthropic-beta", header_values(headers, "anthropic-beta"), BETAS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -353,6 +357,25 @@ def _tools(body: dict, left_out: list[str]) -> tuple[list[dict[str, Any]] | None
     raise bad_request('tool_choice.type must be "auto", "any", "tool" or "none"', "tool_choice.type")
 
 
+def _safeguards(body: dict) -> None:
+    """safeguards: checks Anthropic runs on its side over the model's tool calls (Claude Code's auto mode sends
+    dangerous_tool_use, the dangerous-tool-use beta, with its permission rules). This server runs none, as it runs
+    no server tools: each type is logged once and the request goes on (refusing it would refuse every request of
+    the Claude Code releases that send it; the client's own permission prompts still apply)."""
+    value = body.get("safeguards")
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(g, dict) and isinstance(g.get("type"), str) for g in value):
+        raise bad_request("safeguards must be a list of objects with a type", "safeguards")
+    for kind in sorted({g["type"] for g in value} - _SAFEGUARDS_LOGGED):
+        _SAFEGUARDS_LOGGED.add(kind)
+        log.info("Messages: safeguards of type %r are checks Anthropic runs on its side; this server runs none "
+                 "(logged once)", kind)
+
+
+_SAFEGUARDS_LOGGED: set[str] = set()
+
+
 def _thinking(body: dict) -> tuple[dict[str, Any], bool]:
     """(template kwargs, whether thinking text is omitted from the answer)."""
     thinking = body.get("thinking")
@@ -420,9 +443,10 @@ def parse_messages_request(body: dict, count_only: bool = False, fetch_image_url
                            betas: set[str] | None = None) -> MessagesRequest:
     """count_only (count_tokens): no max_tokens, no sampling fields. fetch_image_urls (server.fetch_image_urls):
     http(s) image sources become RemoteImages instead of a 400. betas: the request's anthropic-beta values
-    (check_betas). A last message from the assistant is a prefill: the answer continues it (and holds only what
+    (read_betas). A last message from the assistant is a prefill: the answer continues it (and holds only what
     follows it), as on Anthropic's API."""
     unused_fields(body, REFUSED, IGNORED)
+    _safeguards(body)
     images: list[ImageInput] = []
     left_out: list[str] = []
     changes: list[tuple[str, Any]] = []
@@ -473,11 +497,11 @@ class Messages(Endpoint[MessagesRequest]):
 
     def parse(self, body: dict, served_name: str, headers: Any = None) -> MessagesRequest:
         return parse_messages_request(body, fetch_image_urls=self.fetch_image_urls,
-                                      betas=check_betas(headers) if headers is not None else None)
+                                      betas=read_betas(headers) if headers is not None else None)
 
     def parse_count(self, body: dict, headers: Any) -> MessagesRequest:
         return parse_messages_request(body, count_only=True, fetch_image_urls=self.fetch_image_urls,
-                                      betas=check_betas(headers))
+                                      betas=read_betas(headers))
 
     def prompt_ids(self, req: MessagesRequest, tokenizer: Tokenizer) -> list[int]:
         """The rendered prompt, after the context_management edits (which may need its length first)."""

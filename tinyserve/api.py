@@ -3,7 +3,7 @@
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{model}
     POST /v1/responses   (OpenAI's Responses API, stateless, responses.py)
     POST /v1/messages   POST /v1/messages/count_tokens   (Anthropic's Messages API, anthropic.py)
-    GET /health   GET /metrics   POST /flush_cache
+    GET /health   GET /metrics   POST /flush_cache   GET /api/hello (Anthropic's reachability probe)
     GET /   GET /status.json   (the operator's status page and its numbers, status.py)
 
 This module is the HTTP layer only: routes, middlewares (errors, auth), reading JSON, SSE, disconnects, and the
@@ -63,6 +63,9 @@ RETRY_AFTER_S = 1
 TCP_KEEPALIVE = {"TCP_KEEPIDLE": 60, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 90_000}
 LISTEN_BACKLOG = 128
 LARGE_BODY = 1 << 20             # bytes: a body past this is measured and parsed in a worker thread
+# Routes that say nothing and need no key: the health check, and Anthropic's reachability probe (Claude Code sends
+# `HEAD /api/hello` to ANTHROPIC_BASE_URL when it starts, to open the connection early)
+OPEN_PATHS = ("/health", "/api/hello")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,6 +108,7 @@ def create_app(engine: Engine | None, cfg: Config) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model_info)
     app.router.add_get("/health", health)
+    app.router.add_get("/api/hello", hello)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/flush_cache", flush_cache)
     status.add_routes(app, get_state)
@@ -202,8 +206,8 @@ def _http_error(request: web.Request, e: web.HTTPException, cfg: Config) -> APIE
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """`Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic clients), on every route but
-    /health; in the app when server.api_key is set."""
-    if request.path != "/health":
+    OPEN_PATHS; in the app when server.api_key is set."""
+    if request.path not in OPEN_PATHS:
         _check_key(request, request.app[STATE].cfg.server.api_key)
     return await handler(request)
 
@@ -520,6 +524,11 @@ async def health(request: web.Request) -> web.Response:
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     return web.json_response({"status": "ok"})
+
+
+async def hello(request: web.Request) -> web.Response:
+    """The server is there (a GET or HEAD that opens a client's connection); nothing about its state."""
+    return web.json_response({})
 
 
 async def metrics(request: web.Request) -> web.Response:

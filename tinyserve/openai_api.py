@@ -19,8 +19,8 @@ from typing import Any, Callable
 from .chat import ChatFormat, ChatRequest, ChatStreamChoice, chat_tools, function_tool, function_tools
 from .protocol import (APIError, ChoiceResult, Delta, Endpoint, EndpointStream, GenerationOptions, ImageInput,
                        LegacyToken, Meta, TextOffsets, Usage, bad_request, boolean, completion_logprobs, image_from_url,
-                       integer, logprob_content, parse_options, parse_response_format, read_field, token_id_list,
-                       unused_fields)
+                       integer, logprob_content, note_openai_beta, parse_options, parse_response_format, read_field,
+                       token_id_list, unused_fields)
 from .sampling import MAX_LOGPROBS
 from .tokenizer import SYSTEM_ROLES, MessageError, Tokenizer, content_text, tool_call_arguments
 
@@ -329,6 +329,7 @@ class Chat(Endpoint[ChatRequest]):
         self.fetch_image_urls = fetch_image_urls
 
     def parse(self, body: dict, served_name: str, headers: Any = None) -> ChatRequest:
+        note_openai_beta(headers)
         return parse_chat_request(body, served_name, self.fetch_image_urls)
 
     def prompt_ids(self, req: ChatRequest, tokenizer: Tokenizer) -> list[int]:
@@ -424,6 +425,7 @@ class Completions(Endpoint[CompletionRequest]):
     prompt_field = "prompt"
 
     def parse(self, body: dict, served_name: str, headers: Any = None) -> CompletionRequest:
+        note_openai_beta(headers)
         return parse_completion_request(body, served_name)
 
     def num_prompts(self, req: CompletionRequest) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import math
 import re
 from abc import ABC, abstractmethod
@@ -33,6 +34,7 @@ from .tokenizer import Tokenizer
 
 MAX_N = 8
 MAX_STOP_STRINGS = 16
+log = logging.getLogger("tinyserve.protocol")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,6 +145,36 @@ def logit_bias(value: Any, name: str) -> dict[int, float]:
                               f"got {bias!r}", "logit_bias")
         out[int(key)] = float(bias)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flags and version markers
+
+_MARKERS_LOGGED: set[tuple[str, str]] = set()
+
+
+def header_values(headers: Any, name: str) -> set[str]:
+    """The comma-separated values of a header sent once or several times (aiohttp's multidict; a plain dict too)."""
+    sent = headers.getall(name, []) if hasattr(headers, "getall") else [headers.get(name)] if headers else []
+    return {v.strip() for header in sent if header for v in header.split(",")} - {""}
+
+
+def note_markers(marker: str, values: set[str], known: Mapping[str, str] | set[str] | tuple[str, ...]) -> set[str]:
+    """A client's flags and version markers (anthropic-beta, anthropic-version, OpenAI-Beta, Responses `include`)
+    say what it may send or would like added; they ask for nothing by themselves. So a value this server does not
+    know is logged, once per process, and the request goes on: each field it then actually sends is checked where it
+    is read, and one this server cannot honour is refused by name there. Refusing the marker itself would fail every
+    request of a client release that merely adds one. Returns `values`."""
+    for value in sorted(values):
+        if value not in known and (marker, value) not in _MARKERS_LOGGED:
+            _MARKERS_LOGGED.add((marker, value))
+            log.info("%s: %r is not one this server knows; it changes nothing here (logged once)", marker, value)
+    return values
+
+
+def note_openai_beta(headers: Any) -> None:
+    """OpenAI-Beta (`responses=experimental`, `assistants=v2`, ...): no value changes what these routes do."""
+    note_markers("OpenAI-Beta", header_values(headers, "openai-beta"), ())
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,12}")

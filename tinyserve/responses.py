@@ -47,7 +47,8 @@ Mapping (request):
                                         is one-line JSON matching the schema (unless max_output_tokens cuts it)
   include message.output_text.logprobs (+ top_logprobs) -> each output_text part's logprobs (the answer's tokens,
                                         those of the think block left out), on every text delta of a stream too;
-                                        the other include values name outputs never made here: accepted
+                                        the other include values name outputs never made here: accepted (one
+                                        this server does not know is logged once)
   max_output_tokens, temperature, top_p, stream; metadata, parallel_tool_calls (false: one call at most),
   truncation, user are checked and echoed on the response; prompt_cache_key, safety_identifier, service_tier,
   max_tool_calls (built-in tools only), context_management and stream_options.include_obfuscation are type-checked
@@ -63,8 +64,8 @@ from typing import Any
 from .chat import (FREEFORM_INPUT, ChatFormat, ChatRequest, TranslatedRequest, chat_tools, count_reasoning_tokens,
                    freeform_tool, function_tool, function_tools, leave_out, named_tool)
 from .protocol import (APIError, ChoiceResult, Endpoint, GenerationOptions, ImageInput, Meta, Usage, bad_request,
-                       boolean, image_from_url, integer, logprob_content, number, parse_response_format, read_field,
-                       stream_options_field, unused_fields)
+                       boolean, image_from_url, integer, logprob_content, note_markers, note_openai_beta, number,
+                       parse_response_format, read_field, stream_options_field, unused_fields)
 from .responses_output import (ResponsesStream, call_item, message_item, new_id, reasoning_item, response_body,
                                status_of, usage_body)
 from .sampling import MAX_LOGPROBS, SamplingParams
@@ -347,16 +348,15 @@ REFUSED = {"background": lambda v: "responses run in the foreground (background:
 
 
 def _include(body: dict) -> bool:
-    """include: what to add to the output. message.output_text.logprobs is honoured; the others name outputs this
-    server never makes (encrypted reasoning, hosted tools' results, stored images), so there is nothing to add."""
+    """include: what to add to the output. message.output_text.logprobs is honoured; the other values name outputs
+    this server never makes (encrypted reasoning, hosted tools' results, stored images), so there is nothing to add,
+    and a value this server does not know is logged once (protocol.note_markers), not refused."""
     value = body.get("include")
     if value is None:
         return False
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise bad_request("include must be a list of strings", "include")
-    unknown = [v for v in value if v not in INCLUDABLE]
-    if unknown:
-        raise bad_request(f"include: {unknown[0]!r} is not one of {', '.join(INCLUDABLE)}", "include")
+    note_markers("Responses include", set(value), INCLUDABLE)
     return "message.output_text.logprobs" in value
 
 
@@ -436,6 +436,7 @@ class Responses(Endpoint[ResponsesRequest]):
         self.fetch_image_urls = fetch_image_urls
 
     def parse(self, body: dict, served_name: str, headers: Any = None) -> ResponsesRequest:
+        note_openai_beta(headers)
         return parse_responses_request(body, self.fetch_image_urls)
 
     def error_param(self, req: ResponsesRequest, engine_field: str) -> str:
