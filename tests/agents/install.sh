@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# The four coding-agent CLIs that tests/agents runs, pinned, from the npm registry into one folder:
+# The coding-agent releases that tests/agents runs (tests/agents/releases.txt), from the npm registry, each release
+# into a folder of its own:
 #   bash tests/agents/install.sh [DIR]     (default: $TINYSERVE_AGENTS_DIR, else ~/.cache/tinyserve/agents)
-# Idempotent: a folder that holds these versions already is left as it is. Prints the folder.
-# Bump a version here and in docs/clients.md ("Tested with") together.
+# DIR/<agent>-<version>/node_modules/.bin/<agent>. A release installed already is left as it is. Prints DIR.
+# TINYSERVE_AGENTS_LATEST=1 also installs each agent's @latest and lists it in DIR/latest.txt (`<agent> <version>`),
+# so a run before a user updates catches what the next release changes.
 set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=${1:-${TINYSERVE_AGENTS_DIR:-$HOME/.cache/tinyserve/agents}}
-PACKAGES=(
-    "@anthropic-ai/claude-code@2.1.332"
-    "@openai/codex@0.171.0"
-    "@qwen-code/qwen-code@0.24.4"
-    "opencode-ai@1.18.33"
-)
 mkdir -p "$DIR"
-want=$(printf '%s\n' "${PACKAGES[@]}")
-if [ "$(cat "$DIR/.installed" 2>/dev/null)" != "$want" ]; then
-    # the packages' own install scripts only copy the platform binary into place (no downloads)
-    npm install --prefix "$DIR" --no-audit --no-fund --no-save --loglevel=error "${PACKAGES[@]}" >&2
-    printf '%s\n' "$want" > "$DIR/.installed"
-fi
-for bin in claude codex qwen opencode; do
-    [ -x "$DIR/node_modules/.bin/$bin" ] || { echo "install.sh: $bin is missing from $DIR" >&2; exit 1; }
-done
+install_release() {   # agent package version
+    local folder="$DIR/$1-$3"
+    if [ ! -x "$folder/node_modules/.bin/$1" ]; then
+        # the packages' own install scripts only copy the platform binary into place (no downloads)
+        npm install --prefix "$folder" --no-audit --no-fund --no-save --loglevel=error "$2@$3" >&2
+    fi
+    [ -x "$folder/node_modules/.bin/$1" ] || { echo "install.sh: $1 $3 is missing from $folder" >&2; exit 1; }
+}
+: > "$DIR/latest.txt.new"
+while read -r agent package versions; do
+    case "$agent" in ''|'#'*) continue ;; esac
+    for version in $versions; do install_release "$agent" "$package" "$version"; done
+    if [ "${TINYSERVE_AGENTS_LATEST:-}" = 1 ]; then
+        latest=$(npm view "$package@latest" version)
+        install_release "$agent" "$package" "$latest"
+        echo "$agent $latest" >> "$DIR/latest.txt.new"
+    fi
+done < "$HERE/releases.txt"
+mv "$DIR/latest.txt.new" "$DIR/latest.txt"
 echo "$DIR"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The real-agents tier: Claude Code, Codex, Qwen Code and opencode against `tinyserve config.example.toml`
-# (tests/agents/test_agent_clis.py). From the repository root, with the test dependencies installed:
-#   bash tests/agents/run.sh [pytest args]
-# It installs the CLIs (tests/agents/install.sh), then runs the tier in a network namespace of its own where
+# The real-agents tier: the releases of Claude Code, Codex, Qwen Code and opencode in tests/agents/releases.txt
+# against `tinyserve config.example.toml` (tests/agents/test_agent_clis.py). From the repository root, with the test
+# dependencies installed:
+#   bash tests/agents/run.sh [pytest args]              (-k claude: one agent's releases; -k codex-0.133.0: one)
+# It installs the releases (tests/agents/install.sh), then runs the tier in a network namespace of its own where
 # `unshare --net` is allowed (root, or user namespaces): only loopback is reachable there, so nothing but the
 # server can answer the agents. Elsewhere it runs as it is, with the agents' vendor traffic switched off by their
 # own settings (docs/clients.md) and says so.

@@ -1,20 +1,29 @@
 """The coding agents themselves, unmodified, against `tinyserve config.example.toml` as shipped: Claude Code, Codex,
-Qwen Code and opencode, at the versions tests/agents/install.sh pins, set up with the lines docs/clients.md gives
-(read from the page and run as they are written). Each agent answers twice and once more in its continued session:
+Qwen Code and opencode, at every release tests/agents/releases.txt lists (six months of each), set up with the lines
+docs/clients.md gives (read from the page and run as they are written). Each release answers twice and once more
+in its continued session:
 
   - it exits 0 and shows the model's text;
   - the server refuses nothing (no 4xx or 5xx line in its log);
   - the second run and the continued turn each read at least 90% of their main prompt (the largest prompt the run
-    sends) from the prefix cache.
+    sends) from the prefix cache;
+  - what it sent has no route, header, flag or field path that its kept shape (tests/agents/shapes/, recorder.py)
+    lacks: a release that sends something new fails here with the new paths listed, before a user meets it.
 
-Run by `bash tests/agents/run.sh` (after the README's test command in CI), which installs the CLIs and, where
+The agents reach 127.0.0.1:8000 (config.example.toml's address, as the set-up lines say); there the recording proxy
+(recorder.py) passes each request to the server, which runs config.example.toml with only its port moved.
+
+Run by `bash tests/agents/run.sh` (after the README's test command in CI), which installs the releases and, where
 `unshare --net` is allowed, runs this in a network namespace where only loopback is reachable. The agents' vendor
 traffic is off by their own settings (the set-up lines), and their output is capped by their own settings where they
 have one (never by changing what they send). TINYSERVE_AGENTS_REPORT names a file for a table of every request
-the agents made: prompt sizes, cache hits, time to the answer.
+the agents made: prompt sizes, cache hits, time to the answer. TINYSERVE_AGENTS_RECORD=1 writes each release's
+shape anew; TINYSERVE_AGENTS_LATEST=1 (with install.sh's) adds each agent's @latest, checked against the newest kept
+shape of that agent.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,11 +35,54 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tomli_w
+
+from recorder import Recorder, compare, kinds, release_shape
+
+try:
+    import tomllib
+except ModuleNotFoundError:                       # Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 DOCS = ROOT / "docs" / "clients.md"
+SHAPES = HERE / "shapes"
 AGENTS = Path(os.environ.get("TINYSERVE_AGENTS_DIR", "~/.cache/tinyserve/agents")).expanduser()
-URL = "http://127.0.0.1:8000"                    # config.example.toml's server.host and server.port
+PORT = 8000                                      # config.example.toml's server.port, where the set-up lines point
+URL = f"http://127.0.0.1:{PORT}"
+RECORD = os.environ.get("TINYSERVE_AGENTS_RECORD") == "1"
+
+
+@dataclass(frozen=True)
+class Release:
+    agent: str
+    version: str
+    latest: bool = False                          # TINYSERVE_AGENTS_LATEST's @latest, not in releases.txt
+
+    @property
+    def name(self) -> str:
+        return f"{self.agent}-{self.version}"
+
+    @property
+    def bin(self) -> Path:
+        return AGENTS / self.name / "node_modules" / ".bin"
+
+
+def releases() -> list[Release]:
+    """releases.txt's matrix, and with TINYSERVE_AGENTS_LATEST=1 each agent's @latest that is not in it."""
+    listed = []
+    for line in (HERE / "releases.txt").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            agent, _package, *versions = line.split()
+            listed += [Release(agent, v) for v in versions]
+    latest = AGENTS / "latest.txt"
+    if os.environ.get("TINYSERVE_AGENTS_LATEST") == "1" and latest.exists():
+        for line in latest.read_text(encoding="utf-8").splitlines():
+            agent, version = line.split()
+            if Release(agent, version) not in listed:
+                listed.append(Release(agent, version, latest=True))
+    return listed
 PROMPTS = ("Say hello", "Say hello", "And once more, in other words")
 RUN_TIMEOUT_S = 300
 # The agents' own output caps: the random demo model ends its answer at a random end-of-turn token, a few hundred
@@ -94,13 +146,20 @@ class Run:
 
 
 class Server:
-    def __init__(self, folder: Path) -> None:
+    """`tinyserve config.example.toml` with its port moved to `port` (the proxy has 8000); nothing else changed."""
+
+    def __init__(self, folder: Path, port: int) -> None:
         self.log_path = folder / "server.log"
+        self.url = f"http://127.0.0.1:{port}"
+        config = tomllib.loads((ROOT / "config.example.toml").read_text(encoding="utf-8"))
+        config["server"]["port"] = port
+        config_path = folder / "config.toml"
+        config_path.write_text(tomli_w.dumps(config), encoding="utf-8")
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}   # the threads a user's server gets
         exe = shutil.which("tinyserve")
         command = [exe] if exe else [sys.executable, "-m", "tinyserve.cli"]
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(command + ["config.example.toml"], cwd=ROOT, env=env, stdout=self.log,
+        self.proc = subprocess.Popen(command + [str(config_path)], cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 900) -> None:
@@ -110,7 +169,7 @@ class Server:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, "the server exited:\n" + self.text()
             try:
-                with urllib.request.urlopen(URL + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
                         return
             except OSError:
@@ -134,10 +193,15 @@ def server(tmp_path_factory):
     if os.environ.get("TINYSERVE_AGENTS_NETNS"):
         with pytest.raises(OSError):                  # the namespace run.sh made: loopback only
             socket.create_connection(("1.1.1.1", 443), timeout=3).close()
-    srv = Server(tmp_path_factory.mktemp("server"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    srv = Server(tmp_path_factory.mktemp("server"), port)
     try:
         srv.wait_ready()
+        srv.recorder = Recorder(PORT, srv.url).start()
         yield srv
+        srv.recorder.stop()
     finally:
         code = srv.stop()
     assert code == 0, srv.text()[-3000:]
@@ -151,7 +215,7 @@ def report():
     yield
     path = os.environ.get("TINYSERVE_AGENTS_REPORT")
     if path:
-        rows = ["| agent | run | s | requests: prompt tokens / from the cache / generated |", "|---|---|---|---|"]
+        rows = ["| release | run | s | requests: prompt tokens / from the cache / generated |", "|---|---|---|---|"]
         for run in REPORT:
             shown = "; ".join(f"{r.prompt} / {r.cached} / {r.generated}" for r in run.requests)
             rows.append(f"| {run.agent} | {run.name} | {run.seconds:.1f} | {shown} |")
@@ -170,10 +234,11 @@ COMMANDS = {   # (first and second run, continued turn): each agent's own non-in
 ERRORS = re.compile(r"API Error|\b[45]\d\d\b.*(error|Error)|ECONNREFUSED|context_length_exceeded")
 
 
-def run_agent(server: Server, agent: str, home: Path, work: Path, env_lines: str, command: list[str],
+def run_agent(server: Server, release: Release, home: Path, work: Path, env_lines: str, command: list[str],
               prompt: str, name: str) -> Run:
+    agent = release.agent
     start = len(server.text())
-    env = {"PATH": f"{AGENTS / 'node_modules' / '.bin'}:{os.environ['PATH']}", "HOME": str(home),
+    env = {"PATH": f"{release.bin}:{os.environ['PATH']}", "HOME": str(home),
            "LANG": "C.UTF-8", "TERM": "dumb", "NO_COLOR": "1", **CAPS}
     script = f"set -e\n{env_lines}\nexec \"$@\""
     t0 = time.monotonic()
@@ -182,26 +247,54 @@ def run_agent(server: Server, agent: str, home: Path, work: Path, env_lines: str
     seconds = time.monotonic() - t0
     time.sleep(0.5)                                   # the last request's log line
     log = server.text()[start:]
-    shown = f"{agent} {name}: exit {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-3000:]}"
+    shown = (f"{release.name} {name}: exit {out.returncode}\nstdout:\n{out.stdout[-3000:]}\n"
+             f"stderr:\n{out.stderr[-3000:]}")
     assert out.returncode == 0, shown
     refused = [m.group(0) for m in REFUSAL_LINE.finditer(log)]
-    assert not refused, f"{agent} {name}: the server refused requests:\n" + "\n".join(refused)
-    run = Run(agent, name, seconds, [Request(m.group(2), m.group(3), int(m.group(4)), int(m.group(5)),
+    assert not refused, f"{release.name} {name}: the server refused requests:\n" + "\n".join(refused)
+    run = Run(release.name, name, seconds, [Request(m.group(2), m.group(3), int(m.group(4)), int(m.group(5)),
                                              int(m.group(6)))
                                      for m in map(REQUEST_LINE.match, log.splitlines()) if m])
-    assert run.requests, f"{agent} {name}: no request reached the server\n{shown}"
+    assert run.requests, f"{release.name} {name}: no request reached the server\n{shown}"
     assert run.main.generated >= 1
     # the random demo model samples an answer of any length, a few characters now and then ("; for" and a lone
     # byte shown as U+FFFD were seen): what is checked is that the agent shows text and it is no error
     text = out.stdout.strip()
-    assert text and not ERRORS.search(text), f"{agent} {name}: no answer shown\n{shown}"
+    assert text and not ERRORS.search(text), f"{release.name} {name}: no answer shown\n{shown}"
     REPORT.append(run)
     return run
 
 
-@pytest.mark.parametrize("agent", list(COMMANDS))
-def test_agent_runs_twice_and_continues_from_the_cache(server, agent, tmp_path):
-    assert (AGENTS / "node_modules" / ".bin" / agent).exists(), f"run tests/agents/install.sh ({AGENTS})"
+def newest_kept_shape(release: Release) -> Path | None:
+    """The shape kept for this release, or for @latest the newest kept one of its agent."""
+    own = SHAPES / f"{release.name}.json"
+    if own.exists() or not release.latest:
+        return own if own.exists() else None
+    kept = sorted(SHAPES.glob(f"{release.agent}-*.json"),
+                  key=lambda p: [int(x) for x in re.findall(r"\d+", p.stem.removeprefix(release.agent))])
+    return kept[-1] if kept else None
+
+
+def check_shape(release: Release, recorded: list) -> None:
+    """What the release sent against its kept shape; TINYSERVE_AGENTS_RECORD=1 keeps what it sent instead."""
+    now = release_shape(recorded)
+    if RECORD:
+        SHAPES.mkdir(exist_ok=True)
+        text = json.dumps({"release": release.name, "shape": now, "requests": kinds(recorded)}, indent=1,
+                          ensure_ascii=False)
+        (SHAPES / f"{release.name}.json").write_text(text + "\n", encoding="utf-8")
+        return
+    path = newest_kept_shape(release)
+    assert path is not None, f"{release.name}: no shape kept in {SHAPES}; run with TINYSERVE_AGENTS_RECORD=1"
+    diff = compare(json.loads(path.read_text(encoding="utf-8"))["shape"], now)
+    assert not diff, (f"{release.name} sent what {path.name} does not have; check that the server serves it "
+                      f"(tests/test_agent_shapes.py), then keep the new shape (TINYSERVE_AGENTS_RECORD=1):\n{diff}")
+
+
+@pytest.mark.parametrize("release", releases(), ids=lambda r: r.name)
+def test_release_runs_twice_and_continues_from_the_cache(server, release, tmp_path):
+    agent = release.agent
+    assert (release.bin / agent).exists(), f"run tests/agents/install.sh ({AGENTS})"
     home, work = tmp_path / "home", tmp_path / "project"
     home.mkdir()
     work.mkdir()
@@ -209,11 +302,20 @@ def test_agent_runs_twice_and_continues_from_the_cache(server, agent, tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=work, check=True)
     env_lines = prepare_home(agent, home)
     first, again = COMMANDS[agent]
-    runs = [run_agent(server, agent, home, work, env_lines, first, PROMPTS[0], "first"),
-            run_agent(server, agent, home, work, env_lines, first, PROMPTS[1], "second"),
-            run_agent(server, agent, home, work, env_lines, again, PROMPTS[2], "continued")]
+    server.recorder.take()
+    try:
+        runs = [run_agent(server, release, home, work, env_lines, first, PROMPTS[0], "first"),
+                run_agent(server, release, home, work, env_lines, first, PROMPTS[1], "second"),
+                run_agent(server, release, home, work, env_lines, again, PROMPTS[2], "continued")]
+    finally:
+        recorded = server.recorder.take()
+        if os.environ.get("TINYSERVE_AGENTS_DUMP"):                 # every request whole, to read by hand
+            dump = Path(os.environ["TINYSERVE_AGENTS_DUMP"]) / f"{release.name}.json"
+            dump.parent.mkdir(parents=True, exist_ok=True)
+            dump.write_text(json.dumps([r.__dict__ for r in recorded], indent=1, ensure_ascii=False))
     for run in runs[1:]:
         main = run.main
-        assert main.cached >= 0.9 * main.prompt, (f"{agent} {run.name}: {main.cached} of the main prompt's "
+        assert main.cached >= 0.9 * main.prompt, (f"{release.name} {run.name}: {main.cached} of the main prompt's "
                                                   f"{main.prompt} tokens came from the prefix cache")
-    assert runs[2].main.prompt > runs[0].main.prompt, f"{agent}: the continued turn did not carry the session"
+    assert runs[2].main.prompt > runs[0].main.prompt, f"{release.name}: the continued turn did not carry the session"
+    check_shape(release, recorded)
