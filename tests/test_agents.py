@@ -470,9 +470,10 @@ def test_parsed_freeform_call_and_reasoning_ended_by_a_call():
     """On the module (the random model writes no call when not forced): a call made from inside the think block
     ends the reasoning, a call of the freeform tool is a custom_tool_call item, and the stream gives the same items
     with the input in its own events; reasoning_tokens counts up to the call that ended the block."""
-    from tinyserve.protocol import ChoiceResult, Delta, Meta, Usage
-    from tinyserve.responses import Responses, parse_responses_request
-    endpoint = Responses("qwen3", "qwen3_coder")
+    from tinyserve.chat import ChatFormat
+    from tinyserve.generation import Choice, Meta, Piece, Usage
+    from tinyserve.responses import ResponsesStream, parse_responses_request, response_of
+    chat = ChatFormat("qwen3", "qwen3_coder")
     req = parse_responses_request({"input": "Fix it", "tools": CODEX_TOOLS})
     req.chat.starts_in_reasoning = True
     patch = "*** Begin Patch\n*** Update File: a.py\n@@\n-x = 1\n+x = 2\n*** End Patch"
@@ -481,17 +482,17 @@ def test_parsed_freeform_call_and_reasoning_ended_by_a_call():
     chars = list(text)                                # one "token" per character: token_text is the identity
     meta = Meta("resp_1", 0, "tinyserve", [1, 2, 3], lambda t: t)
     usage = Usage(3, len(chars))
-    body = endpoint.response(req, meta, [ChoiceResult(0, text=text, token_ids=chars)], usage)
+    body = response_of(chat, req, meta, Choice(0, text=text, token_ids=chars), usage)
     assert [i["type"] for i in body["output"]] == ["reasoning", "custom_tool_call"]
     reasoning, call = body["output"]
     assert reasoning["content"][0]["text"] == "The constant is wrong."
     assert call["name"] == "apply_patch" and call["input"] == patch and call["id"].startswith("ctc_")
     assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == text.index("<tool_call>")
-    out = endpoint.stream(req, meta)
+    out = ResponsesStream(chat, req, meta)
     events = out.start()
     for k in range(0, len(text), 5):
-        events += out.delta(0, Delta(text[k:k + 5], chars[k:k + 5], []))
-    events += out.delta(0, Delta("", [], [], "stop")) + out.end(lambda: usage)
+        events += out.piece(Piece(0, text[k:k + 5], chars[k:k + 5], []))
+    events += out.piece(Piece(0, "", [], [], "stop")) + out.end(usage)
     final = events[-1]["response"]
 
     def strip(items: list[dict]) -> list[dict]:

@@ -161,15 +161,16 @@ def test_tools_and_a_tool_round_trip(client):
 
 def test_tool_use_response_blocks():
     """A parsed call becomes a typed tool_use block (the random model will not write one: unit-level check)."""
-    from tinyserve.anthropic import Messages, parse_messages_request
-    from tinyserve.protocol import ChoiceResult, Meta, Usage
-    endpoint = Messages("qwen3", "qwen3_coder")
+    from tinyserve.anthropic import MessagesStream, message_body, parse_messages_request
+    from tinyserve.chat import ChatFormat
+    from tinyserve.generation import Choice, Meta, Piece, Usage
+    chat = ChatFormat("qwen3", "qwen3_coder")
     req = parse_messages_request({"messages": USER, "max_tokens": 64, "tools": [WEATHER_TOOL]})
     req.chat.starts_in_reasoning = False
     text = ("<think>\nhmm\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
             "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
     meta = Meta("msg_1", 0, "tinyserve", [1, 2, 3], str)
-    body = endpoint.response(req, meta, [ChoiceResult(0, text=text)], Usage(3, 20, cached_tokens=1))
+    body = message_body(chat, req, meta, Choice(0, text=text), Usage(3, 20, cached_tokens=1))
     assert [b["type"] for b in body["content"]] == ["thinking", "text", "tool_use"]
     call = body["content"][2]
     assert call["id"].startswith("toolu_") and call["input"] == {"city": "Paris", "days": 3}
@@ -177,12 +178,11 @@ def test_tool_use_response_blocks():
     assert body["usage"] == {"input_tokens": 2, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 1,
                              "output_tokens": 20}
     # The stream gives the same blocks: feed the text in small pieces and assemble the events.
-    from tinyserve.protocol import Delta
-    out = endpoint.stream(req, meta)
+    out = MessagesStream(chat, req, meta)
     events = []
     for k in range(0, len(text), 7):
-        events += out.delta(0, Delta(text[k:k + 7], [], []))
-    events += out.delta(0, Delta("", [], [], "stop")) + out.end(lambda: Usage(3, 20, cached_tokens=1))
+        events += out.piece(Piece(0, text[k:k + 7], [], []))
+    events += out.piece(Piece(0, "", [], [], "stop")) + out.end(Usage(3, 20, cached_tokens=1))
     blocks: list[dict] = []
     for e in events:
         if e["type"] == "content_block_start":

@@ -54,13 +54,13 @@ def count(client: anthropic.Anthropic, **body: Any) -> int:
 
 def prompt_of(body: dict[str, Any]) -> str:
     """The prompt text a Messages body renders to (the demo checkpoint's template), in-process."""
-    from tinyserve.anthropic import Messages
+    from tinyserve.anthropic import parse_messages_request, prompt_ids
+    from tinyserve.chat import ChatFormat
     from tinyserve.demo import ensure_demo_checkpoint
     from tinyserve.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_folder(ensure_demo_checkpoint())
-    endpoint = Messages("qwen3", "qwen3_coder")
-    req = endpoint.parse({"max_tokens": 4, **body}, "tinyserve")
-    return tokenizer.decode(endpoint.prompt_ids(req, tokenizer), skip_special_tokens=False)
+    req = parse_messages_request({"max_tokens": 4, **body})
+    return tokenizer.decode(prompt_ids(ChatFormat("qwen3", "qwen3_coder"), req, tokenizer), skip_special_tokens=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -87,8 +87,9 @@ def test_a_system_message_after_the_first_turn_is_a_user_turn_in_place(client):
 def test_tool_changes_in_a_system_message_are_offered_where_they_happen():
     """mid-conversation-tool-changes: a tool_addition renders in place (the first tools stay where the template put
     them, so the prompt's start never changes) and the parser takes calls of it; a tool_removal ends them."""
-    from tinyserve.anthropic import Messages, parse_messages_request
-    from tinyserve.protocol import ChoiceResult, Meta, Usage
+    from tinyserve.anthropic import message_body, parse_messages_request
+    from tinyserve.chat import ChatFormat
+    from tinyserve.generation import Choice, Meta, Usage
     added = {"role": "system", "content": [{"type": "tool_addition", "tool": {"type": "tool_definition",
                                                                               "definition": CLOCK}}]}
     messages = [{"role": "user", "content": "Weather and time in Paris?"}, added]
@@ -98,8 +99,8 @@ def test_tool_changes_in_a_system_message_are_offered_where_they_happen():
     assert "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_time\"" in req.chat.messages[-1]["content"]
     req.chat.starts_in_reasoning = False
     call = "<tool_call>\n<function=get_time>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
-    body = Messages("qwen3", "qwen3_coder").response(req, Meta("msg_1", 0, "tinyserve", [1], str),
-                                                      [ChoiceResult(0, text=call)], Usage(1, 9))
+    body = message_body(ChatFormat("qwen3", "qwen3_coder"), req, Meta("msg_1", 0, "tinyserve", [1], str),
+                        Choice(0, text=call), Usage(1, 9))
     assert body["content"][-1]["type"] == "tool_use" and body["content"][-1]["input"] == {"city": "Paris"}
     removed = {"role": "system", "content": [{"type": "tool_removal", "tool": {"type": "tool_reference",
                                                                                "name": "get_time"}}]}
@@ -127,7 +128,7 @@ def test_bad_system_blocks_are_refused_by_name(client):
 def test_omitted_thinking_comes_back_through_its_signature(client):
     """display "omitted": thinking blocks carry no text, their signature carries it, and a client sending the block
     back gives the model its reasoning again: the same prompt as the thinking sent in full."""
-    from tinyserve.anthropic_output import omitted_thinking_signature, thinking_from_signature
+    from tinyserve.anthropic import omitted_thinking_signature, thinking_from_signature
     prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nLet me"}]
     thinking = {"type": "adaptive", "display": "omitted"}
     r = post(client, messages=prefill, thinking=thinking, max_tokens=8, temperature=0)

@@ -225,7 +225,8 @@ def test_engine_rejects_bad_constraints(engine, tokenizer):
 
 
 def test_chat_prompt_opening_think_sets_start_after(tokenizer):
-    from tinyserve.openai_api import Chat, parse_chat_request
+    from tinyserve.chat import ChatFormat
+    from tinyserve.openai_api import parse_chat_request
     from tinyserve.tokenizer import Tokenizer
     thinking = Tokenizer(hf=tokenizer.hf, chat_template="{{ messages[0].content }}<think>\n",
                          eos_token_ids=tokenizer.eos_token_ids)
@@ -233,7 +234,7 @@ def test_chat_prompt_opening_think_sets_start_after(tokenizer):
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
     for tok, expected in ((thinking, tokenizer.token_to_id("</think>")), (tokenizer, None)):
         req = parse_chat_request(dict(body), "tinyserve")
-        Chat().prompt_ids(req, tok)
+        ChatFormat().prompt_ids(req, tok)
         assert req.options.params.constraint.start_after == expected
         assert req.options.params.constraint.schema == json.dumps(SCHEMA, sort_keys=True)
 
@@ -455,12 +456,13 @@ def test_bad_tool_schemas_raise_value_error(tokenizer, parameters):
 
 
 def test_chat_sets_the_tool_call_constraint(tokenizer):
-    from tinyserve.openai_api import Chat, parse_chat_request
+    from tinyserve.chat import ChatFormat
+    from tinyserve.openai_api import parse_chat_request
     from tinyserve.tokenizer import Tokenizer
     thinking = Tokenizer(hf=tokenizer.hf, chat_template="{{ messages[0].content }}<think>\n",
                          eos_token_ids=tokenizer.eos_token_ids)
 
-    def constraint(choice, chat=Chat("qwen3", "qwen3_coder"), tok=tokenizer, **extra):
+    def constraint(choice, chat=ChatFormat("qwen3", "qwen3_coder"), tok=tokenizer, **extra):
         req = parse_chat_request({"messages": TOOL_MESSAGES, "tools": TOOLS, "tool_choice": choice, **extra},
                                  "tinyserve")
         chat.prompt_ids(req, tok)
@@ -471,7 +473,7 @@ def test_chat_sets_the_tool_call_constraint(tokenizer):
     assert constraint("required").kind == "tool_call" and constraint("required").start_after is None
     assert constraint(NAMED, tok=thinking).start_after == tokenizer.token_to_id("</think>")
     assert constraint("auto") is None and constraint("none") is None
-    assert constraint("required", chat=Chat("qwen3", "")) is None            # no tool parser: nothing forced
+    assert constraint("required", chat=ChatFormat("qwen3", "")) is None            # no tool parser: nothing forced
     # the call is the answer: it replaces a response_format
     assert constraint("required", response_format=SCHEMA_FORMAT).kind == "tool_call"
     assert constraint("auto", response_format=SCHEMA_FORMAT).kind == "json_schema"

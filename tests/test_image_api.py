@@ -134,8 +134,8 @@ def test_every_protocol_renders_the_same_prompt(vl_tokenizer):
     assert vl_tokenizer.decode(prompts[0], skip_special_tokens=False).startswith(
         f"<|im_start|>user\nLook:{IMAGE_MARKER}what is it?<|im_end|>")
     assert chat.images == [ImageSource("messages[0].content[1]", PNG, "image/png")]
-    assert resp.images == [ImageSource("input[0].content[1]", PNG, "image/png")]
-    assert msgs.images == [ImageSource("messages[0].content[1]", PNG, "image/png")]
+    assert resp.chat.images == [ImageSource("input[0].content[1]", PNG, "image/png")]
+    assert msgs.chat.images == [ImageSource("messages[0].content[1]", PNG, "image/png")]
 
 
 def test_text_only_requests_are_unchanged():
@@ -147,10 +147,10 @@ def test_text_only_requests_are_unchanged():
         text_part("b")]}]})
     assert msgs.chat.messages == [{"role": "user", "content": "a"},
                                   {"role": "tool", "tool_call_id": "t", "content": "r1\nr2"},
-                                  {"role": "user", "content": "b"}] and msgs.images == []
+                                  {"role": "user", "content": "b"}] and msgs.chat.images == []
     resp = parse_responses_request({"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "a"}, {"type": "output_text", "text": "b"}]}]})
-    assert resp.chat.messages == [{"role": "user", "content": "a\nb"}] and resp.images == []
+    assert resp.chat.messages == [{"role": "user", "content": "a\nb"}] and resp.chat.images == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,9 +180,9 @@ def test_anthropic_images_in_user_turns_and_tool_results():
              "content": [text_part("seen:"), anthropic_image(gif, "image/gif")]},
             {"type": "image", "source": {"type": "url", "url": PNG_URL}}, text_part("and this?")]},
     ]})
-    assert req.images == [ImageSource("messages[0].content[0]", PNG, "image/png"),
-                          ImageSource("messages[2].content[0].content[1]", gif, "image/gif"),
-                          ImageSource("messages[2].content[1]", PNG, "image/png")]
+    assert req.chat.images == [ImageSource("messages[0].content[0]", PNG, "image/png"),
+                               ImageSource("messages[2].content[0].content[1]", gif, "image/gif"),
+                               ImageSource("messages[2].content[1]", PNG, "image/png")]
     assert [m["content"] for m in req.chat.messages] == [
         IMAGE_MARKER + "What is it?", "", "seen:" + IMAGE_MARKER, IMAGE_MARKER + "and this?"]
 
@@ -194,7 +194,7 @@ def test_responses_images_in_user_messages_and_tool_outputs():
         {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image", "image_url": PNG_URL}]},
     ]})
-    assert [im.param for im in req.images] == ["input[0].content[0]", "input[2].output[0]"]
+    assert [im.param for im in req.chat.images] == ["input[0].content[0]", "input[2].output[0]"]
     assert req.chat.messages[0]["content"] == IMAGE_MARKER + "?" and req.chat.messages[2]["content"] == IMAGE_MARKER
 
 
@@ -205,9 +205,11 @@ def test_remote_urls_only_when_fetching_is_on():
         [RemoteImage("messages[0].content[0]", url)]
     anth = {"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": url}}]}]}
-    assert parse_messages_request(anth, fetch_image_urls=True).images == [RemoteImage("messages[0].content[0]", url)]
+    assert parse_messages_request(anth, fetch_image_urls=True).chat.images == [RemoteImage("messages[0].content[0]",
+                                                                                           url)]
     resp = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": url}]}]}
-    assert parse_responses_request(resp, fetch_image_urls=True).images == [RemoteImage("input[0].content[0]", url)]
+    assert parse_responses_request(resp, fetch_image_urls=True).chat.images == [RemoteImage("input[0].content[0]",
+                                                                                            url)]
     for parse in (lambda: parse_chat_request(body, "tinyserve"), lambda: parse_messages_request(anth),
                   lambda: parse_responses_request(resp)):
         with pytest.raises(APIError, match=r"server.fetch_image_urls = false") as e:

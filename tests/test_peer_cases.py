@@ -41,7 +41,8 @@ from typing import Any
 import pytest
 
 from tinyserve.chat import ChatFormat, ChatRequest, ChatStreamChoice
-from tinyserve.protocol import ChoiceResult, GenerationOptions
+from tinyserve.generation import Choice
+from tinyserve.protocol import GenerationOptions
 from tinyserve.sampling import SamplingParams
 
 
@@ -461,7 +462,7 @@ def formats(case: Case) -> ChatFormat:
 
 
 def whole(case: Case, finish: str = "stop") -> tuple[str | None, str, list[tuple[str, dict]]]:
-    a = formats(case).split(request(case), ChoiceResult(0, text=case.text, finish_reason=finish))
+    a = formats(case).split(request(case), Choice(0, text=case.text, finish_reason=finish))
     return a.reasoning, a.content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in a.calls]
 
 

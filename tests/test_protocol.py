@@ -2,13 +2,17 @@
 parsing (each error names its field), the engine-error mapping, response bodies and stream chunks."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
 
-from tinyserve.openai_api import Chat, Completions, parse_chat_request, parse_completion_request
-from tinyserve.protocol import APIError, ChoiceResult, Delta, Meta, Usage, sampling_params
+from tinyserve.chat import ChatFormat
+from tinyserve.generation import Choice, Meta, Piece, Usage
+from tinyserve.openai_api import (chat_events, completion_body, completion_events, parse_chat_request,
+                                  parse_completion_request)
+from tinyserve.protocol import SSE_DONE, APIError, Fields, sampling_params
 
 USER = [{"role": "user", "content": "x"}]
 
@@ -171,16 +175,15 @@ def test_ranges_are_the_engines():
 
 
 def test_engine_error_fields_map_to_what_the_client_sent():
-    chat, completions = Chat(), Completions()
     newer = parse_chat_request({"messages": USER, "max_completion_tokens": 5}, "tinyserve")
     older = parse_chat_request({"messages": USER, "max_tokens": 5}, "tinyserve")
-    assert chat.error_param(newer, "max_tokens") == "max_completion_tokens"
-    assert chat.error_param(older, "max_tokens") == "max_tokens"
-    assert chat.error_param(older, "prompt") == "messages"
-    assert chat.error_param(older, "temperature") == "temperature"
-    assert chat.error_param(older, "messages[0].content[1]") == "messages[0].content[1]"   # an image: its part
-    comp = parse_completion_request({"prompt": [1, 2]}, "tinyserve")
-    assert completions.error_param(comp, "prompt") == "prompt"
+    assert Fields("messages", newer.options.max_tokens_field).of("max_tokens") == "max_completion_tokens"
+    chat = Fields("messages", older.options.max_tokens_field)
+    assert chat.of("max_tokens") == "max_tokens" and chat.of("prompt") == "messages"
+    assert chat.of("temperature") == "temperature"
+    assert chat.of("messages[0].content[1]") == "messages[0].content[1]"                 # an image: its part
+    assert Fields("prompt").of("prompt") == "prompt"
+    assert Fields("input", renamed={"response_format": "text.format"}).of("response_format") == "text.format"
 
 
 def test_sampling_params_after_fit():
@@ -199,38 +202,49 @@ class _Event:
 META = Meta("cmpl-1", 123, "tinyserve", [1, 2, 3], lambda t: f"<{t}>")
 
 
+def frames(events) -> tuple[list[dict], bytes]:
+    """A stream writer's SSE frames, run over its pieces: (the events as JSON, the last frame)."""
+    async def run() -> list[bytes]:
+        return [f async for f in events]
+    raw = asyncio.run(run())
+    return [json.loads(f[len(b"data: "):]) for f in raw if f != SSE_DONE], raw[-1]
+
+
+async def pieces(*items: Piece):
+    for item in items:
+        yield item
+
+
 def test_completion_body_and_stream():
-    comp = Completions()
     req = parse_completion_request({"prompt": [1, 2, 3], "logprobs": 1, "n": 2, "return_token_ids": True,
                                     "stream": True, "stream_options": {"include_usage": True}}, "tinyserve")
     usage = Usage(3, 2, cached_tokens=1, cached_tokens_by_tier={"device": 1})
-    results = [ChoiceResult(0, "ab", [7, 8], [_Event(7), _Event(8)], "length"), ChoiceResult(1, "", [], [], "stop")]
-    body = comp.response(req, META, results, usage)
+    choices = [Choice(0, "ab", [7, 8], [_Event(7), _Event(8)], "length"), Choice(1, "", [], [], "stop")]
+    body = completion_body(req, META, choices, usage)
     assert body["object"] == "text_completion" and body["prompt_token_ids"] == [1, 2, 3]
     assert body["choices"][0]["token_ids"] == [7, 8] and body["choices"][0]["logprobs"]["text_offset"] == [0, 3]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details":
                              {"cached_tokens": 1, "cached_tokens_by_tier": {"device": 1}}}
-    stream = comp.stream(req, META)
-    assert stream.start() == []
-    (a,) = stream.delta(0, Delta("<7>", [7], [_Event(7)]))
-    (b,) = stream.delta(0, Delta("", [], [], "length"))
+    meta = Meta(META.request_id, META.created, META.model, META.prompt_ids, META.token_text, lambda: Usage(3, 1))
+    (a, b, last), end = frames(completion_events(req, meta, pieces(Piece(0, "<7>", [7], [_Event(7)]),
+                                                                     Piece(0, "", [], [], "length"))))
     assert a["choices"][0]["logprobs"]["text_offset"] == [0] and b["choices"][0]["finish_reason"] == "length"
-    (last,) = stream.end(lambda: Usage(3, 1))
     assert last["choices"] == [] and "prompt_tokens_details" not in last["usage"]
-    assert stream.frame({"a": 1}) == b'data: {"a":1}\n\n' and stream.done == b"data: [DONE]\n\n"
+    assert end == b"data: [DONE]\n\n"
 
 
 def test_chat_stream_chunks():
-    chat = Chat()
     req = parse_chat_request({"messages": USER, "n": 2, "logprobs": True}, "tinyserve")
-    stream = chat.stream(req, META)
-    assert [c["choices"][0]["delta"] for c in stream.start()] == [{"role": "assistant", "content": ""}] * 2
-    (piece,) = stream.delta(1, Delta("hi", [5], [_Event(5)]))
+    meta = Meta(META.request_id, META.created, META.model, META.prompt_ids, META.token_text,
+                lambda: pytest.fail("usage made for a stream that does not send it"))        # no include_usage
+    events, end = frames(chat_events(ChatFormat(), req, meta, pieces(Piece(1, "hi", [5], [_Event(5)]),
+                                                                      Piece(1, "", [], [], "stop"))))
+    *roles, piece, fin = events
+    assert [c["choices"][0]["delta"] for c in roles] == [{"role": "assistant", "content": ""}] * 2
     assert piece["object"] == "chat.completion.chunk" and piece["choices"][0]["delta"] == {"content": "hi"}
     assert piece["choices"][0]["logprobs"]["content"][0]["token"] == "<5>"
-    (fin,) = stream.delta(1, Delta("", [], [], "stop"))
     assert fin["choices"][0] == {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop"}
-    assert stream.end(lambda: pytest.fail("usage made for a stream that does not send it")) == []   # no include_usage
+    assert end == SSE_DONE
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -268,14 +282,14 @@ def test_json_depth_is_the_parsed_nesting(monkeypatch, chunk):
 
 
 def test_json_bodies_refused_with_a_reason():
-    from tinyserve.json_body import MAX_JSON_DEPTH, parse_json_body
+    from tinyserve.json_body import MAX_JSON_DEPTH, BodyError, parse_json_body
     deep = b'{"a": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}"
     for raw, words in [(deep, "nested 65 levels"), (b"[" * 5000 + b"]" * 5000, "nested 5000 levels"),
                        (b'{"a": "\\ud800"}', "Unicode"), (b'{"a": ' + b"7" * 5000 + b"}", "not valid JSON"),
                        (b"\xff{}", "not valid"), (b"[1]", "JSON object"), (b"", "not valid JSON")]:
-        with pytest.raises(APIError) as e:
+        with pytest.raises(BodyError) as e:
             parse_json_body(raw)
-        assert e.value.status == 400 and words in e.value.message, (raw[:20], e.value.message)
+        assert words in str(e.value), (raw[:20], str(e.value))
     ok = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b', "b": "\\ud83d\\ude80 [[["}'
     assert parse_json_body(ok)["b"] == "\U0001F680 [[["
 
@@ -284,7 +298,7 @@ def test_completion_logprob_tokens_join_into_the_text():
     """A character split across tokens: the first adds "" and the one that completes it the character, so the
     tokens join into the text (vLLM's test_some_logprobs); each top-n key keeps the token's own spelling; a character
     left open at the end is U+FFFD, as in the text."""
-    from tinyserve.protocol import Meta, TextOffsets, completion_logprobs
+    from tinyserve.openai_api import TextOffsets, completion_logprobs
     pieces = [b"ok ", "天".encode()[:1], "天".encode()[1:], b"!", "気".encode()[:2]]
     text = lambda i: pieces[i].decode("utf-8", "replace") if len(pieces[i]) != 1 or pieces[i] < b"\x80" \
         else "bytes:" + "".join(f"\\x{b:02x}" for b in pieces[i])                           # noqa: E731

@@ -261,9 +261,10 @@ def test_errors_keep_the_openai_shape(server, client):
 # The parsed paths, on the module (the random model writes neither a think block that closes nor a tool call)
 
 def test_parsed_items_and_their_stream():
-    from tinyserve.protocol import ChoiceResult, Delta, Meta, Usage
-    from tinyserve.responses import Responses, parse_responses_request
-    endpoint = Responses("qwen3", "qwen3_coder")
+    from tinyserve.chat import ChatFormat
+    from tinyserve.generation import Choice, Meta, Piece, Usage
+    from tinyserve.responses import ResponsesStream, parse_responses_request, response_of
+    chat = ChatFormat("qwen3", "qwen3_coder")
     req = parse_responses_request({"input": "List the files", "tools": [SHELL_TOOL]})
     req.chat.starts_in_reasoning = True
     text = ("I should run ls.\n</think>\n\nChecking.\n<tool_call>\n<function=shell>\n<parameter=command>\n[\"ls\"]\n"
@@ -271,7 +272,7 @@ def test_parsed_items_and_their_stream():
     chars = list(text)                                # one "token" per character: token_text is the identity
     meta = Meta("resp_1", 0, "tinyserve", [1, 2, 3], lambda t: t)
     usage = Usage(3, len(chars), cached_tokens=1)
-    body = endpoint.response(req, meta, [ChoiceResult(0, text=text, token_ids=chars)], usage)
+    body = response_of(chat, req, meta, Choice(0, text=text, token_ids=chars), usage)
     assert [i["type"] for i in body["output"]] == ["reasoning", "message", "function_call"]
     reasoning, message, call = body["output"]
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "I should run ls."}]
@@ -284,11 +285,11 @@ def test_parsed_items_and_their_stream():
                                  "reasoning_tokens": text.index("</think>") + len("</think>")},
                              "total_tokens": 3 + len(chars)}
     # The stream gives the same items: feed the text in small pieces and assemble the events.
-    out = endpoint.stream(req, meta)
+    out = ResponsesStream(chat, req, meta)
     events = out.start()
     for k in range(0, len(text), 7):
-        events += out.delta(0, Delta(text[k:k + 7], chars[k:k + 7], []))
-    events += out.delta(0, Delta("", [], [], "stop")) + out.end(lambda: usage)
+        events += out.piece(Piece(0, text[k:k + 7], chars[k:k + 7], []))
+    events += out.piece(Piece(0, "", [], [], "stop")) + out.end(usage)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.completed"
@@ -317,9 +318,10 @@ def test_namespace_tools_are_offered_and_called_under_their_names():
     """The functions of a namespace are in the prompt as NAMESPACE.NAME; a call comes back as a function_call item
     named as Codex declared it, with the namespace beside it, whole and streamed; a replayed call with a namespace
     renders as the model wrote it."""
-    from tinyserve.protocol import ChoiceResult, Delta, Meta, Usage
-    from tinyserve.responses import Responses, parse_responses_request
-    endpoint = Responses("qwen3", "qwen3_coder")
+    from tinyserve.chat import ChatFormat
+    from tinyserve.generation import Choice, Meta, Piece, Usage
+    from tinyserve.responses import ResponsesStream, parse_responses_request, response_of
+    chat = ChatFormat("qwen3", "qwen3_coder")
     req = parse_responses_request({"input": "Delegate it", "tools": [SHELL_TOOL, AGENTS_NAMESPACE]})
     assert [t["function"]["name"] for t in req.chat.tools] == ["shell", "multi_agent_v1.spawn_agent",
                                                                "multi_agent_v1.wait_agent"]
@@ -328,15 +330,15 @@ def test_namespace_tools_are_offered_and_called_under_their_names():
     text = ("<tool_call>\n<function=multi_agent_v1.spawn_agent>\n<parameter=message>\nFix the tests\n</parameter>\n"
             "</function>\n</tool_call>")
     meta = Meta("resp_1", 0, "tinyserve", [1], lambda t: t)
-    body = endpoint.response(req, meta, [ChoiceResult(0, text=text)], Usage(1, 9))
+    body = response_of(chat, req, meta, Choice(0, text=text), Usage(1, 9))
     (call,) = body["output"]
     assert (call["type"], call["name"], call["namespace"]) == ("function_call", "spawn_agent", "multi_agent_v1")
     assert json.loads(call["arguments"]) == {"message": "Fix the tests"}
-    out = endpoint.stream(req, meta)
+    out = ResponsesStream(chat, req, meta)
     events = out.start()
     for k in range(0, len(text), 5):
-        events += out.delta(0, Delta(text[k:k + 5], [], []))
-    events += out.delta(0, Delta("", [], [], "stop")) + out.end(lambda: Usage(1, 9))
+        events += out.piece(Piece(0, text[k:k + 5], [], []))
+    events += out.piece(Piece(0, "", [], [], "stop")) + out.end(Usage(1, 9))
     added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
     assert [(i["name"], i["namespace"]) for i in added] == [("spawn_agent", "multi_agent_v1")]
     replay = parse_responses_request({"input": [

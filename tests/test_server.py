@@ -545,7 +545,7 @@ def test_check_prints_config_and_plan(tmp_path, xdg):
 def test_tool_call_and_reasoning_plumbing():
     from tinyserve.chat import ChatFormat, ChatStreamChoice
     from tinyserve.openai_api import parse_chat_request
-    from tinyserve.protocol import ChoiceResult
+    from tinyserve.generation import Choice
 
     parsers = config_mod.from_dict(PARSERS).parsers
     chat = ChatFormat(parsers.reasoning, parsers.tool_call)
@@ -553,7 +553,7 @@ def test_tool_call_and_reasoning_plumbing():
                              "tinyserve")
     text = ("<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n"
             "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
-    message, finish = chat.message(req, ChoiceResult(0, text=text, finish_reason="stop"))
+    message, finish = chat.message(req, Choice(0, text=text, finish_reason="stop"))
     assert finish == "tool_calls"
     assert message["reasoning_content"] == "The user wants the weather."
     assert message["content"] == "Let me check."
@@ -583,7 +583,7 @@ def test_tool_call_and_reasoning_plumbing():
     plain = parse_chat_request({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER_TOOL],
                                 "tool_choice": "none", "chat_template_kwargs": {"enable_thinking": False}},
                                "tinyserve")
-    message, finish = chat.message(plain, ChoiceResult(0, text=text, finish_reason="stop"))
+    message, finish = chat.message(plain, Choice(0, text=text, finish_reason="stop"))
     assert finish == "stop" and message["content"] == text and not message.get("reasoning_content")
 
 

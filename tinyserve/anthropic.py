@@ -1,9 +1,9 @@
-"""Anthropic's Messages API without HTTP: POST /v1/messages (and /v1/messages/count_tokens) as an Endpoint.
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, each a route handler that reads top to
+bottom, the request parsing and the answer (body and stream events) beside them.
 
 A Messages request is translated into the chat request the OpenAI route builds (chat.ChatRequest), so all protocols
 render the same prompt through the same template and share the prefix cache; the answer is split by the same qwen3
-reasoning and qwen3_coder tool parsers (chat.ChatFormat) and written as Anthropic content blocks
-(anthropic_output.py).
+reasoning and qwen3_coder tool parsers (chat.ChatFormat) and written as Anthropic content blocks.
 
 Mapping (request):
   system (string or text blocks)   -> one system message first; a text block starting with
@@ -25,7 +25,7 @@ Mapping (request):
                                       or not, so the prompt's start never changes)
   thinking (assistant)             -> reasoning_content (the template shows it only for turns after the last user
                                       query, as Qwen3 does); a block whose text was omitted carries it in its
-                                      signature (anthropic_output.THINKING_SIGNATURE); redacted_thinking is opaque
+                                      signature (THINKING_SIGNATURE); redacted_thinking is opaque
                                       and dropped
   document blocks                  -> 400 (not supported)
   tools of type "custom" (or none) -> OpenAI function tools; server tools (web_search_20250305, code_execution,
@@ -54,21 +54,42 @@ Mapping (request):
                                       run here, each type logged once
 A prompt longer than the context is a 400 worded as Anthropic's ("prompt is too long: N tokens > M maximum"):
 Claude Code reads the numbers to compact the conversation.
+
+Mapping (response): content blocks thinking, text and tool_use ("toolu_..." ids) in the order the model wrote them;
+stop_reason end_turn | max_tokens | stop_sequence | tool_use. Usage follows Anthropic's split: input_tokens is the
+uncached part of the prompt, cache_read_input_tokens the prompt tokens served from the prefix cache,
+cache_creation_input_tokens 0 (writing the cache costs nothing extra here), so their sum is the prompt length; with
+the thinking-token-count beta, output_tokens_details.thinking_tokens counts the generated tokens of the think block.
+A request's context_management edits are reported as Anthropic reports them (applied_edits), on the message and on
+the stream's message_delta.
+
+Thinking blocks carry a signature: "" (nothing to sign) when their text is shown; with thinking.display "omitted" the
+block's text is empty and the signature carries it (THINKING_SIGNATURE), so that a client sending the block back
+gives the model its own reasoning again and the prompt stays the one the prefix cache holds.
+
+One idea in one module (the request, its handlers and its answer), past 600 lines for that.
 """
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from .anthropic_output import MessagesStream, error_body, message_body, thinking_from_signature
-from .chat import ChatFormat, ChatRequest, TranslatedRequest, chat_tools, function_tool, function_tools, leave_out, \
-    named_tool
+from aiohttp import web
+
+from .chat import (ChatFormat, ChatRequest, ChatStreamChoice, chat_tools, count_reasoning_tokens, function_tool,
+                   function_tools, leave_out, named_tool)
 from .context_edits import Edit, apply_edits, parse_edits
-from .protocol import (APIError, ChoiceResult, Endpoint, GenerationOptions, ImageInput, Meta, Usage, bad_request,
-                       boolean, header_values, image_bytes, image_from_url, integer, note_markers, number,
-                       parse_response_format, read_field, stop_strings, unused_fields)
+from .generation import Choice, Meta, Piece, Usage
+from .http_images import prepare_images
+from .protocol import (APIError, Fields, GenerationOptions, ImageInput, bad_request, boolean, header_values,
+                       image_bytes, image_from_url, integer, json_response, note_markers, number,
+                       parse_response_format, read_field, read_json, serving, sse, sse_named_event, start_generation,
+                       stop_strings, unused_fields)
 from .sampling import SamplingParams
 from .tokenizer import SYSTEM_IMAGE_ERROR, ContentJoiner, Tokenizer
 
@@ -77,7 +98,6 @@ if TYPE_CHECKING:
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 log = logging.getLogger("tinyserve.anthropic")
-__all__ = ["Messages", "MessagesRequest", "error_body", "is_anthropic_path", "parse_messages_request"]
 
 # The anthropic-beta values this server knows (Claude Code sends a list on every request), each with what it means
 # here. A value not in this table is accepted and logged once (read_betas): a beta lets a client send new fields,
@@ -128,9 +148,10 @@ def read_betas(headers: Any) -> set[str]:
 # Requests
 
 @dataclass
-class MessagesRequest(TranslatedRequest):
+class MessagesRequest:
     """A Messages request, as the chat request it renders as."""
 
+    chat: ChatRequest                  # what the chat template and the parsers take
     omit_thinking: bool = False        # thinking.display "omitted": blocks carry their text in the signature
     edits: list[Edit] = field(default_factory=list)              # context_management
     applied_edits: list[dict[str, Any]] = field(default_factory=list)   # what they cleared, once rendered
@@ -480,51 +501,255 @@ def parse_messages_request(body: dict, count_only: bool = False, fetch_image_url
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The endpoint
+# POST /v1/messages and POST /v1/messages/count_tokens
 
-class Messages(Endpoint[MessagesRequest]):
-    """POST /v1/messages. The parsers come from the config's [parsers] table, as for /v1/chat/completions."""
+# Anthropic's own words for a prompt past the context: Claude Code reads the two numbers to compact the conversation.
+# Claude Code sends one large max_tokens (e.g. 32000) whatever the model: generation stops at the end of the context
+# instead (stop_reason max_tokens), as on Anthropic's own API, rather than a 400 on a small context.
+FIELDS = Fields("messages", too_long=lambda n, most: f"prompt is too long: {n} tokens > {most} maximum")
 
-    id_prefix = "msg_"
-    prompt_field = "messages"
-    # Claude Code sends one large max_tokens (e.g. 32000) whatever the model: generation stops at the end of the
-    # context instead (stop_reason max_tokens), as on Anthropic's own API, rather than a 400 on a small context.
-    clamp_max_tokens = True
 
-    def __init__(self, reasoning_parser: str = "", tool_parser: str = "", fetch_image_urls: bool = False) -> None:
-        self.format = ChatFormat(reasoning_parser, tool_parser)
-        self.fetch_image_urls = fetch_image_urls
+async def messages(request: web.Request) -> web.StreamResponse:
+    state, engine = serving(request)
+    req = parse_messages_request(await read_json(request), fetch_image_urls=state.cfg.server.fetch_image_urls,
+                                 betas=read_betas(request.headers))
+    if req.chat.left_out:
+        state.metrics.on_tools_left_out(req.chat.left_out)
+    chat = ChatFormat.of(state.cfg)
+    prompt = await asyncio.to_thread(prompt_ids, chat, req, engine.tokenizer)
+    images: list[Any] = []
+    if req.chat.images:                               # the ids grow by each image's tokens
+        prompt, images = await prepare_images(state, engine, req.chat.images, prompt, FIELDS)
+    with start_generation(state, engine, req.chat.options, [prompt], "msg_", FIELDS, images,
+                          clamp_max_tokens=True) as gen:
+        if req.chat.options.stream:
+            return await sse(request, message_events(chat, req, gen.meta, gen.pieces()))
+        (choice,) = await gen.collect()
+        return json_response(message_body(chat, req, gen.meta, choice, gen.usage()))
 
-    def parse(self, body: dict, served_name: str, headers: Any = None) -> MessagesRequest:
-        return parse_messages_request(body, fetch_image_urls=self.fetch_image_urls,
-                                      betas=read_betas(headers) if headers is not None else None)
 
-    def parse_count(self, body: dict, headers: Any) -> MessagesRequest:
-        return parse_messages_request(body, count_only=True, fetch_image_urls=self.fetch_image_urls,
-                                      betas=read_betas(headers))
+async def count_tokens(request: web.Request) -> web.Response:
+    """The length of the prompt a Messages request renders to, images included (each counts its tokens, as in the
+    generation's usage)."""
+    state, engine = serving(request)
+    req = parse_messages_request(await read_json(request), count_only=True,
+                                 fetch_image_urls=state.cfg.server.fetch_image_urls, betas=read_betas(request.headers))
+    ids = await asyncio.to_thread(prompt_ids, ChatFormat.of(state.cfg), req, engine.tokenizer)
+    if req.chat.images:
+        ids, _ = await prepare_images(state, engine, req.chat.images, ids, FIELDS)
+    return json_response({"input_tokens": len(ids)})
 
-    def prompt_ids(self, req: MessagesRequest, tokenizer: Tokenizer) -> list[int]:
-        """The rendered prompt, after the context_management edits (which may need its length first)."""
-        ids = self.format.prompt_ids(req.chat, tokenizer)
-        if not req.edits:
-            return ids
-        messages, req.applied_edits = apply_edits(req.chat.messages, req.edits, len(ids),
-                                                  lambda text: len(tokenizer.encode(text)))
-        if not req.applied_edits:
-            return ids
-        req.chat.messages = messages
-        return self.format.prompt_ids(req.chat, tokenizer)
 
-    def context_error(self, err: APIError, tokens: tuple[int, int] | None) -> APIError:
-        """Anthropic's own words for a prompt past the context: Claude Code reads the two numbers to compact."""
-        if tokens is None:
-            return err
-        return APIError(400, f"prompt is too long: {tokens[0]} tokens > {tokens[1]} maximum", code=err.code)
+def prompt_ids(chat: ChatFormat, req: MessagesRequest, tokenizer: Tokenizer) -> list[int]:
+    """The rendered prompt, after the context_management edits (which may need its length first)."""
+    ids = chat.prompt_ids(req.chat, tokenizer)
+    if not req.edits:
+        return ids
+    messages, req.applied_edits = apply_edits(req.chat.messages, req.edits, len(ids),
+                                              lambda text: len(tokenizer.encode(text)))
+    if not req.applied_edits:
+        return ids
+    req.chat.messages = messages
+    return chat.prompt_ids(req.chat, tokenizer)
 
-    def response(self, req: MessagesRequest, meta: Meta, results: list[ChoiceResult], usage: Usage
-                 ) -> dict[str, Any]:
-        (r,) = results
-        return message_body(self.format, req, meta, r, usage)
 
-    def stream(self, req: MessagesRequest, meta: Meta) -> MessagesStream:
-        return MessagesStream(self.format, req, meta)
+# ---------------------------------------------------------------------------------------------------------------
+# The answer: the message body and the stream's events
+
+THINKING_SIGNATURE = "tinyserve-thinking:"     # + the omitted thinking text, base64 (UTF-8)
+
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors). Statuses are the server's own
+# (a full queue is 503 + Retry-After, not Anthropic's 529); the type says what kind of failure it is.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(err: APIError) -> dict[str, Any]:
+    """{"type": "error", "error": {"type", "message"}}; the field in question, when known, leads the message."""
+    kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    message = err.message
+    if err.param and err.param not in message:
+        message = f"{err.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def omitted_thinking_signature(text: str) -> str:
+    return THINKING_SIGNATURE + base64.b64encode(text.encode()).decode()
+
+
+def thinking_from_signature(signature: Any) -> str | None:
+    """The thinking text a signature of ours carries; None for any other signature (Anthropic's own, "")."""
+    if not isinstance(signature, str) or not signature.startswith(THINKING_SIGNATURE):
+        return None
+    try:
+        return base64.b64decode(signature[len(THINKING_SIGNATURE):], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def usage_body(req: MessagesRequest, usage: Usage, thinking_tokens: int) -> dict[str, Any]:
+    cached = usage.cached_tokens or 0
+    body: dict[str, Any] = {"input_tokens": usage.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+                            "cache_read_input_tokens": cached, "output_tokens": usage.completion_tokens}
+    if req.count_thinking_tokens:
+        body["output_tokens_details"] = {"thinking_tokens": thinking_tokens}
+    return body
+
+
+def tool_use_id(call_id: str | None) -> str:
+    return "toolu_" + (call_id or "").removeprefix("call_")
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:                      # the parser writes JSON; never fail an answer over it
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def stop_reason(finish_reason: str | None, stop_string: str | None, called_tools: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) from the engine's finish reason."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if stop_string is not None:
+        return "stop_sequence", stop_string
+    return ("tool_use" if called_tools else "end_turn"), None
+
+
+def _thinking_block(req: MessagesRequest, text: str) -> dict[str, Any]:
+    if req.omit_thinking:
+        return {"type": "thinking", "thinking": "", "signature": omitted_thinking_signature(text)}
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def _context_management(req: MessagesRequest) -> dict[str, Any]:
+    return {"context_management": {"applied_edits": req.applied_edits}} if req.edits else {}
+
+
+def message_body(chat: ChatFormat, req: MessagesRequest, meta: Meta, r: Choice, usage: Usage) -> dict[str, Any]:
+    answer = chat.split(req.chat, r)
+    content: list[dict[str, Any]] = []
+    if answer.reasoning:
+        content.append(_thinking_block(req, answer.reasoning))
+    if answer.content:
+        content.append({"type": "text", "text": answer.content})
+    for call in answer.calls:
+        content.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
+                        "input": _input(call["function"]["arguments"])})
+    reason, sequence = stop_reason(r.finish_reason, r.stop_string, bool(answer.calls))
+    thinking = count_reasoning_tokens(r.token_ids, meta.token_text, answer.reasoning, answer.reasoning_end)
+    return {"id": meta.request_id, "type": "message", "role": "assistant", "model": meta.model,
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage_body(req, usage, thinking), **_context_management(req)}
+
+
+async def message_events(chat: ChatFormat, req: MessagesRequest, meta: Meta, pieces: AsyncIterator[Piece]
+                         ) -> AsyncIterator[bytes]:
+    """The stream: MessagesStream's events as SSE, each named by its type (the last one ends the stream)."""
+    out = MessagesStream(chat, req, meta)
+    async for p in pieces:
+        for event in out.piece(p):
+            yield sse_named_event(event)
+    for event in out.end(meta.usage()):
+        yield sse_named_event(event)
+
+
+class MessagesStream:
+    """message_start, ping, then content_block_start / _delta / _stop per block, message_delta, message_stop.
+
+    message_start waits for the first piece: by then the prefill has run and the cached prompt tokens are known, so
+    its usage is already the final split of the input (message_delta repeats it with output_tokens)."""
+
+    def __init__(self, chat: ChatFormat, req: MessagesRequest, meta: Meta) -> None:
+        self.req, self.meta = req, meta
+        self.choice = ChatStreamChoice(chat, req.chat)
+        self.started = False
+        self.block: str | None = None                 # type of the open block
+        self.index = -1                               # its index
+        self.thinking = ""                            # the open thinking block's text (its signature when omitted)
+        self.token_ids: list[int] = []
+        self.reasoning = ""
+        self.reason: tuple[str, str | None] = ("end_turn", None)
+
+    def _usage(self, usage: Usage | None = None, output_tokens: int | None = None) -> dict[str, Any]:
+        if usage is None:
+            usage = self.meta.usage() if self.meta.usage is not None else Usage(len(self.meta.prompt_ids), 0)
+        parser = self.choice.reasoning
+        thinking = count_reasoning_tokens(self.token_ids, self.meta.token_text, self.reasoning,
+                                          parser.end_offset if parser is not None else None)
+        body = usage_body(self.req, usage, thinking)
+        if output_tokens is not None:
+            body["output_tokens"] = output_tokens
+        return body
+
+    def _start(self) -> list[dict[str, Any]]:
+        if self.started:
+            return []
+        self.started = True
+        message = {"id": self.meta.request_id, "type": "message", "role": "assistant", "model": self.meta.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": self._usage(output_tokens=0)}
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self.block is None:
+            return []
+        out = []
+        if self.block == "thinking":                  # Anthropic's clients expect the block's signature before
+            signature = omitted_thinking_signature(self.thinking) if self.req.omit_thinking else ""   # its stop
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "signature_delta", "signature": signature}})
+        self.block = None
+        return out + [{"type": "content_block_stop", "index": self.index}]
+
+    def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self._close()
+        self.index += 1
+        self.block = block["type"]
+        self.thinking = ""
+        return out + [{"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def _piece(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if "reasoning_content" in piece:
+            text = piece["reasoning_content"]
+            self.reasoning += text
+            if self.block != "thinking":
+                out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+            self.thinking += text
+            if not self.req.omit_thinking:
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "thinking_delta", "thinking": text}})
+        elif "content" in piece:
+            if self.block != "text":
+                out += self._open({"type": "text", "text": ""})
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "text_delta", "text": piece["content"]}})
+        elif "tool_calls" in piece:
+            call = piece["tool_calls"][0]
+            if "id" in call:                          # a new call: its own block
+                out += self._open({"type": "tool_use", "id": tool_use_id(call["id"]),
+                                   "name": call["function"]["name"], "input": {}})
+            fragment = call["function"].get("arguments") or ""
+            if fragment:
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "input_json_delta", "partial_json": fragment}})
+        return out
+
+    def piece(self, d: Piece) -> list[dict[str, Any]]:
+        out = self._start()
+        self.token_ids += d.token_ids
+        final = d.finish_reason is not None
+        for piece in self.choice.pieces(d.text, final, truncated=d.finish_reason == "length"):
+            out += self._piece(piece)
+        if final:
+            self.reason = stop_reason(d.finish_reason, d.stop_string, self.choice.called_tools)
+        return out
+
+    def end(self, usage: Usage) -> list[dict[str, Any]]:
+        reason, sequence = self.reason
+        return self._start() + self._close() + [
+            {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+             "usage": self._usage(usage), **_context_management(self.req)},
+            {"type": "message_stop"}]

@@ -22,8 +22,10 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from .config import Config
+from .generation import Choice
 from .parsers import Qwen3ReasoningParser, prompt_opens_reasoning
-from .protocol import ChoiceResult, GenerationOptions, ImageInput, bad_request, constraint_after_reasoning
+from .protocol import GenerationOptions, ImageInput, bad_request, constraint_after_reasoning
 from .sampling import Constraint
 from .tokenizer import Tokenizer
 from .tool_calls import FORMAT_SYNTAXES, FREEFORM_INPUT, Qwen3CoderToolParser, tool_function
@@ -57,26 +59,6 @@ class ChatRequest:
     @property
     def enable_thinking(self) -> bool:
         return bool(self.template_kwargs.get("enable_thinking", True))
-
-
-@dataclass
-class TranslatedRequest:
-    """A request of another protocol (Anthropic Messages, Responses), translated into the chat request it renders
-    as; the generation skeleton reads its options and images there."""
-
-    chat: ChatRequest                 # what the chat template and the parsers take
-
-    @property
-    def options(self) -> GenerationOptions:
-        return self.chat.options
-
-    @property
-    def images(self) -> list[ImageInput]:
-        return self.chat.images
-
-    @property
-    def left_out(self) -> list[str]:
-        return self.chat.left_out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -282,6 +264,10 @@ class ChatFormat:
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser
 
+    @classmethod
+    def of(cls, cfg: Config) -> ChatFormat:
+        return cls(cfg.parsers.reasoning, cfg.parsers.tool_call)
+
     def prompt_ids(self, req: ChatRequest, tokenizer: Tokenizer) -> list[int]:
         """The rendered prompt; it also settles the request's constraint (a forced tool call, and where it starts)."""
         def render(generation_prompt: bool) -> str:
@@ -324,7 +310,7 @@ class ChatFormat:
         return Qwen3ReasoningParser(starts_in_reasoning=req.starts_in_reasoning, enabled=req.enable_thinking,
                                     tool_names=tools.allowed_names if tools is not None else None), tools
 
-    def split(self, req: ChatRequest, r: ChoiceResult) -> Answer:
+    def split(self, req: ChatRequest, r: Choice) -> Answer:
         """A finished choice's text -> reasoning, content and tool calls. A choice cut by max_tokens reads a value
         the end left open as cut (its call keeps the parameters before it)."""
         reasoning, content, reasoning_end = None, r.text, None
@@ -342,7 +328,7 @@ class ChatFormat:
         finish = "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
         return Answer(reasoning, content, calls, finish, reasoning_end, cut)
 
-    def message(self, req: ChatRequest, r: ChoiceResult) -> tuple[dict[str, Any], str]:
+    def message(self, req: ChatRequest, r: Choice) -> tuple[dict[str, Any], str]:
         """Split a finished choice's text into reasoning, content and tool calls (an OpenAI chat message); the
         finish reason to report."""
         answer = self.split(req, r)

@@ -8,10 +8,9 @@ from typing import Any
 
 import aiohttp
 
-from .config import Config
 from .engine import Engine, RequestError
 from .images import SUPPORTED_MEDIA_TYPES, ImageSource
-from .protocol import APIError, Endpoint, ImageInput, RemoteImage, Req, bad_request
+from .protocol import APIError, Fields, ImageInput, RemoteImage, ServerState, bad_request
 
 FETCH_TIMEOUT_S = 10.0           # per fetched image URL (server.fetch_image_urls), connect to last byte
 # Decoding and preprocessing images on their own two threads: a 16-megapixel image takes ~1.4 GB while it is
@@ -61,15 +60,15 @@ async def fetch_images(images: list[ImageInput], max_bytes: int) -> list[ImageSo
     return [fetched[im.param] if isinstance(im, RemoteImage) else im for im in images]
 
 
-async def prepare_images(engine: Engine, cfg: Config, endpoint: Endpoint[Req], req: Req, prompt_ids: list[int]
-                         ) -> tuple[list[int], list[Any]]:
-    """A request with images: (the prompt ids with each image's pad widened to its tokens, the processed images
-    for engine.submit). 400 naming the part when the model takes no images or an image cannot be used. The request
+async def prepare_images(state: ServerState, engine: Engine, images: list[ImageInput], prompt_ids: list[int],
+                         fields: Fields) -> tuple[list[int], list[Any]]:
+    """A request's images: (the prompt ids with each image's pad widened to its tokens, the processed images for
+    the generation). 400 naming the part when the model takes no images or an image cannot be used. The request
     waits here, in line, until its pixels fit the image budget (intake.py); they are made only then."""
     intake, loop = engine.intake, asyncio.get_running_loop()
     try:
-        intake.check_images([im.param for im in req.images])        # before fetching what cannot be used
-        sources = await fetch_images(req.images, int(cfg.server.max_request_body_mb * 1024 * 1024))
+        intake.check_images([im.param for im in images])            # before fetching what cannot be used
+        sources = await fetch_images(images, int(state.cfg.server.max_request_body_mb * 1024 * 1024))
         sizes = await loop.run_in_executor(IMAGE_WORKERS, intake.measure_images, sources)
         await intake.image_budget.acquire(sum(sizes))
         # shielded: once the room is taken the job runs (a cancelled caller drops its images, which gives it back)
@@ -77,4 +76,4 @@ async def prepare_images(engine: Engine, cfg: Config, endpoint: Endpoint[Req], r
         job.add_done_callback(lambda f: f.cancelled() or f.exception())
         return await asyncio.shield(job)
     except RequestError as e:
-        raise bad_request(str(e), endpoint.error_param(req, e.field)) from None
+        raise bad_request(str(e), fields.of(e.field)) from None

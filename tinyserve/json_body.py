@@ -1,4 +1,4 @@
-"""A request body, as bytes, -> its JSON object; every failure a 400 that says why, never a traceback.
+"""A request body, as bytes, -> its JSON object; every failure a BodyError that says why (a 400), never a traceback.
 
 Python's json parser recurses per level of nesting, and so does much of what reads a body after it (templates,
 schema compilers): a body nested thousands deep would raise RecursionError (a 500) wherever it first got deep. So the
@@ -14,28 +14,30 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import bad_request
+
+class BodyError(ValueError):
+    """Why a body is refused (protocol.read_json answers it as a 400)."""
 
 MAX_JSON_DEPTH = 64               # nesting of a request body: far past any real request, far below the recursion limit
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """A request body -> its JSON object; every failure is a 400 that says why. The nesting is measured on the bytes
-    before parsing (a body nested thousands deep would exhaust the recursion of the parser or of whatever walks it
+    """A request body -> its JSON object; every failure is a BodyError that says why. The nesting is measured on the
+    bytes before parsing (a body nested thousands deep would exhaust the recursion of the parser or of whatever walks it
     after), and strings must be valid Unicode (a lone surrogate escape cannot be encoded for the tokenizer)."""
     depth = json_depth(raw) if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH else 0
     if depth > MAX_JSON_DEPTH:
-        raise bad_request(f"the request body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
+        raise BodyError(f"the request body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
     try:
         body = json.loads(raw)
         if _SURROGATE_ESCAPE.search(raw):             # rare: check that every string encodes
             json.dumps(body, ensure_ascii=False).encode()
     except UnicodeError as e:
-        raise bad_request(f"the request body is not valid UTF-8 / Unicode: {e}") from None
+        raise BodyError(f"the request body is not valid UTF-8 / Unicode: {e}") from None
     except (ValueError, RecursionError) as e:        # JSONDecodeError, an integer too long to convert
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+        raise BodyError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
+        raise BodyError("the request body must be a JSON object")
     return body
 
 

@@ -1,5 +1,5 @@
-"""OpenAI's chat completions and completions without HTTP: POST /v1/chat/completions and POST /v1/completions as
-Endpoints (protocol.py), their request bodies -> typed requests, results -> response bodies and stream chunks.
+"""OpenAI's chat completions and completions: POST /v1/chat/completions and POST /v1/completions, each a route
+handler that reads top to bottom, its request parsing above it and its response body and stream chunks below.
 
 A chat request becomes chat.py's ChatRequest, as the Anthropic and Responses requests do; the messages keep OpenAI's
 shape (the one the chat template takes) and the function tools go to the template as sent. chat.ChatFormat renders
@@ -13,13 +13,19 @@ output) or, where it changes nothing here, type-checked and documented as such (
 """
 from __future__ import annotations
 
+import asyncio
+import codecs
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, AsyncIterator
+
+from aiohttp import web
 
 from .chat import ChatFormat, ChatRequest, ChatStreamChoice, chat_tools, function_tool, function_tools
-from .protocol import (APIError, ChoiceResult, Delta, Endpoint, EndpointStream, GenerationOptions, ImageInput,
-                       LegacyToken, Meta, TextOffsets, Usage, bad_request, boolean, completion_logprobs, image_from_url,
-                       integer, logprob_content, note_openai_beta, parse_options, parse_response_format, read_field,
+from .generation import Choice, Meta, Piece, Usage
+from .http_images import prepare_images
+from .protocol import (SSE_DONE, APIError, Fields, GenerationOptions, ImageInput, bad_request, boolean,
+                       image_from_url, integer, json_response, logprob_content, note_openai_beta, parse_options,
+                       parse_response_format, read_field, read_json, serving, sse, sse_event, start_generation,
                        token_id_list, unused_fields)
 from .sampling import MAX_LOGPROBS
 from .tokenizer import SYSTEM_ROLES, MessageError, Tokenizer, content_text, tool_call_arguments
@@ -30,7 +36,23 @@ CHAT_TOOL = '{"type": "function", "function": {...}}'
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Request fields
+# POST /v1/chat/completions
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state, engine = serving(request)
+    note_openai_beta(request.headers)
+    req = parse_chat_request(await read_json(request), engine.served_name, state.cfg.server.fetch_image_urls)
+    chat = ChatFormat.of(state.cfg)
+    fields = Fields("messages", req.options.max_tokens_field)
+    prompt = await asyncio.to_thread(chat.prompt_ids, req, engine.tokenizer)
+    images: list[Any] = []
+    if req.images:                                    # the ids grow by each image's tokens
+        prompt, images = await prepare_images(state, engine, req.images, prompt, fields)
+    with start_generation(state, engine, req.options, [prompt], "chatcmpl-", fields, images) as gen:
+        if req.options.stream:
+            return await sse(request, chat_events(chat, req, gen.meta, gen.pieces()))
+        return json_response(chat_body(chat, req, gen.meta, await gen.collect(), gen.usage()))
+
 
 def _check_model(body: dict, served_name: str) -> None:
     model = body.get("model")
@@ -55,9 +77,6 @@ def _chat_image(part: dict, param: str, fetch: bool) -> ImageInput:
                           "string", param)
     return image_from_url(url, param, fetch)
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Chat requests
 
 def _assistant_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
     """Earlier tool calls in the history, in the shape the templates take."""
@@ -226,8 +245,75 @@ def parse_chat_request(body: dict, served_name: str, fetch_image_urls: bool = Fa
                        echo=messages[-1]["content"] if echo and messages[-1]["role"] == "assistant" else "")
 
 
+def chat_body(chat: ChatFormat, req: ChatRequest, meta: Meta, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+    out = []
+    for c in choices:
+        message, finish = chat.message(req, c)
+        if req.echo:
+            message["content"] = req.echo + (message["content"] or "")
+        choice: dict[str, Any] = {"index": c.index, "message": message,
+                                  "logprobs": {"content": logprob_content(meta, c.events)} if req.logprobs else None,
+                                  "finish_reason": finish}
+        if req.options.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        out.append(choice)
+    return _response_body(meta, "chat.completion", out, usage, req.options)
+
+
+async def chat_events(chat: ChatFormat, req: ChatRequest, meta: Meta, pieces: AsyncIterator[Piece]
+                      ) -> AsyncIterator[bytes]:
+    """A role chunk per choice, then a chunk per delta of its text (reasoning_content, content, tool_calls, as the
+    parsers split it): logprobs and token ids ride on the first chunk of each piece, finish_reason on a last chunk
+    with an empty delta, as OpenAI's. A chunk that carries text, logprobs or token ids has a string content ("" when
+    it has no text of its own), so `text += delta.content` works. The usage chunk at the end with
+    stream_options.include_usage; the usage so far on every chunk with vLLM's continuous_usage_stats."""
+    options = req.options
+    chunk = _chunker(meta, "chat.completion.chunk", options)
+    parsed = [ChatStreamChoice(chat, req) for _ in range(options.n)]
+    for i in range(options.n):
+        first = chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None})
+        if options.return_token_ids:
+            first["prompt_token_ids"] = meta.prompt_ids
+        yield sse_event(first)
+        if req.echo:
+            yield sse_event(chunk({"index": i, "delta": {"content": req.echo}, "logprobs": None,
+                                   "finish_reason": None}))
+    async for p in pieces:
+        final = p.finish_reason is not None
+        deltas = parsed[p.choice].pieces(p.text, final, truncated=p.finish_reason == "length")
+        if not deltas and p.token_ids and (options.return_token_ids or req.logprobs):
+            deltas = [{"content": ""}]                # no text of its own, but logprobs or ids to carry
+        for k, delta in enumerate(deltas):
+            choice: dict[str, Any] = {"index": p.choice, "delta": delta, "logprobs": None, "finish_reason": None}
+            if k == 0 and req.logprobs and p.events:
+                choice["logprobs"] = {"content": logprob_content(meta, p.events)}
+            if k == 0 and options.return_token_ids:
+                choice["token_ids"] = p.token_ids
+            yield sse_event(chunk(choice))
+        if final:
+            called = parsed[p.choice].called_tools and p.finish_reason == "stop"
+            yield sse_event(chunk({"index": p.choice, "delta": {}, "logprobs": None,
+                                   "finish_reason": "tool_calls" if called else p.finish_reason}))
+    if options.include_usage:
+        yield sse_event({**_envelope(meta, "chat.completion.chunk"), "choices": [], "usage": usage_body(meta.usage())})
+    yield SSE_DONE
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Completion requests
+# POST /v1/completions
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state, engine = serving(request)
+    note_openai_beta(request.headers)
+    req = parse_completion_request(await read_json(request), engine.served_name)
+    prompts = await asyncio.to_thread(completion_prompts, req, engine.tokenizer)
+    fields = Fields("prompt", req.options.max_tokens_field)
+    with start_generation(state, engine, req.options, prompts, "cmpl-", fields) as gen:
+        if req.options.stream:
+            return await sse(request, completion_events(req, gen.meta, gen.pieces()))
+        return json_response(completion_body(req, gen.meta, await gen.collect(), gen.usage()))
+
 
 @dataclass
 class CompletionRequest:
@@ -287,8 +373,136 @@ def parse_completion_request(body: dict, served_name: str) -> CompletionRequest:
     return CompletionRequest(prompts=prompts, logprobs=logprobs, options=options, echo=echo, prompt_only=prompt_only)
 
 
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """Each prompt's ids (a worker thread: encoding a long text takes time); with echo, each prompt's text as it is
+    echoed (a text prompt as sent, token ids as they decode)."""
+    out = []
+    for k, prompt in enumerate(req.prompts):
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise bad_request(f"{'prompt' if len(req.prompts) == 1 else f'prompt[{k}]'} encodes to no tokens", "prompt")
+        out.append(ids)
+    if req.echo:
+        req.echo_texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
+                          for p in req.prompts]
+    return out
+
+
+def completion_body(req: CompletionRequest, meta: Meta, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+    out = []
+    for c in choices:
+        prompt = meta.prompts[c.index // req.options.n]
+        if req.prompt_only:
+            c = Choice(c.index, finish_reason="length", prompt_logprobs=c.prompt_logprobs)
+        text = req.echo_texts[c.index // req.options.n] + c.text if req.echo else c.text
+        choice: dict[str, Any] = {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
+        if req.logprobs is not None:
+            tokens = _echoed(prompt, c.prompt_logprobs) if req.echo else []
+            choice["logprobs"] = completion_logprobs(meta, tokens + _scored(c.events), TextOffsets())
+        if req.options.return_token_ids:
+            choice["token_ids"] = c.token_ids
+            choice["prompt_token_ids"] = prompt
+        out.append(choice)
+    if req.prompt_only:
+        usage = replace(usage, completion_tokens=0)
+    return _response_body(meta, "text_completion", out, usage, req.options)
+
+
+async def completion_events(req: CompletionRequest, meta: Meta, pieces: AsyncIterator[Piece]
+                            ) -> AsyncIterator[bytes]:
+    """One chunk per piece; a choice's first chunk carries its prompt's text (echo), logprobs (echo with logprobs)
+    and ids (return_token_ids), as the non-streamed body does."""
+    options = req.options
+    chunk = _chunker(meta, "text_completion", options)
+    count = len(meta.prompts) * options.n
+    offsets = [TextOffsets() for _ in range(count)]     # each choice's text so far, for logprobs' offsets
+    started = [False] * count
+    async for p in pieces:
+        text, events, token_ids = ("", [], []) if req.prompt_only else (p.text, p.events, p.token_ids)
+        tokens = _scored(events)
+        first, started[p.choice] = not started[p.choice], True
+        prompt = meta.prompts[p.choice // options.n]
+        if first and req.echo:
+            text = req.echo_texts[p.choice // options.n] + text
+            tokens = _echoed(prompt, p.prompt_logprobs) + tokens
+        finish = "length" if req.prompt_only and p.finish_reason else p.finish_reason
+        choice: dict[str, Any] = {
+            "index": p.choice, "text": text, "finish_reason": finish,
+            "logprobs": completion_logprobs(meta, tokens, offsets[p.choice], final=p.finish_reason is not None)
+            if req.logprobs is not None and tokens else None}
+        if options.return_token_ids:
+            choice["token_ids"] = token_ids
+            if first:
+                choice["prompt_token_ids"] = prompt
+        yield sse_event(chunk(choice))
+    if options.include_usage:
+        usage = meta.usage()
+        if req.prompt_only:
+            usage = replace(usage, completion_tokens=0)
+        yield sse_event({**_envelope(meta, "text_completion"), "choices": [], "usage": usage_body(usage)})
+    yield SSE_DONE
+
+
+def _scored(events: list[Any]) -> list[LegacyToken]:
+    return [(e.token_id, e.logprob, e.top_logprobs) for e in events]
+
+
+def _echoed(prompt: list[int], prompt_logprobs: list[Any] | None) -> list[LegacyToken]:
+    """The prompt's tokens with their logprobs: the first has none; the others come from the prefill."""
+    scored = prompt_logprobs or [(None, None)] * (len(prompt) - 1)
+    return [(prompt[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(prompt[1:], scored)]
+
+
+class TextOffsets:
+    """Each token's share of a choice's text, decoded as the tokens come (completions' tokens and text_offset): a
+    token inside a character adds "" and the one that completes it the whole character, so the tokens join into
+    the text; a token starts where the text stood before it."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, data: bytes, final: bool = False) -> tuple[int, str]:
+        """(where the token starts, the text it adds); final: the choice's last token (a character left open
+        ends there, as U+FFFD)."""
+        at = self.chars
+        piece = self._decoder.decode(data, final)
+        self.chars += len(piece)
+        return at, piece
+
+
+LegacyToken = tuple[int, "float | None", "list[tuple[int, float]] | None"]   # id, logprob, top-n (None: unscored)
+
+
+def completion_logprobs(meta: Meta, tokens: list[LegacyToken], offsets: TextOffsets, final: bool = True
+                        ) -> dict[str, Any]:
+    """Completions' logprobs: tokens (each one's share of the text, so that they join into it, as vLLM gives them),
+    token_logprobs, top_logprobs (the top-n and the chosen token, keyed by their own text, "bytes:\\xNN" for part of
+    a character; a second token with the same text is keyed "token_id:N"), text_offset. The first prompt token
+    (echo) has no logprob: null in both lists, as OpenAI and vLLM give it. final: these tokens end the choice."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for k, (token_id, logprob, top) in enumerate(tokens):
+        at, piece = offsets.advance(meta.token_bytes(token_id), final and k == len(tokens) - 1)
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(logprob)
+        out["text_offset"].append(at)
+        if logprob is None:
+            out["top_logprobs"].append(None)
+            continue
+        alternatives: dict[str, float] = {}
+        owner: dict[str, int] = {}
+        for t, lp in [*(top or []), (token_id, logprob)]:
+            key = meta.token_text(t)
+            if owner.get(key, t) != t:
+                key = f"token_id:{t}"
+            if key not in owner:
+                owner[key], alternatives[key] = t, lp
+        out["top_logprobs"].append(alternatives)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Responses and stream chunks
+# What both bodies and both streams share
 
 def usage_body(usage: Usage) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
@@ -306,211 +520,22 @@ def _envelope(meta: Meta, obj: str) -> dict[str, Any]:
     return {"id": meta.request_id, "object": obj, "created": meta.created, "model": meta.model}
 
 
+def _chunker(meta: Meta, obj: str, options: GenerationOptions):
+    """A stream's chunk of one choice: the envelope, and with vLLM's stream_options.continuous_usage_stats the
+    usage so far."""
+    base = _envelope(meta, obj)
+
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+        out = {**base, "choices": [choice]}
+        if options.continuous_usage:
+            out["usage"] = usage_body(meta.usage())
+        return out
+    return chunk
+
+
 def _response_body(meta: Meta, obj: str, choices: list[dict[str, Any]], usage: Usage, options: GenerationOptions
                    ) -> dict[str, Any]:
     body = {**_envelope(meta, obj), "choices": choices, "usage": usage_body(usage)}
     if options.return_token_ids and len(meta.prompts) == 1:   # several prompts: each choice carries its own
         body["prompt_token_ids"] = meta.prompt_ids
     return body
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Endpoints
-
-class Chat(Endpoint[ChatRequest]):
-    """POST /v1/chat/completions. The parser names come from the config's [parsers] table ("" = off);
-    fetch_image_urls is server.fetch_image_urls."""
-
-    id_prefix = "chatcmpl-"
-    prompt_field = "messages"
-
-    def __init__(self, reasoning_parser: str = "", tool_parser: str = "", fetch_image_urls: bool = False) -> None:
-        self.format = ChatFormat(reasoning_parser, tool_parser)
-        self.fetch_image_urls = fetch_image_urls
-
-    def parse(self, body: dict, served_name: str, headers: Any = None) -> ChatRequest:
-        note_openai_beta(headers)
-        return parse_chat_request(body, served_name, self.fetch_image_urls)
-
-    def prompt_ids(self, req: ChatRequest, tokenizer: Tokenizer) -> list[int]:
-        return self.format.prompt_ids(req, tokenizer)
-
-    def response(self, req: ChatRequest, meta: Meta, results: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
-        choices = []
-        for r in results:
-            message, finish = self.format.message(req, r)
-            if req.echo:
-                message["content"] = req.echo + (message["content"] or "")
-            choice: dict[str, Any] = {"index": r.index, "message": message,
-                                      "logprobs": {"content": logprob_content(meta, r.events)} if req.logprobs
-                                      else None, "finish_reason": finish}
-            if req.options.return_token_ids:
-                choice["token_ids"] = r.token_ids
-            choices.append(choice)
-        return _response_body(meta, "chat.completion", choices, usage, req.options)
-
-    def stream(self, req: ChatRequest, meta: Meta) -> "ChatStream":
-        return ChatStream(self.format, req, meta)
-
-
-class _OpenAIStream(EndpointStream):
-    """Chunks of one object type; the usage chunk at the end when stream_options.include_usage asks for it, and
-    the usage so far on every chunk with vLLM's stream_options.continuous_usage_stats."""
-
-    def __init__(self, options: GenerationOptions, meta: Meta, obj: str) -> None:
-        self.options, self.meta = options, meta
-        self.base = _envelope(meta, obj)
-
-    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        out = {**self.base, "choices": [choice]}
-        if self.options.continuous_usage and self.meta.usage is not None:
-            out["usage"] = usage_body(self.meta.usage())
-        return out
-
-    def end(self, usage: Callable[[], Usage]) -> list[dict[str, Any]]:
-        return [{**self.base, "choices": [], "usage": usage_body(usage())}] if self.options.include_usage else []
-
-
-class ChatStream(_OpenAIStream):
-    """A role chunk per choice, then one chunk per delta; logprobs and token ids ride on the first chunk of each
-    engine step, finish_reason on the last. A chunk that carries text, logprobs or token ids has a string content
-    ("" when it has no text of its own), so `text += delta.content` works; the finishing chunk alone has an empty
-    delta, as OpenAI's."""
-
-    def __init__(self, chat: ChatFormat, req: ChatRequest, meta: Meta) -> None:
-        super().__init__(req.options, meta, "chat.completion.chunk")
-        self.req = req
-        self.choices = [ChatStreamChoice(chat, req) for _ in range(req.options.n)]
-
-    def start(self) -> list[dict[str, Any]]:
-        chunks = []
-        for i in range(len(self.choices)):
-            chunk = self.chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None})
-            if self.options.return_token_ids:
-                chunk["prompt_token_ids"] = self.meta.prompt_ids
-            chunks.append(chunk)
-            if self.req.echo:
-                chunks.append(self.chunk({"index": i, "delta": {"content": self.req.echo}, "logprobs": None,
-                                          "finish_reason": None}))
-        return chunks
-
-    def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
-        c, req = self.choices[index], self.req
-        ids = self.options.return_token_ids
-        final = d.finish_reason is not None
-        pieces = c.pieces(d.text, final, truncated=d.finish_reason == "length")
-        if not pieces and d.token_ids and (ids or req.logprobs):
-            pieces = [{"content": ""}]                 # no text of its own, but logprobs or ids to carry
-        chunks = []
-        for k, piece in enumerate(pieces):
-            choice: dict[str, Any] = {"index": index, "delta": piece, "logprobs": None, "finish_reason": None}
-            if k == 0:
-                if req.logprobs and d.events:
-                    choice["logprobs"] = {"content": logprob_content(self.meta, d.events)}
-                if ids:
-                    choice["token_ids"] = d.token_ids
-            chunks.append(self.chunk(choice))
-        if final:
-            reason = "tool_calls" if c.called_tools and d.finish_reason == "stop" else d.finish_reason
-            chunks.append(self.chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}))
-        return chunks
-
-
-class Completions(Endpoint[CompletionRequest]):
-    """POST /v1/completions: one choice per prompt (times n), choice i answering prompt i // n, as OpenAI and
-    vLLM order them."""
-
-    id_prefix = "cmpl-"
-    prompt_field = "prompt"
-
-    def parse(self, body: dict, served_name: str, headers: Any = None) -> CompletionRequest:
-        note_openai_beta(headers)
-        return parse_completion_request(body, served_name)
-
-    def num_prompts(self, req: CompletionRequest) -> int:
-        return len(req.prompts)
-
-    def prompt_ids(self, req: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
-        return self.prompts(req, tokenizer)[0]
-
-    def prompts(self, req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
-        out = []
-        for k, prompt in enumerate(req.prompts):
-            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            if not ids:
-                raise bad_request(f"{'prompt' if len(req.prompts) == 1 else f'prompt[{k}]'} encodes to no tokens",
-                                  "prompt")
-            out.append(ids)
-        if req.echo:                                  # a text prompt echoes as sent; token ids as they decode
-            req.echo_texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
-                              for p in req.prompts]
-        return out
-
-    def response(self, req: CompletionRequest, meta: Meta, results: list[ChoiceResult], usage: Usage
-                 ) -> dict[str, Any]:
-        choices = []
-        for r in results:
-            prompt = meta.prompts[r.index // req.options.n]
-            if req.prompt_only:
-                r = ChoiceResult(r.index, finish_reason="length", prompt_logprobs=r.prompt_logprobs)
-            text = req.echo_texts[r.index // req.options.n] + r.text if req.echo else r.text
-            choice: dict[str, Any] = {"index": r.index, "text": text, "finish_reason": r.finish_reason,
-                                      "logprobs": None}
-            if req.logprobs is not None:
-                tokens = _echoed(prompt, r.prompt_logprobs) if req.echo else []
-                choice["logprobs"] = completion_logprobs(meta, tokens + _scored(r.events), TextOffsets())
-            if req.options.return_token_ids:
-                choice["token_ids"] = r.token_ids
-                choice["prompt_token_ids"] = prompt
-            choices.append(choice)
-        if req.prompt_only:
-            usage = replace(usage, completion_tokens=0)
-        return _response_body(meta, "text_completion", choices, usage, req.options)
-
-    def stream(self, req: CompletionRequest, meta: Meta) -> "CompletionStream":
-        return CompletionStream(req, meta)
-
-
-def _scored(events: list[Any]) -> list[LegacyToken]:
-    return [(e.token_id, e.logprob, e.top_logprobs) for e in events]
-
-
-def _echoed(prompt: list[int], prompt_logprobs: list[Any] | None) -> list[LegacyToken]:
-    """The prompt's tokens with their logprobs: the first has none; the others come from the prefill."""
-    scored = prompt_logprobs or [(None, None)] * (len(prompt) - 1)
-    return [(prompt[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(prompt[1:], scored)]
-
-
-class CompletionStream(_OpenAIStream):
-    """One chunk per delta; a choice's first chunk carries its prompt's text (echo), logprobs (echo with logprobs)
-    and ids (return_token_ids), as the non-streamed body does."""
-
-    def __init__(self, req: CompletionRequest, meta: Meta) -> None:
-        super().__init__(req.options, meta, "text_completion")
-        self.req = req
-        choices = len(meta.prompts) * req.options.n
-        # each choice's text offsets, for logprobs
-        self.offsets = [TextOffsets() for _ in range(choices)] if req.logprobs is not None else []
-        self.started = [False] * choices
-
-    def delta(self, index: int, d: Delta) -> list[dict[str, Any]]:
-        req = self.req
-        text, events, token_ids = (("", [], []) if req.prompt_only else (d.text, d.events, d.token_ids))
-        tokens = _scored(events)
-        first = not self.started[index]
-        self.started[index] = True
-        prompt = self.meta.prompts[index // req.options.n]
-        if first and req.echo:
-            text = req.echo_texts[index // req.options.n] + text
-            tokens = _echoed(prompt, d.prompt_logprobs) + tokens
-        choice: dict[str, Any] = {
-            "index": index, "text": text, "finish_reason": "length" if req.prompt_only and d.finish_reason
-            else d.finish_reason,
-            "logprobs": completion_logprobs(self.meta, tokens, self.offsets[index], final=d.finish_reason is not None)
-            if req.logprobs is not None and tokens else None}
-        if self.options.return_token_ids:
-            choice["token_ids"] = token_ids
-            if first:
-                choice["prompt_token_ids"] = prompt
-        return [self.chunk(choice)]

@@ -1,39 +1,58 @@
-"""The shared layer of the HTTP protocols, without HTTP: errors, JSON and SSE framing, the field readers, generation
-options, image parts, decoding constraints, the results the generation skeleton hands back, and the Endpoint that
-each protocol implements.
+"""What the three APIs share, and the way each of their routes runs (without the app: api.py holds it).
 
-Nothing here knows aiohttp or the engine: api.py reads the JSON, runs the shared generation skeleton and writes
-what an Endpoint builds. An Endpoint is one protocol's half of that skeleton (parse, prompt ids, response body,
-stream chunks): openai_api.py holds OpenAI's chat completions and completions, anthropic.py Anthropic's Messages,
-responses.py OpenAI's Responses. The three chat protocols translate their requests into chat.py's ChatRequest, so
-they render one prompt through one template and split the answer with the same parsers.
+Every generation route is a handler that reads top to bottom (openai_api.py, anthropic.py, responses.py):
+
+    state, engine = serving(request)                                  # 503 while loading or shutting down
+    req = parse_chat_request(await read_json(request), ...)           # every field checked once, here (a 400 names it)
+    prompt = await asyncio.to_thread(chat.prompt_ids, req, engine.tokenizer)    # templates off the event loop
+    with start_generation(state, engine, req.options, [prompt], ...) as gen:   # capacity, max_tokens fitted, submit
+        if req.options.stream:
+            return await sse(request, chat_events(chat, req, gen))     # the protocol's chunks, as SSE frames
+        return json_response(chat_body(chat, req, gen.meta, await gen.collect(), gen.usage()))
+
+generation.py turns the engine's tokens into text pieces; each protocol module keeps its parsing, its handlers and
+its output together. Here: errors in OpenAI's shape, the server's state, reading a body, starting a generation and
+writing SSE, the field readers every body uses, the options every generation takes, image parts, response formats
+and logprob entries.
 
 A body reaches a protocol as a JSON object (json_body.py: nesting and encoding checked, every failure a 400).
 Parsing checks types and the protocol's own limits (n, top_logprobs, completion logprobs, stop strings, logit_bias
 keys and values), each a 400 naming its field; unused_fields walks the fields a protocol knows and does not act on.
 Ranges (sampling parameters, token ids inside the vocabulary) and whether the prompt fits are the engine's to decide:
-api.py maps its RequestError to a 400 naming the field the client sent. Image parts are checked as far as their
-bytes (scheme, media type, base64) and kept in prompt order on the request (`.images`); the template text gets
-tokenizer.IMAGE_MARKER where each one was, and the engine decodes them.
+start_generation maps its RequestError to a 400 naming the field the client sent. Image parts are checked as far as
+their bytes (scheme, media type, base64) and kept in prompt order on the request (`.images`); the template text gets
+tokenizer.IMAGE_MARKER where each one was, and http_images.prepare_images has the engine decode them.
 """
 from __future__ import annotations
 
-import codecs
+import asyncio
 import json
 import logging
 import math
 import re
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generic, Mapping, Protocol, TypeVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
 
+from aiohttp import web
+
+from .config import Config
+from .generation import Generation
 from .images import SUPPORTED_MEDIA_TYPES, ImageError, ImageSource, decode_base64, parse_data_url
+from .intake import RequestError
+from .json_body import BodyError, parse_json_body
+from .metrics import Metrics
 from .parsers import THINK_END
 from .sampling import MAX_LOGIT_BIAS, Constraint, SamplingParams
-from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .generation import Meta
+    from .tokenizer import Tokenizer
 
 MAX_N = 8
 MAX_STOP_STRINGS = 16
+RETRY_AFTER_S = 1
+LARGE_BODY = 1 << 20             # bytes: a body past this is measured and parsed in a worker thread
 log = logging.getLogger("tinyserve.protocol")
 
 
@@ -82,6 +101,139 @@ def sse_named_event(obj: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+def json_response(body: dict[str, Any]) -> web.Response:
+    return web.json_response(body, dumps=dumps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Serving a request: the state, the body, the generation, the stream
+
+@dataclass
+class ServerState:
+    """What the handlers share. `engine` is None while the model loads (/health answers 503 then)."""
+
+    cfg: Config
+    engine: Engine | None = None
+    metrics: Metrics = None  # type: ignore[assignment]   # set in __post_init__: one registry per app
+    draining: bool = False
+
+    def __post_init__(self) -> None:
+        self.metrics = self.metrics or Metrics()
+
+
+STATE: web.AppKey[ServerState] = web.AppKey("tinyserve_state", ServerState)
+
+
+def serving(request: web.Request) -> tuple[ServerState, Engine]:
+    """The server's state and its engine, for a request: 503 while the model loads or the server shuts down."""
+    state = request.app[STATE]
+    if state.engine is None:
+        raise APIError(503, "the model is still loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if state.draining:
+        raise APIError(503, "the server is shutting down")
+    return state, state.engine
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body's JSON object (json_body.parse_json_body: nesting capped, every failure a 400); a large body is
+    measured and parsed in a worker thread, off the event loop."""
+    raw = await request.read()                        # raises 413 past client_max_size
+    try:
+        if len(raw) > LARGE_BODY:
+            return await asyncio.to_thread(parse_json_body, raw)
+        return parse_json_body(raw)
+    except BodyError as e:
+        raise bad_request(str(e)) from None
+
+
+@dataclass
+class Fields:
+    """Where a protocol's request keeps what the engine's errors are about: its prompt field, its max_tokens field
+    (as the client named it), other engine field names it calls otherwise, and its words for a prompt too long
+    (Anthropic's, which Claude Code reads to compact; None: OpenAI's code context_length_exceeded)."""
+
+    prompt: str
+    max_tokens: str = "max_tokens"
+    renamed: Mapping[str, str] = None  # type: ignore[assignment]
+    too_long: Callable[[int, int], str] | None = None
+
+    def of(self, engine_field: str) -> str:
+        if engine_field == "prompt":
+            return self.prompt
+        if engine_field == "max_tokens":
+            return self.max_tokens
+        return (self.renamed or {}).get(engine_field, engine_field)
+
+
+def start_generation(state: ServerState, engine: Engine, options: GenerationOptions, prompts: list[list[int]],
+                     id_prefix: str, fields: Fields, images: list[Any] = (), clamp_max_tokens: bool = False
+                     ) -> Generation:
+    """Submit a request's generation: 503 + Retry-After while the engine is full; each prompt's max_tokens
+    fitted to the context (a prompt or max_tokens past it: a 400, in the protocol's words); the engine's check of
+    the sampling parameters (a 400 naming the field). clamp_max_tokens: cut a max_tokens past the context instead
+    (Anthropic's clients send one large max_tokens whatever the model)."""
+    _check_capacity(engine, state.cfg, options.n, len(prompts))
+    params = [_fitted(engine, options, prompt, k if len(prompts) > 1 else None, fields, clamp_max_tokens)
+              for k, prompt in enumerate(prompts)]
+    try:
+        return Generation(engine, state.metrics, prompts, params, options.n, options.stop, id_prefix, images)
+    except RequestError as e:
+        raise bad_request(str(e), fields.of(e.field)) from None
+
+
+def _check_capacity(engine: Engine, cfg: Config, n: int, prompts: int) -> None:
+    """503 + Retry-After while the engine holds too many requests for these n x prompts; 400 when they could never
+    fit at once."""
+    limit = cfg.engine.max_running_requests + cfg.server.max_queued_requests
+    if n * prompts > limit:
+        raise bad_request(f"{prompts} prompts x n={n} make {n * prompts} requests; this server takes at most {limit} "
+                          "at once (engine.max_running_requests + server.max_queued_requests)",
+                          "prompt" if prompts > 1 else "n")
+    unfinished = engine.num_unfinished + engine.intake.image_budget.waiting    # waiting for image memory: queued
+    if unfinished + n * prompts > limit:
+        raise APIError(503, f"the server is full ({unfinished} requests running or queued, limit {limit}); "
+                            "retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _fitted(engine: Engine, options: GenerationOptions, prompt: list[int], which: int | None, fields: Fields,
+            clamp: bool) -> SamplingParams:
+    """The prompt's SamplingParams with its max_tokens (intake.fit_max_tokens). which: the prompt's index when the
+    request sends several."""
+    try:
+        max_tokens = engine.intake.fit_max_tokens(len(prompt), options.max_tokens, clamp)
+    except RequestError as e:
+        param = fields.of(e.field)
+        if e.tokens is not None and fields.too_long is not None:    # the client reads the numbers: no prefix
+            raise APIError(400, fields.too_long(*e.tokens), code="context_length_exceeded") from None
+        where = f"{param}[{which}]: " if which is not None else ""
+        raise APIError(400, where + str(e), param, code="context_length_exceeded") from None
+    return sampling_params(options, max_tokens)
+
+
+def sampling_params(options: GenerationOptions, max_tokens: int) -> SamplingParams:
+    """The request's SamplingParams once max_tokens is fitted. A min_tokens past a max_tokens the engine chose is
+    cut to it; past one the client chose, it stays (and the engine rejects it)."""
+    min_tokens = options.params.min_tokens if options.max_tokens is not None else \
+        min(options.params.min_tokens, max_tokens)
+    return replace(options.params, max_tokens=max_tokens, min_tokens=min_tokens)
+
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def sse(request: web.Request, frames: AsyncIterator[bytes]) -> web.StreamResponse:
+    """Server-sent events, each frame as the protocol wrote it; a client that leaves ends it quietly (the
+    generation's close() cancels what it had running)."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        async for frame in frames:
+            await response.write(frame)               # raises ConnectionResetError once the client has gone
+        await response.write_eof()
+    except ConnectionResetError:
+        log.debug("client disconnected from %s", request.path)
+    return response
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,8 +368,8 @@ def token_id_list(value: Any, name: str, allow_empty: bool = True) -> list[int]:
 
 @dataclass
 class GenerationOptions:
-    """What every protocol's request gives the skeleton. `params.max_tokens` is a placeholder until the engine
-    fits the request (sampling_params)."""
+    """What every protocol's request gives its generation. `params.max_tokens` is a placeholder until the engine
+    fits the request (start_generation)."""
 
     params: SamplingParams
     max_tokens: int | None           # None: the engine picks (up to the end of the context)
@@ -277,15 +429,6 @@ def stream_options_field(value: Any, name: str, stream: bool, allowed: tuple[str
                           f"stream_options.{unknown[0]}")
     read_field(value, "include_obfuscation", boolean)
     return value
-
-
-def sampling_params(options: GenerationOptions, max_tokens: int) -> SamplingParams:
-    """The request's SamplingParams once the engine has fitted max_tokens. A min_tokens past a max_tokens the
-    engine chose is cut to it; past one the client chose, it stays (and the engine rejects it)."""
-    min_tokens = options.params.min_tokens
-    if options.max_tokens is None:
-        min_tokens = min(min_tokens, max_tokens)
-    return replace(options.params, max_tokens=max_tokens, min_tokens=min_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -388,62 +531,6 @@ def constraint_after_reasoning(params: SamplingParams, starts_in_reasoning: bool
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Results: what the generation skeleton hands the protocol
-
-@dataclass
-class Delta:
-    """What one choice produced since the last Delta."""
-
-    text: str
-    token_ids: list[int]
-    events: list[Any]                 # engine TokenEvents: token_id, logprob, top_logprobs
-    finish_reason: str | None = None
-    stop_string: str | None = None    # the stop string that ended the choice (finish_reason "stop")
-    prompt_logprobs: list[Any] | None = None   # on a choice's first Delta when params.prompt_logprobs asked: prompt
-                                               # tokens 1.. as (logprob, [(id, logprob) top-n])
-
-
-@dataclass
-class ChoiceResult:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    events: list[Any] = field(default_factory=list)
-    finish_reason: str = "stop"
-    stop_string: str | None = None
-    prompt_logprobs: list[Any] | None = None
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int | None = None                  # None: not known yet (a stream's first event)
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    accepted_prediction_tokens: int | None = None     # NEXTN drafts accepted / rejected; None: speculation off
-    rejected_prediction_tokens: int | None = None
-
-
-@dataclass
-class Meta:
-    """What every body and chunk of one HTTP request shares."""
-
-    request_id: str
-    created: int
-    model: str
-    prompt_ids: list[int]                             # the prompt (the first one, when a request sends several)
-    token_text: Callable[[int], str]                  # one token as logprobs show it (Tokenizer.token_text)
-    usage: Callable[[], Usage] | None = None          # the usage so far, once the generation is submitted
-    token_bytes: Callable[[int], bytes] | None = None  # the bytes of one token (Tokenizer.token_bytes)
-    prompts: list[list[int]] = field(default_factory=list)   # every prompt, in order (choice i: prompt i // n)
-
-    def __post_init__(self) -> None:
-        self.prompts = self.prompts or [self.prompt_ids]
-        if self.token_bytes is None:
-            self.token_bytes = lambda token_id: self.token_text(token_id).encode()
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Logprobs: tokens as text and bytes
 
 def logprob_entry(meta: Meta, token_id: int, logprob: float) -> dict[str, Any]:
@@ -457,150 +544,3 @@ def logprob_content(meta: Meta, events: list[Any]) -> list[dict[str, Any]]:
     alternative kept, even two with the same text)."""
     return [{**logprob_entry(meta, e.token_id, e.logprob),
              "top_logprobs": [logprob_entry(meta, t, lp) for t, lp in (e.top_logprobs or [])]} for e in events]
-
-
-class TextOffsets:
-    """Each token's share of a choice's text, decoded as the tokens come (completions' tokens and text_offset): a
-    token inside a character adds "" and the one that completes it the whole character, so the tokens join into
-    the text; a token starts where the text stood before it."""
-
-    def __init__(self) -> None:
-        self.chars = 0
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def advance(self, data: bytes, final: bool = False) -> tuple[int, str]:
-        """(where the token starts, the text it adds); final: the choice's last token (a character left open
-        ends there, as U+FFFD)."""
-        at = self.chars
-        piece = self._decoder.decode(data, final)
-        self.chars += len(piece)
-        return at, piece
-
-
-LegacyToken = tuple[int, "float | None", "list[tuple[int, float]] | None"]   # id, logprob, top-n (None: unscored)
-
-
-def completion_logprobs(meta: Meta, tokens: list[LegacyToken], offsets: TextOffsets, final: bool = True
-                        ) -> dict[str, Any]:
-    """Completions' logprobs: tokens (each one's share of the text, so that they join into it, as vLLM gives them),
-    token_logprobs, top_logprobs (the top-n and the chosen token, keyed by their own text, "bytes:\\xNN" for part of
-    a character; a second token with the same text is keyed "token_id:N"), text_offset. The first prompt token
-    (echo) has no logprob: null in both lists, as OpenAI and vLLM give it. final: these tokens end the choice."""
-    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for k, (token_id, logprob, top) in enumerate(tokens):
-        at, piece = offsets.advance(meta.token_bytes(token_id), final and k == len(tokens) - 1)
-        out["tokens"].append(piece)
-        out["token_logprobs"].append(logprob)
-        out["text_offset"].append(at)
-        if logprob is None:
-            out["top_logprobs"].append(None)
-            continue
-        alternatives: dict[str, float] = {}
-        owner: dict[str, int] = {}
-        for t, lp in [*(top or []), (token_id, logprob)]:
-            key = meta.token_text(t)
-            if owner.get(key, t) != t:
-                key = f"token_id:{t}"
-            if key not in owner:
-                owner[key], alternatives[key] = t, lp
-        out["top_logprobs"].append(alternatives)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Endpoints: one protocol's half of the generation skeleton in api.py
-
-class EndpointStream(ABC):
-    """One streamed response: chunks before, per delta and after the generation. `end` gets the usage as a call,
-    made only by a stream that sends it."""
-
-    done: bytes = SSE_DONE                            # what ends the event stream
-
-    def frame(self, obj: dict[str, Any]) -> bytes:
-        return sse_event(obj)
-
-    def error(self, err: APIError) -> dict[str, Any]:
-        """An error after the headers went out: sent as one more event."""
-        return error_body(err)
-
-    def start(self) -> list[dict[str, Any]]:
-        return []
-
-    @abstractmethod
-    def delta(self, index: int, d: Delta) -> list[dict[str, Any]]: ...
-
-    @abstractmethod
-    def end(self, usage: Callable[[], Usage]) -> list[dict[str, Any]]: ...
-
-
-class NamedEventStream(EndpointStream):
-    """Anthropic's and Responses' streams: each event is named by its type, and the last one ends the stream (no
-    [DONE])."""
-
-    done = b""
-
-    def frame(self, obj: dict[str, Any]) -> bytes:
-        return sse_named_event(obj)
-
-
-class ParsedRequest(Protocol):
-    """What the generation skeleton reads of every protocol's typed request."""
-
-    @property
-    def options(self) -> GenerationOptions: ...
-
-    @property
-    def images(self) -> list[ImageInput]:
-        """The image parts, in prompt order."""
-        ...
-
-    @property
-    def left_out(self) -> list[str]:
-        """The types of the tools left out of the prompt (chat.leave_out)."""
-        ...
-
-
-Req = TypeVar("Req", bound=ParsedRequest)
-
-
-class Endpoint(ABC, Generic[Req]):
-    """One protocol's half of the generation skeleton, for its typed request `Req`."""
-
-    id_prefix: str
-    prompt_field: str                                 # where the engine's "prompt" errors point
-    clamp_max_tokens = False                          # cut a max_tokens past the context instead of a 400
-
-    @abstractmethod
-    def parse(self, body: dict, served_name: str, headers: Mapping[str, str] | None = None) -> Req:
-        """headers: the HTTP request's, for a protocol that reads them (Anthropic's anthropic-beta)."""
-
-    def context_error(self, err: APIError, tokens: tuple[int, int] | None) -> APIError:
-        """The error for a prompt or max_tokens past the context; tokens: (the prompt's length, the most it may be)
-        for a prompt too long. A protocol whose clients read the numbers back words it their way."""
-        return err
-
-    @abstractmethod
-    def prompt_ids(self, req: Req, tokenizer: Tokenizer) -> list[int]:
-        """Runs in a worker thread (templates and long prompts would stall every stream on the loop)."""
-
-    def num_prompts(self, req: Req) -> int:
-        return 1
-
-    def prompts(self, req: Req, tokenizer: Tokenizer) -> list[list[int]]:
-        """Every prompt of the request (one but for a list of prompts on /v1/completions); a worker thread."""
-        return [self.prompt_ids(req, tokenizer)]
-
-    @abstractmethod
-    def response(self, req: Req, meta: Meta, results: list[ChoiceResult], usage: Usage) -> dict[str, Any]: ...
-
-    @abstractmethod
-    def stream(self, req: Req, meta: Meta) -> EndpointStream: ...
-
-    def error_param(self, req: Req, engine_field: str) -> str:
-        """The request field an engine RequestError's field ("prompt", "max_tokens", a SamplingParams name, or an
-        image's part, which is the client's own field already) stands for."""
-        if engine_field == "prompt":
-            return self.prompt_field
-        if engine_field == "max_tokens":
-            return req.options.max_tokens_field
-        return engine_field

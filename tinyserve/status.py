@@ -300,9 +300,10 @@ class History:
 # The routes: GET / and GET /status.json, behind the API's middlewares (errors, server.api_key)
 
 def add_routes(app: web.Application, state_of: Callable[[web.Application], Any]) -> None:
-    """Serve the page and its numbers on `app`; state_of(app) is the API's ServerState (its metrics, its engine
-    (None while loading) and the History this module samples into while the app runs)."""
+    """Serve the page and its numbers on `app`; state_of(app) is the API's ServerState (its metrics, and its engine:
+    None while loading). The History this module samples into while the app runs is the app's own."""
     from .protocol import APIError, dumps    # the server's side only: `tinyserve status` imports no torch
+    history = History()
 
     async def scrape(state: Any) -> dict[str, float] | None:
         """Every /metrics sample now (None while the model loads)."""
@@ -319,11 +320,11 @@ def add_routes(app: web.Application, state_of: Callable[[web.Application], Any])
         values = await scrape(state)
         if values is None:
             raise APIError(503, "the model is still loading", headers={"Retry-After": "1"})
-        return web.json_response(summary(values, list(state.history.samples), time.time()), dumps=dumps)
+        return web.json_response(summary(values, list(history.samples), time.time()), dumps=dumps)
 
     async def sampling(app: web.Application) -> Any:
         state = state_of(app)
-        stop = state.history.start(lambda: scrape(state))
+        stop = history.start(lambda: scrape(state))
         yield
         stop()
 

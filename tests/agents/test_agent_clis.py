@@ -91,7 +91,7 @@ RUN_TIMEOUT_S = 300
 CAPS = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "4096", "QWEN_CODE_MAX_OUTPUT_TOKENS": "4096",
         "OPENCODE_EXPERIMENTAL_OUTPUT_TOKEN_MAX": "4096"}
 # One request in the server's log: "<id>: <finish>, prompt N tokens, M from the prefix cache (...), G generated"
-REQUEST_LINE = re.compile(r"^(\S+ \S+) INFO tinyserve\.api: (\S+): (\w+), prompt (\d+) tokens, (\d+) from the prefix "
+REQUEST_LINE = re.compile(r"^(\S+ \S+) INFO tinyserve\.generation: (\S+): (\w+), prompt (\d+) tokens, (\d+) from the prefix "
                           r"cache .*?, (\d+) generated")
 REFUSAL_LINE = re.compile(r"WARNING tinyserve\.api: (GET|POST|PUT|DELETE|HEAD|OPTIONS) (\S+): ([45]\d\d) (.*)")
 

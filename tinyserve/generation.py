@@ -1,0 +1,224 @@
+"""One HTTP request's generation: its engine requests (n choices for each prompt), their tokens made into text, its
+usage, its metrics and its log line. The one place where tokens become text: a route handler iterates `pieces()` or
+awaits `collect()` and writes what it gets in its protocol's shape (openai_api.py, anthropic.py, responses.py).
+
+    engine step -> the request's token events -> Generation.pieces: each choice's tokens decoded (stop strings
+    applied, tokenizer.IncrementalDetokenizer) -> Piece -> the protocol's chunks -> SSE
+
+Choice k * n + i answers prompt k (its i-th sample; seeds differ by i). `close()` cancels whatever has not finished:
+the client went away, a stop string ended a choice, or the server shuts down.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
+
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from .engine import Engine, TokenEvent
+    from .metrics import Metrics
+
+log = logging.getLogger("tinyserve.generation")
+
+
+@dataclass
+class Piece:
+    """What one choice produced since its last piece; its last piece carries finish_reason."""
+
+    choice: int
+    text: str
+    token_ids: list[int]
+    events: list[TokenEvent]          # token_id, logprob, top_logprobs of each token
+    finish_reason: str | None = None
+    stop_string: str | None = None    # the stop string that ended the choice (finish_reason "stop")
+    prompt_logprobs: list[Any] | None = None   # on a choice's first piece when asked (completions' echo): prompt
+                                               # tokens 1.. as (logprob, [(id, logprob) top-n])
+
+
+@dataclass
+class Choice:
+    """A whole choice (collect)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)
+    finish_reason: str = "stop"
+    stop_string: str | None = None
+    prompt_logprobs: list[Any] | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None                  # None: not known yet (before the prefill)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    accepted_prediction_tokens: int | None = None     # NEXTN drafts accepted / rejected; None: speculation off
+    rejected_prediction_tokens: int | None = None
+
+
+@dataclass
+class Meta:
+    """What every body and chunk of one HTTP request shares."""
+
+    request_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]                             # the prompt (the first one, when a request sends several)
+    token_text: Callable[[int], str]                  # one token as logprobs show it (Tokenizer.token_text)
+    usage: Callable[[], Usage] | None = None          # the usage so far, once the generation is submitted
+    token_bytes: Callable[[int], bytes] | None = None  # the bytes of one token (Tokenizer.token_bytes)
+    prompts: list[list[int]] = field(default_factory=list)   # every prompt, in order (choice i: prompt i // n)
+
+    def __post_init__(self) -> None:
+        self.prompts = self.prompts or [self.prompt_ids]
+        if self.token_bytes is None:
+            self.token_bytes = lambda token_id: self.token_text(token_id).encode()
+
+
+class Generation:
+    """Submits n requests for each prompt with its params (max_tokens already fitted); the engine's RequestError
+    for a parameter out of range comes from the first submit, before anything runs. `images`: what
+    engine.intake.prepare_images returned for the (one) prompt; every choice sees the same ones."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, prompts: list[list[int]], params: list[SamplingParams],
+                 n: int, stop: list[str], id_prefix: str, images: Sequence[Any] = ()) -> None:
+        self.engine, self.metrics, self.tokenizer = engine, metrics, engine.tokenizer
+        self.prompts, self.n, self.stop = prompts, n, stop
+        tok = engine.tokenizer
+        self.meta = Meta(id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompts[0],
+                         tok.token_text, self.usage, tok.token_bytes, prompts)
+        self.arrival = time.monotonic()
+        self.completion_tokens = 0
+        self.streams: list[Any] = []
+        self._open: set[int] = set()                  # choices not finished yet
+        try:
+            for prompt, p in zip(prompts, params):
+                for i in range(n):
+                    seed = p.seed if p.seed is None or n == 1 else (p.seed + i) % 2 ** 64
+                    self.streams.append(engine.submit(prompt, replace(p, seed=seed),
+                                                      f"{self.meta.request_id}-{len(self.streams)}", images=images))
+                    self._open.add(len(self.streams) - 1)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for i in list(self._open):
+            self.streams[i].cancel()
+            self._finished(i, "abort")
+
+    def _finished(self, index: int, reason: str) -> None:
+        if index not in self._open:                   # counted once
+            return
+        self._open.discard(index)
+        r = self.streams[index].result
+        tiers = r.report["cached_by_tier"]
+        # one line per request with its cache match, so prompt drift (0 cached on every turn) shows in the log
+        log.info("%s: %s, prompt %d tokens, %d from the prefix cache (device %d, host %d, file %d), %d generated",
+                 r.request_id, reason, r.prompt_tokens, r.cached_tokens, tiers["device"], tiers["host"],
+                 tiers["file"], r.completion_tokens)
+        drafts = self.engine.drafts(r)
+        self.metrics.on_finished(reason, r.prompt_tokens, tiers, time.monotonic() - self.arrival,
+                                 drafts.rounds if drafts else 0, drafts.accepted if drafts else 0)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Every choice's pieces as they come."""
+        if len(self.streams) == 1:
+            async for piece in self._choice(0):
+                yield piece
+            return
+        async for piece in self._merged():
+            yield piece
+
+    async def _choice(self, index: int) -> AsyncIterator[Piece]:
+        stream = self.streams[index]
+        detok = IncrementalDetokenizer(self.tokenizer, self.stop)
+        last = None
+        async for events in stream:
+            now = time.monotonic()
+            if last is None:                          # the prompt's logprobs (when asked for) come with the first
+                r = stream.result
+                self.metrics.on_first_token(now - self.arrival, warm=2 * r.cached_tokens >= r.prompt_tokens > 0)
+            self.metrics.on_tokens(len(events), None if last is None else now - last)
+            prompt_logprobs = stream.result.report.get("prompt_logprobs") if last is None else None
+            last = now
+            taken = len(detok.token_ids)
+            text = detok.add([e.token_id for e in events])
+            events = events[:len(detok.token_ids) - taken]     # nothing after a stop string counts
+            ids = [e.token_id for e in events]
+            self.completion_tokens += len(ids)
+            if detok.stopped:                         # a stop string: the rest is cut, and the request cancelled
+                stream.cancel()
+                self._finished(index, "stop")
+                yield Piece(index, text, ids, events, "stop", detok.stop_reason, prompt_logprobs)
+                return
+            if text or ids:
+                yield Piece(index, text, ids, events, prompt_logprobs=prompt_logprobs)
+        reason = stream.result.finish_reason or "abort"
+        self._finished(index, reason)
+        yield Piece(index, detok.flush(), [], [], reason)
+
+    async def _merged(self) -> AsyncIterator[Piece]:
+        """Several choices: one task each, their pieces through one queue in the order they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for piece in self._choice(i):
+                    await queue.put(piece)
+            except Exception as e:                    # surfaced in the consumer
+                await queue.put(e)
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
+        try:
+            open_ = len(tasks)
+            while open_:
+                item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def collect(self) -> list[Choice]:
+        choices = [Choice(i) for i in range(len(self.streams))]
+        async for p in self.pieces():
+            c = choices[p.choice]
+            c.text += p.text
+            c.token_ids += p.token_ids
+            c.events += p.events
+            if p.prompt_logprobs is not None:
+                c.prompt_logprobs = p.prompt_logprobs
+            if p.finish_reason is not None:
+                c.finish_reason, c.stop_string = p.finish_reason, p.stop_string
+        return choices
+
+    def usage(self) -> Usage:
+        firsts = [s.result for s in self.streams[::self.n]]    # each prompt's first choice: the others share its
+        by_tier = [r.report["cached_by_tier"] for r in firsts]  # prompt (and hit what the first wrote)
+        usage = Usage(sum(map(len, self.prompts)), self.completion_tokens, sum(r.cached_tokens for r in firsts),
+                      {tier: sum(t[tier] for t in by_tier) for tier in by_tier[0]})
+        drafts = [self.engine.drafts(s.result) for s in self.streams]
+        if drafts[0] is not None:                     # speculative decoding is on
+            usage.accepted_prediction_tokens = sum(d.accepted for d in drafts)
+            usage.rejected_prediction_tokens = sum(d.drafted - d.accepted for d in drafts)
+        return usage
