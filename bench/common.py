@@ -1,5 +1,6 @@
-"""Shared helpers of the benchmark scripts: the cached ~31M-parameter hybrid checkpoint, prompts, timers, RSS, and
-the plumbing of bench/serve.py (server processes, worker subprocesses, streaming HTTP clients, CPU accounting).
+"""Shared helpers of the benchmark scripts: the cached ~31M-parameter hybrid checkpoint (and the ~190M memory-bound
+one), its 4-bit twin and llama.cpp's GGUF of it, prompts, timers, RSS, and the plumbing of bench/serve.py (server
+processes, worker subprocesses, streaming HTTP clients, CPU accounting).
 
 The checkpoint is a transformers Qwen3_5ForCausalLM (fp32, random weights, perturbed 1-D weights) in the 3:1
 linear/full layer pattern, saved sharded so the loader's multi-file path is what gets measured, with a byte-level
@@ -15,7 +16,9 @@ import asyncio
 import json
 import os
 import random
+import re
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -67,6 +70,8 @@ class BenchModelSpec:
 MEMORY_BOUND = BenchModelSpec(hidden_size=1024, num_hidden_layers=12, intermediate_size=3584, num_attention_heads=16,
                               num_key_value_heads=4, linear_num_key_heads=8, linear_num_value_heads=16,
                               max_shard_size="400MB")
+# The checkpoints by name (`--model` of bench/serve.py and bench/spec.py): (shape, cache folder name).
+BENCH_MODELS = {"bench": (BenchModelSpec(), "qwen3_5_30m"), "memory-bound": (MEMORY_BOUND, "qwen3_5_190m")}
 
 
 def _perturb_1d(model, seed: int) -> None:
@@ -175,6 +180,154 @@ def write_qwen_tokenizer(folder: Path) -> None:
             raise ValueError(f"{t} got id {tok.token_to_id(t)}, Qwen's is {i}")
     tok.save(str(folder / "tokenizer.json"), pretty=False)
     _write_chatml_config(folder)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The 4-bit twin of a checkpoint (compressed-tensors pack-quantized W4A16) and llama.cpp's GGUF files of it
+# ---------------------------------------------------------------------------------------------------------------
+W4_GROUP = 128
+W4_VERSION = "ct-pack-quantized-w4a16-v1"          # bump when w4_quantize / w4_checkpoint change what they write
+W4_LAYER = re.compile(r"^model\.(language_model\.)?layers\.\d+\.")     # the decoder layers' weights
+# 2-D weights of the decoder layers that published W4A16 checkpoints of Qwen3.5 leave unquantized: the GDN's small
+# in_proj_a / in_proj_b, and an MoE layer's router and shared_expert_gate
+W4_LEFT = re.compile(r".*(linear_attn\.in_proj_[ab]|mlp\.gate|shared_expert_gate)$")
+
+
+def source_stamp(folder: Path) -> list:
+    """What identifies a checkpoint's contents, cheaply: its config and weight files' names, sizes and mtimes."""
+    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()]
+
+
+def _ct_pack_to_int32():
+    try:
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    except ImportError as e:
+        raise SystemExit("the 4-bit bench checkpoint is packed by the compressed-tensors package: "
+                         "pip install compressed-tensors (a test extra of tinyserve)") from e
+    return pack_to_int32
+
+
+def w4_quantize(w, group: int = W4_GROUP) -> dict:
+    """One float weight [N, K] as compressed-tensors pack-quantized tensors, symmetric int4 in groups of `group`
+    input columns: weight_scale [N, K/group] = amax / 7 in float16, codes round(w / scale) clamped to [-8, 7] and
+    packed by compressed-tensors' own pack_to_int32 into weight_packed int32 [N, K/8] (each code stored + 8, 8 a
+    word, the first in the low bits), weight_shape [N, K]. Dequantized: code * scale, within scale / 2 of w."""
+    import torch
+
+    pack_to_int32 = _ct_pack_to_int32()
+    N, K = w.shape
+    if K % group:
+        raise ValueError(f"a [{N}, {K}] weight has no whole groups of {group} input columns")
+    g = w.float().reshape(N, K // group, group)
+    scale = (g.abs().amax(-1) / 7).clamp(min=1e-6).to(torch.float16)
+    q = torch.clamp(torch.round(g / scale.float().unsqueeze(-1)), -8, 7).to(torch.int8).reshape(N, K)
+    return {"weight_packed": pack_to_int32(q, 4), "weight_scale": scale, "weight_shape": torch.tensor([N, K])}
+
+
+def w4_target(name: str, t) -> bool:
+    """Whether the quantizer makes a checkpoint tensor 4-bit: the 2-D float weights of the decoder layers' linear
+    modules (attention q/k/v/o, the GDN's in_proj_qkv / in_proj_z / out_proj, the MLP's gate/up/down), not W4_LEFT's.
+    Embeddings, lm_head, norms, A_log, dt_bias, conv1d (3-D) and anything 1-D stay as stored."""
+    return (name.endswith(".weight") and t.dim() == 2 and t.is_floating_point() and bool(W4_LAYER.match(name))
+            and not W4_LEFT.match(name[: -len(".weight")]))
+
+
+def w4_checkpoint(src: str | Path, group: int = W4_GROUP) -> Path:
+    """The 4-bit twin of checkpoint `src`, as llm-compressor publishes W4A16 (compressed-tensors pack-quantized,
+    symmetric int4, group `group`, float16 scales; see w4_quantize, w4_target), built once into
+    `<src>-w4a16-g<group>` beside it (rebuilt when src changes): the same shards, tokenizer files and config.json,
+    whose quantization_config compressed-tensors' own ModelCompressor writes."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = Path(src)
+    dst = src.parent / f"{src.name}-w4a16-g{group}"
+    marker = dst / "bench_w4.json"
+    want = json.dumps({"version": W4_VERSION, "group": group, "source": source_stamp(src)}, sort_keys=True)
+    if marker.exists() and marker.read_text() == want:
+        return dst
+    _ct_pack_to_int32()                      # missing: fails here, with its message
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config"):
+        raise ValueError(f"{src} is quantized already: the 4-bit bench checkpoint is made from float weights")
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():                      # config, tokenizer files, generation config (not the markers)
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" \
+                and not f.name.startswith("bench_"):
+            shutil.copy2(f, tmp / f.name)
+    weight_map, total, quantized = {}, 0, 0
+    for f in sorted(src.glob("*.safetensors")):
+        out = {}
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                t = h.get_tensor(name)
+                if w4_target(name, t):
+                    out.update({f"{name[: -len('.weight')]}.{role}": v for role, v in w4_quantize(t, group).items()})
+                    quantized += 1
+                else:
+                    out[name] = t
+        save_file(out, str(tmp / f.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, f.name))
+        total += sum(t.numel() * t.element_size() for t in out.values())
+    if not quantized:
+        raise ValueError(f"{src} has no decoder-layer linear weights to quantize")
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=group), format="pack-quantized")
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                            quantization_status="compressed", ignore=["lm_head", "re:" + W4_LEFT.pattern])
+    ModelCompressor(quantization_config=qc).update_config(str(tmp))
+    (tmp / marker.name).write_text(want)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return dst
+
+
+LLAMA_CPP_SH = Path(__file__).resolve().parent / "llama_cpp.sh"      # build, convert, quantize (see its header)
+GGUF_CONVERTER_TYPES = ("f32", "bf16", "f16")   # written by llama.cpp's converter; other types by llama-quantize
+
+
+def is_gguf_type(value: str) -> bool:
+    """Whether --gguf names a llama.cpp type (Q4_0, Q8_0, F32, ...) rather than a file."""
+    return not Path(value).exists() and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", value) is not None \
+        and not value.lower().endswith("gguf")
+
+
+def llama_gguf(folder: str | Path, ftype: str, llama_cpp: str | Path | None = None) -> Path:
+    """Checkpoint `folder` as a GGUF of llama.cpp type `ftype`, made with llama.cpp's own tools (bench/llama_cpp.sh)
+    and cached beside it as `<folder>-<ftype>.gguf` (remade when the checkpoint changes): f32 / bf16 / f16 by its
+    converter (with --no-mtp for a checkpoint without MTP layers, which it refuses otherwise), any other type (Q4_0,
+    Q8_0, Q4_K_M, ...) by its llama-quantize from the f32 GGUF. llama_cpp: the folder whose bin/ holds
+    llama-quantize (default: bench/llama_cpp.sh's, ~/.cache/tinyserve/llama.cpp)."""
+    folder = Path(folder)
+    ftype = ftype.lower() if ftype.lower() in GGUF_CONVERTER_TYPES else ftype.upper()
+    out = folder.parent / f"{folder.name}-{ftype}.gguf"
+    stamp = out.with_name(out.name + ".source")
+    want = json.dumps(source_stamp(folder))
+    if out.exists() and stamp.exists() and stamp.read_text() == want:
+        return out
+    stamp.unlink(missing_ok=True)
+    if ftype in GGUF_CONVERTER_TYPES:
+        cfg = json.loads((folder / "config.json").read_text())
+        mtp = (cfg.get("text_config") or cfg).get("mtp_num_hidden_layers", 0)
+        argv = ["convert", str(folder), str(out), ftype] + ([] if mtp else ["--no-mtp"])   # the converter's rule
+    else:
+        argv = ["quantize", str(llama_gguf(folder, "f32", llama_cpp)), str(out), ftype] + \
+               ([str(llama_cpp)] if llama_cpp else [])
+    print(f"making {out.name} (bench/llama_cpp.sh {argv[0]})", file=sys.stderr)
+    r = subprocess.run(["bash", str(LLAMA_CPP_SH), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       text=True, env={**os.environ, "PYTHON": sys.executable})
+    if r.returncode:
+        raise RuntimeError(f"bash bench/llama_cpp.sh {' '.join(argv)} failed: {r.stderr.strip()}")
+    stamp.write_text(want)
+    return out
 
 
 def cpu_server_config(folder: Path, port: int, extra: str = "", compile_steps: bool = True) -> str:
@@ -292,12 +445,19 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+# llama.h's llama_ftype (LLAMA_FTYPE_MOSTLY_*): the quantized `general.file_type`s, by the names llama-quantize takes
+GGUF_FILE_TYPES = {2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M",
+                   13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS",
+                   20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S",
+                   27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 36: "TQ1_0", 37: "TQ2_0"}
+
+
 def gguf_file_type(path: str | Path) -> str:
-    """The `general.file_type` of a GGUF file ("F32", "BF16", "F16", another number, or "?")."""
+    """The `general.file_type` of a GGUF file ("F32", "BF16", "F16", "Q4_0", ..., another number, or "?")."""
     import struct
 
     scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-    names = {0: "F32", 1: "F16", 32: "BF16"}
+    names = {0: "F32", 1: "F16", 32: "BF16", **GGUF_FILE_TYPES}
     try:
         with open(path, "rb") as f:
             def read(fmt: str):

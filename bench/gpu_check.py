@@ -13,9 +13,16 @@ tinyserve's dependencies, and no install of tinyserve):
    each kernel's max error against the reference computed in fp32 and its effective bandwidth. One table. The
    decode GEMM (kernels/linear_triton.py) at every projection of a 27B and a 35B-A3B decode step with what
    kernels.linear fuses there ("decode ..." rows: its GB/s against the card's bandwidth is the number to read).
+   4-bit weights (kernels/w4_triton.py): a copy's bandwidth first ("copy" row), the 4-bit decode GEMM at the same
+   projections ("w4 decode ..."), the prefill through the in-tile kernel and through scratch + cuBLAS at 64..2048
+   rows ("w4 prefill ..."), the fused MoE with 4-bit experts ("moe w4 ..."); after the table, each 4-bit decode
+   row as a fraction of the copy bandwidth (target 85%) and the rows from which scratch + cuBLAS wins.
 4. The Qwen3.5-27B vision tower on one 1024x1024 image in bf16 (random weights): time and peak memory.
 
 Everything printed also goes to $OUT/gpu_check.txt when OUT is set (tests/gpu.sh sets it).
+
+    python3 bench/gpu_check.py --skip-tests --only w4 copy     # the 4-bit rows and their summary (~1 minute)
+    python3 bench/gpu_check.py --skip-tests --only copy --w4-sweep   # + the 4-bit decode tiles, default vs best
 
 Without a GPU:
     .venv/bin/python bench/gpu_check.py --compile   # every kernel variant of section 3 compiled for sm_90/89/120
@@ -132,6 +139,8 @@ def shrink_for_compile() -> None:
     TOKENS, DECODE_N, GEMM_ROWS, PREFILL = (1, 64), (1,), (1, 64, 256), ((70,),)
     DECODE_ROWS, EMPTY_WEIGHTS = (1,), True         # every row count of 1..16 runs the same variant
     PREFILL_GEMM_ROWS = (512,)
+    global W4_PREFILL_ROWS
+    W4_PREFILL_ROWS = (64, 200)                     # the in-tile kernel's two prefill tiles
     PREFILL_ATTN = [(bf, 16, (64,), (70,)), (fp8, 16, (64,), (70,)), (bf, 1, (3,), (5,)), (bf, 64, (64,), (70,))]
     PAGED = [(bf, 16, 1, 64), (bf, 1, 1, 64), (bf, 64, 1, 128), (fp8, 16, 1, 64), (torch.float32, 16, 1, 64)]
 
@@ -144,6 +153,8 @@ def shrink_for_dry_run() -> None:
     DECODE_GEMMS = (("tiny", "gate_up", 96, 256, "norm+silu"), ("tiny", "down", 40, 384, "residual"),
                     ("tiny", "gdn in", 80, 128, "norm"))
     PREFILL_GEMM_ROWS = (130,)
+    global W4_PREFILL_ROWS
+    W4_PREFILL_ROWS = (20, 70)
     CONV = 2 * NK * DK + NV * DV
     TOKENS, DECODE_N, VERIFY = (1, 3), (1, 2), ((2, 3),)
     GEMM_ROWS, GEMMS, PREFILL = (1, 5), ((HIDDEN, 2 * MLP), (MLP, HIDDEN)), ((5, 70),)
@@ -175,16 +186,14 @@ class Case:
 
 def cases(dev):
     import torch
-    from tinyserve.kernels.activation import silu_and_mul
     from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill
     from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill, causal_conv1d_verify
     from tinyserve.kernels.fp8 import fp8_linear
     from tinyserve.kernels.fp8_weight import Fp8Weight
     from tinyserve.kernels.gdn import (chunk_gated_delta_rule, gdn_gating, recurrent_gated_delta_rule_decode,
                                        recurrent_gated_delta_rule_verify)
+    from tinyserve.kernels.pointwise import apply_rotary, gated_rms_norm, l2_norm, rms_norm, silu_and_mul
     from tinyserve.kernels.verify_layout import verify_layout
-    from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm
-    from tinyserve.kernels.rotary import apply_rotary
     bf = ACT or torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -308,6 +317,7 @@ def cases(dev):
                                 lambda x, w: fp8_linear(x.float(), w)))
 
     out += gemm_cases(dev, g, rnd)
+    out += w4_cases(dev, g, rnd)
 
     # MoE experts kept FP8 (Qwen3.5-35B-A3B-FP8: hidden 2048, expert width 512, 256 experts, top 8, 128 x 128
     # blocks): routed experts through both grouped GEMMs. On the CPU (--compile records the launches, --dry-run
@@ -427,6 +437,184 @@ def gemm_cases(dev, g, rnd) -> list[Case]:
     return out
 
 
+# 4-bit weights (kernels/w4_triton.py): (label, W4Weight options) of the decode cases; the first is also the MoE's
+# (the last two only at the 27B's gate_up and down); one of each of w4_triton.dequant_mode's ways with bf16 x:
+# SCALE_AFTER (GPTQ / AWQ g128), F32 (NVFP4; fp16 scales at group 32), X16 (compressed-tensors' bf16 scales)
+W4_KINDS = (("int4 g128", dict(kind="int4", group=128, scale_dtype="float16")),
+            ("fp4 g16", dict(kind="fp4", group=16, global_scale=0.5, scale_dtype="float32")),
+            ("int4 g32 asym act-order bf16-scales", dict(kind="int4", group=32, asymmetric=True, act_order=True,
+                                                         scale_dtype="bfloat16")),
+            ("int4 g32 fp16-scales", dict(kind="int4", group=32, scale_dtype="float16")))
+W4_PREFILL_ROWS = (64, 128, 256, 512, 2048)   # rows of the prefill cases: the in-tile kernel against scratch + cuBLAS
+W4_BANDWIDTH_TARGET = 0.85                     # the decode GEMM's GB/s as a fraction of the copy's
+
+
+def w4_weight(dev, g, N: int, K: int, experts: int | None = None, **options):
+    """A W4Weight of random codes, scales ~K^-0.5 / 4 (products of the size of a bf16 projection's) and zeros; its
+    perm a random permutation (under --compile an identity: the scratch path gathers by it on the CPU)."""
+    import torch
+    from tinyserve.kernels.w4_weight import W4Weight
+    options = dict(options, scale_dtype=getattr(torch, options["scale_dtype"]))
+    if K % options["group"]:                        # --dry-run's tiny shapes: a group that divides them
+        options["group"] = 16
+    w = W4Weight(N, K, device=dev, experts=experts, **options)
+    if w.perm is not None:
+        lead = w.perm.shape[:-1]
+        w.perm.copy_(torch.arange(K, device=dev).expand(*lead, K) if EMPTY_WEIGHTS else
+                     torch.stack([torch.randperm(K, device=dev) for _ in range(lead.numel())]).view(*lead, K))
+    if EMPTY_WEIGHTS:
+        return w
+    w.codes.copy_(torch.randint(0, 256, w.codes.shape, generator=g, device=dev, dtype=torch.int32).to(torch.uint8))
+    w.scales.copy_((torch.rand(w.scales.shape, generator=g, device=dev) + 0.5) * K ** -0.5 / 4)
+    if w.zeros is not None:
+        w.zeros.copy_(torch.randint(4, 12, w.zeros.shape, generator=g, device=dev, dtype=torch.int32).to(torch.uint8))
+    return w
+
+
+def w4_cases(dev, g, rnd) -> list[Case]:
+    """4-bit weights: the decode GEMM at each 27B projection (and the 35B-A3B's) with what kernels.linear fuses
+    there, its GB/s against a copy's (the summary after the table); the prefill at W4_PREFILL_ROWS, the in-tile
+    kernel and scratch + cuBLAS side by side (the summary gives the crossover); the fused MoE with 4-bit experts."""
+    import torch
+    from tinyserve.kernels import use_triton, w4_triton
+    from tinyserve.kernels.linear import InputNorm, linear
+    from tinyserve.kernels.moe import fused_experts, route
+    from tinyserve.kernels.w4 import w4_linear_reference
+    bf = ACT or torch.bfloat16
+    out = []
+    if dev.type == "cuda":            # the roof the decode rows are read against: a copy far past L2
+        src = torch.empty(1 << 27, dtype=torch.float32, device=dev).fill_(1.0)
+        out.append(Case("copy (bandwidth roof)", "512 MiB", lambda a=(src, torch.empty_like(src)): a,
+                        lambda s, d: d.copy_(s), 2 * src.numel() * 4, lambda s, d: s))
+
+    def fused(x, w, norm, silu_mul, residual):
+        return linear(x, w, norm=norm, silu_mul=silu_mul, residual=residual)
+
+    def fused32(x, w, norm, silu_mul, residual):
+        return linear(x.float(), w, norm=norm, silu_mul=silu_mul,
+                      residual=residual.float() if residual is not None else None)
+    for model, name, N, K, fuse in DECODE_GEMMS:
+        if name == "lm_head":
+            continue                                 # kept bf16 by every 4-bit checkpoint
+        for label, options in W4_KINDS if model != "35B-A3B" else W4_KINDS[:1]:
+            if label.startswith("int4 g32") and name not in ("gate_up", "down"):
+                continue
+            w = w4_weight(dev, g, N, K, **options)
+            for M in DECODE_ROWS:
+                x = rnd(M, K)
+                norm = InputNorm(1.0 + rnd(K, dtype=torch.float32, scale=0.1), 1e-6) if "norm" in fuse else None
+                n_out = N // 2 if "silu" in fuse else N
+                residual = rnd(M, n_out) if "residual" in fuse else None
+                out.append(Case(f"w4 decode {label} {model} {name}", f"{M}x{K} @ {N}x{K} {fuse}",
+                                lambda a=(x, w, norm, "silu" in fuse, residual): a, fused,
+                                w.nbytes() + (M * K + M * n_out * (2 if residual is not None else 1)) * 2, fused32))
+
+    def in_tile(x, w):
+        return w4_triton.prefill_linear(x, w) if use_triton(x) else w4_linear_reference(x, w)
+
+    def scratch(x, w):
+        return w4_triton.scratch_linear(x, w) if use_triton(x) else w4_linear_reference(x, w)
+    for model, name, N, K, _ in DECODE_GEMMS[:2]:            # the 27B's gate_up and down
+        w = w4_weight(dev, g, N, K, **W4_KINDS[0][1])
+        for M in W4_PREFILL_ROWS:
+            x = rnd(M, K)
+            for path, fn in (("in-tile", in_tile), ("scratch", scratch)):
+                out.append(Case(f"w4 prefill {path} {model} {name}", f"{M}x{K} @ {N}x{K}", lambda a=(x, w): a, fn,
+                                w.nbytes() + (M * K + M * N) * 2, lambda x, w: w4_linear_reference(x.float(), w)))
+    if dev.type == "cpu":       # --compile: Hopper's four-stage prefill tile, which a CPU run would not pick
+        w = w4_weight(dev, g, DECODE_GEMMS[0][2], DECODE_GEMMS[0][3], **W4_KINDS[0][1])
+        x = rnd(W4_PREFILL_ROWS[-1], DECODE_GEMMS[0][3])
+        out.append(Case("w4 prefill tile hopper", f"{x.shape[0]} rows", lambda a=(x, w, (128, 64, 8, 4)): a,
+                        lambda x, w, t: w4_triton.prefill_linear(x, w, t) if use_triton(x) else
+                        w4_linear_reference(x, w), 0, lambda x, w, t: w4_linear_reference(x.float(), w),
+                        targets=(90,)))
+
+    # the fused MoE with 4-bit experts: Qwen3.5-35B-A3B's (hidden 2048, expert width 512, 256 experts, top 8) as a
+    # GPTQ int4 g128 checkpoint holds them; 8 experts on the CPU (their count sets no constexpr)
+    moe_h, moe_i, top_k = (2048, 512, 8) if ACT is None else (HIDDEN, MLP, 2)
+    moe_e = 256 if dev.type == "cuda" else 8
+    stacks = (w4_weight(dev, g, 2 * moe_i, moe_h, experts=moe_e, **W4_KINDS[0][1]),
+              w4_weight(dev, g, moe_h, moe_i, experts=moe_e, **W4_KINDS[0][1]))
+    for T in GEMM_ROWS + ((4096,) if dev.type == "cuda" else ()):
+        x = rnd(T, moe_h)
+        topk_weights, topk_ids = route(rnd(T, moe_e, dtype=torch.float32), top_k, True)
+        hit = topk_ids.unique().numel()
+        out.append(Case(f"moe w4 {W4_KINDS[0][0]}", f"T={T} E={moe_e} top{top_k}",
+                        lambda a=(x, *stacks, topk_weights, topk_ids): a, fused_experts,
+                        hit * sum(w.nbytes() // moe_e for w in stacks) + T * moe_h * 2 * 2,
+                        lambda x, wgu, wd, tw, ti: fused_experts(x.float(), wgu, wd, tw, ti)))
+    return out
+
+
+def w4_summary(results: dict[tuple[str, str], tuple[float, float]]) -> None:
+    """After the table: each 4-bit decode row's GB/s as a fraction of the copy's (target W4_BANDWIDTH_TARGET), and
+    per prefill shape the rows from which scratch + cuBLAS beats the in-tile kernel (w4_triton.SCRATCH_ROWS)."""
+    copy = next((gbs for (op, _), (_, gbs) in results.items() if op.startswith("copy")), None)
+    decode = {k: v for k, v in results.items() if k[0].startswith("w4 decode")}
+    if copy and decode:
+        say(f"== 4-bit decode GEMM against the copy bandwidth ({copy:.0f} GB/s), target "
+            f"{W4_BANDWIDTH_TARGET:.0%}")
+        for (op, shape), (_, gbs) in decode.items():
+            short = " (below target)" if gbs < W4_BANDWIDTH_TARGET * copy else ""
+            say(f"   {op[len('w4 decode '):]:<44} {shape:<36} {gbs:>6.0f} GB/s {gbs / copy:>5.0%}{short}")
+    prefill = {}
+    for (op, shape), (ms, _) in results.items():
+        if op.startswith("w4 prefill ") and op.split()[2] in ("in-tile", "scratch"):
+            key = (" ".join(op.split()[3:]), shape.split(" @ ")[1])
+            prefill.setdefault(key, {}).setdefault(int(shape.split("x")[0]), {})[op.split()[2]] = ms
+    if prefill:
+        from tinyserve.kernels.w4_triton import SCRATCH_ROWS
+        say(f"== 4-bit prefill: in-tile kernel against scratch + cuBLAS (w4_triton.SCRATCH_ROWS = {SCRATCH_ROWS})")
+        for (name, shape), by_rows in prefill.items():
+            times = "  ".join(f"{m}: {t.get('in-tile', float('nan')):.3f} / {t.get('scratch', float('nan')):.3f} ms"
+                              for m, t in sorted(by_rows.items()))
+            wins = [m for m, t in sorted(by_rows.items()) if t.get("scratch", 1e9) < t.get("in-tile", 0)]
+            say(f"   {name} {shape}: {times}; scratch faster from {wins[0] if wins else 'none of these'} rows")
+
+
+W4_SWEEP = dict(BN=(32, 64, 128), split=(1, 2, 4, 8), num_stages=(4, 6))    # --w4-sweep's tiles
+W4_SWEEP_SHAPES = ("gate_up", "down", "gdn out")
+
+
+def w4_sweep(dev) -> None:
+    """--w4-sweep: the 4-bit decode GEMM (int4 g128) at one row on three of the 27B's projections, with their fused
+    parts, under every tile of W4_SWEEP against w4_decode_tiles's choice: the knob if the decode rows fall short of
+    the copy bandwidth (STEP_BYTES, MIN_BN and the stage count in kernels/w4_triton.py). ~2 minutes, compiles
+    mostly."""
+    import itertools
+    import torch
+    from tinyserve.kernels import w4_triton
+    from tinyserve.kernels.linear import InputNorm
+    from tinyserve.kernels.linear_triton import DecodeTiles, num_sms
+    bf = ACT or torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(2)
+    say("== 4-bit decode tiles (--w4-sweep): GB/s of the default tile and of the best, one row")
+    for model, name, N, K, fuse in DECODE_GEMMS:
+        if model != "27B" or name not in W4_SWEEP_SHAPES:
+            continue
+        for label, options in W4_KINDS[:1]:
+            w = w4_weight(dev, g, N, K, **options)
+            x = torch.randn(1, K, generator=g, device=dev).to(bf)
+            n_out = N // 2 if "silu" in fuse else N
+            kw = dict(norm=InputNorm(torch.ones(K, device=dev), 1e-6) if "norm" in fuse else None,
+                      silu_mul="silu" in fuse,
+                      residual=torch.randn(1, n_out, generator=g, device=dev).to(bf) if "residual" in fuse else None)
+            default = w4_triton.w4_decode_tiles(n_out, K, "silu" in fuse, num_sms(dev))
+            timed = {}
+            for BN, split, stages in itertools.product(*W4_SWEEP.values()):
+                t = DecodeTiles(BN=BN, split=split, num_warps=4, num_stages=stages)
+                try:
+                    timed[t] = time_ms(lambda x_, t_=t: w4_triton.decode_linear(x_, w, tiles=t_, **kw), (x,))
+                except Exception as e:                  # a tile past the card's shared memory
+                    say(f"   {t}: {type(e).__name__}")
+            if default not in timed:
+                timed[default] = time_ms(lambda x_: w4_triton.decode_linear(x_, w, tiles=default, **kw), (x,))
+            best = min(timed, key=timed.get)
+            gbs = {t: w.nbytes() / (ms * 1e-3) / 1e9 for t, ms in timed.items()}
+            say(f"   {label} {name} {N}x{K}: default {tuple(default)} {gbs[default]:.0f} GB/s, "
+                f"best {tuple(best)} {gbs[best]:.0f} GB/s")
+
+
 def time_ms(fn, args) -> float:
     if args[0].device.type != "cuda":                     # --dry-run: one call, wall clock
         t = time.perf_counter()
@@ -443,7 +631,7 @@ def time_ms(fn, args) -> float:
 TARGETS = {90: ("H100/H200", 232448), 89: ("RTX 4090", 101376), 120: ("RTX 5090", 101376), 80: ("A100", 166912)}
 TL_TYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
             "torch.float8_e4m3fn": "fp8e4nv",
-            "torch.int32": "i32", "torch.int64": "i64", "torch.bool": "i1"}
+            "torch.int32": "i32", "torch.int64": "i64", "torch.bool": "i1", "torch.uint8": "u8"}
 
 
 RECORDING_FOR: list = [None]              # the architectures of the case being recorded (None: every one)
@@ -530,7 +718,7 @@ def compile_all(targets: list[int], only: list[str]) -> bool:
                 except Exception:          # outputs are never launched: whatever follows the launch may fail
                     pass
     for name in ("norm", "activation", "rotary", "gdn", "conv", "attention", "fp8", "moe", "linear",
-                 "fp8_prefill"):                                                                  # compiled first
+                 "fp8_prefill", "w4"):                                                                  # compiled first
         importlib.import_module(f"tinyserve.kernels.{name}_triton")
     os.environ["TRITON_INTERPRET"] = "1"          # lets the forced backend take CPU tensors; nothing is launched
     try:
@@ -589,7 +777,7 @@ def graph_check(dev) -> bool:
     from tinyserve.kernels.attention import paged_attention_decode
     from tinyserve.kernels.conv import causal_conv1d_decode
     from tinyserve.kernels.gdn import recurrent_gated_delta_rule_decode
-    from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm
+    from tinyserve.kernels.pointwise import gated_rms_norm, l2_norm, rms_norm
     say("== 2. one decode layer's kernels in a CUDA graph")
     g = torch.Generator(device=dev).manual_seed(1)
     N = 8
@@ -641,14 +829,17 @@ def graph_check(dev) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # 3. timings
 # ---------------------------------------------------------------------------------------------------------------
-def bench(dev) -> None:
+def bench(dev, only: list[str] = ()) -> None:
     import torch
     say("== 3. Triton vs the torch reference, Qwen3.5-27B shapes (bf16 activations, fp32 GDN state)")
+    results = {}
     head = f"{'op':<24} {'shape':<22} {'torch ms':>9} {'triton ms':>10} {'speedup':>8} {'triton GB/s':>12} " \
            f"{'max err':>9} {'ref scale':>9}"
     say(head)
     say("-" * len(head))
     for case in cases(dev):
+        if only and not any(o in case.op for o in only):
+            continue
         try:
             args = case.make()
             with backend("triton"):
@@ -660,12 +851,14 @@ def bench(dev) -> None:
             err = (tri.float() - ref32.float()).abs().max().item()
             scale = ref32.float().abs().max().item()
             gbs = case.nbytes / (t_tri * 1e-3) / 1e9
+            results[(case.op, case.shape)] = (t_tri, gbs)
             say(f"{case.op:<24} {case.shape:<22} {t_ref:>9.4f} {t_tri:>10.4f} {t_ref / t_tri:>7.2f}x {gbs:>12.0f} "
                 f"{err:>9.2e} {scale:>9.2e}")
         except Exception as e:                        # one failing row must not hide the others
             say(f"{case.op:<24} {case.shape:<22} FAILED: {type(e).__name__}: {str(e)[:200]}")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    w4_summary(results)
 
 
 # The released Qwen3.5 / 3.6 27B-class vision_config, as its config.json gives it; tiny under --dry-run.
@@ -716,7 +909,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="no GPU: compile every kernel variant of the bench cases for sm_90/89/120/80 (ptxas)")
     parser.add_argument("--sm", type=int, nargs="*", default=[90, 89, 120])
-    parser.add_argument("--only", nargs="*", default=[], help="--compile: only the cases whose op names contain one "
+    parser.add_argument("--w4-sweep", action="store_true", help="after section 3: the 4-bit decode GEMM under "
+                        "every tile of W4_SWEEP against the default (a few minutes: each tile compiles)")
+    parser.add_argument("--only", nargs="*", default=[], help="only the cases whose op names contain one "
                         "of these (e.g. decode 'fp8 prefill')")
     args = parser.parse_args()
     if args.pytest:
@@ -750,9 +945,13 @@ def main() -> None:
         except Exception as e:
             graph_ok = False
             say(f"   FAILED: {type(e).__name__}: {str(e)[:300]}")
-    bench(dev)
+    bench(dev, args.only)
+    if args.w4_sweep:
+        with backend("triton"):
+            w4_sweep(dev)
     try:
-        vision_check(dev, args.dry_run)
+        if not args.only:                               # --only: the cases named, nothing else
+            vision_check(dev, args.dry_run)
     except Exception as e:
         say(f"   FAILED: {type(e).__name__}: {str(e)[:300]}")
     say(f"tests exit {rc}, graph {'ok' if graph_ok else 'FAILED'}, total {time.time() - t0:.0f} s")

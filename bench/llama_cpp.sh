@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# llama.cpp beside tinyserve: build its llama-server for this CPU, and convert a Hugging Face checkpoint to GGUF with
-# llama.cpp's own converter, so bench/serve.py and bench/spec.py can run both servers on the same model.
+# llama.cpp beside tinyserve: build its llama-server for this CPU, convert a Hugging Face checkpoint to GGUF with
+# llama.cpp's own converter and quantize it with its own llama-quantize, so bench/serve.py and bench/spec.py can run
+# both servers on the same model.
 #
 #   bash bench/llama_cpp.sh build [DEST]                          # DEST/bin/llama-server (~10 min on 2 cores)
 #   bash bench/llama_cpp.sh convert CKPT OUT.gguf [f32|bf16] [--no-mtp] [DEST]
+#   bash bench/llama_cpp.sh quantize IN.gguf OUT.gguf [Q4_0|Q8_0|...] [DEST]   # from the f32 GGUF
 #
 # DEST defaults to ~/.cache/tinyserve/llama.cpp. The source is the llama.cpp that the llama-cpp-python sdist on the
 # package index vendors (pinned below: a llama.cpp that knows the qwen35 / qwen3next architectures and MTP), so
@@ -35,7 +37,7 @@ case $cmd in
     # GGML_NATIVE: tuned for this CPU's vector units, as a user building it at home would
     cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
       -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$dest/cmake.log"
-    cmake --build "$src/build" --target llama-server llama-bench -j"$(nproc)" >>"$dest/cmake.log"
+    cmake --build "$src/build" --target llama-server llama-bench llama-quantize -j"$(nproc)" >>"$dest/cmake.log"
     mkdir -p "$dest/bin"
     cp -a "$src/build/bin/." "$dest/bin/"
     echo "$dest/bin/llama-server"
@@ -79,8 +81,16 @@ EOF
     fi
     echo "$out"
     ;;
+  quantize)
+    in=${2:?input .gguf (f32)} out=${3:?output .gguf} type=${4:-Q4_0} dest=${5:-$default_dest}
+    [[ -x $dest/bin/llama-quantize ]] || { echo "no $dest/bin/llama-quantize: run 'bash bench/llama_cpp.sh build'" >&2; exit 1; }
+    "$dest/bin/llama-quantize" "$in" "$out" "$type" >"$out.quantize.log" 2>&1 || {
+      echo "quantization failed, see $out.quantize.log" >&2; exit 1; }
+    echo "$out"
+    ;;
   *)
-    echo "usage: bash bench/llama_cpp.sh build [DEST] | convert CKPT OUT.gguf [f32|bf16] [--no-mtp] [DEST]" >&2
+    echo "usage: bash bench/llama_cpp.sh build [DEST] | convert CKPT OUT.gguf [f32|bf16] [--no-mtp] [DEST]" \
+      "| quantize IN.gguf OUT.gguf [Q4_0|Q8_0|...] [DEST]" >&2
     exit 2
     ;;
 esac

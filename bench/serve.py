@@ -4,6 +4,8 @@
     python bench/serve.py --dtype bfloat16 --llama-server ~/llama/bin/llama-server --gguf model-bf16.gguf
     python bench/serve.py --config my.toml --rounds 5 --stat median
     python bench/serve.py --context 200,8000,30000,128000 --systems http llama --llama-server ... --gguf ...
+    python bench/serve.py --model memory-bound --weights f32,bf16,w4 --gguf Q4_0 \\
+        --llama-server ~/.cache/tinyserve/llama.cpp/bin/llama-server         # 4-bit beside llama.cpp's Q4_0
 
 Systems (each one a separate process that runs nothing else; all load first, then they take turns):
   tinyserve HTTP        `tinyserve CONFIG` (the console script); streaming POST /v1/completions with token-id
@@ -15,6 +17,9 @@ Systems (each one a separate process that runs nothing else; all load first, the
                         token-id prompts through streaming POST /completion (n_predict, ignore_eos, temperature 0)
   transformers          a fresh Python subprocess: model.generate on the same prompts, one after the other, greedy,
                         eos ignored (transformers has no server and no batching of independent requests)
+  tinyserve f32 / bf16 / w4   with --weights f32,bf16,w4 instead of the above: one `tinyserve CONFIG` server per
+                        entry, as tinyserve HTTP, serving the checkpoint in float32, in bfloat16, or its 4-bit twin
+                        (w4, float32 activations), beside llama-server with --llama-server
 
 Measures (the same prompts for every system within a round, new prompts every round and for every warm-up, so
 no prefix cache, tinyserve's or llama-server's, ever holds a prompt it is asked for):
@@ -28,6 +33,30 @@ figure is the best (or, with --stat median, the median) of --rounds rounds; insi
 turns for each measure, in an order that rotates from round to round. --dtype picks the weights' dtype of
 tinyserve and transformers (pass the GGUF of the same dtype); with bfloat16 the max abs difference of the bf16
 logits from the fp32 logits (transformers, one prompt, every position) is printed too.
+
+--model bench|memory-bound: the ~31M bench checkpoint (bench/common.BenchModelSpec, the default) or the ~190M one
+whose decode reads its weights rather than paying per-op overhead (bench/common.MEMORY_BOUND, 0.76 GB in fp32); both
+built once into the cache folder, shared with bench/spec.py.
+
+--weights f32,bf16,w4: the systems are one tinyserve HTTP server per entry (and llama-server with --llama-server),
+all measured in the same rounds. w4 serves the checkpoint's 4-bit twin, made once beside it (`<name>-w4a16-g128`)
+in the layout llm-compressor publishes W4A16 in: compressed-tensors pack-quantized, symmetric int4 in groups of 128
+input columns, float16 scales (amax / 7), packed by compressed-tensors' own pack_to_int32, the config written by its
+ModelCompressor. Quantized: the decoder layers' linear weights (attention q/k/v/o, the GDN's in_proj_qkv / in_proj_z /
+out_proj, the MLP's gate/up/down); left as stored, as published checkpoints leave them: embeddings, lm_head, norms,
+A_log, dt_bias, conv1d and the GDN's small in_proj_a / in_proj_b (bench/common.w4_checkpoint). The ratios of w4 to
+llama-server, to f32 and to bf16 are printed, and with --model memory-bound the issue's targets (w4 >= 1.0x
+llama-server and >= 2.5x f32, decode of 1 request and of 8 concurrent).
+
+--gguf TYPE (Q4_0, Q8_0, Q4_K_M, f32, bf16, ...) instead of a file: the GGUF is made from the checkpoint by llama.cpp's
+own tools (bench/llama_cpp.sh): its converter writes f32 / bf16 / f16, its llama-quantize any other type from the f32
+GGUF (llama-quantize from the folder of --llama-server's binary, else from bench/llama_cpp.sh build's); cached beside
+the checkpoint as `<name>-<TYPE>.gguf`. The GGUF's file type is checked against TYPE (a file: against --dtype).
+
+Every figure is printed with its spread over the rounds (min-max), every ratio with the spread of the rounds' own
+ratios (the systems of a round measured one after the other). With --weights, the 1-request and 8-concurrent rows
+are followed by their decode-only rates (the same requests: the tokens after the first over the time from the first
+token of any of them to the last), on which the issue's targets are checked.
 
 --context C1,C2,...: decode as the context grows instead. For each length, one prompt of that many tokens is sent
 once to each system (its prefill, timed: prompt tokens / time to first token), then again each round with
@@ -61,13 +90,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # `bench.common` when run as a script
 
-from bench.common import (CpuMeter, ServerProcess, Worker, fmt_table, free_port, gguf_file_type,  # noqa: E402
-                          load_average, serve_worker, stream_many, token_prompts)
+from bench.common import (BENCH_MODELS, CpuMeter, ServerProcess, Worker, fmt_table, free_port,  # noqa: E402
+                          gguf_file_type, is_gguf_type, llama_gguf, load_average, serve_worker, stream_many,
+                          token_prompts)
 
 HTTP, EAGER, INPROC, LLAMA, HF = ("tinyserve HTTP", "tinyserve HTTP eager", "tinyserve in-process", "llama-server",
                                   "transformers")
 SYSTEM_KEYS = {"http": HTTP, "eager": EAGER, "inprocess": INPROC, "llama": LLAMA, "transformers": HF}
+WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "w4": "float32"}   # --weights: model.dtype (w4: its activations')
+W4_TARGETS = {LLAMA: 1.0, "f32": 2.5}     # the issue's, on the memory-bound model: w4 / each, 1 and 8, decode
 ONE, BATCH, PREFILL, TTFT = "one", "batch", "prefill", "ttft"
+DECODE = {ONE: "one decode", BATCH: "batch decode"}     # --weights: the same requests' decode-only figures
 CONTEXT_NEW_TOKENS = 64
 TTFT_PROMPT_TOKENS = 32
 SETTLE_S = 0.2     # pause before each measure: the previous system's spinning threads go to sleep
@@ -102,6 +135,7 @@ class Sample:
     seconds: float
     outputs: list[list[int]]
     counts: list[int] | None = None    # generated tokens per prompt when `outputs` may miss ids (llama-server)
+    decode: float | None = None        # HTTP: tokens after the first / (last token - first token of any), tok/s
 
     def lengths(self) -> list[int]:
         return self.counts if self.counts is not None else [len(o) for o in self.outputs]
@@ -116,7 +150,7 @@ class HTTPSystem:
     def __init__(self, name: str, server: ServerProcess, path: str, body, progress) -> None:
         self.name, self.server, self.path, self.body, self.progress = name, server, path, body, progress
         self.session = None
-        self.info, self.ready_s = "", 0.0
+        self.info, self.ready_s, self.label = "", 0.0, name     # label: the name the report prints
 
     def _session(self):
         import aiohttp
@@ -131,8 +165,10 @@ class HTTPSystem:
     async def measure(self, prompts: list[list[int]], max_tokens: int, ttft: bool) -> Sample:
         wall, results = await stream_many(self._session(), self.server.url + self.path,
                                           [self.body(p, max_tokens) for p in prompts], self.progress)
+        first, last, count = min(r.first or r.end for r in results), max(r.end for r in results), \
+            sum(r.count for r in results)
         return Sample(results[0].ttft if ttft else wall, [r.token_ids for r in results],
-                      [r.count for r in results])
+                      [r.count for r in results], (count - 1) / (last - first) if last > first else None)
 
     async def stream(self, prompt: list[int], max_tokens: int):
         """One streamed request, its StreamResult (start, first and last token)."""
@@ -151,7 +187,7 @@ class WorkerSystem:
 
     def __init__(self, name: str, worker: Worker, info: str) -> None:
         self.name, self.worker, self.info = name, worker, info
-        self.ready_s = 0.0
+        self.ready_s, self.label = 0.0, name
 
     async def measure(self, prompts: list[list[int]], max_tokens: int, ttft: bool) -> Sample:
         r = self.worker.call("run", prompts=prompts, max_tokens=max_tokens)
@@ -189,6 +225,10 @@ def _tinyserve_argv(cfg_path: Path) -> list[str]:
                                                                    str(cfg_path)]
 
 
+def _safetensors_mb(folder: str) -> float:
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / 1e6
+
+
 def _get_json(url: str) -> dict:
     try:
         with urllib.request.urlopen(url, timeout=5) as r:
@@ -206,9 +246,9 @@ def worker_main(kind: str, spec: dict) -> None:
 
     if kind == "prepare":                     # resolve / build the checkpoint (needs torch + transformers)
         def prepare(op: str, req: dict) -> dict:
-            from bench.common import bench_checkpoint
+            from bench.common import bench_checkpoint, w4_checkpoint
             if req["path"] is None:
-                folder = bench_checkpoint(req["dir"])
+                folder = bench_checkpoint(req["dir"], *BENCH_MODELS[req["model"]])
             elif req["path"] == "demo":
                 from tinyserve.demo import ensure_demo_checkpoint
                 folder = ensure_demo_checkpoint()
@@ -216,7 +256,8 @@ def worker_main(kind: str, spec: dict) -> None:
                 folder = Path(req["path"])
             cfg = json.loads((Path(folder) / "config.json").read_text())
             cfg = cfg.get("text_config", cfg)
-            return {"folder": str(folder), "vocab": cfg["vocab_size"]}
+            w4 = w4_checkpoint(folder) if req.get("w4") else None
+            return {"folder": str(folder), "vocab": cfg["vocab_size"], "w4": w4 and str(w4)}
         serve_worker(prepare)
         return
 
@@ -314,10 +355,14 @@ async def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tinyserve-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    names = [SYSTEM_KEYS[s] for s in args.systems] if args.systems else (
-        [HTTP] if args.context else [HTTP, EAGER, INPROC, HF]) + ([LLAMA] if args.llama_server else [])
+    weights = args.weights.split(",") if args.weights else []
+    if weights:
+        names = [f"tinyserve {w}" for w in weights] + ([LLAMA] if args.llama_server else [])
+    else:
+        names = [SYSTEM_KEYS[s] for s in args.systems] if args.systems else (
+            [HTTP] if args.context else [HTTP, EAGER, INPROC, HF]) + ([LLAMA] if args.llama_server else [])
     if LLAMA in names and not (args.llama_server and args.gguf):
-        raise SystemExit("llama-server needs --llama-server PATH and --gguf PATH")
+        raise SystemExit("llama-server needs --llama-server PATH and --gguf PATH (or --gguf TYPE, e.g. Q4_0)")
 
     # the tinyserve config: the user's, or one for the bench checkpoint; dtype, port and logging from here
     if args.config:
@@ -328,10 +373,17 @@ async def run(args: argparse.Namespace) -> int:
         model_path = None
     prep = Worker("prepare", _worker_argv("prepare", {}), work / "prepare.log", env)
     try:
-        ckpt = prep.call("prepare", path=model_path, dir=str(args.dir) if args.dir else None)
+        ckpt = prep.call("prepare", path=model_path, dir=str(args.dir) if args.dir else None, model=args.model,
+                         w4="w4" in weights)
     finally:
         prep.stop()
     folder, shape = ckpt["folder"], Shape(args.new_tokens, args.concurrency, args.prefill_tokens, ckpt["vocab"])
+    gguf_type = None
+    if LLAMA in names and is_gguf_type(args.gguf):    # made here from the checkpoint, by llama.cpp's own tools
+        gguf_type = args.gguf.upper()
+        quantize = Path(args.llama_server).resolve().parent
+        args.gguf = str(llama_gguf(folder, args.gguf, quantize.parent if (quantize / "llama-quantize").exists()
+                                   else None))
     data["model"].update(path=folder, dtype=args.dtype)
     data["server"].update(host="127.0.0.1", port=free_port(), api_key="")
     data["log"]["level"] = "warning"
@@ -351,6 +403,14 @@ async def run(args: argparse.Namespace) -> int:
     eager_path = work / "tinyserve-eager.toml"
     eager_path.write_text(config_mod.dumps(eager_cfg))
     device = cfg.model.device           # "auto": the transformers worker picks as tinyserve does
+    servers = {HTTP: (cfg, cfg_path), EAGER: (eager_cfg, eager_path)}    # tinyserve HTTP servers: (config, file)
+    for w in weights:                   # --weights: one server each, with the HTTP server's config otherwise
+        data["engine"]["compile_steps"] = cfg.engine.compile_steps
+        data["model"].update(path=ckpt["w4"] if w == "w4" else folder, dtype=WEIGHTS[w])
+        data["server"]["port"] = free_port()
+        w_path = work / f"tinyserve-{w}.toml"
+        w_path.write_text(config_mod.dumps(config_mod.from_dict(data)))
+        servers[f"tinyserve {w}"] = (config_mod.from_dict(data), w_path)
 
     systems: dict[str, HTTPSystem | WorkerSystem] = {}
     context_figures = None
@@ -358,13 +418,18 @@ async def run(args: argparse.Namespace) -> int:
         # start every system (one after the other), then measure
         for name in names:
             t0 = time.perf_counter()
-            if name in (HTTP, EAGER):
-                c, path = (cfg, cfg_path) if name == HTTP else (eager_cfg, eager_path)
+            if name in servers:
+                c, path = servers[name]
                 srv = ServerProcess(name, _tinyserve_argv(path), f"http://127.0.0.1:{c.server.port}",
                                     work / f"{path.stem}-server.log", env=env)
                 systems[name] = HTTPSystem(name, srv, "/v1/completions", _tinyserve_body, _tinyserve_progress)
                 srv.wait_ready()
                 systems[name].info = f"`tinyserve {path.name}`, OMP_NUM_THREADS={threads}"
+                if "compiling the CPU steps failed" in srv.log.read_text(errors="replace"):
+                    systems[name].info += " (WARNING: compiling its steps failed, they run eagerly: see its log)"
+                if weights:
+                    systems[name].info += (f", {Path(c.model.path).name} in {c.model.dtype} "
+                                           f"({_safetensors_mb(c.model.path):.0f} MB of safetensors)")
             elif name == LLAMA:
                 per_slot = -(-(max(shape.prefill_tokens, TTFT_PROMPT_TOKENS + 64 + shape.new_tokens) + 256)
                              // 256) * 256
@@ -381,9 +446,12 @@ async def run(args: argparse.Namespace) -> int:
                 ftype = gguf_file_type(args.gguf)
                 systems[name].info = (f"{Path(args.gguf).name} (file type {ftype}), build {build}, "
                                       f"{' '.join(argv[5:])}")
-                want = {"float32": "F32", "bfloat16": "BF16"}[args.dtype]
-                if ftype != want:
-                    print(f"warning: --dtype {args.dtype} but the GGUF's file type is {ftype}", file=sys.stderr)
+                if weights or gguf_type:
+                    systems[name].label = f"{LLAMA} {ftype}"
+                want = gguf_type or (None if weights else {"float32": "F32", "bfloat16": "BF16"}[args.dtype])
+                if want and ftype != want:
+                    print(f"warning: {f'--gguf {gguf_type}' if gguf_type else f'--dtype {args.dtype}'} but the "
+                          f"GGUF's file type is {ftype}", file=sys.stderr)
             else:
                 kind = "tinyserve" if name == INPROC else "transformers"
                 spec = {"config": str(cfg_path), "folder": folder, "dtype": args.dtype, "device": device}
@@ -421,14 +489,16 @@ async def run(args: argparse.Namespace) -> int:
             print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
 
         diff = None
-        if args.dtype != "float32":
+        diff_dtype = ("bfloat16" if "bf16" in weights else None) if weights else args.dtype
+        if diff_dtype not in (None, "float32"):
             if HF in systems:
                 w = systems[HF].worker
             else:
                 w = Worker("transformers", _worker_argv("transformers", {
-                    "folder": folder, "dtype": args.dtype, "device": device}), work / "logits-worker.log", env)
+                    "folder": folder, "dtype": diff_dtype, "device": device}), work / "logits-worker.log", env)
             try:
                 diff = w.call("logits_diff", prompt=token_prompts(1, 64, 64, shape.vocab, "logits")[0])
+                diff["dtype"] = diff_dtype
             finally:
                 if HF not in systems:
                     w.stop()
@@ -474,7 +544,7 @@ async def measure_contexts(args, shape: Shape, contexts: list[int], systems: dic
 
 def report_contexts(args, shape: Shape, contexts: list[int], systems: dict, threads: int, load_before: str,
                     others: float, decode: dict, prefill: dict) -> None:
-    names = list(systems)
+    names, label = list(systems), {n: s.label for n, s in systems.items()}
     pick = statistics.median if args.stat == "median" else max
     rows = []
     for context in contexts:
@@ -483,62 +553,87 @@ def report_contexts(args, shape: Shape, contexts: list[int], systems: dict, thre
     print(f"\nbench/serve.py --context: decode of {shape.new_tokens} tokens after a cached prompt, "
           f"{'best' if args.stat == 'best' else 'median'} of {args.rounds} rounds, {threads} threads per system")
     for name in names:
-        print(f"  {name}: {systems[name].info}; start to ready {systems[name].ready_s:.1f} s")
+        print(f"  {label[name]}: {systems[name].info}; start to ready {systems[name].ready_s:.1f} s")
     print(f"  load average before {load_before}, after {load_average()}; other processes used "
           f"{others:.2f} cores on average during the run\n")
-    print(fmt_table(rows, ("context", *(f"{n} decode tok/s" for n in names), *(f"{n} prefill tok/s" for n in names))))
+    print(fmt_table(rows, ("context", *(f"{label[n]} decode tok/s" for n in names),
+                           *(f"{label[n]} prefill tok/s" for n in names))))
     if len(names) > 1:
         base = names[0]
         print()
         for other in names[1:]:
             for context in contexts:
                 a, b = pick(decode[(base, context)]), pick(decode[(other, context)])
-                print(f"  {context} tokens: {base} / {other} decode {a / b:.2f}x")
+                print(f"  {context} tokens: {label[base]} / {label[other]} decode {a / b:.2f}x")
         for name in names:
             first, last = pick(decode[(name, contexts[0])]), pick(decode[(name, contexts[-1])])
-            print(f"  {name}: {contexts[0]} -> {contexts[-1]} tokens slows decode {first / last:.2f}x")
+            print(f"  {label[name]}: {contexts[0]} -> {contexts[-1]} tokens slows decode {first / last:.2f}x")
 
 
 def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Results, load_before: str,
            load_after: str, others: float, diff: dict | None) -> None:
     names = list(systems)
-    figures: dict[tuple[str, str], float] = {}
+    weights = args.weights.split(",") if args.weights else []
+    rounds: dict[tuple[str, str], list[float]] = {}       # each round's value, in round order
     for (name, kind), samples in res.samples.items():
         prompts = [res.prompts[(kind, str(i))][0] for i in range(len(samples))]
-        vals = [value(kind, s, p) for s, p in zip(samples, prompts)]
-        if args.stat == "median":
-            figures[(name, kind)] = statistics.median(vals)
-        else:
-            figures[(name, kind)] = min(vals) if kind == TTFT else max(vals)
+        rounds[(name, kind)] = [value(kind, s, p) for s, p in zip(samples, prompts)]
+        if weights and kind in DECODE and all(s.decode for s in samples):
+            rounds[(name, DECODE[kind])] = [s.decode for s in samples]
+    pick = statistics.median if args.stat == "median" else max
+    figures = {key: min(vals) if key[1] == TTFT and args.stat == "best" else pick(vals)
+               for key, vals in rounds.items()}
+
+    def number(kind: str, v: float) -> str:
+        return f"{v * 1e3:.1f}" if kind == TTFT else f"{v:.1f}" if v < 100 else f"{v:.0f}"
 
     c, n = shape.concurrency, shape.new_tokens
     labels = {ONE: f"1 request x {n} tokens (tok/s)", BATCH: f"{c} concurrent x {n} tokens (tok/s)",
+              DECODE[ONE]: "  decode only (tok/s)", DECODE[BATCH]: "  decode only (tok/s)",
               PREFILL: f"prefill, {shape.prefill_tokens}-token prompt (tok/s)",
               TTFT: f"TTFT, one {TTFT_PROMPT_TOKENS}-token prompt (ms)"}
     rows = []
-    for kind in (ONE, BATCH, PREFILL, TTFT):
+    for kind in (ONE, DECODE[ONE], BATCH, DECODE[BATCH], PREFILL, TTFT) if weights else (ONE, BATCH, PREFILL, TTFT):
         cells = []
         for name in names:
-            v = figures.get((name, kind))
-            cells.append("" if v is None else f"{v * 1e3:.1f}" if kind == TTFT else f"{v:.1f}" if v < 100
-                         else f"{v:.0f}")
+            v, vals = figures.get((name, kind)), rounds.get((name, kind), [])
+            spread = f" ({number(kind, min(vals))}-{number(kind, max(vals))})" if len(vals) > 1 else ""
+            cells.append("" if v is None else number(kind, v) + spread)
         rows.append((labels[kind], *cells))
 
     def ratio(a: str, b: str, kind: str) -> str:
+        """a's figure over b's, and the spread of the rounds' own ratios."""
         x, y = figures.get((a, kind)), figures.get((b, kind))
-        return f"{x / y:.2f}x" if x and y else "n/a"
+        if not (x and y):
+            return "n/a"
+        each = [p / q for p, q in zip(rounds[(a, kind)], rounds[(b, kind)])]
+        return f"{x / y:.2f}x" + (f" ({min(each):.2f}-{max(each):.2f})" if len(each) > 1 else "")
 
     stat = "best" if args.stat == "best" else "median"
-    print(f"\nbench/serve.py: {Path(folder).name} ({folder}), {args.dtype} weights, {threads} threads per system, "
-          f"{stat} of {args.rounds} rounds")
+    what = f"{', '.join(weights)} weights (a tinyserve server each)" if weights else f"{args.dtype} weights"
+    print(f"\nbench/serve.py: {Path(folder).name} ({folder}), {what}, {threads} threads per system, "
+          f"{stat} of {args.rounds} rounds" + (" (min-max of the rounds in brackets)" if args.rounds > 1 else ""))
     for name in names:
-        print(f"  {name}: {systems[name].info}; start to ready {systems[name].ready_s:.1f} s")
+        print(f"  {systems[name].label}: {systems[name].info}; start to ready {systems[name].ready_s:.1f} s")
     print(f"  load average before {load_before}, after {load_after}; other processes used {others:.2f} cores "
           f"on average during the run ({os.cpu_count()} CPUs)")
     print("  times: wall clock in this script (HTTP: request sent -> streamed token; in-process and "
-          "transformers: around the call)\n")
-    print(fmt_table(rows, ("measure", *names)))
-    print("\nratios (tinyserve = the HTTP server, what a user gets)")
+          "transformers: around the call)" + ("; decode only: the tokens after the first over the time from the "
+                                              "first token (of any request) to the last" if weights else "") + "\n")
+    print(fmt_table(rows, ("measure", *(systems[name].label for name in names))))
+    spread = " (per-round ratios' min-max in brackets)" if args.rounds > 1 else ""
+    if weights:
+        pairs = [(f"tinyserve {w}", LLAMA) for w in weights if LLAMA in systems] + \
+            [(f"tinyserve {a}", f"tinyserve {b}") for a, b in (("w4", "f32"), ("w4", "bf16"), ("bf16", "f32"))
+             if a in weights and b in weights]
+        kinds = (ONE, DECODE[ONE], BATCH, DECODE[BATCH], PREFILL, TTFT)
+        print(f"\nratios{spread}\n")
+        print(fmt_table([(f"{systems[a].label} / {systems[b].label}", *(ratio(a, b, k) for k in kinds))
+                         for a, b in pairs],
+                        ("ratio", "1 request", "  decode only", f"{c} concurrent", "  decode only", "prefill",
+                         "TTFT")))
+    else:
+        print(f"\nratios{spread} (tinyserve = the HTTP server, what a user gets)")
     ratio_rows = []
     if HTTP in systems and EAGER in systems:
         ratio_rows.append(("tinyserve HTTP / eager", f"1 request {ratio(HTTP, EAGER, ONE)}",
@@ -556,8 +651,20 @@ def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Re
     width = [max(len(r[i]) if i < len(r) else 0 for r in ratio_rows) for i in range(5)] if ratio_rows else []
     for r in ratio_rows:
         print("  " + "   ".join(cell.ljust(w) for cell, w in zip(r, width)).rstrip())
+    if args.model == "memory-bound" and not args.config and "w4" in weights:
+        checks = []
+        for peer, target in W4_TARGETS.items():
+            other = peer if peer == LLAMA else f"tinyserve {peer}"
+            for kind, what in ((ONE, "1 request"), (BATCH, f"{c} concurrent")):
+                x, y = figures.get(("tinyserve w4", DECODE[kind])), figures.get((other, DECODE[kind]))
+                if x and y:
+                    checks.append(f"tinyserve w4 / {systems[other].label}, {what}, decode: {x / y:.2f}x "
+                                  f"{'>=' if x / y >= target else '< (MISSED)'} {target}x")
+        if checks:
+            print("\ntargets (the issue's, on the memory-bound model; from the decode figures above):\n  "
+                  + "\n  ".join(checks))
 
-    ref = HTTP if HTTP in systems else names[0]
+    ref = next((r for r in (HTTP, "tinyserve f32") if r in systems), names[0])
     same = []
     for name in names:
         if name == ref:
@@ -565,12 +672,15 @@ def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Re
         a, b = res.samples.get((ref, BATCH), []), res.samples.get((name, BATCH), [])
         pairs = [(x, y) for sa, sb in zip(a, b) for x, y, n in zip(sa.outputs, sb.outputs, sb.lengths())
                  if len(y) == n]             # llama-server's streamed ids can miss some (see stream_sse)
-        same.append(f"{name} {sum(x == y for x, y in pairs)}/{len(pairs)}")
+        same.append(f"{systems[name].label} {sum(x == y for x, y in pairs)}/{len(pairs)}")
     if same:
-        print(f"\ngreedy outputs equal to {ref}'s ({c} concurrent, every round): {', '.join(same)}"
-              + (" (bf16 and a random model: near-ties may flip)" if args.dtype != "float32" else ""))
+        note = (" (bf16 and a random model: near-ties may flip)" if args.dtype != "float32" and not weights else
+                " (other weights than f32 and a random model: near-ties flip, then the rest of an output differs)"
+                if weights else "")
+        print(f"\ngreedy outputs equal to {systems[ref].label}'s ({c} concurrent, every round): {', '.join(same)}"
+              + note)
     if diff is not None:
-        print(f"{args.dtype} logits vs fp32 logits (transformers, one 64-token prompt, every position): max abs "
+        print(f"{diff['dtype']} logits vs fp32 logits (transformers, one 64-token prompt, every position): max abs "
               f"difference {diff['max_abs_diff']:.4f} (largest |logit| {diff['max_abs']:.2f}); argmax agrees at "
               f"{diff['argmax_agree']:.0%} of the positions")
     if others > 0.25 or float(load_before.split()[0]) > (os.cpu_count() or 1):
@@ -584,10 +694,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="tinyserve TOML config (default: the bench checkpoint on CPU, default "
                                      "engine settings); its model.dtype, server address and log level are "
                                      "overridden")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="weights dtype of tinyserve and transformers (pass a GGUF of the same dtype)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"],
+                    help="weights dtype of tinyserve and transformers (default float32; pass a GGUF of the same "
+                         "dtype)")
+    ap.add_argument("--model", choices=list(BENCH_MODELS),
+                    help="the bench checkpoint: bench (~31M, the default) or memory-bound (~190M)")
+    ap.add_argument("--weights", metavar="W1,W2,...",
+                    help="comma-separated f32, bf16, w4: one tinyserve HTTP server per entry instead of the systems "
+                         "above (w4: the checkpoint's 4-bit twin, compressed-tensors W4A16 g128, made once)")
     ap.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary")
-    ap.add_argument("--gguf", metavar="PATH", help="the checkpoint converted to GGUF (f32 or bf16, as --dtype)")
+    ap.add_argument("--gguf", metavar="PATH|TYPE",
+                    help="the checkpoint converted to GGUF (f32 or bf16, as --dtype), or a llama.cpp type (Q4_0, "
+                         "Q8_0, f32, ...): made from the checkpoint by llama.cpp's converter / llama-quantize, cached")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; each figure is the best or median (default 3)")
     ap.add_argument("--stat", choices=["best", "median"], default="best", help="figure over the rounds")
     ap.add_argument("--threads", type=int, default=0,
@@ -615,6 +733,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.weights:
+        bad = [w for w in args.weights.split(",") if w not in WEIGHTS]
+        if bad or len(set(args.weights.split(","))) != len(args.weights.split(",")):
+            ap.error(f"--weights: a comma-separated list of distinct {', '.join(WEIGHTS)}, got {args.weights!r}")
+        if args.systems or args.dtype:
+            ap.error("--weights picks the systems (a tinyserve server per entry, llama-server with --llama-server) "
+                     "and their dtypes: leave out --systems and --dtype")
+    if args.config and args.model:
+        ap.error("--model picks a bench checkpoint; --config serves its own model.path")
+    args.dtype, args.model = args.dtype or "float32", args.model or "bench"
     if args.new_tokens is None:
         args.new_tokens = CONTEXT_NEW_TOKENS if args.context else 48
     if args.context and set(args.systems or []) - {"http", "eager", "llama"}:

@@ -24,22 +24,17 @@ import os
 import time
 import weakref
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from tinyserve.kernels import use_triton
-from tinyserve.kernels.activation import silu_and_mul
+from tinyserve.kernels.pointwise import InputNorm, rms_norm, silu_and_mul
 from tinyserve.kernels.fp8 import fp8_linear
 from tinyserve.kernels.fp8_weight import Fp8Weight
-from tinyserve.kernels.norm import rms_norm
+from tinyserve.kernels.w4 import w4_linear
+from tinyserve.kernels.w4_weight import W4Weight
 
-
-class InputNorm(NamedTuple):
-    """An RMSNorm applied to x before the GEMM: x * rstd(x) * scale (scale [K] fp32, 1 + w already added)."""
-    scale: torch.Tensor
-    eps: float
 
 # oneDNN keeps each GEMM it has set up, per row count and weight shape (~0.6 MB each), in two caches of 1,024 by
 # default: prefill chunks of every length grew a server's memory by ~600 MB before they filled. The steady shapes
@@ -66,24 +61,32 @@ def _onednn_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == weight.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, norm: InputNorm | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight | W4Weight, norm: InputNorm | None = None,
            silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T -> [..., N], no bias. An Fp8Weight goes to the block-FP8 GEMM.
+    """x [..., K] @ weight[N, K]^T -> [..., N], no bias. An Fp8Weight goes to the block-FP8 GEMM, a W4Weight to
+    the 4-bit one (kernels/w4.py).
 
     What surrounds a projection in the model, each optional, in this order: `norm`, x RMS-normalised first
     (rms_norm by the norm's scale); `silu_mul`, the weight is a gate_up [2I, K] and the result silu(gate) * up
     [..., I]; `residual`, residual + the product. On a GPU a decode step's rows (1..16) run all of it as one
     kernel (kernels/linear_triton.py: the decode GEMM, at the memory's bandwidth); otherwise the separate ops."""
     if use_triton(x):
-        from tinyserve.kernels import linear_triton
-        if linear_triton.fits(x, weight):
-            return linear_triton.decode_linear(x, weight, norm, silu_mul, residual)
+        if isinstance(weight, W4Weight):       # the 4-bit sibling of the decode kernel
+            from tinyserve.kernels import w4_triton
+            if w4_triton.fits(x, weight):
+                return w4_triton.decode_linear(x, weight, norm, silu_mul, residual)
+        else:
+            from tinyserve.kernels import linear_triton
+            if linear_triton.fits(x, weight):
+                return linear_triton.decode_linear(x, weight, norm, silu_mul, residual)
     if norm is not None or silu_mul or residual is not None:
         y = linear(rms_norm(x, norm.scale, norm.eps, zero_centred=False) if norm is not None else x, weight)
         y = silu_and_mul(y) if silu_mul else y
         return residual + y if residual is not None else y
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight)
+    if isinstance(weight, W4Weight):
+        return w4_linear(x, weight)
     rows = x.numel() // x.shape[-1]
     # is_dynamo_compiling: true in the code dynamo traces alone (is_compiling is one flag for the whole process, set
     # on the engine thread's eager steps too while a graph compiles on another thread: compiled.py)

@@ -16,6 +16,9 @@ weight, not the rows:
 Weights: FP8 with block scales (kernels/fp8_weight.Fp8Weight; w8a8 quantizes each row's 128-column group in the
 program, as kernels/fp8_triton.py does, w8a16 widens the weight tile), or 16-bit tensors (bf16 / fp16, the dtype of
 x). fp32 weights run here only under the interpreter (the tests' oracle precision); on a GPU cuBLAS keeps them.
+4-bit weights (kernels/w4_weight.W4Weight) run the same design in a sibling kernel, kernels/w4_triton.py (its K loop
+dequantizes packed codes; the tiles, the split-K sum and this epilogue are these): `fits` and `decode_linear` take
+them too.
 
 Fused, each optional (the unfused path rounds between steps, and so does this one, so both give the same values):
 - norm: x is RMS-normalised first, x * rstd(x) * scale (an RMSNorm by its scale, 1 + w already added); each program
@@ -38,7 +41,7 @@ from tinyserve.kernels.fp8_triton import fp8_group_product
 from tinyserve.kernels.fp8_weight import ACT_GROUP, Fp8Weight
 
 if TYPE_CHECKING:
-    from tinyserve.kernels.linear import InputNorm
+    from tinyserve.kernels.pointwise import InputNorm
 
 DECODE_ROWS = 16            # rows this kernel takes (tl.dot's least M); more go to the prefill GEMMs
 BM = 16
@@ -203,7 +206,8 @@ def _weight_tensor(weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
 
 def fits(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
     """Whether this kernel takes x @ weight^T: 1..DECODE_ROWS rows, a 2-D weight read along K; FP8, or 16-bit of
-    x's dtype (fp32 only interpreted: on a GPU cuBLAS multiplies fp32 faster than an FMA loop would)."""
+    x's dtype (fp32 only interpreted: on a GPU cuBLAS multiplies fp32 faster than an FMA loop would). A 4-bit weight
+    has its own (w4_triton.fits)."""
     w = _weight_tensor(weight)
     rows = x.numel() // max(x.shape[-1], 1)
     if not 1 <= rows <= DECODE_ROWS or w.dim() != 2 or w.stride(-1) != 1 or w.shape[1] != x.shape[-1]:
@@ -218,7 +222,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, norm: "Inpu
                   silu_mul: bool = False, residual: torch.Tensor | None = None,
                   tiles: DecodeTiles | None = None) -> torch.Tensor:
     """kernels.linear's fused projection for 1..DECODE_ROWS rows (see the module docstring); `tiles` overrides
-    decode_tiles (tests, and bench/gpu_check.py's sweep)."""
+    decode_tiles (tests, and bench/gpu_check.py's sweep). A W4Weight has a sibling kernel (w4_triton.decode_linear)."""
     fp8 = isinstance(weight, Fp8Weight)
     w = _weight_tensor(weight)
     lead, K = x.shape[:-1], x.shape[-1]

@@ -11,7 +11,7 @@ expert, with no host sync (CUDA-graph safe).
    of A by pair id (A row = pair // A_ROW_DIV: the token's row of x for gate_up, the pair's own row of the
    activation for down), multiplies by the expert's weight [N, K] (read transposed, as kernels/fp8_triton.py does),
    accumulates in fp32, optionally scales each row by its routing weight, and writes row `pair` of a [P, N] output.
-3. gate_up GEMM -> silu_and_mul (kernels/activation.py) -> down GEMM with the routing weights -> the top_k rows of
+3. gate_up GEMM -> silu_and_mul (kernels/pointwise.py) -> down GEMM with the routing weights -> the top_k rows of
    each token summed in fp32 (a fixed-order reshape + sum: no atomics, so results do not depend on scheduling).
 
 Experts kept FP8 (a stacked kernels/fp8_weight.Fp8Weight) go through _moe_fp8_gemm_kernel, the same grouped GEMM with
@@ -20,6 +20,14 @@ expert's block scales indexed by expert. w8a8: the gathered A rows are quantized
 kernel (amax / 448, clamped to +-448, rounded to e4m3) and the FP8 x FP8 dot is scaled by both scales; w8a16: the
 weight tile is widened to A's dtype and the dot scaled by the block's scale. The two GEMMs of a layer may differ
 (one FP8, one not); they share BM, which the pair alignment is padded to.
+
+Experts kept 4-bit (a stacked kernels/w4_weight.W4Weight: GPTQ / AWQ / compressed-tensors int4, NVFP4) go through
+_moe_w4_gemm_kernel, the same grouped GEMM whose K loop is kernels/w4_triton.py's: the expert's packed bytes
+[BK/2, BN] loaded along K and dequantized in registers (its group scales and zeros once per group), the gathered A
+tile split into its even and odd columns for the low and high nibbles' two dots, and under act-order the A columns
+gathered through the expert's perm in the K loop (each expert has its own; the linear GEMMs gather x once before
+theirs instead: here the A load then waits on the perm load each step, a cost for the device run to measure).
+Either GEMM of a layer may be 4-bit, FP8 or 16-bit independently of the other.
 
 The GEMMs multiply in the input dtype (bf16 / fp16 tensor cores on a GPU; fp32 in IEEE precision, not TF32, as
 torch's fp32 GEMMs by default) with fp32 accumulation; BK is the same for every tile shape, so a row's K-summation
@@ -32,9 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.activation import silu_and_mul
+from tinyserve.kernels.pointwise import silu_and_mul
 from tinyserve.kernels.fp8_weight import ACT_GROUP, Fp8Weight
 from tinyserve.kernels.fp8_triton import fp8_group_product
+from tinyserve.kernels.w4_triton import PREFILL_BK as W4_BK, dequant_mode, even_odd, supports as w4_supports
+from tinyserve.kernels.w4_triton import w4_tile_product
+from tinyserve.kernels.w4_weight import W4Weight
 
 BK = 64                       # K step of every tile shape (fixed: see the module docstring)
 
@@ -107,6 +118,48 @@ def _moe_fp8_gemm_kernel(a_ptr, w_ptr, s_ptr, y_ptr, rw_ptr, sorted_ids_ptr, exp
     _store_block(acc, y_ptr, rw_ptr, pairs, row_ok, cols, col_ok, sym, MUL_ROUTED_WEIGHT=MUL_ROUTED_WEIGHT)
 
 
+@triton.jit
+def _moe_w4_gemm_kernel(a_ptr, c_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, rw_ptr, sorted_ids_ptr, expert_ids_ptr,
+                        padded_len_ptr, N, K, P, sam, sce, scn, sse, ssn, sze, szn, spe, sym, zero_point, global_scale,
+                        A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, PREC: tl.constexpr,
+                        FP4: tl.constexpr, HAS_ZEROS: tl.constexpr, PERM: tl.constexpr, GROUP: tl.constexpr,
+                        A: tl.constexpr, MODE: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr):
+    if tl.program_id(0) * BM >= tl.load(padded_len_ptr):
+        return                                          # a block past the padded length (the buffer's bound)
+    pairs, row_ok, expert, cols, col_ok = _expert_block(sorted_ids_ptr, expert_ids_ptr, N, P, BM=BM, BN=BN)
+    ks = tl.arange(0, BK)
+    js = tl.arange(0, BK // 2)
+    gs = tl.arange(0, A)
+    a_rows = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * sam
+    c_ptrs = c_ptr + expert * sce + cols.to(tl.int64)[None, :] * scn + js[:, None]       # W_e^T bytes [BK/2, BN]
+    s_row = s_ptr + expert * sse + cols.to(tl.int64)[None, :] * ssn + gs[:, None]         # the expert's [A, BN]
+    z_row = z_ptr + expert * sze + cols.to(tl.int64)[None, :] * szn + gs[:, None]
+    perm_row = perm_ptr + expert * spe
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = k0 + ks < K
+        if EVEN_K:                  # K a multiple of BK (the Qwen3.5 / Qwen3-Next expert shapes): no K masks
+            a_mask = row_ok[:, None]
+            c_mask = col_ok[None, :]
+            g_mask = col_ok[None, :]
+        else:
+            a_mask = row_ok[:, None] & k_ok[None, :]
+            c_mask = (k0 // 2 + js < K // 2)[:, None] & col_ok[None, :]
+            g_mask = (k0 // GROUP + gs < K // GROUP)[:, None] & col_ok[None, :]
+        if PERM:                    # act-order: the expert's sorted columns are A's columns perm_e[k]
+            ka = tl.load(perm_row + k0 + ks, mask=k_ok, other=0)
+        else:
+            ka = k0 + ks
+        a = tl.load(a_rows + ka[None, :], mask=a_mask, other=0.0)
+        ae, ao = even_odd(a)
+        g0 = k0 // GROUP
+        acc += w4_tile_product(ae, ao, c_ptrs, c_mask, s_row + g0, z_row + g0, g_mask, zero_point, global_scale,
+                               FP4, HAS_ZEROS, A, MODE, PREC)
+        c_ptrs += BK // 2
+    _store_block(acc, y_ptr, rw_ptr, pairs, row_ok, cols, col_ok, sym, MUL_ROUTED_WEIGHT=MUL_ROUTED_WEIGHT)
+
+
 def tile_shape(pairs: int, num_experts: int) -> tuple[int, int, int, int]:
     """(BM, BN, num_warps, num_stages) by the mean rows per expert: few rows (decode) -> the smallest M tile a GPU
     dot takes and narrow N slices (many programs streaming each expert's weight once); more -> larger tiles."""
@@ -123,6 +176,13 @@ def fp8_tile_shape(BM: int) -> tuple[int, int, int, int]:
     it). The FP8 weight tile is half the bytes of a bf16 one, so the 128-column K step still fits three stages of
     the prefill tile in a 4090's or 5090's 100 KiB of shared memory (72 KiB; checked with
     `bench/gpu_check.py --compile`: no spills)."""
+    return (BM, 64, 4, 4) if BM <= 32 else (BM, 128, 8, 3)
+
+
+def w4_tile_shape(BM: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) of the 4-bit GEMM for the BM tile_shape chose. A stage holds the A tile
+    [BM, 64] and the expert's bytes [32, BN] (12 KB at 64 x 128): three stages fit every card (checked with
+    `bench/gpu_check.py --compile`)."""
     return (BM, 64, 4, 4) if BM <= 32 else (BM, 128, 8, 3)
 
 
@@ -154,6 +214,9 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Fp8Weight, out: torch.Tenso
     if isinstance(w, Fp8Weight):
         return _grouped_fp8_gemm(a, w, out, a_row_div, routed_weights, sorted_ids, expert_ids, padded_len,
                                  fp8_tile_shape(tiles[0]))
+    if isinstance(w, W4Weight):
+        return _grouped_w4_gemm(a, w, out, a_row_div, routed_weights, sorted_ids, expert_ids, padded_len,
+                                w4_tile_shape(tiles[0]))
     BM, BN, warps, stages = tiles
     N, K = w.shape[1], w.shape[2]
     grid = (expert_ids.numel(), triton.cdiv(N, BN))
@@ -182,17 +245,44 @@ def _grouped_fp8_gemm(a: torch.Tensor, w: Fp8Weight, out: torch.Tensor, a_row_di
         num_stages=stages)
 
 
-def _rows_contiguous(t: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:     # an Fp8Weight is contiguous
+def _grouped_w4_gemm(a: torch.Tensor, w: W4Weight, out: torch.Tensor, a_row_div: int, routed_weights,
+                     sorted_ids: torch.Tensor, expert_ids: torch.Tensor, padded_len: torch.Tensor,
+                     tiles: tuple[int, int, int, int]) -> None:
+    BM, BN, warps, stages = tiles
+    N, K = w.shape[1], w.shape[2]
+    zeros = w.zeros if w.zeros is not None else w.scales          # placeholders: never read
+    perm = w.perm if w.perm is not None else w.scales
+    grid = (expert_ids.numel(), triton.cdiv(N, BN))
+    _moe_w4_gemm_kernel[grid](
+        a, w.codes, w.scales, zeros, perm, out, routed_weights if routed_weights is not None else out, sorted_ids,
+        expert_ids, padded_len, N, K, out.shape[0], a.stride(0), w.codes.stride(0), w.codes.stride(1),
+        w.scales.stride(0), w.scales.stride(1), zeros.stride(0) if w.zeros is not None else 0,
+        zeros.stride(1) if w.zeros is not None else 0, perm.stride(0) if w.perm is not None else 0, out.stride(0),
+        w.zero_point, w.global_scale,
+        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=routed_weights is not None, PREC="ieee" if a.dtype == torch.float32
+        else "tf32", FP4=w.kind == "fp4", HAS_ZEROS=w.zeros is not None, PERM=w.perm is not None, GROUP=w.group,
+        A=max(1, W4_BK // w.group), MODE=dequant_mode(w, a.dtype, W4_BK), EVEN_K=K % W4_BK == 0, BM=BM, BN=BN,
+        BK=W4_BK, num_warps=warps, num_stages=stages)
+
+
+def _rows_contiguous(t: torch.Tensor | Fp8Weight | W4Weight, dtype: torch.dtype
+                     ) -> torch.Tensor | Fp8Weight | W4Weight:
+    """t with rows of unit stride (an Fp8Weight is); a W4Weight whose groups fit no K step of the 4-bit GEMM
+    (w4_triton.supports: groups neither a power of two nor a multiple of 64; no checkpoint of this family has
+    one) dequantized to dtype for the call."""
+    if isinstance(t, W4Weight):
+        return t if w4_supports(t, W4_BK) else t.dequantize(dtype)
     return t if isinstance(t, Fp8Weight) or t.stride(-1) == 1 else t.contiguous()
 
 
-def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight | W4Weight,
+                  w_down: torch.Tensor | Fp8Weight | W4Weight, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
     T, k = topk_ids.shape
     E, H = w_gate_up.shape[0], w_down.shape[1]
     if T == 0:
         return torch.zeros((0, H), dtype=torch.float32, device=x.device)
-    x, w_gate_up, w_down = _rows_contiguous(x), _rows_contiguous(w_gate_up), _rows_contiguous(w_down)
+    x, w_gate_up, w_down = (_rows_contiguous(t, x.dtype) for t in (x, w_gate_up, w_down))
     P = T * k
     tiles = tile_shape(P, E)
     sorted_ids, expert_ids, padded_len = align_pairs(topk_ids, E, tiles[0])

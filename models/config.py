@@ -93,7 +93,11 @@ class WeightCount:
     values: int              # every weight value (the vision tower's too, unless model.vision = false)
     fp8_values: int = 0      # of those, the values kept as FP8 (1 byte each) ...
     fp8_scales: int = 0      # ... and their block scales (fp32, not in `values`)
+    w4_values: int = 0       # of `values`, those held 4-bit (kernels/w4_weight.W4Weight) ...
+    w4_bytes: int = 0        # ... in this many bytes: codes, group scales, zero points, act-order permutations
+    w4_format: str = ""      # how they are stored, for the plan's line: "gptq g128", "nvfp4 g16", ...
 
     def bytes(self, element_size: int) -> int:
         """Bytes on the device when the other weights are held in a dtype of `element_size` bytes."""
-        return (self.values - self.fp8_values) * element_size + self.fp8_values + 4 * self.fp8_scales
+        return ((self.values - self.fp8_values - self.w4_values) * element_size + self.fp8_values
+                + 4 * self.fp8_scales + self.w4_bytes)

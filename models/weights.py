@@ -1,17 +1,18 @@
 """Checkpoint tensors into the models' parameters: parameters laid out empty, the weight loaders that map a
 checkpoint's tensor names to them (WeightLoaders; the vision tower's own in qwen_vision.py), the text model's map
 (TextWeights: Qwen3NextForCausalLM and its NEXTN head), and the memory of a model laid out on "meta" (allocate: the
-weights kept FP8 as Fp8Weight). The model files hold the forward only."""
+weights kept FP8 as Fp8Weight, those kept 4-bit as W4Weight). The model files hold the forward only."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from tinyserve.kernels.fp8_weight import Fp8Weight
+from tinyserve.kernels.w4_weight import W4Weight
 
 
 def empty_param(shape, dtype, device) -> nn.Parameter:
@@ -23,18 +24,19 @@ class WeightLoaders:
 
     `parts` records the tensors copied as they are into rows of a parameter (name -> (parameter, first row); for
     stacked experts [E, N, K] the first row within its expert): the loader keeps a checkpoint's FP8 tensors FP8 only
-    where whole parameters are filled that way. A loader of an Fp8Weight's rows takes the FP8 values and their
-    scales, already in the weight's block layout."""
+    where whole parameters are filled that way (and 4-bit ones 4-bit). A loader of an Fp8Weight's rows takes the FP8
+    values and their scales, already in the weight's block layout; a loader of a W4Weight's rows takes a W4Weight of
+    the same layout (tinyserve/four_bit.py repacks the checkpoint's tensors into one)."""
 
     def __init__(self) -> None:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.loaders: dict[str, Callable[..., None]] = {}
-        self.parts: dict[str, tuple[nn.Parameter | Fp8Weight, int]] = {}
+        self.parts: dict[str, tuple[nn.Parameter | Fp8Weight | W4Weight, int]] = {}
 
-    def add(self, name: str, shape: tuple[int, ...], target: torch.Tensor | Fp8Weight,
+    def add(self, name: str, shape: tuple[int, ...], target: torch.Tensor | Fp8Weight | W4Weight,
             transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        if isinstance(target, Fp8Weight):
-            assert transform is None, name        # rows reordered at load never stay FP8 (the loader's rule)
+        if isinstance(target, (Fp8Weight, W4Weight)):
+            assert transform is None, name        # rows reordered at load never stay FP8 / 4-bit (the loader's rule)
             return self.add_rows(name, shape, target, 0)
         self.shapes[name] = tuple(shape)
         if transform is None and isinstance(target, nn.Parameter):
@@ -50,12 +52,18 @@ class WeightLoaders:
         checkpoint's own implementation holds it before adding 1 in fp32)."""
         self.add(name, shape, scale, lambda t: 1.0 + t.to(dtype).float())
 
-    def add_rows(self, name: str, shape: tuple[int, ...], param: nn.Parameter | Fp8Weight, start: int,
+    def add_rows(self, name: str, shape: tuple[int, ...], param: nn.Parameter | Fp8Weight | W4Weight, start: int,
                  expert: int | None = None) -> None:
         """A checkpoint tensor that fills rows start:start+shape[0] of a fused parameter (of expert `expert` of
         stacked experts [E, N, K])."""
         rows = shape[0]
-        if isinstance(param, Fp8Weight):
+        if isinstance(param, W4Weight):
+            self.shapes[name] = tuple(shape)
+
+            def load_w4(part: W4Weight) -> None:
+                (param if expert is None else param.expert(expert)).copy_rows(start, part)   # expert e's view
+            self.loaders[name] = load_w4
+        elif isinstance(param, Fp8Weight):
             self.shapes[name] = tuple(shape)
             weight, scale_rows = (param.weight, param.scale) if expert is None else \
                 (param.weight[expert], param.scale[expert])
@@ -106,27 +114,53 @@ def place_on_huge_pages(module: nn.Module) -> tuple[int, object | None]:
 # The text model's map: Qwen3NextForCausalLM's parameters by checkpoint name (read through the modules' attributes)
 
 @dataclass(frozen=True)
-class Fp8Weights:
-    """Which linear weights the model holds as FP8 (parameter name -> scale block) and how they multiply."""
+class W4Layout:
+    """How a linear weight is held 4-bit: kernels/w4_weight.W4Weight's arguments besides its shape."""
+
+    kind: str                        # "int4" | "fp4"
+    group: int                       # input columns per scale
+    scale_dtype: torch.dtype
+    asymmetric: bool = False         # a zero point per group (else every zero is `zero_point`)
+    zero_point: int = 8
+    act_order: bool = False          # columns sorted by group at load (W4Weight.perm)
+    global_scale: float = 1.0        # fp4
+
+    def weight(self, shape: torch.Size, device) -> W4Weight:
+        """An empty W4Weight of `shape` ([N, K], or stacked experts [E, N, K])."""
+        return W4Weight(shape[-2], shape[-1], self.group, self.kind, self.scale_dtype, self.asymmetric,
+                        self.zero_point, self.act_order, self.global_scale, device,
+                        shape[0] if len(shape) == 3 else None)
+
+
+@dataclass(frozen=True)
+class QuantizedWeights:
+    """Which linear weights the model holds quantized, and how: as FP8 (parameter name -> scale block; act_quant:
+    how they multiply) and as 4-bit (parameter name -> W4Layout)."""
 
     blocks: dict[str, tuple[int, int]]
     act_quant: bool                  # w8a8 (activations quantized per 128-group) or w8a16 (see kernels/fp8.py)
+    w4: dict[str, W4Layout] = field(default_factory=dict)
 
 
-def allocate(model: nn.Module, fp8: Fp8Weights) -> None:
+def allocate(model: nn.Module, quantized: QuantizedWeights) -> None:
     """Give every parameter of a model laid out on "meta" its memory (on model.device): an Fp8Weight where
-    Fp8Weights.blocks names it (with an experts dimension for stacked experts [E, N, K]), else a tensor of its dtype."""
-    unknown = set(fp8.blocks) - {n for n, p in model.named_parameters() if getattr(p, "is_linear_weight", False)}
+    QuantizedWeights.blocks names it, a W4Weight where QuantizedWeights.w4 does (each with an experts dimension for stacked
+    experts [E, N, K]), else a tensor of its dtype."""
+    unknown = (set(quantized.blocks) | set(quantized.w4)) - {n for n, p in model.named_parameters()
+                                                 if getattr(p, "is_linear_weight", False)}
     assert not unknown, f"not linear weights of this model: {sorted(unknown)}"
+    assert not set(quantized.blocks) & set(quantized.w4), "a weight is either FP8 or 4-bit"
     for name, p in list(model.named_parameters()):
         if not p.is_meta:
             continue
         owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
         del owner._parameters[attr]
-        if name in fp8.blocks:
+        if name in quantized.blocks:
             experts = p.shape[0] if p.dim() == 3 else None
-            setattr(owner, attr, Fp8Weight(p.shape[-2], p.shape[-1], fp8.blocks[name], model.device,
-                                           fp8.act_quant, experts))
+            setattr(owner, attr, Fp8Weight(p.shape[-2], p.shape[-1], quantized.blocks[name], model.device,
+                                           quantized.act_quant, experts))
+        elif name in quantized.w4:
+            setattr(owner, attr, quantized.w4[name].weight(p.shape, model.device))
         else:
             setattr(owner, attr, empty_param(p.shape, p.dtype, model.device))
     if model.cfg.tie_word_embeddings:
@@ -166,8 +200,9 @@ class TextWeights:
     def expected(self) -> dict[str, tuple[int, ...]]:
         return dict(self.loaders.shapes)
 
-    def load(self, name: str, tensor: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        """Copy one checkpoint tensor in; `scale` (block scales in the target's layout) when it stays FP8."""
+    def load(self, name: str, tensor: torch.Tensor | W4Weight, scale: torch.Tensor | None = None) -> None:
+        """Copy one checkpoint tensor in; `scale` (block scales in the target's layout) when it stays FP8; a
+        W4Weight (one checkpoint module's 4-bit weight, repacked) into a weight held 4-bit."""
         loader = self.loaders.loaders.get(name) or self.fused.loaders.get(name)
         if loader is None:
             raise KeyError(f"unexpected tensor {name!r}")
@@ -181,8 +216,8 @@ class TextWeights:
         """Each linear weight filled by checkpoint tensors copied as they are: parameter name -> [(canonical name,
         first row, rows)], for stacked experts [E, N, K] every expert's parts with their first row within the
         expert. Weights loaded through a reordering (Qwen3-Next's interleaved GDN projections) are not listed, and
-        the stacked names a checkpoint may ship instead (self.fused) are no parts. What the loader decides FP8
-        placement on."""
+        the stacked names a checkpoint may ship instead (self.fused) are no parts. What the loader decides FP8 and
+        4-bit placement on."""
         model = self.model
         names = {id(p): n for n, p in model.named_parameters() if getattr(p, "is_linear_weight", False)}
         out: dict[str, list[tuple[str, int, int]]] = {}

@@ -27,13 +27,19 @@ QWEN3_5_27B = {   # text_config of Qwen3.5-27B (its config.json)
 
 
 def make_header_only(path: str | Path, config: dict, dtype_tag: str = "BF16",
-                     fp8_block: tuple[int, int] | None = None) -> Path:
+                     fp8_block: tuple[int, int] | None = None, gptq_group: int | None = None) -> Path:
     """A checkpoint folder whose safetensors file holds the header alone (names, dtypes, shapes, offsets) and no
     tensor data: the shape of a real release for planning (`tinyserve --check`) at no disk cost. fp8_block: a
     block-FP8 release (`quant_method: fp8`) quantized as Qwen's are: every linear weight but lm_head, the GDN
-    in_proj_a / in_proj_b and mtp.fc is F8_E4M3 with float32 `weight_scale_inv` blocks."""
+    in_proj_a / in_proj_b and mtp.fc is F8_E4M3 with float32 `weight_scale_inv` blocks. gptq_group: a GPTQ W4A16
+    release in groups of that size (symmetric, no act-order, as Qwen's GPTQ-Int4 are): every linear weight but
+    lm_head, the GDN in_proj_a / in_proj_b and the MTP head (bf16) is qweight / qzeros / scales / g_idx."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
+    if gptq_group:
+        config = {**config, "quantization_config": {
+            "quant_method": "gptq", "bits": 4, "group_size": gptq_group, "desc_act": False, "sym": True,
+            "checkpoint_format": "gptq"}}
     if fp8_block:
         config = {**config, "quantization_config": {
             "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -43,7 +49,7 @@ def make_header_only(path: str | Path, config: dict, dtype_tag: str = "BF16",
     mtp = ["mtp.layers.0.x"] if config.get("mtp_num_hidden_layers") else []
     cfg = parse_config(folder, config, mtp)
     expected = TextWeights(Qwen3NextForCausalLM(cfg, torch.bfloat16, torch.device("meta"))).expected()
-    size = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+    size = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I32": 4, "F16": 2}
     header, offset = {}, 0
 
     def put(name: str, tag: str, shape) -> None:
@@ -53,7 +59,14 @@ def make_header_only(path: str | Path, config: dict, dtype_tag: str = "BF16",
         offset += n
     for name, shape in expected.items():
         stored = name if name.startswith(("mtp.", "lm_head.")) else "model." + name
-        if fp8_block and len(shape) == 2 and name.endswith(".weight") and "embed_tokens" not in name and \
+        if gptq_group and len(shape) == 2 and name.endswith(".weight") and "embed_tokens" not in name and \
+                not name.startswith("mtp.") and not re.match(r"(lm_head|.*in_proj_[ab])\.weight$", name):
+            (n, k), module = shape, stored[: -len(".weight")]
+            put(module + ".qweight", "I32", (k // 8, n))
+            put(module + ".qzeros", "I32", (k // gptq_group, n // 8))
+            put(module + ".scales", "F16", (k // gptq_group, n))
+            put(module + ".g_idx", "I32", (k,))
+        elif fp8_block and len(shape) == 2 and name.endswith(".weight") and "embed_tokens" not in name and \
                 not re.match(r"(lm_head|mtp\.fc|.*in_proj_[ab])\.weight$", name):
             put(stored, "F8_E4M3", shape)
             put(stored + "_scale_inv", "F32", (math.ceil(shape[0] / fp8_block[0]), math.ceil(shape[1] / fp8_block[1])))

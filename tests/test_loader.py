@@ -535,8 +535,8 @@ def test_fp8_bad_scale_shape(ckpts, tmp_path):
 
 def test_unsupported_quant_method(ckpts, tmp_path):
     folder = copy_of(ckpts, "text", tmp_path)
-    update_config(folder, quantization_config={"quant_method": "awq", "bits": 4})
-    with pytest.raises(LoaderError, match=r"quant_method 'awq' is not supported"):
+    update_config(folder, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(LoaderError, match=r"quant_method 'bitsandbytes' is not supported"):
         load_model(folder, torch.float32)
 
 

@@ -173,11 +173,12 @@ def check_card(tmp_path, config: dict, gb: float) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
-def production(folder, tmp_path) -> dict:
+def production(folder, tmp_path, name: str = "production.toml") -> dict:
     """systemd/production.toml (the seed's set-up: 27B FP8, fp8 KV, 262,144 tokens, one running request, NEXTN
-    with 5 steps, a 24 GB host tier) with its model path and file tier moved here."""
+    with 5 steps, a 24 GB host tier), or another of systemd/'s set-ups, with its model path and file tier moved
+    here."""
     from tinyserve.config import load, to_dict
-    data = to_dict(load(str(Path(__file__).parents[1] / "systemd" / "production.toml")))
+    data = to_dict(load(str(Path(__file__).parents[1] / "systemd" / name)))
     data["model"]["path"] = str(folder)
     data["cache"]["file"]["dir"] = str(tmp_path / "kv")
     return data
@@ -193,6 +194,19 @@ def test_the_seeds_setup_fits_a_48_gb_card(fp8_folder, tmp_path):
     assert 262144 <= kv < 450_000                                     # the whole context, and then some
     assert "not checked against this machine" in host                 # a 24 GB host tier is the other box's RAM
     assert fits.startswith("fits a 48 GiB card (47.4 GiB free)"), fits
+
+
+def test_the_32_gb_setup_fits_a_5090_with_the_4_bit_27b(tmp_path):
+    """systemd/production-32gb.toml with Qwen3.5-27B W4A16 g128 (GPTQ, header only): the 4-bit weights at their size,
+    the whole 262,144-token context with fp8 KV and NEXTN, on a 32 GB card."""
+    folder = make_header_only(tmp_path / "q35-27b-gptq", QWEN3_5_27B, gptq_group=128)
+    out = check_card(tmp_path, production(folder, tmp_path, "production-32gb.toml"), 32)
+    assert out.returncode == 0, out.stderr
+    plan, host, fits = out.stdout.strip().splitlines()[-3:]
+    assert "weights 17.26 GiB (11.68 GiB of them 4-bit, gptq g128)" in plan, plan
+    assert "fp8_e4m3" in plan and "context 262144 tokens" in plan and "NEXTN" in plan
+    assert int(plan.split("KV pool ")[1].split(" tokens")[0]) >= 262144
+    assert fits.startswith("fits a 32 GiB card"), fits
 
 
 @pytest.mark.parametrize("gb, key", [(32, "engine.mem_fraction_static"), (40, "model.context_length")])

@@ -5,9 +5,11 @@ ON_GPU, DEV and the comparison helpers every Triton test file uses.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -50,6 +52,51 @@ def _round_fp8_like_the_gpu() -> None:
             return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         return original(data, src, dst, rounding_mode)
     interpreter._convert_float = convert
+
+
+@contextlib.contextmanager
+def bf16_like_the_gpu() -> Iterator[None]:
+    """While the block runs, the interpreter computes bf16 as the GPU does (a no-op compiled): a conversion to bf16
+    rounds to nearest even (the interpreter truncates), a tl.dot of bf16 operands multiplies their values exactly
+    and sums in fp32, and a bf16 add, subtract or multiply rounds the fp32 result once to bf16 (the interpreter acts
+    on the raw 16-bit patterns for both: errors of 1e10). Opt-in, for the test files that run kernels on bf16
+    tensors (tests/test_triton_w4.py); it patches triton internals, as the fp8 shim above does (triton is pinned)."""
+    if ON_GPU:
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+    builder = interpreter.InterpreterBuilder
+    convert, dot, binary = interpreter._convert_float, builder.create_dot, builder.binary_op
+
+    def as_f32(h):                                              # a bf16 TensorHandle's values, as float32
+        return (h.data.astype(np.uint32) << 16).view(np.float32)
+
+    def to_bf16(values):                                        # float32 -> bf16 bits, nearest even (torch)
+        f32 = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        return f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+    def convert_bf16(data, src, dst, rounding_mode):
+        if dst == tl.bfloat16 and src in (tl.float32, tl.float16):
+            return to_bf16(data.astype(np.float32))
+        return convert(data, src, dst, rounding_mode)
+
+    def dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            a = interpreter.TensorHandle(as_f32(a) if a.dtype.scalar == tl.bfloat16 else a.data, tl.float32)
+            b = interpreter.TensorHandle(as_f32(b) if b.dtype.scalar == tl.bfloat16 else b.data, tl.float32)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def binary_bf16(self, lhs, rhs, op):
+        if lhs.dtype.scalar == tl.bfloat16 and op in (np.add, np.subtract, np.multiply, np.divide):
+            return interpreter.TensorHandle(to_bf16(op(as_f32(lhs), as_f32(rhs))), tl.bfloat16)
+        return binary(self, lhs, rhs, op)
+    interpreter._convert_float, builder.create_dot, builder.binary_op = convert_bf16, dot_bf16, binary_bf16
+    try:
+        yield
+    finally:
+        interpreter._convert_float, builder.create_dot, builder.binary_op = convert, dot, binary
 
 
 if not ON_GPU:

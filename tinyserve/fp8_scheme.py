@@ -2,8 +2,9 @@
 which tensor is whose scale, dequantizing a weight by its scale, and which linear weights stay FP8 where the device
 keeps them (the GEMM that reads them is kernels/fp8.py).
 
-Two formats: Qwen's block FP8 (`quant_method: fp8`, `weight_scale_inv` per 128x128 block) and compressed-tensors
-float-quantized (`weight_scale` per tensor, per output channel or per block).
+Three formats: Qwen's block FP8 (`quant_method: fp8`, `weight_scale_inv` per 128x128 block), compressed-tensors
+float-quantized (`weight_scale` per tensor, per output channel or per block) and ModelOpt's FP8 (`weight_scale` per
+tensor or channel), the last two also as the FP8 layers of a checkpoint whose others are 4-bit (four_bit.py).
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tinyserve.model_config import (LoaderError, TensorInfo, TensorToLoad, canonical_name, is_vision_tensor,
-                                    text_section)
+from tinyserve.four_bit import CT_FORMATS, FOUR_BIT_METHODS
+from tinyserve.model_config import LoaderError, TensorInfo, TensorToLoad, canonical_name, is_vision_tensor
 from tinyserve.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -28,19 +29,21 @@ SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 class Fp8Scheme:
     """What the checkpoint's quantization_config says about FP8 weights."""
 
-    method: str | None = None                       # "fp8" | "compressed-tensors" | None
+    method: str | None = None                       # "fp8" | "compressed-tensors" | "modelopt" | None
     block: tuple[int, int] = (128, 128)             # block size for block scales
     ignore_exact: set[str] = field(default_factory=set)
     ignore_regex: list[re.Pattern[str]] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, raw: dict[str, Any]) -> "Fp8Scheme":
-        qc = raw.get("quantization_config") or text_section(raw).get("quantization_config")
+    def from_config(cls, qc: dict[str, Any] | None) -> "Fp8Scheme":
+        """qc: the checkpoint's quantization config (model_config.read_quantization)."""
         if not qc:
             return cls()
-        if not isinstance(qc, dict):
-            raise LoaderError(f"config.json: quantization_config must be an object, found {qc!r}")
         method = qc.get("quant_method")
+        if method in ("gptq", "awq"):
+            return cls()                                # 4-bit alone (four_bit.py)
+        if isinstance(method, str) and method.lower().startswith("modelopt"):
+            return cls(method="modelopt")               # FP8 layers beside NVFP4 ones: scales per tensor / channel
         scheme = cls(method=method)
         if method == "fp8":
             if qc.get("weight_block_size") is not None:
@@ -48,22 +51,25 @@ class Fp8Scheme:
             ignore = qc.get("modules_to_not_convert") or []
         elif method == "compressed-tensors":
             fmt = qc.get("format")
-            if fmt not in ("float-quantized", "naive-quantized", None):
+            if fmt not in CT_FORMATS + (None,):
                 raise LoaderError(f"config.json: compressed-tensors format {fmt!r} is not supported "
-                                  f"(only float-quantized FP8)")
+                                  f"(supported: {', '.join(CT_FORMATS)})")
             for gname, group in (qc.get("config_groups") or {}).items():
                 w = (group or {}).get("weights") or {}
+                if w.get("num_bits") == 4:
+                    continue                            # four_bit.py's
                 if w.get("type", "float") != "float" or w.get("num_bits", 8) != 8:
                     raise LoaderError(f"config.json: quantization_config.config_groups.{gname}.weights is not "
                                       f"8-bit float ({w.get('num_bits')} bits, type {w.get('type')!r}); "
-                                      f"only FP8 is supported")
+                                      f"FP8 and 4-bit (int or NVFP4) weights are supported")
                 if w.get("strategy") == "block" and w.get("block_structure") is not None:
                     scheme.block = cls._block(w["block_structure"],
                                               f"quantization_config.config_groups.{gname}.weights.block_structure")
             ignore = qc.get("ignore") or []
         else:
             raise LoaderError(f"config.json: quantization_config.quant_method {method!r} is not supported "
-                              f"(supported: 'fp8', 'compressed-tensors')")
+                              f"(supported: 'fp8', 'compressed-tensors', {', '.join(map(repr, FOUR_BIT_METHODS))}; "
+                              f"bitsandbytes, GGUF, AQLM, HQQ, EXL2 and other formats are not)")
         for item in ignore:
             if not isinstance(item, str):
                 raise LoaderError(f"config.json: quantization ignore list entry {item!r} is not a string")

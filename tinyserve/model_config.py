@@ -41,6 +41,7 @@ class CheckpointFolder:
     files: list[Path]                   # the safetensors files
     tensors: dict[str, TensorInfo]      # every tensor in their headers, by checkpoint name
     config: ModelConfig
+    quantization: dict[str, Any] | None = None   # the quantization config (read_quantization), None: not quantized
 
 
 def read_folder(folder: str | Path, vision: bool = True) -> CheckpointFolder:
@@ -50,7 +51,26 @@ def read_folder(folder: str | Path, vision: bool = True) -> CheckpointFolder:
     raw = _raw_config(path)
     files = _weight_files(path)
     tensors = _scan_tensors(files)
-    return CheckpointFolder(path, raw, files, tensors, parse_config(path, raw, list(tensors), vision))
+    return CheckpointFolder(path, raw, files, tensors, parse_config(path, raw, list(tensors), vision),
+                            read_quantization(path, raw))
+
+
+def read_quantization(folder: Path, raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's quantization config: config.json's quantization_config (top level or text_config), else
+    ModelOpt's hf_quant_config.json, whose "quantization" object is returned with quant_method "modelopt" (as newer
+    ModelOpt exports write it into config.json). None: the weights are not quantized."""
+    qc = raw.get("quantization_config") or text_section(raw).get("quantization_config")
+    if qc is not None:
+        if not isinstance(qc, dict):
+            raise LoaderError(f"config.json: quantization_config must be an object, found {qc!r}")
+        return qc
+    modelopt = folder / "hf_quant_config.json"
+    if not modelopt.is_file():
+        return None
+    quantization = _read_json(modelopt, "ModelOpt config").get("quantization")
+    if not isinstance(quantization, dict):
+        raise LoaderError(f"{modelopt}: \"quantization\" must be an object, found {quantization!r}")
+    return {"quant_method": "modelopt", **quantization}
 
 
 def read_model_config(folder: str | Path) -> ModelConfig:
@@ -358,6 +378,11 @@ def _weight_files(folder: Path) -> list[Path]:
         return [single]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
+        gguf = sorted(f.name for f in folder.glob("*.gguf"))
+        if gguf:
+            raise LoaderError(f"model folder {folder} holds GGUF files ({', '.join(gguf[:3])}): GGUF is not "
+                              f"supported; use a safetensors checkpoint (bf16, FP8, GPTQ, AWQ, compressed-tensors "
+                              f"or NVFP4)")
         raise LoaderError(f"model folder {folder} has no .safetensors weight files")
     return files
 
@@ -414,8 +439,15 @@ def canonical_name(name: str) -> str:
 
 @dataclass
 class TensorToLoad:
-    """A checkpoint tensor the model loads: its canonical name, where it is stored, and its FP8 scale if any."""
+    """A checkpoint tensor the model loads: its canonical name, where it is stored, and its FP8 scale if any; or a
+    4-bit weight (w4: a four_bit.QuantizedModule, its tensors; info is then its packed codes)."""
 
     canonical: str
     info: TensorInfo
     scale: TensorInfo | None = None
+    w4: Any = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape in the model (a 4-bit weight's [N, K], not its packed tensor's)."""
+        return tuple(self.w4.shape) if self.w4 is not None else tuple(self.info.shape)

@@ -155,6 +155,8 @@ class MemoryPlan:
     vision_bytes: int = 0        # the vision tower's share of weights_bytes (image input)
     fp8_weights: str = "dequantize"  # how FP8 checkpoint weights are held (fp8_scheme.FP8_WEIGHTS)
     fp8_bytes: int = 0           # the weights kept FP8 (values and scales), a share of weights_bytes
+    w4_bytes: int = 0            # the weights held 4-bit (codes, scales, zero points, permutations), a share of it
+    w4_format: str = ""          # how the checkpoint stores them ("gptq g128", "nvfp4", ...)
     activation_bytes: int = 0    # estimated peak of one step's intermediates (CUDA plans)
     graph_bytes: int = 0         # estimated memory the CUDA graphs hold (CUDA plans, engine.compile_steps)
     gpu_bytes: int = 0           # CUDA: the device memory the plan was made for (free memory at start)
@@ -179,10 +181,11 @@ class MemoryPlan:
     def resolve(cls, cfg: Config, mc: ModelConfig, device: str, weights_count: WeightCount,
                 gpu_free_bytes: int | None = None, cuda_capability: tuple[int, int] | None = None,
                 check_host: bool = True) -> "MemoryPlan":
-        """Decide every derived size. `weights_count` counts the weights the model holds (from the safetensors headers,
-        FP8 ones as kept on this device); `device` is "cpu" or "cuda" (see resolve_device). On CUDA the budget is
-        `gpu_free_bytes` (a card that is not here: --gpu-memory-gb) or the device's free memory now. check_host:
-        compare the host tier with this machine's available memory (not when planning for another machine)."""
+        """Decide every derived size. `weights_count` counts the weights the model holds (from the safetensors
+        headers, FP8 ones as kept on this device, 4-bit ones as held); `device` is "cpu" or "cuda" (see
+        resolve_device). On CUDA the budget is `gpu_free_bytes` (a card that is not here: --gpu-memory-gb) or the
+        device's free memory now. check_host: compare the host tier with this machine's available memory (not when
+        planning for another machine)."""
         dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         kv_dtype = cfg.model.kv_cache_dtype if cfg.model.kv_cache_dtype != "auto" else dtype
         e, c = cfg.engine, cfg.cache
@@ -240,6 +243,7 @@ class MemoryPlan:
                    fp8_weights=fp8_weights_for(device, cuda_capability, e.kernels) if weights_count.fp8_values
                    else "dequantize",
                    fp8_bytes=weights_count.fp8_values + 4 * weights_count.fp8_scales,
+                   w4_bytes=weights_count.w4_bytes, w4_format=weights_count.w4_format,
                    activation_bytes=activations, graph_bytes=graphs, gpu_bytes=free,
                    page_size=e.page_size, kv_pages=kv_pages, kv_bytes_per_token=per_token,
                    state_slots=e.max_running_requests, state_bytes_per_slot=per_slot if hybrid else 0,
@@ -315,6 +319,7 @@ class MemoryPlan:
         return (f"device {self.device} ({self.dtype}); weights {self.weights_bytes / GIB:.2f} GiB"
                 + (f" ({self.fp8_bytes / GIB:.2f} GiB of them kept FP8, {self.fp8_weights})" if self.fp8_bytes
                    else "")
+                + (f" ({self.w4_bytes / GIB:.2f} GiB of them 4-bit, {self.w4_format})" if self.w4_bytes else "")
                 + (f" (vision tower {self.vision_bytes / GIB:.2f} GiB)" if self.vision_bytes else "") + "; "
                 f"KV pool {self.kv_tokens} tokens ({self.kv_pages} pages of {self.page_size}, "
                 f"{self.kv_dtype}, {self.kv_tokens * self.kv_bytes_per_token / GIB:.2f} GiB); "

@@ -1,0 +1,285 @@
+"""y = x W^T on the CPU for 4-bit weights kept packed (kernels/w4_weight.py), activations float32 or bfloat16
+(w4_cpu.c): the codes are read in place and dequantized in registers, the products summed in float32. No activation
+is quantized: the result is the dequantized checkpoint's product up to the order of the sums (the torch reference,
+kernels/w4.py's w4_linear_reference, is the oracle: tests/test_w4_cpu.py).
+
+Built once per machine and source into the cache folder: the kernel with the C compiler torch.compile already
+needs (-march=native: AVX-512, AVX2 + FMA or portable C), and the torch op around it (`tinyserve::w4_linear_cpu`)
+from the same file compiled as C++ against torch's headers, so that a call from a compiled graph costs ~2 us more
+than the kernel rather than ~10 us through a Python op and ctypes (58 calls a decode step of the bench model). No
+C++ compiler or headers: the same op in Python (`w4_linear_cpu_python`), one warning. No C compiler: `usable` is
+False and kernels/w4.py runs the reference, one warning. Nothing is prepared per weight: the kernel reads the
+loader's buffers as they are (a row block's scales and zeros converted to float32 in L1), so it costs no memory.
+
+Up to GEMM_ROWS rows of x (a decode step's batch, a NEXTN verify) go through the GEMM kernel, which reads W once per
+call; more (a prefill) dequantize W a block of rows at a time into a float scratch multiplied by oneDNN's GEMM
+(`prefill`), which computes faster at that size. Measured on a 2-core AMD EPYC (Zen 4), MEMORY_BOUND's shapes,
+int4 group 32, float16 scales, 2 threads (bench/w4_gemm.py):
+  MEASURED_TABLE
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tinyserve.kernels.w4_weight import W4Weight
+
+log = logging.getLogger("tinyserve.kernels")
+SOURCE = Path(__file__).with_name("w4_cpu.c")
+# -ffast-math left out on purpose: the sums stay in the order the C code writes them
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}      # w4_cpu.c's F32, BF16, F16
+KIND_CODES = {"int4": 0, "fp4": 1}
+PREFILL_SCRATCH = 4 << 20   # bytes of W dequantized at a time for a prefill (stays in L2 / L3 for the GEMM)
+ERRORS = {1: "a shape it does not take", 2: "a dtype or kind it does not take", 3: "out of memory",
+          4: "rows out of range"}
+
+
+def _cpu_info() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return [line for line in f if line.startswith(("model name", "flags"))]
+    except OSError:
+        return []
+
+
+# Rows of x up to which the GEMM kernel runs; more: dequantized blocks and oneDNN's GEMM (`prefill`). Measured on a
+# 2-core Zen 4 (bench/w4_gemm.py's shapes, 1 thread): float32, the kernel was faster up to 128 rows and within 5%
+# at 256; bfloat16, oneDNN's GEMM runs on the CPU's bfloat16 dot products (AVX512_BF16, AMX) at twice the float32
+# rate and was faster from 32 rows (1.3x; 2x from 64). Without those instructions bfloat16 is float32's case.
+_BF16_DOTS = any({"avx512_bf16", "amx_bf16"} & set(line.split()) for line in _cpu_info() if line.startswith("flags"))
+GEMM_ROWS = {torch.float32: 128, torch.bfloat16: 16 if _BF16_DOTS else 128}
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tinyserve" / "kernels"
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    return "".join(_cpu_info())[:4096] or os.uname().machine
+
+
+def _run(step: list[str]) -> None:
+    done = subprocess.run(step, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise OSError(done.stderr.strip()[-500:])
+
+
+def _op_steps(obj: Path, kernel_obj: Path, so: Path) -> list[list[str]]:
+    """Compiling the op half of w4_cpu.c as C++ against this torch, and linking it with the kernel."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise OSError("no C++ compiler")
+    root = Path(torch.__file__).parent
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [[cxx, "-O2", "-std=c++17", "-fPIC", "-w", "-DW4_TORCH_OP", abi, "-I", str(root / "include"),
+             "-x", "c++", "-c", str(SOURCE), "-o", str(obj)],
+            [cxx, str(kernel_obj), str(obj), "-shared", "-fopenmp", f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10",
+             "-o", str(so)]]
+
+
+@functools.cache
+def build(flags: tuple[str, ...] = FLAGS, with_op: bool = True) -> ctypes.CDLL | None:
+    """w4_cpu.c compiled with these flags (the tests add -mno-avx512f etc. to check the other paths on this CPU) and
+    loaded; with_op: with the torch op (only the library the engine uses: an op is registered once per process).
+    None (logged once) when there is no C compiler or the build fails."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler: 4-bit weights are dequantized block by block (the slower torch reference)")
+        return None
+    key = SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_id().encode() + \
+        (f"op, torch {torch.__version__}".encode() if with_op else b"")
+    target = _cache_dir() / f"w4_cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                so, obj = Path(tmp) / target.name, Path(tmp) / "w4_cpu.o"
+                _run([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)])
+                try:
+                    if not with_op:
+                        raise OSError("not asked for")
+                    for step in _op_steps(Path(tmp) / "w4_cpu_op.o", obj, so):
+                        _run(step)
+                except OSError as e:
+                    if with_op:
+                        log.warning("building the C++ half of %s failed (%s): the op runs in Python, ~10 us more a "
+                                    "call", SOURCE.name, e)
+                    _run([compiler, str(obj), "-shared", "-fopenmp", "-o", str(so)])
+                os.replace(so, target)                # atomic: another process may be building it too
+        except OSError as e:
+            log.warning("building %s with %s failed (%s): 4-bit weights are dequantized block by block (the slower "
+                        "torch reference)", SOURCE.name, compiler, e)
+            return None
+    lib = ctypes.CDLL(str(target))                    # with the op: its registration runs here
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.w4_gemm.argtypes = [p, i32, i64, p, i64, i32, p, i64, p, i32, i64, p, i64, p, i32, i32, i32, i32, i32, f32]
+    lib.w4_gemm.restype = i32
+    lib.w4_dequant.argtypes = [p, i64, p, i32, i64, p, i64, i32, i32, i32, i32, i32, f32, i32, i32, p, i32]
+    lib.w4_dequant.restype = i32
+    lib.w4_path.restype = i32
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    return build(FLAGS)
+
+
+@torch.compiler.assume_constant_result         # a compiled step asks once, while it is traced
+def built() -> bool:
+    return library() is not None
+
+
+@torch.compiler.assume_constant_result
+def op_in_cpp() -> bool:
+    """Whether the library registered tinyserve::w4_linear_cpu (C++); else the Python op runs."""
+    return library() is not None and hasattr(library(), "w4_torch_op")
+
+
+def usable(x: torch.Tensor, w: W4Weight) -> bool:
+    """Can the kernel take this call? (the CPU, a float x, one 2-D weight (an expert's view is one) whose rows are
+    contiguous, a built library)."""
+    return (x.device.type == "cpu" and x.dtype in DTYPES and w.codes.dim() == 2 and w.kind in KIND_CODES
+            and x.shape[-1] == w.in_features and w.codes.stride(1) == 1 and w.scales.stride(1) == 1
+            and (w.zeros is None or w.zeros.stride(1) == 1) and (w.perm is None or w.perm.stride(0) == 1)
+            and built())
+
+
+def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype (call when `usable(x, w)`)."""
+    # int4's global scale is 1: a constant, not a float a compiled graph would take as an input (and .item())
+    args = (x, w.codes, w.scales, w.zeros, w.perm, w.group, KIND_CODES[w.kind], w.zero_point,
+            w.global_scale if w.kind == "fp4" else 1.0, GEMM_ROWS.get(x.dtype, GEMM_ROWS[torch.float32]))
+    if op_in_cpp():
+        return torch.ops.tinyserve.w4_linear_cpu(*args)
+    return torch.ops.tinyserve.w4_linear_cpu_python(*args)
+
+
+def _raise(code: int, what: str, x: torch.Tensor, codes: torch.Tensor, group: int) -> None:
+    raise ValueError(f"w4_cpu.c refused the {what} (code {code}: {ERRORS.get(code, '?')}): x {tuple(x.shape)} "
+                     f"{x.dtype}, W [{codes.shape[0]}, {codes.shape[1] * 2}], group {group}")
+
+
+def gemm(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+         perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float) -> torch.Tensor:
+    """The GEMM kernel of `lib` on x [M, K] (float32 or bfloat16, rows of contiguous columns): y [M, N] in x's
+    dtype, whatever M."""
+    M, K = x.shape
+    N = codes.shape[0]
+    y = x.new_empty((M, N))
+    code = lib.w4_gemm(x.data_ptr(), DTYPES[x.dtype], x.stride(0), y.data_ptr(), N, M, codes.data_ptr(),
+                       codes.stride(0), scales.data_ptr(), DTYPES[scales.dtype], scales.stride(0),
+                       None if zeros is None else zeros.data_ptr(), 0 if zeros is None else zeros.stride(0),
+                       None if perm is None else perm.data_ptr(), N, K, group, kind, zero_point, global_scale)
+    if code:
+        _raise(code, "GEMM", x, codes, group)
+    return y
+
+
+def dequantize(lib: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+               kind: int, zero_point: int, global_scale: float, r0: int, r1: int, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows r0 .. r1-1 of W in dtype (float32 or bfloat16), columns in the weight's own (act-order sorted) order:
+    each value (q - z) * s or (E2M1[q] * s) * global_scale in float32, rounded once, as W4Weight.dequantize."""
+    N, K = codes.shape[0], codes.shape[1] * 2
+    out = torch.empty((r1 - r0, K), dtype=dtype) if out is None else out[: r1 - r0]
+    code = lib.w4_dequant(codes.data_ptr(), codes.stride(0), scales.data_ptr(), DTYPES[scales.dtype],
+                          scales.stride(0), None if zeros is None else zeros.data_ptr(),
+                          0 if zeros is None else zeros.stride(0), N, K, group, kind, zero_point, global_scale,
+                          r0, r1, out.data_ptr(), DTYPES[dtype])
+    if code:
+        _raise(code, "dequantization", out, codes, group)
+    return out
+
+
+_onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
+    else None
+
+
+def _float_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The float GEMM a prefill's dequantized block goes through: oneDNN where torch has it (kernels/linear.py
+    measured it 2-3x faster than MKL on AMD EPYC for 8..2000 rows), else F.linear."""
+    if _onednn_linear is not None:
+        return _onednn_linear(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+def prefill(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+            zeros: torch.Tensor | None, perm: torch.Tensor | None, group: int, kind: int, zero_point: int,
+            global_scale: float) -> torch.Tensor:
+    """Many rows of x [M, K]: W dequantized PREFILL_SCRATCH bytes of rows at a time (in x's dtype, as the reference
+    rounds it), each block multiplied by the float GEMM; x's columns gathered once under act-order."""
+    M, K = x.shape
+    N = codes.shape[0]
+    xs = x.index_select(1, perm) if perm is not None else x
+    rows = max(16, min(N, PREFILL_SCRATCH // (K * x.element_size())))
+    if rows >= N:
+        return _float_gemm(xs, dequantize(lib, codes, scales, zeros, group, kind, zero_point, global_scale, 0, N,
+                                          x.dtype))
+    y = x.new_empty((M, N))
+    scratch = x.new_empty((rows, K))
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        block = dequantize(lib, codes, scales, zeros, group, kind, zero_point, global_scale, r0, r1, x.dtype,
+                           scratch)
+        y[:, r0:r1] = _float_gemm(xs, block)
+    return y
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x as [M, K], float32 or bfloat16 (float16: float32 inside), each row's columns contiguous."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if x2.dtype is not torch.float32 and x2.dtype is not torch.bfloat16:
+        x2 = x2.float()
+    if x2.stride(1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < x2.shape[1]):
+        x2 = x2.contiguous()
+    return x2
+
+
+def _w4_prefill_cpu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float,
+                    gemm_rows: int) -> torch.Tensor:
+    y = prefill(library(), _rows_of(x), codes, scales, zeros, perm, group, kind, zero_point, global_scale)
+    return y.to(x.dtype).reshape(*x.shape[:-1], codes.shape[0])
+
+
+def _w4_linear_cpu_python(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                          perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float,
+                          gemm_rows: int) -> torch.Tensor:
+    """The op in Python (without a C++ compiler): what w4_cpu.c's C++ half does."""
+    x2 = _rows_of(x)
+    if x2.shape[0] > gemm_rows:
+        y = prefill(library(), x2, codes, scales, zeros, perm, group, kind, zero_point, global_scale)
+    else:
+        y = gemm(library(), x2, codes, scales, zeros, perm, group, kind, zero_point, global_scale)
+    return y.to(x.dtype).reshape(*x.shape[:-1], codes.shape[0])
+
+
+# The ops, all defined here (with their shapes for torch.compile): w4_linear_cpu, implemented by the C++ half of
+# w4_cpu.c when its library loads; w4_linear_cpu_python, the same in Python (no C++ compiler); w4_prefill_cpu, which
+# both call for many rows. Library ops rather than torch.library.custom_op: its wrappers cost ~3 us a call more
+# (kernels/linear.py).
+SCHEMA = ("(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, Tensor? perm, int group, int kind, int zero_point, "
+          "float global_scale, int gemm_rows) -> Tensor")
+_lib = torch.library.Library("tinyserve", "FRAGMENT")
+for _name, _impl in (("w4_linear_cpu", None), ("w4_linear_cpu_python", _w4_linear_cpu_python),
+                     ("w4_prefill_cpu", _w4_prefill_cpu)):
+    _lib.define(_name + SCHEMA)
+    if _impl is not None:
+        _lib.impl(_name, _impl, "CPU")
+
+    @torch.library.register_fake(f"tinyserve::{_name}", lib=_lib)
+    def _(x, codes, scales, zeros, perm, group, kind, zero_point, global_scale, gemm_rows):
+        return x.new_empty((*x.shape[:-1], codes.shape[0]))

@@ -1,0 +1,261 @@
+"""The CPU GEMM for packed 4-bit weights (kernels/w4_cpu.c) against its oracles: the torch reference
+(kernels.w4.w4_linear_reference: the dequantized weight's F.linear) and the exact product in float64 of the
+dequantized weight. int4 symmetric and asymmetric, groups 16 / 32 / 48 / 64 / 128, fp4 (NVFP4), act-order, float32
+/ float16 / bfloat16 scales, float32 and bfloat16 activations, 1..16 rows (the GEMM kernel) and a prefill's (the
+dequantized blocks and the float GEMM), odd N, stacked experts' views, non-contiguous x, inside torch.compile, and
+the AVX2 and portable builds of the same source on this CPU.
+
+Tolerance: the order of the sums. float32 activations: |y - ref| <= 4e-6 * (|x| @ |W|^T) elementwise (~60 ulps of
+the sum of the products' magnitudes; the weights themselves are the reference's to the bit, (q - z) * s in float32;
+the worst seen here is ~2e-7). A wrong scale, zero or column anywhere is off by ~1/groups of that, thousands of times
+more. bfloat16 activations: the kernel rounds each weight to bfloat16 as the reference does and sums in float32, so
+the two differ by the sum order and then at most one bfloat16 ulp of the output (2^-7 * |ref|) on top; here
+they agree to the bit.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tinyserve.kernels import backend_set_to, w4_cpu
+from tinyserve.kernels.linear import linear
+from tinyserve.kernels.w4 import w4_linear, w4_linear_reference
+from tinyserve.kernels.w4_weight import W4Weight, pack_codes
+
+pytestmark = pytest.mark.skipif(w4_cpu.library() is None, reason="no C compiler to build the kernel")
+
+F32_TOL, BF16_ULP = 4e-6, 2.0 ** -7       # BF16_ULP: a bfloat16 ulp relative to its value, at most
+
+
+def make_weight(N: int, K: int, group: int, kind: str = "int4", scale_dtype=torch.float16, asymmetric=False,
+                act_order=False, experts: int | None = None, seed: int = 0) -> W4Weight:
+    gen = torch.Generator().manual_seed(seed)
+    w = W4Weight(N, K, group, kind=kind, scale_dtype=scale_dtype, asymmetric=asymmetric, act_order=act_order,
+                 global_scale=0.37 if kind == "fp4" else 1.0, experts=experts)
+    lead = () if experts is None else (experts,)
+    w.codes.copy_(pack_codes(torch.randint(0, 16, lead + (N, K), generator=gen)))
+    w.scales.copy_((torch.rand(lead + (N, K // group), generator=gen) * 0.05 + 0.002).to(scale_dtype))
+    if asymmetric:
+        w.zeros.copy_(torch.randint(0, 16, lead + (N, K // group), generator=gen))
+    if act_order:
+        w.perm.copy_(torch.stack([torch.randperm(K, generator=gen) for _ in range(experts or 1)]).squeeze(0))
+    return w
+
+
+def dequantized_f64(w: W4Weight) -> torch.Tensor:
+    """W in the checkpoint's column order, float64 from the float32 values (what every route multiplies by)."""
+    return w.dequantize(torch.float32).double()
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: W4Weight) -> None:
+    """y against the reference and against the exact product, within the module docstring's bounds."""
+    ref = w4_linear_reference(x, w)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    wd = dequantized_f64(w)
+    magnitude = x.double().abs() @ wd.abs().T
+    exact = x.double() @ wd.T
+    if x.dtype == torch.float32:
+        bounds = [(ref.double(), F32_TOL * magnitude), (exact, F32_TOL * magnitude)]
+    else:                           # the exact product of the bfloat16 weights, and the reference's rounding of it
+        exact = x.double() @ w.dequantize(torch.bfloat16).double().T
+        bounds = [(ref.double(), F32_TOL * magnitude + BF16_ULP * ref.double().abs()),
+                  (exact, F32_TOL * magnitude + BF16_ULP / 2 * exact.abs())]
+    for other, tol in bounds:
+        err = (y.double() - other).abs()
+        assert (err <= tol + 1e-30).all(), f"off by {(err / (tol + 1e-30)).max().item():.3g}x the bound"
+
+
+CASES = [  # N, K, group, kind, scale dtype, asymmetric, act-order
+    (37, 256, 32, "int4", torch.float16, False, False),
+    (64, 512, 128, "int4", torch.float16, True, False),
+    (50, 384, 64, "int4", torch.bfloat16, True, True),
+    (24, 256, 128, "int4", torch.float32, False, True),
+    (33, 112, 16, "fp4", torch.float32, False, False),          # K % 32 == 16: a half chunk at the end
+    (40, 256, 16, "fp4", torch.float16, False, False),
+    (19, 208, 16, "int4", torch.bfloat16, True, True),
+    (21, 240, 48, "int4", torch.float16, True, False),          # a chunk of 32 columns across two groups
+    (9, 60, 6, "int4", torch.float16, True, False),             # a group the vector paths do not take
+]
+
+
+def python_op(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
+    """The op as it runs without a C++ compiler (w4_cpu.py's Python version of w4_cpu.c's C++ half)."""
+    return torch.ops.tinyserve.w4_linear_cpu_python(x, w.codes, w.scales, w.zeros, w.perm, w.group,
+                                                    w4_cpu.KIND_CODES[w.kind], w.zero_point, w.global_scale,
+                                                    w4_cpu.GEMM_ROWS.get(x.dtype, 128))
+
+
+OPS = {"op": w4_cpu.w4_linear, "python op": python_op}
+
+
+def test_the_op_is_built_in_cpp():
+    """Where there is a C++ compiler the op is w4_cpu.c's C++ half (~10 us a call less than the Python op)."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the Python op runs")
+    assert w4_cpu.op_in_cpp()
+
+
+@pytest.mark.parametrize("N, K, group, kind, sdt, asym, act", CASES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 31, 150])     # 150: a prefill's path
+@pytest.mark.parametrize("op", OPS)
+def test_matches_the_reference(N, K, group, kind, sdt, asym, act, rows, op):
+    w = make_weight(N, K, group, kind, sdt, asym, act, seed=N + rows)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    assert w4_cpu.usable(x, w)
+    check(OPS[op](x, w), x, w)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 11, 40, 150])
+@pytest.mark.parametrize("kind, group", [("int4", 32), ("int4", 128), ("fp4", 16)])
+@pytest.mark.parametrize("op", OPS)
+def test_bfloat16_activations(rows, kind, group, op):
+    w = make_weight(70, 512, group, kind, torch.bfloat16, asymmetric=kind == "int4", act_order=group == 128)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    check(OPS[op](x, w), x, w)
+
+
+@pytest.mark.parametrize("op", ["tinyserve::w4_linear_cpu", "tinyserve::w4_linear_cpu_python"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prefill_path_at_any_row_count(op, dtype):
+    """gemm_rows 0: every row count goes to the dequantized blocks and the float GEMM (several blocks of rows)."""
+    if op == "tinyserve::w4_linear_cpu" and not w4_cpu.op_in_cpp():
+        pytest.skip("no C++ compiler")
+    old, w4_cpu.PREFILL_SCRATCH = w4_cpu.PREFILL_SCRATCH, 16 * 256 * 4        # blocks of 16 rows
+    try:
+        for N, K, group, kind, sdt, asym, act in CASES:
+            w = make_weight(N, K, group, kind, sdt, asym, act, seed=N)
+            for rows in (1, 7):
+                x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
+                y = getattr(torch.ops.tinyserve, op.split("::")[1])(
+                    x, w.codes, w.scales, w.zeros, w.perm, group, w4_cpu.KIND_CODES[kind], w.zero_point,
+                    w.global_scale, 0)
+                check(y, x, w)
+    finally:
+        w4_cpu.PREFILL_SCRATCH = old
+
+
+def test_the_linear_route_and_leading_dims(monkeypatch):
+    """kernels.linear.linear on a W4Weight reaches the kernel (kernels/w4.py routes it), x [B, T, K]."""
+    w = make_weight(48, 256, 32, asymmetric=True)
+    x = torch.randn(2, 3, 256)
+    calls = []
+    original = w4_cpu.w4_linear
+    monkeypatch.setattr(w4_cpu, "w4_linear", lambda x, w: calls.append(1) or original(x, w))
+    y = linear(x, w)
+    monkeypatch.undo()
+    assert calls and y.shape == (2, 3, 48)
+    check(y.reshape(6, 48), x.reshape(6, 256), w)
+    with backend_set_to("torch"):                      # the "torch" backend: the reference, not the kernel
+        torch.testing.assert_close(w4_linear(x, w), w4_linear_reference(x, w), rtol=0, atol=0)
+
+
+def test_stacked_experts_views():
+    w = make_weight(40, 256, 32, asymmetric=True, act_order=True, experts=3)
+    for e in range(3):
+        we = w.expert(e)
+        x = torch.randn(5, 256, generator=torch.Generator().manual_seed(e))
+        assert w4_cpu.usable(x, we)
+        check(w4_cpu.w4_linear(x, we), x, we)
+    assert not w4_cpu.usable(torch.randn(1, 256), w)         # the stack itself: one expert at a time
+
+
+def test_a_weight_it_cannot_read_goes_to_the_reference():
+    """Codes whose columns are not contiguous (no loader makes them; a view could): the reference, not a wrong
+    answer."""
+    w = make_weight(24, 128, 32)
+    w.codes = w.codes.T.contiguous().T
+    x = torch.randn(2, 128)
+    assert not w4_cpu.usable(x, w)
+    torch.testing.assert_close(w4_linear(x, w), w4_linear_reference(x, w), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_non_contiguous_x(op):
+    w = make_weight(30, 256, 64)
+    wide = torch.randn(6, 400)
+    for x in (wide[:, 100:356], torch.randn(256, 6).T, torch.randn(6, 512)[:, ::2], torch.randn(3, 2, 256)[:, 1]):
+        assert not x.is_contiguous()
+        check(OPS[op](x, w), x, w)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_float16_activations_run_in_float32(op):
+    w = make_weight(30, 256, 32)
+    x = torch.randn(3, 256).to(torch.float16)
+    y = OPS[op](x, w)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y, OPS[op](x.float(), w).half(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind, group, sdt, asym", [("int4", 32, torch.float16, True), ("int4", 128, torch.bfloat16,
+                                                                                         False),
+                                                    ("fp4", 16, torch.float32, False), ("int4", 48, torch.float16,
+                                                                                        True)])
+def test_dequantize_is_the_weights_own(kind, group, sdt, asym):
+    """The prefill's dequantized rows are W4Weight.dequantize's values to the bit (float32 and bfloat16)."""
+    w = make_weight(45, 240 if group == 48 else 256, group, kind, sdt, asym)
+    lib = w4_cpu.library()
+    for dtype in (torch.float32, torch.bfloat16):
+        got = w4_cpu.dequantize(lib, w.codes, w.scales, w.zeros, group, w4_cpu.KIND_CODES[kind], w.zero_point,
+                                w.global_scale, 5, 41, dtype)
+        torch.testing.assert_close(got, w.dequantize(dtype)[5:41], rtol=0, atol=0)
+
+
+def test_inside_a_compiled_function():
+    """A compiled step calls the kernel as an op of its graph (not a graph break, not the reference)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    w = make_weight(52, 256, 32, asymmetric=True, act_order=True)
+    targets = []
+
+    def backend(gm, inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes)
+        return compile_fx(gm, inputs)
+
+    step = torch.compile(lambda x: torch.relu(linear(x, w)) + 1.0, backend=backend, fullgraph=True, dynamic=True)
+    for rows in (1, 3):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(step(x), torch.relu(w4_cpu.w4_linear(x, w)) + 1.0, rtol=0, atol=0)
+    op = "tinyserve.w4_linear_cpu" if w4_cpu.op_in_cpp() else "tinyserve.w4_linear_cpu_python"
+    assert {op, op + ".default"} & set(targets), targets
+
+
+# The other paths of the same source, built on this CPU with the wider vector units turned off: what a CPU without
+# AVX-512 (AVX2 + FMA), or without either, runs.
+OTHER_BUILDS = {256: ("-mno-avx512f",), 0: ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.mark.parametrize("path", sorted(OTHER_BUILDS))
+def test_the_other_vector_paths(path):
+    native = w4_cpu.library()
+    if native.w4_path() < 256 or path == native.w4_path():
+        pytest.skip("this CPU builds that path natively (tested above) or cannot build it")
+    lib = w4_cpu.build(w4_cpu.FLAGS + OTHER_BUILDS[path])
+    if lib is None:
+        pytest.skip("the C compiler does not take these flags (not x86)")
+    assert lib.w4_path() == path
+    for N, K, group, kind, sdt, asym, act in CASES:
+        w = make_weight(N, K, group, kind, sdt, asym, act, seed=N)
+        for rows in (1, 2, 5, 16):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
+                y = w4_cpu.gemm(lib, x, w.codes, w.scales, w.zeros, w.perm, group, w4_cpu.KIND_CODES[kind],
+                                w.zero_point, w.global_scale)
+                check(y, x, w)
+
+
+def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path):
+    w = make_weight(20, 128, 32)
+    x = torch.randn(2, 128)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # nothing built there yet
+    w4_cpu.build.cache_clear()
+    try:
+        assert not w4_cpu.usable(x, w)
+        y = w4_linear(x, w)
+    finally:
+        monkeypatch.undo()
+        w4_cpu.build.cache_clear()
+    torch.testing.assert_close(y, w4_linear_reference(x, w), rtol=0, atol=0)
