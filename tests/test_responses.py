@@ -195,13 +195,29 @@ def test_text_formats_are_accepted(client):
 
 
 @pytest.mark.parametrize("body,param", [({"previous_response_id": "resp_123"}, "previous_response_id"),
-                                        ({"store": True}, "store")], ids=["previous_response_id", "store"])
+                                        ({"conversation": "conv_123"}, "conversation"),
+                                        ({"store": "yes"}, "store")],
+                         ids=["previous_response_id", "conversation", "store-not-a-boolean"])
 def test_stateless(server, client, body, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.post("/responses", body={"model": "codex", "input": "Hi", **body}, cast_to=object)
     err = info.value.body
-    assert err["param"] == param and "stateless" in err["message"] and "whole conversation" in err["message"]
+    assert err["param"] == param
+    if param != "store":
+        assert "stateless" in err["message"] and "whole conversation" in err["message"]
     assert_healthy(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_store_true_is_served_and_answered_with_store_false(client, stream):
+    """OpenAI's default, which SMG writes into every Responses body it passes on: served, and the response says it
+    was not kept (docs/api.md)."""
+    if stream:
+        with client.responses.stream(model="codex", input="Hi", store=True, max_output_tokens=2) as s:
+            r = s.get_final_response()
+    else:
+        r = create(client, "Hi", store=True, max_output_tokens=2)
+    assert r.store is False and r.usage.output_tokens >= 1
 
 
 BAD = [

@@ -5,11 +5,21 @@ writers never corrupt each other (every blob complete or absent), the folder's s
 First the mechanism on FileTier objects sharing a folder (each one's own index, as two processes have), then two real
 server processes on one folder: a prompt served by one is a file hit on the other without a restart, both writing the
 same runs at once, and one evicting what the other reads.
+
+Last, the faults of a network share (the issue's list): ESTALE, EIO, timeouts, a full disk, a blob evicted or replaced
+by another box during a read, a half-written file of a box that died, clocks apart, two boxes with small budgets.
+Injected at the file system calls the file tier makes (`Share`: its `open` and the file object's reads and writes;
+this machine's kernel has neither an NFS server nor client, so no real export); the other box is another FileTier or
+plain file operations on the same folder. Each is a miss or a skipped write: no good blob deleted, no token changed
+(engines compared with a cold run), writes resume by themselves.
 """
 from __future__ import annotations
 
+import builtins
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,11 +31,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tokens
+import tinyserve.file_index as file_index
+import tinyserve.file_tier as file_tier_module
+from conftest import engine_for, tokens
 from server_util import ServerProcess, free_port, http, server_config
 from tinyserve.blob import HEADER, MAGIC, STATE_SUFFIX, SUFFIX, Blob, chain_hashes
 from tinyserve.file_index import STALE_TMP_S, tmp_name
 from tinyserve.file_tier import FileTier
+from tinyserve.sampling import SamplingParams
 
 FP = bytes(range(32))
 PAGE = 16
@@ -273,4 +286,498 @@ def test_a_server_alone_on_its_folder_does_not_list_it_again(tmp_path, monkeypat
     assert b.flush(30)
     a.index.listed_at = 0.0
     assert a.index.refresh() and a.num_blobs == 4    # another writer changed it: listed
+    a.close(), b.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Faults of a network share, injected at the file system calls (this kernel has no NFS: no nfs / nfsd file system)
+
+def oserror(code: int) -> OSError:
+    return OSError(code, os.strerror(code))
+
+
+class Share:
+    """The folder as a network share's faults show it: rules run at the file tier's `open` of a file, and at the
+    file object's reads ("read" before the bytes come, "after_read" after: it may return other bytes), writes and
+    close, and raise there what NFS raises. The file tier's code is not changed: its module's `open` is this one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.rules: list[dict] = []
+        self.opened: list[str] = []                   # names opened for reading
+        monkeypatch.setattr(file_tier_module, "open", self._open, raising=False)
+
+    def on(self, when: str, action, match=lambda name: name.endswith((SUFFIX, STATE_SUFFIX)),
+           times: int | None = None) -> None:
+        self.rules.append({"when": when, "action": action, "match": match, "times": times})
+
+    def fail(self, when: str, error, **kw) -> None:
+        """Raise error() at every `when` of a matching file."""
+        def action(path, data):
+            raise error()
+        self.on(when, action, **kw)
+
+    def fire(self, when: str, path: Path, data=None):
+        for rule in list(self.rules):
+            if rule["when"] == when and rule["match"](path.name) and rule["times"] != 0:
+                if rule["times"] is not None:
+                    rule["times"] -= 1
+                out = rule["action"](path, data)
+                data = data if out is None else out
+        return data
+
+    def _open(self, path, mode="r", *args, **kwargs):
+        path = Path(path)
+        if "r" in mode:
+            self.opened.append(path.name)
+        self.fire("open", path)
+        return FaultyFile(builtins.open(path, mode, *args, **kwargs), self, path)
+
+
+class FaultyFile:
+    def __init__(self, f, share: Share, path: Path) -> None:
+        self.f, self.share, self.path = f, share, path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+        self.share.fire("close", self.path)
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+    def read(self, *args) -> bytes:
+        self.share.fire("read", self.path)
+        return self.share.fire("after_read", self.path, self.f.read(*args))
+
+    def write(self, data) -> int:
+        self.share.fire("write", self.path, data)
+        return self.f.write(data)
+
+
+class Clock:
+    """This box's clock, `skew` seconds off the folder's (the file tier's modules' time module, `skewed`)."""
+
+    def __init__(self, skew: float) -> None:
+        self.skew = skew
+
+    def time(self) -> float:
+        return time.time() + self.skew
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def skewed(monkeypatch: pytest.MonkeyPatch, skew: float) -> None:
+    for module in (file_index, file_tier_module):
+        monkeypatch.setattr(module, "time", Clock(skew))
+
+
+@pytest.fixture
+def deletes(monkeypatch) -> list[str]:
+    """Names of the blob files the file tier's index deleted (eviction or a bad blob), in order: the unlinks that
+    removed a file (of two boxes unlinking one file at once, one does)."""
+    out: list[str] = []
+    real = file_index.unlink
+
+    def unlink(path: Path) -> bool:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return real(path)                # what the file tier does with a file it cannot delete
+        out.append(path.name)
+        return True
+    monkeypatch.setattr(file_index, "unlink", unlink)
+    return out
+
+
+def blob_size(tmp_path: Path) -> int:
+    probe = tier(tmp_path / "size-probe")
+    probe.write(run_of(0)[2])
+    assert probe.flush(30)
+    probe.close()
+    return blob_files(tmp_path / "size-probe")[0].stat().st_size
+
+
+def name_of(blob: Blob) -> str:
+    return f"{blob.start_hash.hex()}-{blob.end_hash.hex()}{SUFFIX}"
+
+
+# ---- engines: a token result is compared with a cold run
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+SESSIONS = {name: tokens(250, seed) for name, seed in (("A", 1), ("B", 2), ("C", 3))}
+
+
+@pytest.fixture(scope="module")
+def cold(hybrid_model) -> dict[str, list[int]]:
+    eng = engine_for(hybrid_model, engine={"page_size": 16, "kv_cache_tokens": 4096}, cache={"enabled": False})
+    out = {name: eng.generate([p], GREEDY)[0] for name, p in SESSIONS.items()}
+    eng.close()
+    return out
+
+
+def box(model, folder: Path):
+    """A server on the folder: a file tier behind a device pool too small for two sessions."""
+    return engine_for(model, engine={"page_size": 16, "kv_cache_tokens": 400, "max_running_requests": 1},
+                      cache={"file": {"dir": str(folder), "size_gb": 1.0, "prefetch_policy": "wait_complete"}})
+
+
+def serve(eng, name: str):
+    (req,) = eng.run_requests([SESSIONS[name]], GREEDY)
+    return req
+
+
+def from_file(req) -> int:
+    return req.report["cached_by_tier"]["file"]
+
+
+@pytest.fixture(scope="module")
+def stored(hybrid_model, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """A folder where a box stored sessions A and B (one blob each)."""
+    folder = tmp_path_factory.mktemp("stored")
+    eng = box(hybrid_model, folder)
+    names = {}
+    for name in "AB":
+        before = set(os.listdir(folder))
+        serve(eng, name)
+        assert eng.cache.file.flush(30)
+        (names[name],) = set(os.listdir(folder)) - before
+    eng.close()
+    return folder, names
+
+
+@pytest.fixture
+def shared(stored, tmp_path) -> tuple[Path, dict[str, Path]]:
+    """A copy of the stored folder: the share this test's boxes use."""
+    src, names = stored
+    folder = tmp_path / "share"
+    shutil.copytree(src, folder)
+    return folder, {k: folder / v for k, v in names.items()}
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in blob_files(folder)}
+
+
+READ_FAULTS = {
+    "ESTALE at open": ("open", lambda: oserror(errno.ESTALE)),
+    "ESTALE at read": ("read", lambda: oserror(errno.ESTALE)),      # also once more through the name
+    "EIO at read": ("read", lambda: oserror(errno.EIO)),
+    "ETIMEDOUT at read": ("read", lambda: oserror(errno.ETIMEDOUT)),
+    "TimeoutError at read": ("read", lambda: TimeoutError(errno.ETIMEDOUT, "soft mount: server not responding")),
+    "EACCES at open": ("open", lambda: oserror(errno.EACCES)),
+    "short read": ("after_read", None),
+}
+
+
+@pytest.mark.parametrize("fault", list(READ_FAULTS))
+def test_a_read_that_fails_is_a_miss_that_leaves_the_blob(hybrid_model, cold, shared, monkeypatch, deletes, fault):
+    """ESTALE, EIO, a timeout, EACCES or a short read: the request is served cold (same tokens), the blob is not
+    deleted nor counted bad, it is not read again by the next request, and once the share is well it is a hit."""
+    folder, blobs = shared
+    before = contents(folder)
+    share = Share(monkeypatch)
+    when, error = READ_FAULTS[fault]
+    if error is None:
+        share.on(when, lambda path, data: data[:len(data) // 2])
+    else:
+        share.fail(when, error)
+    eng = box(hybrid_model, folder)
+    tier = eng.cache.file
+    for name in "AB":
+        r = serve(eng, name)
+        assert r.output_ids == cold[name] and from_file(r) == 0
+    reads = share.opened.count(blobs["A"].name)
+    r = serve(eng, "A")                                  # off the device by now; its blob failed a moment ago
+    assert r.output_ids == cold["A"] and share.opened.count(blobs["A"].name) == reads
+    assert tier.stats.errors == 0 and tier.stats.read_failures >= 2
+    assert tier.num_blobs == 2 and not deletes
+    assert tier.flush(30) and contents(folder) == before  # nothing deleted, nothing rewritten
+    eng.close()
+
+    share.rules.clear()                                 # the share is well again: a box that reads it now hits
+    again = box(hybrid_model, folder)
+    for name in "AB":
+        r = serve(again, name)
+        assert r.output_ids == cold[name] and from_file(r) > 0
+    assert again.cache.file.stats.errors == 0
+    again.close()
+
+
+@pytest.mark.parametrize("other_box", ["replaces it", "evicts it"])
+def test_a_blob_another_box_replaces_or_evicts_during_a_read(hybrid_model, cold, shared, monkeypatch, deletes,
+                                                             other_box):
+    """Between our open and our read another box renames a new copy of the run over the blob, or evicts it; NFS
+    answers the read with ESTALE. Read again through the name: the new copy is a hit (and stays); a blob gone is a
+    plain miss: no error, nothing deleted by us."""
+    folder, blobs = shared
+    good = blobs["A"].read_bytes()
+
+    def other(path: Path, data) -> None:
+        if other_box == "replaces it":
+            tmp = folder / tmp_name()
+            tmp.write_bytes(good)
+            os.replace(tmp, path)
+        else:
+            path.unlink()
+        raise oserror(errno.ESTALE)
+    share = Share(monkeypatch)
+    share.on("read", other, match=lambda name: name == blobs["A"].name, times=1)
+    eng = box(hybrid_model, folder)
+    tier = eng.cache.file
+    r = serve(eng, "A")
+    assert r.output_ids == cold["A"]
+    assert tier.stats.errors == tier.stats.read_failures == 0 and not deletes
+    if other_box == "replaces it":
+        assert from_file(r) > 0 and blobs["A"].read_bytes() == good
+    else:
+        assert from_file(r) == 0
+        assert tier.flush(30) and complete(blobs["A"])   # computed, so written again
+    assert blobs["B"].read_bytes() == (folder / blobs["B"].name).read_bytes() and complete(blobs["B"])
+    eng.close()
+
+
+@pytest.mark.parametrize("meanwhile", ["nothing", "another box renames a good copy in"])
+def test_a_half_written_blob_under_its_name(hybrid_model, cold, shared, monkeypatch, deletes, meanwhile):
+    """A box died (or its server lost power) after renaming a blob whose data never all reached the disk: the half
+    that is there fails its checks, so it is a miss (counted) and is deleted; but not when, between our read and our
+    delete, another box renamed a good copy into its place: that one stays, and serves this very request (a miss
+    looks for the exact name on disk)."""
+    folder, blobs = shared
+    good = blobs["A"].read_bytes()
+    blobs["A"].write_bytes(good[:len(good) // 2])
+    share = Share(monkeypatch)
+    if meanwhile != "nothing":
+        def rename_good_in(path: Path, data: bytes) -> None:
+            tmp = folder / tmp_name()
+            tmp.write_bytes(good)
+            os.replace(tmp, path)
+        share.on("after_read", rename_good_in, match=lambda name: name == blobs["A"].name, times=1)
+    eng = box(hybrid_model, folder)
+    r = serve(eng, "A")
+    assert r.output_ids == cold["A"] and (from_file(r) == 0) == (meanwhile == "nothing")
+    assert eng.cache.file.stats.errors == 1
+    assert deletes == ([blobs["A"].name] if meanwhile == "nothing" else [])
+    assert eng.cache.file.flush(30) and complete(blobs["A"])  # the good copy, or ours written again
+    eng.close()
+    again = box(hybrid_model, folder)
+    r = serve(again, "A")
+    assert r.output_ids == cold["A"] and from_file(r) > 0
+    again.close()
+
+
+def test_a_dead_boxs_temporary_files_are_never_read_and_go_only_when_old_by_the_folders_clock(tmp_path, monkeypatch):
+    """A box died before renaming: its temporary file (even a whole blob's bytes) is no blob. It goes once it is
+    STALE_TMP_S old by the folder's clock (a file this box just wrote), whatever this box's own clock says."""
+    toks, hashes, blob = run_of(1)
+    w = tier(tmp_path / "w")
+    w.write(blob)
+    assert w.flush(30)
+    w.close()
+    whole = blob_files(tmp_path / "w")[0].read_bytes()
+    folder = tmp_path / "share"
+    folder.mkdir()
+    dead = {"whole": folder / (tmp_name().rsplit("-", 1)[0] + "-deadbox"),
+            "half": folder / (tmp_name().rsplit("-", 1)[0] + "-deadbox")}
+    dead["whole"].write_bytes(whole)
+    dead["half"].write_bytes(whole[:len(whole) // 2])
+    skewed(monkeypatch, +86400)                                # this box's clock a day ahead: they look old to it
+    a = tier(folder)
+    assert a.num_blobs == 0 and a.read_chain(hashes, toks, 0, PAGE) == []
+    assert all(p.exists() for p in dead.values())              # fresh by the folder's clock: a writer may be alive
+    a.close()
+    old = time.time() - 2 * STALE_TMP_S
+    for p in dead.values():
+        os.utime(p, (old, old))
+    skewed(monkeypatch, -86400)                                # a day behind: they look new to it
+    b = tier(folder)
+    assert not any(p.exists() for p in dead.values()) and b.stats.errors == 0
+    b.close()
+
+
+@pytest.mark.parametrize("skew", [+86400.0, -86400.0])
+def test_this_boxs_clock_off_by_a_day_stamps_nothing_with_it(tmp_path, monkeypatch, skew):
+    """Writes and reads stamp blobs with the folder's clock (a read touches with no time given: the file server's
+    on NFS), so a box whose clock is a day off neither makes the blobs it reads immortal nor the first to go."""
+    skewed(monkeypatch, skew)
+    runs = [run_of(i) for i in range(3)]
+    w = tier(tmp_path)
+    for _, _, blob in runs:
+        w.write(blob)
+        assert w.flush(30)
+    w.close()
+    assert all(abs(p.stat().st_mtime - time.time()) < 60 for p in blob_files(tmp_path))
+    for age, (_, _, blob) in zip((3000, 2000, 1000), runs):      # run 0 the least recently used
+        os.utime(tmp_path / name_of(blob), (time.time() - age, time.time() - age))
+    a = tier(tmp_path, 1 << 30)
+    assert a.flush(30)
+    toks, hashes, _ = runs[0]
+    assert len(a.read_chain(hashes, toks, 0, PAGE)) == 1          # now the most recently used
+    assert abs((tmp_path / name_of(runs[0][2])).stat().st_mtime - time.time()) < 60
+    a.index.size_bytes = 2 * (tmp_path / name_of(runs[0][2])).stat().st_size
+    with a.index.lock:
+        a.index.evict_to_limit()
+    assert {p.name for p in blob_files(tmp_path)} == {name_of(runs[0][2]), name_of(runs[2][2])}
+    assert abs(a.index.folder_now() - time.time()) < 60
+    a.close()
+
+
+def test_another_boxs_files_stamped_far_in_the_future_or_past(tmp_path, deletes):
+    """Another box's blobs with mtimes a day ahead (its clock ran ahead) are counted only while they are there: once
+    that box evicts them, ours forgets them at its next listing and deletes nothing for bytes that are gone. One a
+    day in the past that we read is ours to keep like any blob just used."""
+    one = blob_size(tmp_path)
+    folder = tmp_path / "share"
+    a, b = tier(folder, 4 * one), tier(folder, 4 * one)
+    mine = [run_of(i) for i in range(1, 4)]
+    theirs = [run_of(i) for i in range(10, 13)]
+    for _, _, blob in mine[:2]:
+        a.write(blob)
+        assert a.flush(30)
+    for _, _, blob in theirs[:2]:
+        b.write(blob)
+        assert b.flush(30)
+        future = time.time() + 86400
+        os.utime(folder / name_of(blob), (future, future))
+    assert a.index.refresh(force=True) and a.num_blobs == 4
+    for _, _, blob in theirs[:2]:                     # b evicts them (or a third box does)
+        with b.index.lock:
+            b.index.remove(blob.start_hash, blob.end_hash)
+    a.index.listed_at = 0.0                            # a listing is due at a's next write
+    a.write(mine[2][2])
+    assert a.flush(30)
+    assert {p.name for p in blob_files(folder)} == {name_of(blob) for _, _, blob in mine}
+    assert a.used_bytes == 3 * one and deletes == [name_of(blob) for _, _, blob in theirs[:2]]   # b's, not a's
+
+    toks, hashes, past = theirs[2]                     # a day in the past, then read by a
+    b.write(past)
+    assert b.flush(30)
+    old = time.time() - 86400
+    os.utime(folder / name_of(past), (old, old))
+    assert len(a.read_chain(hashes, toks, 0, PAGE)) == 1
+    a.index.listed_at = 0.0
+    a.write(run_of(4)[2])                              # five blobs for room of four: the least recently used goes
+    assert a.flush(30)
+    assert deletes[2:] == [name_of(mine[0][2])] and (folder / name_of(past)).exists()
+    assert a.stats.errors == b.stats.errors == 0
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("code,at", [(errno.ENOSPC, "write"), (errno.EDQUOT, "close"), (errno.EFBIG, "write")])
+def test_a_full_disk_makes_room_and_the_write_goes_on(tmp_path, deletes, code, at):
+    """A disk smaller than size_gb (or a quota): a write that finds it full evicts the least recently used blobs
+    it needs room for and is tried again, so writes go on without a pause or a restart."""
+    one = blob_size(tmp_path)
+    folder = tmp_path / "share"
+    folder.mkdir()
+    capacity = 3 * one + one // 2
+
+    def full(path: Path, data) -> None:            # NFS may tell only at close
+        pending = len(data) if data is not None else 0
+        if sum(p.stat().st_size for p in folder.iterdir()) + pending > capacity:
+            raise oserror(code)
+    with pytest.MonkeyPatch.context() as mp:
+        share = Share(mp)
+        share.on(at, full, match=lambda name: name.startswith(".tmp-"))
+        a = tier(folder, 10 * one)
+        runs = [run_of(i) for i in range(1, 7)]
+        for _, _, blob in runs:
+            a.write(blob)
+            assert a.flush(30)
+            assert folder_bytes(folder) <= capacity and a.writable
+        assert {p.name for p in blob_files(folder)} == {name_of(blob) for _, _, blob in runs[3:]}
+        assert deletes == [name_of(blob) for _, _, blob in runs[:3]]        # least recently used first, one each
+        assert a.stats.write_failures == 0 and not [p for p in folder.iterdir() if p.name.startswith(".tmp-")]
+        for toks, hashes, blob in runs[3:]:
+            (got,) = a.read_chain(hashes, toks, 0, PAGE)
+            assert torch.equal(got.kv, blob.kv)
+        a.close()
+
+
+def test_a_disk_full_of_others_data_pauses_writes_until_space_frees(hybrid_model, cold, tmp_path, monkeypatch):
+    """The disk is full of what is not ours to delete: the write is skipped (tokens unchanged), writes pause, and
+    once space frees they resume by themselves, no restart: a later session is stored and hits on another box."""
+    folder = tmp_path / "share"
+    disk_full = [True]
+
+    def full(path: Path, data) -> None:
+        if disk_full[0]:
+            raise oserror(errno.ENOSPC)
+    share = Share(monkeypatch)
+    share.on("write", full, match=lambda name: name.startswith(".tmp-"))
+    eng = box(hybrid_model, folder)
+    tier_ = eng.cache.file
+    assert serve(eng, "A").output_ids == cold["A"]
+    assert tier_.flush(30) and not tier_.writable and eng.stats().cache.file.writable is False
+    assert serve(eng, "B").output_ids == cold["B"]
+    assert tier_.flush(30) and not blob_files(folder) and tier_.stats.write_failures >= 1
+    disk_full[0] = False                                 # space frees
+    wait_until(lambda: tier_.writable, "writes resumed", timeout=10)
+    assert serve(eng, "C").output_ids == cold["C"]
+    assert tier_.flush(30) and len(blob_files(folder)) == 1 and tier_.writable
+    eng.close()
+    other = box(hybrid_model, folder)
+    r = serve(other, "C")
+    assert r.output_ids == cold["C"] and from_file(r) > 0
+    other.close()
+
+
+def test_two_boxes_with_small_budgets_share_a_folder_without_a_storm(tmp_path, deletes):
+    """Both count the whole folder against their size_gb and evict in one order, the files' ages. While the folder
+    is within it, nothing is deleted, another box's blobs included; past it each write deletes exactly what it must,
+    the least recently used, whoever wrote it; a blob another box read lately is passed over;
+    the folder never exceeds the budget. Then both write at once: the folder still ends within it, with at most a
+    blob or two more deleted than needed (two boxes evicting for the same excess at the same moment)."""
+    one = blob_size(tmp_path)
+    folder = tmp_path / "share"
+    a, b = tier(folder, 4 * one), tier(folder, 4 * one)
+    order: list[str] = []                                # least recently used first, by the files' mtimes
+    expected: list[str] = []                             # what exact LRU eviction deletes
+
+    def put(t: FileTier, i: int) -> None:
+        time.sleep(0.01)                                 # mtimes apart (a coarse file system clock)
+        t.index.listed_at = 0.0                          # each write lists the folder (what RESCAN_S later does)
+        blob = run_of(i)[2]
+        t.write(blob)
+        assert t.flush(30)
+        order.append(name_of(blob))
+        while len(order) > 4:
+            expected.append(order.pop(0))
+        assert folder_bytes(folder) <= 4 * one and t.used_bytes <= 4 * one
+
+    for i in range(2):
+        put(a, i)
+        put(b, 100 + i)
+    assert len(blob_files(folder)) == 4 and not deletes  # within budget: b's blobs survive a's writes and back
+    for i in range(2, 8):
+        put(a, i)
+        if i == 4:                                        # a reads b's oldest: b's next write passes it over
+            time.sleep(0.01)
+            toks, hashes, blob = run_of(100 + 2)
+            assert order[0] == name_of(blob) and len(a.read_chain(hashes, toks, 0, PAGE)) == 1
+            order.append(order.pop(0))
+        put(b, 100 + i)
+    assert deletes == expected and len(deletes) == 16 - 4
+    assert {p.name for p in blob_files(folder)} == set(order) and all(complete(folder / n) for n in order)
+
+    deletes.clear()
+    with ThreadPoolExecutor(2) as pool:
+        def many(job):
+            t, base = job
+            for i in range(base, base + 8):
+                t.index.listed_at = 0.0
+                t.write(run_of(i)[2])
+                assert t.flush(30)
+        list(pool.map(many, [(a, 200), (b, 300)]))
+    for t in (a, b):
+        t.index.listed_at = 0.0
+        t._keep_size()
+    left = blob_files(folder)
+    assert 2 <= len(left) <= 4 and folder_bytes(folder) <= 4 * one and all(complete(p) for p in left)
+    assert len(deletes) <= 16 + 4 - len(left) + 2
+    assert a.stats.errors == b.stats.errors == 0
     a.close(), b.close()

@@ -515,3 +515,17 @@ def test_flush_cache_keeps_the_file_tier_unless_asked(model, cold, tmp_path):
     r = run(eng, "A")
     assert r.output_ids == cold["A"] and r.cached_tokens == 0
     eng.close()
+
+
+def test_a_prefix_evicted_while_its_request_waits_is_read_from_the_folder(model, cold, tmp_path):
+    """A again arrives while A's prompt is on the device, so its file-tier read starts past it; B, ahead of it in
+    line, evicts A's pages (the folder holds them); once the read lands A reads the folder again from what the
+    device still holds, and resumes from the folder instead of computing its prompt."""
+    eng = small_engine(model, host={"size_gb": 0}, file={"dir": str(tmp_path), "size_gb": 1.0})
+    assert run(eng, "A").output_ids == cold["A"]
+    assert file_tier(eng).flush(10.0)                       # A's blobs are in the folder
+    b, again = eng.run_requests([SESSIONS["B"], SESSIONS["A"]], GREEDY)     # one at a time: B first
+    assert b.output_ids == cold["B"] and again.output_ids == cold["A"]
+    assert again.report["cached_by_tier"]["file"] > 0, again.report["cached_by_tier"]
+    eng.close()
+    assert_all_free(eng)

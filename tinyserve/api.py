@@ -4,6 +4,7 @@
     POST /v1/messages   POST /v1/messages/count_tokens              (Anthropic's Messages: anthropic.py)
     POST /v1/responses                                              (OpenAI's Responses, stateless: responses.py)
     GET /v1/models   GET /v1/models/{model}   GET /health   GET /metrics   POST /flush_cache
+    GET /v1/loads (and GET /loads: the worker's load for a gateway such as SMG: loads.py)
     GET /api/hello (Anthropic's reachability probe)   GET /   GET /status.json (the status page: status.py)
 
 Each generation route is a handler in its protocol's module that reads top to bottom over one generation pipeline
@@ -29,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import anthropic, openai_api, responses, status
+from . import anthropic, loads, openai_api, responses, status
 from .config import Config
 from .engine import Engine
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -81,6 +82,7 @@ def create_app(engine: Engine | None, cfg: Config) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/flush_cache", flush_cache)
     status.add_routes(app, get_state)
+    loads.add_routes(app, get_state)
     return app
 
 

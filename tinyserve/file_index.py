@@ -11,10 +11,20 @@ the truth:
   recently used first by the files' own mtimes (a read touches its blob's mtime), looking again before it deletes
   (`evict_to_limit`): a blob another server used meanwhile goes to the back of the line, one already gone is only
   forgotten;
-- a blob that went away under a reader is a miss (file_tier.py), like a corrupt one.
+- so every writer evicts in one order, the folder's, and two that evict at once pick the same victims (the second
+  finds them gone and only forgets them) rather than each deleting as much again: times are the folder's clock
+  (the file server's on NFS), never compared with this box's. A read touches its blob with the server's time
+  (`os.utime(path)`, no times given), a write and a touch record the mtime the file got, an mtime in the future
+  (a box whose clock ran ahead stamped it) counts as now, and "used since" is a changed mtime. Blobs others
+  deleted leave the count at the next listing whatever their mtimes (`Entry.known_at`, this process's monotonic
+  clock), so bytes that are gone never drive a delete;
+- a blob that went away under a reader is a miss (file_tier.py); a read that fails with an I/O error is a miss
+  that leaves the file alone (`Entry.retry_at`); only a blob whose content fails its checks is deleted, and only
+  when the file under its name is still the one read (`remove(..., only_if=...)`).
 """
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -33,8 +43,9 @@ log = logging.getLogger("tinyserve.tiers")
 
 RESCAN_S = 1.0             # the least time between two listings of the folder (a miss or a write asks for one)
 STAT_BATCH = 2000          # blobs updated per hold of the lock by a stat job
-STALE_TMP_S = 3600.0       # another host's temporary file this old is left by a writer that died
-MTIME_SLACK_S = 2.0        # coarser mtimes (SMB, FAT: 2 s) and clocks a little apart: a use this close is ours
+STALE_TMP_S = 3600.0       # another host's temporary file this old (the folder's clock) is left by a writer that died
+IO_RETRY_S = 30.0          # a blob whose read failed with an I/O error is not read again for this long (a soft mount's
+                           # timeout costs every request that tries it)
 _HOST = socket.gethostname()
 _NAME_LEN = 2 * 64 + 1 + len(SUFFIX)
 _STATE_LEN = 64 + len(STATE_SUFFIX)
@@ -46,8 +57,10 @@ Key = tuple[bytes, bytes]  # (start hash, end hash) of a blob
 class Entry:
     name: str                   # file name in the folder (a Path per blob would cost more than the listing)
     size: int = -1              # bytes; -1 until stat'ed (blobs found by a listing are stat'ed in the background)
-    last_use: float = 0.0       # time.time() of the last write or read, ours or (seen in its mtime) another's
+    last_use: float = 0.0       # the file's mtime when last seen (the folder's clock): our write or read, or another's
     next_hash: bytes | None = None   # chain hash after the blob's first page (None: not looked up yet)
+    known_at: float = 0.0       # time.monotonic() when this process last wrote, read or found it on disk
+    retry_at: float = 0.0       # time.monotonic() before which a read that failed with an I/O error is not retried
 
 
 def parse_name(name: str) -> Key | None:
@@ -68,9 +81,11 @@ def tmp_name() -> str:
     return f".tmp-{uuid.uuid4().hex}-{os.getpid()}-{_HOST}"
 
 
-def stale_tmp(folder: Path, name: str) -> bool:
-    """Is this temporary file left by a writer that died? Ours (this host): its process is gone. Another host's: it
-    is older than STALE_TMP_S. A name without a writer (an older tinyserve's): yes."""
+def stale_tmp(folder: Path, name: str, now: float) -> bool:
+    """Is this temporary file left by a writer that died? Ours (this host): its process is gone. Another host's: its
+    mtime is more than STALE_TMP_S before `now`, the folder's time (not this box's clock: boxes' clocks may be hours
+    apart, and a writer alive on a box behind ours would lose its file). A name without a writer (an older
+    tinyserve's): yes."""
     parts = name[5:].split("-", 2)
     if len(parts) != 3 or not parts[1].isdigit():
         return True
@@ -84,7 +99,7 @@ def stale_tmp(folder: Path, name: str) -> bool:
         except PermissionError:                 # alive, someone else's
             return False
     try:
-        return time.time() - os.stat(folder / name).st_mtime > STALE_TMP_S
+        return now - os.stat(folder / name).st_mtime > STALE_TMP_S
     except OSError:
         return False
 
@@ -104,35 +119,51 @@ class FolderIndex:
         self.seen_mtime: int | None = None                    # the folder's mtime after the last change we know of
         self._listing = threading.Lock()                      # one listing at a time
         self.undeletable: set[str] = set()                    # bad blobs we could not delete: never indexed again
+        self.clock_offset = 0.0                               # the folder's clock minus ours (time.time())
+
+    # ---- the folder's clock ----
+    def saw_mtime(self, mtime: float) -> None:
+        """A file we just wrote or touched has this mtime: the folder's clock (the file server's on NFS) now."""
+        self.clock_offset = mtime - time.time()
+
+    def folder_now(self) -> float:
+        """The folder's time now, as the files we wrote last told it."""
+        return time.time() + self.clock_offset
+
+    def _age_key(self, mtime: float, now: float) -> float:
+        """Where an mtime sorts in the LRU order: one in the future (stamped by a box whose clock ran ahead) is now."""
+        return min(mtime, now)
 
     # ---- listing ----
-    def _mtime(self) -> int | None:
+    def folder_mtime(self) -> int | None:
         try:
             return os.stat(self.folder).st_mtime_ns
         except OSError:
             return None
 
-    def own_change(self) -> None:
-        """After we added or deleted a blob: the folder's mtime now is one we know the cause of (a listing is
-        needed only when it changes again: another server wrote or deleted)."""
-        self.seen_mtime = self._mtime()
+    def own_change(self, before: int | None) -> None:
+        """After we added or deleted a blob (before: the folder's mtime just before we did): the folder's mtime now is
+        one we know the cause of (a listing is needed only when it changes again: another server wrote or deleted),
+        unless it had changed already since we last knew it: then what another server did is still to be listed."""
+        if before == self.seen_mtime:
+            self.seen_mtime = self.folder_mtime()
 
     def _list(self) -> tuple[float, list[tuple[Key, str]]] | None:
-        """(wall time before the listing, [(key, name)] of every blob in the folder); stale temporary files are
-        deleted on the way. None when the folder cannot be listed."""
-        started = time.time()
-        self.listed_at = time.monotonic()
-        self.seen_mtime = self._mtime()
+        """(time.monotonic() before the listing, [(key, name)] of every blob in the folder); stale temporary files
+        are deleted on the way. None when the folder cannot be listed."""
+        started = self.listed_at = time.monotonic()
+        self.seen_mtime = self.folder_mtime()
         try:
             names = os.listdir(self.folder)
         except OSError:
             return None
         found: list[tuple[Key, str]] = []
+        now = self.folder_now()
         for name in names:
             key = parse_name(name)
             if key is not None:
                 found.append((key, name))
-            elif name.startswith(".tmp-") and stale_tmp(self.folder, name):
+            elif name.startswith(".tmp-") and stale_tmp(self.folder, name, now):
                 unlink(self.folder / name)
         return started, found
 
@@ -167,7 +198,10 @@ class FolderIndex:
         never wait long. A blob that went away meanwhile leaves the index."""
         stats: list[tuple[float, int, bytes, bytes]] = []
         gone: list[Key] = []
-        fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            fd = os.open(self.folder, os.O_RDONLY)
+        except OSError:                                  # the folder gone or unreadable now: sizes stay unknown
+            return
         try:
             for start, end in found:
                 try:
@@ -177,8 +211,9 @@ class FolderIndex:
                     gone.append((start, end))
         finally:
             os.close(fd)
-        stats.sort(key=lambda t: t[0], reverse=True)   # newest first: each goes to the front, the oldest ends first
-        for i in range(0, len(stats), STAT_BATCH):
+        now = self.folder_now()
+        stats.sort(key=lambda t: self._age_key(t[0], now), reverse=True)   # newest first: each goes to the front,
+        for i in range(0, len(stats), STAT_BATCH):                          # the oldest ends first
             with self.lock:
                 for mtime, size, start, end in stats[i:i + STAT_BATCH]:
                     entry = self.by_start.get(start, {}).get(end)
@@ -202,7 +237,7 @@ class FolderIndex:
         deleted leave it. True when it listed."""
         if not force and time.monotonic() - self.listed_at < RESCAN_S:
             return False
-        if not force and self.seen_mtime is not None and self._mtime() == self.seen_mtime:
+        if not force and self.seen_mtime is not None and self.folder_mtime() == self.seen_mtime:
             self.listed_at = time.monotonic()          # a server alone on its folder never lists it again
             return False
         if not self._listing.acquire(blocking=False):
@@ -218,9 +253,9 @@ class FolderIndex:
                 vanished = [key for key in self.lru if key not in present]
             self._add_found(new)
             with self.lock:
-                for start, end in vanished:      # not one we wrote or read after the listing began
-                    entry = self.by_start.get(start, {}).get(end)
-                    if entry is not None and entry.last_use < started:
+                for start, end in vanished:      # not one we wrote or read after the listing began (our clock only:
+                    entry = self.by_start.get(start, {}).get(end)   # an mtime a skewed box stamped says nothing here)
+                    if entry is not None and entry.known_at < started:
                         self.forget(start, end)
             return True
         finally:
@@ -249,7 +284,7 @@ class FolderIndex:
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode) and name not in self.undeletable:
-                stats.append((key, Entry(name, st.st_size, st.st_mtime)))
+                stats.append((key, Entry(name, st.st_size, st.st_mtime, known_at=time.monotonic())))
         with self.lock:
             for (start, end), entry in stats:
                 if end not in self.by_start.get(start, {}):
@@ -260,11 +295,13 @@ class FolderIndex:
         """Under lock: move a blob just added at the back of the LRU order in front of those used after it (few:
         the blobs written or read since), so that every server on the folder evicts in the same order."""
         newer = []
+        now = self.folder_now()
+        last_use = self._age_key(last_use, now)
         for k in reversed(self.lru):
             if k == (start, end):
                 continue
             entry = self.by_start[k[0]][k[1]]
-            if entry.last_use <= last_use:
+            if self._age_key(entry.last_use, now) <= last_use:
                 break
             newer.append(k)
         for k in reversed(newer):
@@ -296,26 +333,41 @@ class FolderIndex:
         self.total -= max(0, entry.size)
         return entry
 
-    def remove(self, start: bytes, end: bytes) -> None:
+    def remove(self, start: bytes, end: bytes, only_if: tuple[int, int, int] | None = None) -> None:
+        """Forget a blob and delete its file. only_if (inode, size, mtime_ns of the file a reader found bad): delete
+        only that file, not one another server renamed into its place since (a good copy of the same run)."""
         entry = self.forget(start, end)
         if entry is None:
             return
-        if unlink(self.folder / entry.name):
-            self.own_change()
+        path = self.folder / entry.name
+        if only_if is not None:
+            try:
+                st = os.stat(path)
+            except OSError:                 # gone already, or cannot be looked at now: left alone
+                return
+            if (st.st_ino, st.st_size, st.st_mtime_ns) != only_if:
+                return
+        before = self.folder_mtime()
+        if unlink(path):
+            self.own_change(before)
         else:
             self.undeletable.add(entry.name)
 
-    def touch(self, start: bytes, end: bytes, entry: Entry, now: float) -> None:
-        entry.last_use = now
+    def touch(self, start: bytes, end: bytes, entry: Entry, mtime: float) -> None:
+        """We read this blob; mtime: the file's after our touch (the folder's clock)."""
+        entry.last_use, entry.known_at, entry.retry_at = mtime, time.monotonic(), 0.0
         if (start, end) in self.lru:
             self.lru.move_to_end((start, end))
 
-    def evict_to_limit(self, most: int | None = None) -> bool:
-        """Remove least recently used blobs while the folder is over size_bytes (at most `most` of them); True if more
-        remain to go. Each candidate is looked at first: gone (another server evicted it) is only forgotten; used by
-        another server since we last saw it (a newer mtime) goes to the back of the line, once per call."""
-        n, second_chances = 0, len(self.lru)
-        while self.total > self.size_bytes and self.lru:
+    def evict_to_limit(self, most: int | None = None, limit: int | None = None) -> bool:
+        """Remove least recently used blobs while the folder is over `limit` (size_bytes unless given; at most `most`
+        of them); True if more remain to go. Each candidate is looked at first: gone (another server evicted it) is
+        only forgotten; used by another server since we last saw it (its mtime changed to a later one) goes to the
+        back of the line, once per call; one that cannot be looked at now (an I/O error) goes to the back too, and
+        is never deleted on a guess."""
+        limit = self.size_bytes if limit is None else limit
+        n, second_chances, unknown = 0, len(self.lru), len(self.lru)
+        while self.total > limit and self.lru:
             if most is not None and n >= most:
                 return True
             start, end = next(iter(self.lru))
@@ -325,9 +377,16 @@ class FolderIndex:
             except FileNotFoundError:
                 self.forget(start, end)
                 continue
-            except OSError:
-                st = None
-            if st is not None and second_chances > 0 and st.st_mtime > entry.last_use + MTIME_SLACK_S:
+            except OSError as e:
+                if e.errno == errno.ESTALE:          # NFS: the name now leads to no file (another server deleted it)
+                    self.forget(start, end)
+                    continue
+                if unknown <= 0:
+                    return False
+                unknown -= 1
+                self.lru.move_to_end((start, end))
+                continue
+            if second_chances > 0 and st.st_mtime > entry.last_use:
                 second_chances -= 1
                 self.total += st.st_size - max(0, entry.size)
                 entry.size, entry.last_use = st.st_size, st.st_mtime
@@ -336,6 +395,13 @@ class FolderIndex:
             self.remove(start, end)
             n += 1
         return False
+
+    def make_room(self, need: int) -> int:
+        """The disk is full (ENOSPC, EDQUOT): evict least recently used blobs worth `need` bytes; returns the bytes the
+        index no longer counts (0: nothing to evict)."""
+        before = self.total
+        self.evict_to_limit(limit=max(0, self.total - need))
+        return before - self.total
 
     def evict_in_batches(self) -> None:
         """evict_to_limit, taking the lock for STAT_BATCH blobs at a time."""

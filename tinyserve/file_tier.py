@@ -6,6 +6,12 @@ and the least recently used go beyond `cache.file.size_gb`; a truncated, corrupt
 logged once, deleted. Several servers may share one folder (file_index.py: what each one's index learns, and how
 the folder as a whole keeps its size); a blob another server deleted under a reader is a miss too, not an error.
 
+On a network share a read can fail with the blob sound (NFS: ESTALE when another box replaced or deleted it, EIO or a
+timeout on a soft mount): such a read is a miss that leaves the file alone (an ESTALE is read once more through its
+name first); only content that fails its checks proves a blob bad. A write that fails skips that blob; a full disk
+(ENOSPC, EDQUOT, EFBIG) first evicts what the write needs and tries once more; otherwise writes pause (1 s, doubling
+to a minute; a folder gone or read-only: a minute) and resume by themselves.
+
 A page is stored once: when a cached run is split (a prompt branched off inside it), both halves keep the blob that
 holds them, and a later read uses the matching prefix of a blob that leaves the prompt's path (`read_chain`). A
 blob holds a state snapshot at its end only, so the state at such a cut (a branch point) is a state blob of its
@@ -13,11 +19,12 @@ own.
 
 The engine thread hands the writer CPU copies (`save_run`, `save_state`: from the host tier's copy where there is
 one, else from the device) and uploads what the reader thread read into device pages and a snapshot slot (`load`,
-on the copy stream). The radix tree decides what is written and when.
+on the copy stream). The tiers' policy over the radix tree (tiers.py) decides what is written and when.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import heapq
 import logging
@@ -35,15 +42,18 @@ import torch
 
 from tinyserve.blob import FORMAT_VERSION, HEADER, MAGIC, Blob, blob_name, chain_hashes, encode
 from tinyserve.copies import CopyStream
-from tinyserve.file_index import RESCAN_S, Entry, FolderIndex, tmp_name, unlink
+from tinyserve.file_index import IO_RETRY_S, RESCAN_S, Entry, FolderIndex, tmp_name, unlink
 from tinyserve.host_tier import HostTier
-from tinyserve.kv import KVPool
+from tinyserve.pools import KVPool, StatePool
 from tinyserve.plan import GIB
-from tinyserve.state import StatePool
 
 log = logging.getLogger("tinyserve.tiers")
 
 PROBE_LIMIT = 256          # blobs whose first page one read_chain call looks up (for a prefix)
+WRITE_RETRY_S = 1.0        # writes pause this long after a failed one, doubling with each failure in a row ...
+WRITE_RETRY_MAX_S = 60.0   # ... up to this; a folder that is gone, not a folder or read-only: this at once
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+NOT_WRITABLE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 @dataclass
@@ -54,10 +64,12 @@ class FileStats:
     bytes_out: int = 0           # blob bytes read
     seconds: float = 0.0         # time spent reading and writing
     errors: int = 0              # corrupt, truncated or foreign blobs (each deleted)
+    read_failures: int = 0       # reads that failed with an I/O error (a miss; the file left as it is)
+    write_failures: int = 0      # writes that failed (the blob skipped; a full disk, an I/O error, the folder gone)
     used: int = 0                # bytes held
     capacity: int = 0            # bytes it may hold (cache.file.size_gb)
     blobs: int = 0
-    writable: bool = True        # False once a write failed (serving goes on)
+    writable: bool = True        # False while writes are paused after a failed one (serving goes on)
 
 
 @dataclass
@@ -71,7 +83,6 @@ class FileTier:
     conv_shape: tuple[int, ...]
     conv_dtype: torch.dtype
     ssm_shape: tuple[int, ...]
-    writable: bool = True
     stats: FileStats = field(default_factory=FileStats)
     needs_state: bool = False    # a hybrid model's runs: usable only up to a state snapshot
     probe_every: int = 0         # pages between the points where the tree cuts runs (cache.state_track_interval)
@@ -100,13 +111,18 @@ class FileTier:
         self._pending: list[Future] = []
         self._queued: set[tuple[bytes, bytes]] = set()          # blobs queued for writing, not yet in the index
         self._settle: threading.Timer | None = None             # a listing due after the last write (shared folder)
+        self._resume_at = 0.0                                   # time.monotonic() when paused writes resume
+        self._failures = 0                                      # writes failed in a row
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             probe = self.folder / tmp_name()
             probe.write_bytes(b"")
-            probe.unlink(missing_ok=True)
+            try:
+                self.index.saw_mtime(probe.stat().st_mtime)     # the folder's clock, for the age of others' files
+            finally:
+                probe.unlink(missing_ok=True)
         except OSError as e:
-            self._disable_writes(f"cache.file.dir {self.folder} is not writable ({e})")
+            self._pause(f"cache.file.dir {self.folder}", e)
         found = self.index.scan()
         log.info("file tier %s: %d blobs indexed", self.folder, self.num_blobs)
         if found:               # sizes and ages by the writer thread, before its first write
@@ -119,6 +135,11 @@ class FileTier:
     @property
     def num_blobs(self) -> int:
         return self.index.count
+
+    @property
+    def writable(self) -> bool:
+        """Are writes on (not paused after a failed one)?"""
+        return time.monotonic() >= self._resume_at
 
     def report(self) -> FileStats:
         return dataclasses.replace(self.stats, used=self.used_bytes, capacity=self.size_bytes, blobs=self.num_blobs,
@@ -134,10 +155,21 @@ class FileTier:
             return self.index.get(start, end) is not None or (start, end) in self._queued
 
     # ---- writing (background thread) ----
-    def _disable_writes(self, why: str) -> None:
-        if self.writable:
-            log.warning("%s: file-tier writes disabled, serving goes on", why)
-        self.writable = False
+    def _pause(self, what: str, e: OSError) -> None:
+        """A write failed: skip it, and pause writes for a while (they resume by themselves)."""
+        self._failures += 1
+        self.stats.write_failures += 1
+        wait = WRITE_RETRY_MAX_S if e.errno in NOT_WRITABLE else \
+            min(WRITE_RETRY_MAX_S, WRITE_RETRY_S * 2 ** (self._failures - 1))
+        self._resume_at = time.monotonic() + wait
+        if self._failures == 1:
+            log.warning("file tier: writing %s failed (%s): file-tier writes paused, tried again after %.0f s, then "
+                        "less often while they fail (serving goes on)", what, e, wait)
+
+    def _wrote(self) -> None:
+        if self._failures:
+            log.info("file tier: writes resumed after %d failed tries", self._failures)
+        self._failures = 0
 
     def write(self, blob: Blob) -> None:
         """Queue a blob for writing (tensors must be CPU copies the caller no longer changes)."""
@@ -164,34 +196,59 @@ class FileTier:
             self._warn_once("size", f"a cached run of {size} bytes exceeds cache.file.size_gb; not written")
             return
         name = blob_name(blob.start_hash, blob.end_hash)
-        tmp = self.folder / tmp_name()
         try:
-            with open(tmp, "wb") as f:
-                for part in parts:
-                    f.write(part)
-            os.replace(tmp, self.folder / name)     # another server's copy of the same run is replaced whole
-            self.index.own_change()
+            try:
+                mtime = self._write_file(name, parts)
+            except OSError as e:
+                if e.errno not in NO_SPACE:
+                    raise
+                with self.index.lock:           # a full disk: make the room this blob needs, and try once more
+                    freed = self.index.make_room(size)
+                if not freed:
+                    raise
+                mtime = self._write_file(name, parts)
         except FileNotFoundError as e:
-            unlink(tmp)
             if not self.folder.is_dir():
-                self._disable_writes(f"writing {self.folder / name} failed ({e})")
+                self._pause(str(self.folder / name), e)
             else:                 # our temporary file went away (a server that took it for a dead writer's): retry later
                 self._warn_once("tmp gone", f"file tier: writing {name} failed ({e}); the run is written again "
                                 "when it is cached again")
             return
         except OSError as e:
-            self._disable_writes(f"writing {self.folder / name} failed ({e})")
-            unlink(tmp)           # raises nothing, also when the folder itself is gone or is not a folder
+            self._pause(str(self.folder / name), e)
             return
+        self._wrote()
         n_pages = blob.kv.shape[0]
         first = struct.pack(f"<{len(blob.tokens) // n_pages}i", *blob.tokens[:len(blob.tokens) // n_pages]) \
             if n_pages else None
         with self.index.lock:
-            self._add(blob.start_hash, blob.end_hash, Entry(name, size, time.time(), first and hashlib.sha256(
-                blob.start_hash + first).digest()))
+            self._add(blob.start_hash, blob.end_hash, Entry(name, size, mtime, first and hashlib.sha256(
+                blob.start_hash + first).digest(), known_at=time.monotonic()))
             self.stats.bytes_in += size
             self.stats.seconds += time.perf_counter() - t0
         self._keep_size()
+
+    def _write_file(self, name: str, parts: list[memoryview]) -> float:
+        """Write a blob under a temporary name of ours and rename it into place (another server's copy of the same
+        run is replaced whole); the mtime it got, the folder's clock. The temporary file goes when anything fails
+        (on NFS a full disk may show only at close)."""
+        tmp = self.folder / tmp_name()
+        before = self.index.folder_mtime()
+        try:
+            with open(tmp, "wb") as f:
+                for part in parts:
+                    f.write(part)
+            os.replace(tmp, self.folder / name)
+        except BaseException:
+            unlink(tmp)           # raises nothing, also when the folder itself is gone or is not a folder
+            raise
+        self.index.own_change(before)
+        try:
+            mtime = os.stat(self.folder / name).st_mtime
+            self.index.saw_mtime(mtime)
+        except OSError:
+            mtime = self.index.folder_now()
+        return mtime
 
     def _add(self, start: bytes, end: bytes, entry: Entry) -> None:
         """Index a blob this server wrote (under the index lock)."""
@@ -283,12 +340,30 @@ class FileTier:
             self._warned.add(kind)
             log.warning("%s", msg)
 
-    def _bad(self, start: bytes, end: bytes, why: str) -> None:
+    def _bad(self, start: bytes, end: bytes, why: str, seen: tuple[int, int, int] | None) -> None:
+        """The blob's content failed its checks (seen: the file read, by inode, size and mtime): a miss, and the file
+        goes, unless another server renamed a new copy into its place since (seen None: whatever is there)."""
         self.stats.errors += 1
         self._warn_once(why, f"file tier: {why} blob {start.hex()[:12]}-{end.hex()[:12]}: treated as a miss "
                         "and deleted (further ones are counted, not logged)")
         with self.index.lock:
-            self.index.remove(start, end)
+            self.index.remove(start, end, only_if=seen)
+
+    def _failed(self, start: bytes, end: bytes, e: Exception) -> None:
+        """Reading a blob failed, not its checks (an I/O error, a timeout, a file handle gone stale): a miss; the
+        file stays, and this server reads it again after IO_RETRY_S."""
+        self.stats.read_failures += 1
+        why = errno.errorcode.get(getattr(e, "errno", None) or 0, type(e).__name__)
+        self._warn_once(f"read {why}", f"file tier: reading blob {start.hex()[:12]}-{end.hex()[:12]} failed ({e}): "
+                        f"a miss, the file left as it is and read again after {IO_RETRY_S:.0f} s (further {why} "
+                        "failures are counted, not logged)")
+        with self.index.lock:
+            entry = self.index.get(start, end)
+            if entry is not None:
+                entry.retry_at = time.monotonic() + IO_RETRY_S
+
+    def _readable(self, entry: Entry, now: float) -> bool:
+        return entry.retry_at <= now
 
     def prefetch(self, tokens: list[int], first_page: int, page_size: int) -> Future:
         """Read, in the background, the blobs that continue tokens' chain from page first_page."""
@@ -309,21 +384,20 @@ class FileTier:
         out: list[Blob] = []
         page, learned = first_page, -1
         while page < len(hashes) - 1:
+            now = time.monotonic()
             with self.index.lock:
-                ends = dict(self.index.by_start.get(hashes[page], {}))
+                ends = {e: en for e, en in self.index.by_start.get(hashes[page], {}).items() if self._readable(en, now)}
             candidates = [(where[e], e, en) for e, en in ends.items() if e in where and where[e] > page]
             if candidates:
                 end_page, end, entry = max(candidates, key=lambda c: c[0])
                 try:
-                    blob = self._read(hashes[page], end, entry, tokens[page * page_size:end_page * page_size])
-                except Exception as e:            # noqa: BLE001 - whatever is wrong with a file, it is only a miss
-                    self._bad(hashes[page], end, f"unreadable ({type(e).__name__})")
-                    blob = None
-                if blob is not None and blob.kv.shape[0] != end_page - page:
-                    self._bad(hashes[page], end, "mismatched")
+                    blob = self._read(hashes[page], end, entry, tokens[page * page_size:end_page * page_size],
+                                      end_page - page)
+                except Exception as e:            # noqa: BLE001 - whatever goes wrong reading a file, it is only a miss
+                    self._failed(hashes[page], end, e)
                     blob = None
                 if blob is None:
-                    continue                      # the bad blob is gone from the index: try another candidate
+                    continue                      # gone from the index, or not read again for now: the next candidate
             else:
                 parts = self._read_prefix(hashes, tokens, page, page_size, ends, where)
                 if not parts:
@@ -375,8 +449,8 @@ class FileTier:
                 continue
             try:
                 blob = self._read(start, end, entry, None)
-            except Exception as e:                # noqa: BLE001 - whatever is wrong with a file, it is only a miss
-                self._bad(start, end, f"unreadable ({type(e).__name__})")
+            except Exception as e:                # noqa: BLE001 - whatever goes wrong reading a file, it is only a miss
+                self._failed(start, end, e)
                 blob = None
             if blob is None:
                 continue
@@ -415,41 +489,63 @@ class FileTier:
         at = blob.end_hash
         with self.index.lock:
             entry = self.index.get(at, at)
-        if entry is None:
+        if entry is None or not self._readable(entry, time.monotonic()):
             return
         try:
             state = self._read(at, at, entry, [])
-        except Exception as e:                    # noqa: BLE001 - whatever is wrong with a file, it is only a miss
-            self._bad(at, at, f"unreadable ({type(e).__name__})")
+        except Exception as e:                    # noqa: BLE001 - whatever goes wrong reading a file, it is only a miss
+            self._failed(at, at, e)
             return
         if state is not None and state.conv is not None:
             blob.conv, blob.ssm, blob.stored_state = state.conv, state.ssm, (at, at)
 
-    def _read(self, start: bytes, end: bytes, entry: Entry, expect_tokens: list[int] | None) -> Blob | None:
-        """Read and verify one blob (expect_tokens: its tokens, None: any)."""
+    @staticmethod
+    def _read_file(path: Path) -> tuple[bytes, tuple[int, int, int]]:
+        """A file's bytes and which file they are (inode, size, mtime_ns). An ESTALE (NFS: another server replaced
+        or deleted the file we had a handle to) is tried once more through the name. Bytes fewer than the file's
+        size (it changed while read) are an OSError, not a truncated blob."""
+        for retry in (False, True):
+            try:
+                with open(path, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    data = f.read()
+                break
+            except OSError as e:
+                if e.errno != errno.ESTALE or retry:
+                    raise
+        if len(data) != st.st_size:
+            raise OSError(errno.EIO, f"read {len(data)} of {st.st_size} bytes", str(path))
+        return data, (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _read(self, start: bytes, end: bytes, entry: Entry, expect_tokens: list[int] | None,
+              expect_pages: int | None = None) -> Blob | None:
+        """Read and verify one blob (expect_tokens: its tokens, None: any; expect_pages: its pages). A file gone is
+        a plain miss, a read that fails raises (the caller's miss, the file left alone), and content that fails its
+        checks is a miss that deletes it."""
         t0 = time.perf_counter()
+        path = self.folder / entry.name
         try:
-            data = (self.folder / entry.name).read_bytes()
+            data, seen = self._read_file(path)
         except FileNotFoundError:                 # another server on the folder evicted it: a plain miss
             with self.index.lock:
                 self.index.forget(start, end)
             return None
-        except OSError:
-            self._bad(start, end, "unreadable")
+        except IsADirectoryError:                 # a folder under a blob's name holds no blob
+            self._bad(start, end, "not a file", None)
             return None
         if len(data) < HEADER.size:
-            self._bad(start, end, "truncated")
+            self._bad(start, end, "truncated", seen)
             return None
         magic, version, fp, s, e, n_tok, n_pages, kv_len, conv_len, ssm_len, crc = HEADER.unpack_from(data)
         payload = memoryview(data)[HEADER.size:]
         if magic != MAGIC or version != FORMAT_VERSION or fp != self.fingerprint or s != start or e != end:
-            self._bad(start, end, "foreign")
+            self._bad(start, end, "foreign", seen)
             return None
         if len(payload) != 4 * n_tok + kv_len + conv_len + ssm_len:
-            self._bad(start, end, "truncated")
+            self._bad(start, end, "truncated", seen)
             return None
         if zlib.crc32(payload) != crc:
-            self._bad(start, end, "corrupt")
+            self._bad(start, end, "corrupt", seen)
             return None
         tokens = list(struct.unpack_from(f"<{n_tok}i", payload))
         page_numel = math.prod(self.page_shape)
@@ -457,8 +553,9 @@ class FileTier:
         conv_bytes = math.prod(self.conv_shape) * torch.empty((), dtype=self.conv_dtype).element_size()
         ssm_bytes = math.prod(self.ssm_shape) * 4
         if (expect_tokens is not None and tokens != expect_tokens) or kv_len != n_pages * page_numel * elem or \
-                (conv_len, ssm_len) not in ((0, 0), (conv_bytes, ssm_bytes)):
-            self._bad(start, end, "mismatched")
+                (conv_len, ssm_len) not in ((0, 0), (conv_bytes, ssm_bytes)) or \
+                (expect_pages is not None and n_pages != expect_pages):
+            self._bad(start, end, "mismatched", seen)
             return None
         off = 4 * n_tok
 
@@ -474,13 +571,14 @@ class FileTier:
             conv = tensor(conv_len, self.conv_dtype, self.conv_shape)
             off += conv_len
             ssm = tensor(ssm_len, torch.float32, self.ssm_shape)
-        now = time.time()
-        with self.index.lock:
-            self.index.touch(start, end, entry, now)
-        try:
-            os.utime(self.folder / entry.name, (now, now))
+        try:                                # a use, stamped with the folder's clock (NFS: the server's), not ours
+            os.utime(path)
+            mtime = os.stat(path).st_mtime
+            self.index.saw_mtime(mtime)
         except OSError:
-            pass
+            mtime = self.index.folder_now()
+        with self.index.lock:
+            self.index.touch(start, end, entry, mtime)
         self.stats.bytes_out += len(data)
         self.stats.seconds += time.perf_counter() - t0
         return Blob(start, end, tokens, kv, conv, ssm, stored_run=(start, end),

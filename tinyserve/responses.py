@@ -1,8 +1,11 @@
 """OpenAI's Responses API: POST /v1/responses (what Codex speaks: wire_api = "responses"), a route handler that reads
 top to bottom, the request parsing and the answer (response object and stream events) beside it.
 
-Stateless: nothing is stored, so `previous_response_id` and `store: true` get a 400 telling the client to resend
-the whole history in `input` (Codex sends `store: false` and the full history every turn). A Responses request is
+Stateless: nothing is stored, so `previous_response_id` and `conversation` get a 400 telling the client to resend
+the whole history in `input` (Codex sends `store: false` and the full history every turn). `store: true` (OpenAI's
+default, which gateways such as SMG write into every body) is accepted and answered with `store: false`: the
+response says it was not kept. A worker that kept responses would tie a conversation to its memory, and a gateway
+sending the next turn elsewhere, or a worker restarted, would break it (docs/api.md). A Responses request is
 translated into the chat request the chat route builds (chat.ChatRequest), so all protocols render the same prompt
 through the same template and share the prefix cache; the answer is split by the same qwen3 reasoning and
 qwen3_coder tool parsers (chat.ChatFormat) and written as Responses output items.
@@ -94,8 +97,8 @@ EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 ITEMS = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
          "reasoning")
 TEXT_FORMATS = ("text", "json_object", "json_schema")
-STATELESS = ("this server is stateless: it stores no responses, so send the whole conversation in `input` "
-             "(with store: false) instead of")
+STATELESS = ("this server is stateless: it keeps no responses (store: true is answered with store: false), so "
+             "send the whole conversation in `input` instead of")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -378,11 +381,11 @@ def _include(body: dict) -> bool:
 
 
 def _check_stateless(body: dict) -> None:
+    """What would need a stored response is refused; `store` itself is only type-checked: true asks to keep this
+    response, which is not done, and the response's own `store: false` says so (as vLLM does by default)."""
     if body.get("previous_response_id") is not None:
         raise bad_request(f"{STATELESS} previous_response_id", "previous_response_id")
-    store = read_field(body, "store", boolean, False)
-    if store:
-        raise bad_request(f"{STATELESS} store: true", "store")
+    read_field(body, "store", boolean, False)
     if body.get("conversation") is not None:
         raise bad_request(f"{STATELESS} conversation", "conversation")
 

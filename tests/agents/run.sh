@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The real-agents tier: the releases of Claude Code, Codex, Qwen Code and opencode in tests/agents/releases.txt
-# against `tinyserve config.example.toml` (tests/agents/test_agent_clis.py). From the repository root, with the test
+# against `tinyserve config.example.toml` (tests/agents/test_agent_clis.py), and the newest Claude Code through the
+# SMG gateway of systemd/smg.sh (tests/agents/test_agent_gateway.py). From the repository root, with the test
 # dependencies installed:
 #   bash tests/agents/run.sh [pytest args]              (-k claude: one agent's releases; -k codex-0.133.0: one)
 # It installs the releases (tests/agents/install.sh), then runs the tier in a network namespace of its own where
