@@ -64,9 +64,9 @@ def random_model(folder: Path, device, dtype):
     from tinyserve.kernels.fp8_weight import Fp8Weight
     from tinyserve.loader import read_checkpoint
     from tinyserve.models.qwen3_next import Qwen3NextForCausalLM
-    from tinyserve.models.weights import Fp8Weights
+    from tinyserve.models.weights import QuantizedWeights
     mc, weights = read_checkpoint(folder, keep_fp8=device.type == "cuda")
-    fp8 = Fp8Weights(mc.fp8_blocks, act_quant=True) if mc.fp8_blocks else None
+    fp8 = QuantizedWeights(mc.fp8_blocks, act_quant=True) if mc.fp8_blocks else None
     model = Qwen3NextForCausalLM(mc, dtype, device, fp8)
     g = torch.Generator(device=device).manual_seed(0)
     outputs = ("o_proj", "out_proj", "mlp.down")            # zero: every layer passes its input through
@@ -115,7 +115,7 @@ def engine(model, nextn: bool, context: int, dry: bool, kernels: str = "auto"):
         tables["speculative"] = {"num_steps": 3, "max_running": 8}
     eng = engine_for_model(from_dict(tables), model)
     if nextn:
-        eng.features.named("nextn").price(eng)
+        eng.nextn.price(eng)
         compiled = compile_while_serving(eng)     # the CPU's NEXTN graphs: all made before anything is timed
         if compiled is not None:
             compiled.wait()
@@ -334,14 +334,14 @@ def main() -> None:
         eng = engine(model, nextn, context, dry)
         for batch in (1, 8):
             if nextn:
-                eng.features.named("nextn").totals = type(eng.features.named("nextn").totals)()
+                eng.nextn.totals = type(eng.nextn.totals)()
             rate = decode_rate(eng, batch, new, mc.vocab_size, device)
             note = ""
             if batch == 1 and not nextn and bw == bw:
                 bound = bw / per_token
                 note = f"HBM bound {bound:.0f} tok/s: {rate / bound:.0%} (target >= 70%)"
             if nextn:
-                st = eng.features.named("nextn").totals
+                st = eng.nextn.totals
                 note = (f"{st.num_drafts} rounds, {st.num_accepted_tokens} of {st.num_draft_tokens} drafts accepted"
                         if st.num_drafts else "no drafting (the measured step costs chose depth 0)")
             rows.append((f"decode batch {batch}{' NEXTN' if nextn else ''}", f"{rate:.1f} tok/s", note))

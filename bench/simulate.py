@@ -7,8 +7,8 @@ tiers with the byte sizes of a Qwen3.5-27B-shaped model, and a stand-in for the 
 
 What is real and what stands in
 -------------------------------
-Real: `Engine._step` (the one step loop), `Scheduler`, `PrefixCache`, `RadixCache`, `HostTier`, `FileTier`,
-`PageAllocator`, `StatePool`, `KVPool`, built by build.assemble / build.prefix_cache from the
+Real: `Engine._step` (the one step loop), `Scheduler`, `PrefixCache`, `RadixCache` (`TieredRadixCache` with tiers),
+`HostTier`, `FileTier`, `PageAllocator`, `StatePool`, `KVPool`, built by build.assemble / build.prefix_cache from the
 TOML config and a `MemoryPlan` that `MemoryPlan.resolve` makes for a header-only Qwen3.5-27B folder (what
 `tinyserve --check` prints): KV pages, device snapshot slots, NEXTN verify slots, host pages and host snapshots, file
 bytes. Every eviction, promotion, backup and file read is the engine's own code.
@@ -110,6 +110,7 @@ from tinyserve.request import Request, Status  # noqa: E402
 from tinyserve.runner import SeqOutput  # noqa: E402
 from tinyserve.sampling import SamplingParams  # noqa: E402
 from tinyserve.scheduler import ScheduledSeq  # noqa: E402
+from tinyserve.tiers import TieredNode, TieredRadixCache  # noqa: E402
 
 GB = 1e9
 SEED_KV_TOKENS = 270336          # the seed's device pool (~270K tokens, fp8 KV, 48 GB card): 4224 pages of 64
@@ -304,7 +305,7 @@ class SimRadix(RadixCache):
     back plain LRU (the policy of commit cc0853a, before snapshots were ranked by worth) to compare against;
     "pinned" is the engine's ranking with a running request's lock pinning the snapshots on its path too (the
     engine before the home-box issue's fix: many sessions on one prefix then hold every slot)."""
-    hooks = ("_drop_device", "alloc_snapshot", "_host_alloc_snapshot")
+    hooks = ("_drop_device", "alloc_snapshot")
     counters: Counters
     policy: str
 
@@ -336,19 +337,30 @@ class SimRadix(RadixCache):
         if not held:
             return None
         victim = min(held, key=lambda n: n.last_use)
-        if self.host is not None and victim.host_snapshot is None and \
-                (self._backup_due("evict", victim.hits) or victim.host_pages is not None):
-            hs = self._host_alloc_snapshot(protect=victim)
-            if hs is not None:
-                self.host.save_snapshot(victim.snapshot, hs)
-                victim.host_snapshot = hs
+        self._lru_snapshot_to_host(victim)
         slot, victim.snapshot = victim.snapshot, None
         self.num_snapshots -= 1
         self.snapshots_evicted += 1
         self._drop_stateless_leaves(victim)
         return slot
 
-    def _host_alloc_snapshot(self, protect: Node | None, *args: Any, **kwargs: Any) -> int | None:
+    def _lru_snapshot_to_host(self, victim: Node) -> None:
+        """Policy "lru": cc0853a demoted an evicted snapshot to the host tier (there is none here)."""
+
+
+class SimTieredRadix(SimRadix, TieredRadixCache):
+    """SimRadix over the tree with tiers; "lru" and "pinned" apply to the host tier's snapshots too."""
+    hooks = SimRadix.hooks + ("_host_alloc_snapshot",)
+
+    def _lru_snapshot_to_host(self, victim: TieredNode) -> None:
+        if self.host is not None and victim.host_snapshot is None and \
+                (self._backup_due("evict", victim.hits) or victim.host_pages is not None):
+            hs = self._host_alloc_snapshot(protect=victim)
+            if hs is not None:
+                self.host.save_snapshot(victim.snapshot, hs)
+                victim.host_snapshot = hs
+
+    def _host_alloc_snapshot(self, protect: TieredNode | None, *args: Any, **kwargs: Any) -> int | None:
         if self.policy == "engine":
             return super()._host_alloc_snapshot(protect, *args, **kwargs)
         if self.policy == "pinned":
@@ -518,7 +530,8 @@ def _adopt_cache(engine: Engine) -> None:
         _count_calls(host, "load_snapshot", bump("host_snapshots_loaded", False))
     if file is not None:
         _adopt(file, SimFileTier, meta={}, **common)
-    _adopt(cache.tree, SimRadix, counters=c, policy=engine.policy)
+    _adopt(cache.tree, SimTieredRadix if isinstance(cache.tree, TieredRadixCache) else SimRadix, counters=c,
+           policy=engine.policy)
     _adopt(cache, SimPrefixCache, clock=engine.clock, cost=engine.cost, read_ready={}, read_time={},
            reader_free=0.0, **common)
 

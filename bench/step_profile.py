@@ -48,7 +48,7 @@ def _install() -> None:
     @functools.wraps(inner_step)
     def step(self, seqs, *args, **kwargs):
         lone_decode = len(seqs) == 1 and seqs[0].is_decode
-        _shape[0] = (len(seqs), len(seqs[0].extra) if lone_decode else "x") if seqs else None
+        _shape[0] = (len(seqs), len(seqs[0].drafts) if lone_decode else "x") if seqs else None
         return inner_step(self, seqs, *args, **kwargs)
     runner.ModelRunner.step = step
     _timed(runner.ModelRunner, "step", "runner step")

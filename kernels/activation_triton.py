@@ -1,4 +1,4 @@
-"""Triton kernel for kernels/activation.py: fused SiLU-and-mul (one read of gate | up, one write), fp32 math."""
+"""Triton kernel for kernels/pointwise.py (silu_and_mul): fused SiLU-and-mul (one read of gate | up, one write), fp32 math."""
 from __future__ import annotations
 
 import torch

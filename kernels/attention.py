@@ -1,7 +1,7 @@
 """Paged attention for the full-attention layers (torch reference).
 
 KV cache of one layer: [num_pages, 2, page_size, kv_heads, head_dim] (a view into the page-major pool, see
-tinyserve/kv.py). A token's KV lives at flat slot `page * page_size + offset`. Each sequence has a row of the page
+tinyserve/pools.py). A token's KV lives at flat slot `page * page_size + offset`. Each sequence has a row of the page
 table [N, max_pages] (int32) listing its pages in order; `seq_lens[i]` is its context length after this step, and
 its new tokens are the last `q_len` positions of that context (causal).
 """

@@ -1,4 +1,4 @@
-"""Triton kernels for kernels/norm.py: RMSNorm (zero-centred or plain), the gated RMSNorm of the GDN output, and the
+"""Triton kernels for kernels/pointwise.py: RMSNorm (zero-centred or plain), the gated RMSNorm of the GDN output, and the
 l2 norm of the GDN's q and k.
 
 Same signatures and semantics as the torch reference: fp32 math, output in x's dtype (fp32 for l2_norm). One program per row; a row is the last dim, any leading dims (views with a unit last-dim stride
@@ -111,7 +111,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def l2_norm(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """kernels.norm.l2_norm: fp32 out, x read in its own dtype and layout."""
+    """kernels.pointwise.l2_norm: fp32 out, x read in its own dtype and layout."""
     D = x.shape[-1]
     x3 = rows3(x)
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)

@@ -1,4 +1,4 @@
-"""Triton kernel for kernels/rotary.py: partial NeoX rotary, one read and one write of each head, fp32 math.
+"""Triton kernel for kernels/pointwise.py (apply_rotary): partial NeoX rotary, one read and one write of each head, fp32 math.
 
 One program per (token, block of heads): it loads the token's cos / sin halves once for all its heads, turns
 the two halves of the rotary dims and copies the dims past them.

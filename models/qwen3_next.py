@@ -12,32 +12,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.kernels.activation import silu_and_mul
+from tinyserve.kernels.pointwise import apply_rotary, gated_rms_norm, l2_norm, rms_norm, silu_and_mul
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv
-from tinyserve.kernels.rotary import apply_rotary
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill, causal_conv1d_verify
 from tinyserve.kernels.gdn import (chunk_gated_delta_rule, recurrent_gated_delta_rule_decode,
                                    recurrent_gated_delta_rule_verify)
 from tinyserve.kernels.linear import linear
 from tinyserve.kernels.moe import fused_experts, route
-from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm
 from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kernels.verify_layout import VerifyLayout
 from tinyserve.models.config import ModelConfig  # noqa: F401 - re-exported
 from tinyserve.models.qwen_vision import VisionConfig, VisionTower, mrope_cos_sin
-from tinyserve.models.weights import Fp8Weights, TextWeights, allocate, empty_param
+from tinyserve.models.weights import QuantizedWeights, TextWeights, allocate, empty_param
 
 
 @dataclass
 class ForwardBatch:
     """One step's packed tokens: no padding; sequence i owns tokens cu_seqlens[i]:cu_seqlens[i+1].
 
-    The first `num_decode` sequences decode one token each; the next `num_extended` decode several (a decode with
-    extra tokens after its own: NEXTN's drafts), whose GDN layers run the decode recurrence token by
-    token and keep the state after each token (`extended`, a kernels.verify_layout.VerifyLayout, token rows counted
-    from the first extended token); the rest are prefill chunks. For attention each extended token is a decode row
-    whose context ends at its own position (split-K over a long context, where a prefill tile would be one program
-    per KV head).
+    The first `num_decode` sequences decode one token each; the next `num_verify` are verifies (a decode with NEXTN's
+    drafts after its own token), whose GDN layers run the decode recurrence token by token and keep the state after
+    each token (`verify`, a kernels.verify_layout.VerifyLayout, token rows counted from the first verify token); the
+    rest are prefill chunks. For attention each verify token is a decode row whose context ends at its own position
+    (split-K over a long context, where a prefill tile would be one program per KV head).
     Tensors are laid out for the GPU path too (int32 page table, int64 slot mapping, int32 state slots).
     """
 
@@ -51,9 +48,9 @@ class ForwardBatch:
     state_slots: list[int]           # [N] GDN state slot of each sequence
     state_slots_t: torch.Tensor      # [N] int64, same values on the device
     num_decode: int                  # leading sequences with one token each
-    num_extended: int = 0            # decodes with extra tokens after them
-    extended: VerifyLayout | None = None
-    # Decode attention's bound on the decode and extended rows' lengths (None: their max). A static batch (static.py,
+    num_verify: int = 0              # verifies: decodes with drafts after them
+    verify: VerifyLayout | None = None
+    # Decode attention's bound on the decode and verify rows' lengths (None: their max). A static batch (static.py,
     # CUDA graphs) fixes it to the context length, so nothing in its forward changes from step to step.
     decode_max_len: int | None = None
     # GDN state snapshots inside the prefill chunks: (prefill sequence i, counted from the first prefill, offset o
@@ -66,17 +63,17 @@ class ForwardBatch:
 
     @property
     def prefill_start(self) -> int:
-        """The first token row of the prefill chunks (after the decode and extended tokens)."""
-        return self.cu_seqlens[self.num_decode + self.num_extended]
+        """The first token row of the prefill chunks (after the decode and verify tokens)."""
+        return self.cu_seqlens[self.num_decode + self.num_verify]
 
     @property
     def has_prefill(self) -> bool:
-        return self.num_seqs > self.num_decode + self.num_extended
+        return self.num_seqs > self.num_decode + self.num_verify
 
 
 class Rotary:
     """The tables of the partial NeoX rotary embedding on the first rotary_dim dims of each head (applied by
-    kernels.rotary.apply_rotary)."""
+    kernels.pointwise.apply_rotary)."""
 
     def __init__(self, rotary_dim: int, theta: float, device) -> None:
         self.rotary_dim = rotary_dim
@@ -102,7 +99,7 @@ def scaled_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.T
 
 def _linear_weight(shape, dtype, device) -> nn.Parameter:
     """A weight that only kernels.linear reads ([N, K]), or a MoE layer's stacked experts that only the fused MoE
-    reads ([E, N, K]): it may be kept as FP8 instead (weights.Fp8Weights)."""
+    reads ([E, N, K]): it may be kept as FP8 or 4-bit instead (weights.QuantizedWeights)."""
     p = empty_param(shape, dtype, device)
     p.is_linear_weight = True
     return p
@@ -136,19 +133,19 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
 
-        nd, nv = batch.num_decode, batch.num_extended    # decode tokens are the first nd tokens, then extended ones
+        nd, nv = batch.num_decode, batch.num_verify    # the first nd tokens decode, the next nv verify
         parts = []
         if nd:
             u = causal_conv1d_decode(mixed[:nd], self.conv_weight, conv_state, batch.state_slots_t[:nd])
             q, k, v = self._split_heads(u)
             parts.append(recurrent_gated_delta_rule_decode(q, k, v, g[:nd], beta[:nd], ssm_state,
                                                            batch.state_slots_t[:nd]))
-        vs, ve = nd, batch.prefill_start                 # the extended decodes' tokens
+        vs, ve = nd, batch.prefill_start                 # the verifies' tokens
         if nv:
-            u = causal_conv1d_verify(mixed[vs:ve], self.conv_weight, conv_state, batch.extended)
+            u = causal_conv1d_verify(mixed[vs:ve], self.conv_weight, conv_state, batch.verify)
             q, k, v = self._split_heads(u)
             parts.append(recurrent_gated_delta_rule_verify(q, k, v, g[vs:ve], beta[vs:ve], ssm_state,
-                                                           batch.extended))
+                                                           batch.verify))
         if batch.has_prefill:
             cu = [c - ve for c in batch.cu_seqlens[nd + nv:]]
             slots = batch.state_slots[nd + nv:]
@@ -213,13 +210,13 @@ class GatedAttention(nn.Module):
         q, gate = self.write_kv(x, batch, kv_cache, cos_sin)
         q = apply_rotary(scaled_rms_norm(q, self.q_norm, eps), *cos_sin)
         scale = self.hd ** -0.5
-        nd, nv, parts = batch.num_decode, batch.num_extended, []
+        nd, nv, parts = batch.num_decode, batch.num_verify, []
         if nd:
             parts.append(paged_attention_decode(q[:nd], kv_cache, batch.page_table[:nd], batch.seq_lens_t[:nd],
                                                 batch.decode_max_len or max(batch.seq_lens[:nd]), scale))
         ve = batch.prefill_start
-        if nv:      # each extended token is a decode row of its own length: split-K over a long context, as decode
-            lay = batch.extended
+        if nv:      # each verify token is a decode row of its own length: split-K over a long context, as decode
+            lay = batch.verify
             parts.append(paged_attention_decode(q[nd:ve], kv_cache, batch.page_table[nd:nd + nv], lay.token_lens,
                                                 batch.decode_max_len or max(batch.seq_lens[nd:nd + nv]), scale,
                                                 table_rows=lay.token_seq))
@@ -334,24 +331,24 @@ class NextNHead(nn.Module):
 class Qwen3NextForCausalLM(nn.Module):
     """The whole text model (Qwen3-Next and Qwen3.5, dense or MoE) over a paged KV pool and a GDN state pool.
 
-    fp8: the linear weights to hold as FP8; the parameters are then laid out on "meta" first and given their memory
-    once it is known which are FP8 (weights.allocate; a bf16 copy of a 27B model would not fit the card it is
-    meant for)."""
+    quantized: the linear weights to hold as FP8 or 4-bit; the parameters are then laid out on "meta" first and
+    given their memory once it is known which are quantized (weights.allocate; a bf16 copy of a 27B model would
+    not fit the card it is meant for)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
-                 fp8: Fp8Weights | None = None) -> None:
+                 quantized: QuantizedWeights | None = None) -> None:
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         H, V = cfg.hidden_size, cfg.vocab_size
-        where = "meta" if fp8 else device
+        where = "meta" if quantized else device
         self.embed_tokens = empty_param((V, H), dtype, where)
         self.layers = nn.ModuleList([DecoderLayer(cfg, t, cfg.is_moe_layer(i), dtype, where)
                                      for i, t in enumerate(cfg.layer_types)])
         self.norm = norm_scale((H,), where)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _linear_weight((V, H), dtype, where)
         self.mtp = NextNHead(cfg, dtype, where) if cfg.num_mtp_layers > 0 else None
-        if fp8:
-            allocate(self, fp8)
+        if quantized:
+            allocate(self, quantized)
         self.visual = None
         if cfg.vision_config is not None:
             self.visual = VisionTower(VisionConfig.from_dict(cfg.vision_config), dtype, device)

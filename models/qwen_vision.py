@@ -431,7 +431,7 @@ def _mrope_rows(num_freqs: int, mrope_section: tuple[int, int, int], interleaved
 def mrope_cos_sin(positions3: torch.Tensor, inv_freq: torch.Tensor, mrope_section: list[int],
                   interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, 1, rotary_dim] for positions [3, T] (or [T]: the same row three times), in the layout of
-    Rotary.cos_sin, so kernels.rotary.apply_rotary uses them unchanged; with identical rows they equal
+    Rotary.cos_sin, so kernels.pointwise.apply_rotary uses them unchanged; with identical rows they equal
     Rotary.cos_sin exactly."""
     if positions3.dim() == 1:
         positions3 = positions3.unsqueeze(0).expand(3, -1)

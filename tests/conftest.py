@@ -125,7 +125,7 @@ def engine_for(loaded_model, tokenizer=None, host_state_share: float | None = No
 
 def nextn(eng: Engine):
     """The engine's NEXTN feature (spec.NextN), or None when speculation is off."""
-    return eng.features.named("nextn")
+    return eng.nextn
 
 
 def static_steps(eng: Engine, build: bool = False, for_graphs: bool = True, in_background: bool = False):
@@ -137,7 +137,7 @@ def static_steps(eng: Engine, build: bool = False, for_graphs: bool = True, in_b
     static = built_static_step(eng.runner, max_batch, for_graphs, in_background) if build else \
         static_step(eng.runner, max_batch, for_graphs)
     if static is not None:
-        eng.features.add(static)
+        eng.runner.steps = static
     return static
 
 

@@ -108,8 +108,7 @@ def test_the_cpu_copies_at_once():
 
 
 def pools(stream):
-    from tinyserve.kv import KVPool, PageAllocator
-    from tinyserve.state import StatePool
+    from tinyserve.pools import KVPool, PageAllocator, StatePool
     from tinyserve.host_tier import HostTier
     kv = KVPool(8, 4, 2, 2, 8, torch.float32, "cpu")
     alloc = PageAllocator(8)

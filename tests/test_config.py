@@ -299,11 +299,12 @@ def _comment_block(lines: list[str], i: int) -> str:
     return "\n".join(block)
 
 
-def test_production_has_a_comment_for_every_choice() -> None:
-    lines = PRODUCTION.read_text().splitlines()
+@pytest.mark.parametrize("path", [PRODUCTION, PRODUCTION.with_name("production-32gb.toml")], ids=lambda p: p.name)
+def test_production_has_a_comment_for_every_choice(path) -> None:
+    lines = path.read_text().splitlines()
     for i, line in enumerate(lines):
         if re.match(r"^[a-z_]+\s*=", line):
-            assert lines[i - 1].startswith("#"), f"production.toml: {line} has no comment"
+            assert lines[i - 1].startswith("#"), f"{path.name}: {line} has no comment"
 
 
 def _doc_sections() -> dict[str, str]:

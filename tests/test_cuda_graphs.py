@@ -133,7 +133,7 @@ def test_static_decode_gives_the_eager_tokens(dense, page_size):
     schedule = workload(page_size)
     eager = make_engine(dense, page_size)
     want = drive(eager, schedule)
-    assert eager.features.named("static") is None
+    assert eager.runner.steps is None
     assert_no_leaks(eager)
 
     eng = make_engine(dense, page_size)
@@ -210,7 +210,7 @@ def test_static_verify_gives_the_unspeculated_tokens(tmp_path, page_size):
     assert drive(eng, schedule) == want
     # the same drafts as the eager head's (a wrong draft costs acceptance, not tokens: so compare the counts)
     assert dataclasses.asdict(nextn(eng).totals) == dataclasses.asdict(nextn(eager).totals)
-    assert eng.features.named("static").max_tokens == 1 + nextn(eng).num_steps
+    assert eng.runner.steps.max_tokens == 1 + nextn(eng).num_steps
     shapes = {(B, T) for _, B, T in rec.steps}
     assert any(T == 1 for _, T in shapes) and any(T > 1 for _, T in shapes), shapes
     assert any(n < B and T > 1 for n, B, T in rec.steps), "a verify batch with padding sequences"
@@ -265,9 +265,9 @@ def test_static_steps_through_the_triton_kernels(tmp_path, monkeypatch, nextn):
                 rec = Recorder(static_steps(eng))
             out[name] = drive(eng, schedule)
     assert out["static"] == out["triton"] == drive(make_engine(model, 16), schedule)       # and the references'
-    assert eng.features.named("static").padding_slot == -1
+    assert eng.runner.steps.padding_slot == -1
     if nextn:
-        assert any(T > 1 for _, _, T in rec.steps) and eng.features.named("nextn").totals.num_accepted_tokens > 0
+        assert any(T > 1 for _, _, T in rec.steps) and eng.nextn.totals.num_accepted_tokens > 0
     else:
         assert (3, 4, 1) in rec.steps and attention_triton.num_splits(CTX, 4, 2, torch.device(DEV)) == 8
 
@@ -352,10 +352,10 @@ def test_a_page_row_follows_its_requests_pages(dense):
 
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="on the CPU engine.compile_steps compiles (tests/test_compiled.py)")
 def test_the_engine_captures_on_cuda(dense):
-    static = make_engine(dense, 16, engine={"compile_steps": True}).features.named("static")
+    static = make_engine(dense, 16, engine={"compile_steps": True}).runner.steps
     assert static is not None and static.for_graphs
     assert sorted(static.graphs) == [(B, 1) for B in graph_batch_sizes(MAX_RUNNING)]
-    assert make_engine(dense, 16).features.named("static") is None
+    assert make_engine(dense, 16).runner.steps is None
 
 
 def test_the_plan_counts_the_graphs(dense):
@@ -386,16 +386,16 @@ def test_captured_graphs_replay_the_eager_tokens(tmp_path, nextn):
     model = load_model(folder, torch.float32, "cuda")
     schedule = workload(16)
     eager = make_engine(model, 16)
-    assert eager.features.named("static") is None
+    assert eager.runner.steps is None
     want = drive(eager, schedule)
 
     spec = {"speculative": {"num_steps": 3, "max_running": 3}} if nextn else {}
     eng = make_engine(model, 16, engine={"compile_steps": True}, **spec)
-    static = eng.features.named("static")
+    static = eng.runner.steps
     shapes = sorted((kind, B, T) for kind in static.kinds() for B in graph_batch_sizes(MAX_RUNNING)
                     for T in range(1, static.max_tokens + 1))
     assert static is not None and sorted(static.graphs) == shapes
-    assert static.max_tokens == (1 + eng.features.named("nextn").num_steps if nextn else 1)
+    assert static.max_tokens == (1 + eng.nextn.num_steps if nextn else 1)
     replays = []
 
     class Counted:
@@ -414,10 +414,10 @@ def test_captured_graphs_replay_the_eager_tokens(tmp_path, nextn):
     check_scratch(eng)
     assert_no_leaks(eng)
 
-    idle = IdleRelease(1.0, eng.kv_pool, eng.state_pool, eng.allocator, eng.cache, eng.copies, eng.features)
-    eng.features.add(idle)
+    idle = IdleRelease(1.0, eng.kv_pool, eng.state_pool, eng.allocator, eng.cache, eng.copies, eng.runner)
+    eng.idle = idle
     idle.idle_since = time.monotonic() - 2                   # idle for longer than its second
-    idle.on_idle()
+    idle.release()
     assert idle.pools_freed and not static.graphs
     assert idle.wake() and sorted(static.graphs) == shapes
     assert drive(eng, schedule) == want

@@ -44,7 +44,7 @@ def everything_on() -> EngineStats:
     nextn = NextNStats()
     nextn.observe(3, 2)
     return EngineStats(1, 2, 3, 10, 1, 4, 0, CacheStats(host=HostStats(), file=FileStats()),
-                       features={"nextn": nextn, "images": ImageStats(budget_bytes=1 << 30), "idle": IdleStats()},
+                       nextn=nextn, images=ImageStats(budget_bytes=1 << 30), idle=IdleStats(),
                        info=info)
 
 

@@ -19,6 +19,7 @@ from tinyserve import cli, engine as engine_mod, host_tier
 from tinyserve.config import ConfigError, from_dict
 from tinyserve.engine import Engine
 from tinyserve.metrics import Metrics
+from tinyserve.radix_check import check_tree
 from tinyserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -213,7 +214,7 @@ def test_pressure_evicts_lru_frees_segments_and_answers_stay_exact(model, cold, 
     assert host.under_pressure and host.num_pages < 48
     assert host._pages.used < used_before                                      # LRU entries went
     assert host._pages.used <= host.num_pages and host.num_segments < 48 // 4 + 3
-    tree.check()
+    check_tree(tree)
     moved = [i for i, w in enumerate(host._pages._where) if w >= 0 and where_before[i] != w]
     assert moved, "compaction moved rows from the freed segments"
     check_host_rows(eng)
@@ -224,7 +225,7 @@ def test_pressure_evicts_lru_frees_segments_and_answers_stay_exact(model, cold, 
     for name in "AB":                                                          # evicted: recomputed, exact
         assert run(eng, name).output_ids == cold[name]
         assert mem() >= floor
-        tree.check()
+        check_tree(tree)
     # memory comes back: the episode ends, the tier may grow to its budget again
     mem.other = 0
     assert host.relief_due()
@@ -252,7 +253,7 @@ def test_pressure_beyond_everything_empties_the_tier(model, cold, monkeypatch):
     host.relieve(tree)
     assert host.allocated_bytes == 0 and host.num_segments == 0
     assert host.num_pages == 0 and host.num_snapshots == 0
-    tree.check()
+    check_tree(tree)
     for name in "CAB":                           # no host tier to speak of: answers still exact
         assert run(eng, name).output_ids == cold[name]
         assert host.allocated_bytes == 0
@@ -275,12 +276,12 @@ def test_pressure_while_a_request_runs(model, cold, monkeypatch):
     assert req.status == Status.RUNNING and req.report["cached_by_tier"]["host"] > 0
     mem.other = mem.total                                     # all of it, at once
     host.relieve(tree)
-    tree.check()
+    check_tree(tree)
     assert host.allocated_bytes < host.budget_bytes
     while req.status != Status.FINISHED:
         eng._step()
     assert req.output_ids == cold["A"]
-    tree.check()
+    check_tree(tree)
     host.relieve(tree)                                        # the request is gone: the rest can go now
     assert host.allocated_bytes == 0
     mem.other = 0

@@ -26,7 +26,7 @@ async def run(eng, prompt: list[int]):
 async def wait_for_release(eng) -> None:
     """A bounded wait for the engine thread's idle release."""
     for _ in range(400):
-        if (await eng.call(eng.stats)).features["idle"].pools_freed:
+        if (await eng.call(eng.stats)).idle.pools_freed:
             return
         await asyncio.sleep(0.01)
 
@@ -43,11 +43,11 @@ def test_idle_release_then_a_host_hit(hybrid_model):
             first, _ = await run(eng, session)
             await wait_for_release(eng)
             stats = await eng.call(eng.stats)
-            assert stats.features["idle"].pools_freed and stats.features["idle"].times == 1
+            assert stats.idle.pools_freed and stats.idle.times == 1
             assert eng.kv_pool.buffer.numel() == 0 and eng.state_pool.ssm.numel() == 0
             assert stats.kv_pages_used == 0 and stats.cache.cached_pages == 0 and stats.cache.snapshots_held == 0
             await asyncio.sleep(0.3)                   # stats calls (like /metrics) do not wake it
-            assert (await eng.call(eng.stats)).features["idle"].times == 1
+            assert (await eng.call(eng.stats)).idle.times == 1
             again, result = await run(eng, session)
             return first, again, result
         finally:

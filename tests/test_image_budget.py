@@ -24,7 +24,7 @@ from PIL import Image
 from checkpoints import make_qwen3_5_vl
 from server_util import ServerProcess, free_port, http, server_config
 from tinyserve.images import ImageProcessorConfig, decode_image, pixel_bytes, preprocess
-from tinyserve.intake import IMAGE_BUDGET_REQUESTS, ImageBudget, image_budget_bytes
+from tinyserve.multimodal import IMAGE_BUDGET_REQUESTS, ImageBudget, image_budget_bytes
 from tinyserve.config import from_dict
 
 SIDE = 256                           # the tiny checkpoint's processor keeps 256x256 (65,536 pixels) as it is

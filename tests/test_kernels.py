@@ -15,8 +15,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill
 from tinyserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_decode
-from tinyserve.kernels.norm import gated_rms_norm, rms_norm
-from tinyserve.kv import KVPool
+from tinyserve.kernels.pointwise import gated_rms_norm, rms_norm
+from tinyserve.pools import KVPool
 from tinyserve.plan import DTYPE_TABLE, torch_dtype
 
 DK, DV = 16, 8

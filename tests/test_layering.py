@@ -20,13 +20,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("tinyserve", "models", "kernels")
-API_MODULES = ("api", "http_images", "protocol", "generation", "json_body", "chat", "openai_api", "anthropic",
+API_MODULES = ("api", "http_images", "protocol", "generation", "json_body", "chat", "openai_api", "anthropic", "loads",
                "responses", "tokenizer", "parsers", "tool_calls", "tool_values", "metrics", "status", "cli")
 ENGINE_PARTS = ("models", "kernels", "build", "loader", "model_config", "fp8_scheme", "runner", "static", "spec",
-                "scheduler", "cache", "radix", "host_tier", "file_tier", "file_index", "blob", "copies", "idle", "kv",
-                "state", "request", "plan")
-TIERS = ("host_tier", "file_tier", "file_index", "blob")
-CACHE_SIDE = ("cache", "radix") + TIERS
+                "scheduler", "cache", "radix", "tiers", "host_tier", "file_tier", "file_index", "blob", "copies",
+                "idle", "pools", "request", "plan")
+TIERS = ("tiers", "host_tier", "file_tier", "file_index", "blob")
+CACHE_SIDE = ("cache", "radix", "radix_check") + TIERS
 ENGINE_PRIVATE = ("model", "model_config", "scheduler", "cache", "runner", "kv_pool", "state_pool", "allocator",
                   "plan")
 
@@ -84,14 +84,14 @@ def test_models_import_only_kernels_of_ours(path):
         assert part in (None, "kernels", "models"), f"{path.name} imports {module}"
 
 
-@pytest.mark.parametrize("name", ["scheduler", "kv", "state", "request", "runner", *CACHE_SIDE])
+@pytest.mark.parametrize("name", ["scheduler", "pools", "request", "runner", *CACHE_SIDE])
 def test_cache_and_scheduler_know_nothing_of_the_api(name):
     for module in imports(ROOT / "tinyserve" / f"{name}.py"):
         assert ours(module) not in API_MODULES, f"{name}.py imports {module}"
 
 
 @pytest.mark.parametrize("name", ["api", "http_images", "protocol", "generation", "json_body", "chat", "openai_api",
-                                  "anthropic", "responses", "metrics", "status"])
+                                  "anthropic", "responses", "metrics", "status", "loads"])
 def test_the_api_reaches_the_model_only_through_the_engine(name):
     path = ROOT / "tinyserve" / f"{name}.py"
     for module in imports(path):
@@ -118,6 +118,25 @@ def test_the_tiers_are_reached_only_through_the_cache(path):
     for module in imports(path):
         if ours(module) in TIERS:
             assert name in CACHE_SIDE or name == "build", f"{path.name} imports {module}"
+
+
+def test_the_tree_imports_none_of_its_tiers():
+    """radix.py (the tree) and snapshot_worth.py (its eviction order) import no tier and not the checks, not even for
+    types: the tiers' policy (tiers.py) builds on the tree, which reaches it only through its own hooks."""
+    for name in ("radix", "snapshot_worth"):
+        for module in imports(ROOT / "tinyserve" / f"{name}.py"):
+            assert ours(module) not in TIERS + ("radix_check",), f"{name}.py imports {module}"
+
+
+def test_the_cache_side_imports_one_way_even_for_types():
+    """No import cycle among the cache's modules, counting the imports under `if TYPE_CHECKING:` too (a module names
+    what it reads of one that imports it with a Protocol instead)."""
+    names = CACHE_SIDE + ("snapshot_worth", "divergences")
+    modules = {f"tinyserve.{n}" for n in names}
+    graph = {f"tinyserve.{n}": set(imports(ROOT / "tinyserve" / f"{n}.py")) & modules - {f"tinyserve.{n}"}
+             for n in names}
+    found = cycles(graph)
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
 
 
 def test_the_cli_talks_to_the_engine_config_and_api_only():

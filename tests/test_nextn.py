@@ -14,10 +14,9 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderL
 
 from checkpoints import make_qwen3_5_text, make_qwen3_next
 from tinyserve.kernels.pool_layer import PoolLayer
-from tinyserve.kv import KVPool
+from tinyserve.pools import KVPool, StatePool
 from tinyserve.loader import load_model
 from tinyserve.models.qwen3_next import ForwardBatch
-from tinyserve.state import StatePool
 
 CASES = {
     "qwen3_5_dense": (lambda p: make_qwen3_5_text(p, with_mtp=True), Qwen3_5DecoderLayer, False),

@@ -248,7 +248,7 @@ def test_chat_stream_chunks():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Request bodies (json_body.py)
+# Request bodies (protocol.parse_body, json_body.py)
 
 def _depth(value: Any) -> int:
     if isinstance(value, dict):
@@ -282,16 +282,17 @@ def test_json_depth_is_the_parsed_nesting(monkeypatch, chunk):
 
 
 def test_json_bodies_refused_with_a_reason():
-    from tinyserve.json_body import MAX_JSON_DEPTH, BodyError, parse_json_body
+    from tinyserve.json_body import MAX_JSON_DEPTH
+    from tinyserve.protocol import APIError, parse_body
     deep = b'{"a": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}"
     for raw, words in [(deep, "nested 65 levels"), (b"[" * 5000 + b"]" * 5000, "nested 5000 levels"),
                        (b'{"a": "\\ud800"}', "Unicode"), (b'{"a": ' + b"7" * 5000 + b"}", "not valid JSON"),
                        (b"\xff{}", "not valid"), (b"[1]", "JSON object"), (b"", "not valid JSON")]:
-        with pytest.raises(BodyError) as e:
-            parse_json_body(raw)
-        assert words in str(e.value), (raw[:20], str(e.value))
+        with pytest.raises(APIError) as e:
+            parse_body(raw)
+        assert e.value.status == 400 and words in str(e.value), (raw[:20], str(e.value))
     ok = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b', "b": "\\ud83d\\ude80 [[["}'
-    assert parse_json_body(ok)["b"] == "\U0001F680 [[["
+    assert parse_body(ok)["b"] == "\U0001F680 [[["
 
 
 def test_completion_logprob_tokens_join_into_the_text():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import inspect
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ from hypothesis import strategies as st
 
 from checkpoints import make_qwen3_5_text
 from conftest import assert_no_leaks, engine_for, tokens
+from tinyserve import file_index, file_tier, host_tier, tiers
 from tinyserve.cache import Cache, PrefixCache
 from tinyserve.loader import load_model
+from tinyserve.radix import Node, RadixCache
 from tinyserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -85,6 +88,33 @@ def test_disabled_cache_reuses_nothing(hybrid_model):
     eng = engine_for(hybrid_model, engine={"page_size": 16, "kv_cache_tokens": 2048}, cache=COLD)
     a, b = eng.run_requests([tokens(100, 9)] * 1, GREEDY) + eng.run_requests([tokens(100, 9)], GREEDY)
     assert a.cached_tokens == b.cached_tokens == 0 and type(eng.cache) is Cache
+
+
+def test_without_tiers_no_tier_code_runs(hybrid_model):
+    """No host or file tier: the cache is the radix tree alone (radix.RadixCache, not tiers.TieredRadixCache), and
+    requests that miss, hit, branch and evict pages and snapshots run no line of the tiers' policy or the tiers."""
+    eng = engine_for(hybrid_model, engine={"page_size": 16, "kv_cache_tokens": 320},
+                     cache={"state_track_interval": 32, "state_slots": 3})
+    tree = eng.cache.tree
+    assert type(tree) is RadixCache
+    tier_files = {Path(m.__file__).resolve() for m in (tiers, host_tier, file_tier, file_index)}
+    called: set[tuple[Path, str]] = set()
+
+    def note(frame, event, arg):
+        if event == "call":
+            called.add((Path(frame.f_code.co_filename).resolve(), frame.f_code.co_name))
+    shared = tokens(200, 30)
+    sys.setprofile(note)
+    try:
+        for prompt in [shared, shared + tokens(40, 31), shared[:100] + tokens(60, 32), tokens(150, 33)]:
+            eng.run_requests([prompt], GREEDY)
+    finally:
+        sys.setprofile(None)
+    ran = {name for path, name in called if path.name == "radix.py"}
+    assert {"match", "insert", "_evict_device", "_take_snapshot_slot"} <= ran       # hits, evictions happened
+    assert not {path.name for path, _ in called if path in tier_files}
+    assert all(type(n) is Node for n in tree.nodes())
+    assert_no_leaks(eng)
 
 
 SCHEDULER_CALLS = {"on_arrival", "admissible", "admit", "plan_prefill", "make_room", "advance", "finish", "drop"}

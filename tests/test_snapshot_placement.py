@@ -1,7 +1,7 @@
 """Snapshot placement that fits (the home-box issue, item 2): under state-snapshot pressure the cache keeps the
 snapshots that resume requests (prompt ends, branch points, request ends: the deepest state on a path) before
 interval snapshots, drops interior interval snapshots first, and demotes leaf snapshots to the host tier rather than
-dropping them; it never holds more snapshot bytes than the plan says (RadixCache.check).
+dropping them; it never holds more snapshot bytes than the plan says (radix_check.check_tree).
 
 Every scenario runs the same requests through an engine without snapshot pressure and through one with a handful of
 snapshot slots: a later request resumes from the same point in both (where the slots can hold it), every answer equals

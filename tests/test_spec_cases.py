@@ -104,7 +104,7 @@ def drive(eng: Engine, arrivals: list[tuple[int, list[int], SamplingParams]],
                 counted[ev.request_id] = total
         if drafts is not None:
             for r in reqs:
-                made = r.features.get("nextn")
+                made = r.drafts
                 if r.status == Status.RUNNING and made is not None and made.tokens:
                     drafts.setdefault(r.request_id, []).append((len(r.output_ids), *made.tokens))
         step += 1

@@ -14,13 +14,11 @@ import torch
 from triton_setup import DEV, ON_GPU, backend, both, gen_, gpu, needs_gpu, paged_kv, rnd, tol  # noqa: E402,F401  (first)
 import tinyserve.kernels as kernels  # noqa: E402
 from tinyserve.kernels import attention_triton  # noqa: E402
-from tinyserve.kernels.activation import silu_and_mul  # noqa: E402
+from tinyserve.kernels.pointwise import apply_rotary, gated_rms_norm, l2_norm, rms_norm, silu_and_mul  # noqa: E402
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill  # noqa: E402
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_verify  # noqa: E402
 from tinyserve.kernels.gdn import (gdn_gating, recurrent_gated_delta_rule_decode,  # noqa: E402
                                    recurrent_gated_delta_rule_verify)
-from tinyserve.kernels.norm import gated_rms_norm, l2_norm, rms_norm  # noqa: E402
-from tinyserve.kernels.rotary import apply_rotary  # noqa: E402
 from tinyserve.kernels.verify_layout import verify_layout  # noqa: E402
 
 

@@ -48,7 +48,7 @@ def user_turn(text: str) -> str:
 
 def prepare(eng, tok, text: str, pictures: list[bytes]):
     ids = tok.encode(text)
-    return eng.intake.prepare_images(ids, [ImageSource(f"img{i}", p, "image/png") for i, p in enumerate(pictures)])
+    return eng.images.prepare(ids, [ImageSource(f"img{i}", p, "image/png") for i, p in enumerate(pictures)])
 
 
 def hf_inputs(vl, ids: list[int], images) -> dict:
@@ -108,16 +108,16 @@ def test_bad_image_inputs_are_request_errors_naming_the_part(vl):
                      model={"max_images": 1, "max_image_pixels": 4000})
     ids = tok.encode(user_turn(MARK + MARK))
     with pytest.raises(RequestError, match=r"model\.max_images") as e:
-        eng.intake.prepare_images(ids, [ImageSource("a", png(40, 24, 1)), ImageSource("b", png(40, 24, 2))])
+        eng.images.prepare(ids, [ImageSource("a", png(40, 24, 1)), ImageSource("b", png(40, 24, 2))])
     assert e.value.field == "b"
     with pytest.raises(RequestError, match=r"model\.max_image_pixels") as e:
-        eng.intake.prepare_images(tok.encode(user_turn(MARK)), [ImageSource("big", png(100, 50, 1))])
+        eng.images.prepare(tok.encode(user_turn(MARK)), [ImageSource("big", png(100, 50, 1))])
     assert e.value.field == "big"
     with pytest.raises(RequestError, match="cannot decode") as e:
-        eng.intake.prepare_images(tok.encode(user_turn(MARK)), [ImageSource("junk", b"not an image", "image/png")])
+        eng.images.prepare(tok.encode(user_turn(MARK)), [ImageSource("junk", b"not an image", "image/png")])
     assert e.value.field == "junk"
     with pytest.raises(RequestError, match="placeholder") as e:       # a literal pad typed in the text
-        eng.intake.prepare_images(tok.encode(user_turn(MARK + " <|image_pad|>")), [ImageSource("x", png(40, 24, 1))])
+        eng.images.prepare(tok.encode(user_turn(MARK + " <|image_pad|>")), [ImageSource("x", png(40, 24, 1))])
     assert e.value.field == "prompt"
     text = tok.encode(user_turn("a pad typed as text: " + MARK))      # no images: served as the text it is
     (r,) = eng.run_requests([text], GREEDY)
@@ -154,10 +154,10 @@ def test_cache_hits_with_images_equal_cold_runs(vl, page_size):
     assert done[1].cached_tokens == (len(prompts[1][0]) - 1) // page_size * page_size
     assert done[2].cached_tokens == first_pad // page_size * page_size          # diverges at its first pad
     assert done[2].cached_tokens < first_pad + 1
-    assert warm.stats().features["images"].encoded == 2     # a and b; 1 and 3 took a's features from the cache
+    assert warm.stats().images.encoded == 2     # a and b; 1 and 3 took a's features from the cache
     # a later turn adds an image: it resumes from the end of the previous turn (the request's end)
     prev = done[0]
-    tail, tail_images = warm.intake.prepare_images(tok.encode("<|im_end|>\n" + user_turn("And " + MARK + "?")),
+    tail, tail_images = warm.images.prepare(tok.encode("<|im_end|>\n" + user_turn("And " + MARK + "?")),
                                             [ImageSource("t2", b, "image/png")])
     turn2, images2 = prev.prompt_ids + prev.output_ids + tail, prompts[0][1] + tail_images
     (r,) = warm.run_requests([turn2], GREEDY, [images2])
@@ -256,25 +256,25 @@ def test_each_image_is_encoded_once_per_prefill_and_let_go_after_it(vl, chunk):
     folder, oracle, model, tok = vl
     eng = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048, "chunked_prefill_size": chunk},
                      speculative={"num_steps": 2})
-    eng.features.named("images").cache.max_bytes = 0                      # nothing is kept across requests
+    eng.images.cache.max_bytes = 0                      # nothing is kept across requests
     ids, images = prepare(eng, tok, user_turn("Two: " + MARK + MARK + "go"), [png(40, 24, 61), png(32, 48, 62)])
     req = eng.intake.make_request(ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), None, images)
     eng.scheduler.add(req)
     while req.num_computed < len(ids):
         eng._step()
-    assert eng.stats().features["images"].encoded == 2
-    assert all(item.features is None for item in req.features["images"].items)
+    assert eng.stats().images.encoded == 2
+    assert all(item.features is None for item in req.images.items)
     # the request keeps the features on the host, not the pixels; a recompute after preemption needs no tower
-    assert all(item.image.pixel_values is None and item.encoded is not None for item in req.features["images"].items)
+    assert all(item.image.pixel_values is None and item.encoded is not None for item in req.images.items)
     eng.scheduler.preempt(req)
     while req.num_computed < len(ids):
         eng._step()
-    assert eng.stats().features["images"].encoded == 2
+    assert eng.stats().images.encoded == 2
     other = eng.intake.make_request(ids, SamplingParams(max_tokens=4), None, images)
     eng.scheduler.add(other)
     eng._step()                                            # part of the prompt (and an image's features) held
     eng.scheduler.abort(other)
-    assert all(item.features is None for item in other.features["images"].items)
+    assert all(item.features is None for item in other.images.items)
     while req.status.value != "finished":
         eng._step()
     cold = engine_for(model, tok, engine={"page_size": PS, "kv_cache_tokens": 2048}, cache={"enabled": False})
@@ -326,4 +326,4 @@ def test_an_image_processor_that_cuts_other_patches_than_the_tower_is_a_config_e
         engine_for(load_model(bad, torch.float32), tok)
     assert e.value.key == "model.path"
     (bad / "preprocessor_config.json").unlink()
-    assert engine_for(load_model(bad, torch.float32), tok).intake.image_processor.patch_size == 4
+    assert engine_for(load_model(bad, torch.float32), tok).images.processor.patch_size == 4

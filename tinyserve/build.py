@@ -1,7 +1,7 @@
 """Building an engine: plan the memory, load the model, allocate the pools, wire the prefix cache and its tiers, the
-scheduler, the runner and the request intake, then register the optional features the configuration and the
-checkpoint turn on (features.py; one line each) and start them (the static steps compile or capture, NEXTN prices
-its drafts). Everything here runs once, at start, on the thread that will run the steps (a server's compute
+scheduler, the runner and the request intake, then make the optional parts the configuration and the checkpoint
+turn on and hand each to the core objects that call it, by name (None: off), and start them (the static steps
+compile or capture, NEXTN prices its drafts). Everything here runs once, at start, on the thread that will run the steps (a server's compute
 thread)."""
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ from tinyserve.copies import CopyStream, copy_stream_for
 from tinyserve.demo import default_cache_dir
 from tinyserve.divergences import describe_divergence
 from tinyserve.engine import Engine
-from tinyserve.features import Features
 from tinyserve.file_tier import FileTier
 from tinyserve.grammar import Grammar
 from tinyserve.host_tier import HostTier
 from tinyserve.idle import IdleRelease
-from tinyserve.intake import Intake, image_processor_for
+from tinyserve.request import Intake
 from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
 from tinyserve.kernels.fp8_weight import Fp8Weight
+from tinyserve.kernels.w4_weight import W4Weight
 from tinyserve.kernels.gdn import snapshot_alignment
 from tinyserve.kernels.linear import calibrate as calibrate_linear, pack as pack_weights
-from tinyserve.kv import KVPool, PageAllocator
+from tinyserve.pools import KVPool, PageAllocator, StatePool
 from tinyserve.loader import load_model
 from tinyserve.model_config import LoaderError
 from tinyserve.models.config import WeightCount
@@ -40,7 +40,6 @@ from tinyserve.prompt_logprobs import PromptLogprobs
 from tinyserve.runner import ModelRunner
 from tinyserve.scheduler import Scheduler
 from tinyserve.spec import NextN
-from tinyserve.state import StatePool
 from tinyserve.static import StaticStep, static_step
 from tinyserve.tokenizer import Tokenizer
 
@@ -59,9 +58,8 @@ def build_engine(cfg: Config) -> Engine:
         model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision,
                            fp8_weights=plan.fp8_weights)
         engine = assemble(cfg, model, tokenizer, plan)
-        nextn = engine.features.named("nextn")
-        if nextn is not None:
-            nextn.price(engine)                # NEXTN: the first forwards, before serving
+        if engine.nextn is not None:
+            engine.nextn.price(engine)         # NEXTN: the first forwards, before serving
         compile_while_serving(engine)
     except RuntimeError as e:                  # torch.OutOfMemoryError (CUDA) or the CPU allocator's failure
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
@@ -78,8 +76,10 @@ def engine_for_model(cfg: Config, model, tokenizer=None, copy_stream: CopyStream
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype_name(model.dtype)))
     fp8 = [m for m in model.modules() if isinstance(m, Fp8Weight)]
     fp8_values = sum(m.weight.numel() for m in fp8)
-    weights = WeightCount(sum(p.numel() for p in model.parameters()) + fp8_values, fp8_values,
-                          sum(m.scale.numel() for m in fp8))
+    w4 = [m for m in model.modules() if isinstance(m, W4Weight)]
+    w4_values = sum(2 * m.codes.numel() for m in w4)            # two 4-bit values a byte
+    weights = WeightCount(sum(p.numel() for p in model.parameters()) + fp8_values + w4_values, fp8_values,
+                          sum(m.scale.numel() for m in fp8), w4_values, sum(m.nbytes() for m in w4))
     free = None
     if model.device.type == "cuda":            # free memory as if the weights, loaded already, were not
         free = torch.cuda.mem_get_info(model.device)[0] + weights.bytes(torch.empty((), dtype=model.dtype)
@@ -106,29 +106,34 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
                            mc.linear_value_head_dim, model.dtype, device, num_snapshot_slots=plan.snapshot_slots)
     # tier copies on a stream of their own (CUDA); pages and slots handed out again wait for their saves
     copies = copy_stream or copy_stream_for(device)
-    allocator.fence, state_pool.fence = copies.fence_pages, copies.fence_slots
+    if copies.asynchronous:                    # (the CPU's copies are done when issued: nothing to wait for)
+        allocator.fence, state_pool.fence = copies.fence_pages, copies.fence_slots
     work = threading.Event()                   # set when the engine thread has something to do
     cache = prefix_cache(cfg, plan, model, tokenizer, kv_pool, allocator, state_pool, copies, work.set) \
         if cfg.cache.enabled else Cache(state_pool)
-    features = Features()
     scheduler = Scheduler(allocator, state_pool, plan.page_size, cfg.engine.max_running_requests,
-                          cfg.engine.chunked_prefill_size, cache, features,
+                          cfg.engine.chunked_prefill_size, cache,
                           snapshot_align=snapshot_alignment(device) if plan.hybrid else None)
-    runner = ModelRunner(model, kv_pool, state_pool, eos_token_ids, features, plan.context_length)
-    vision = model.visual is not None
-    intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size, features, mc.image_token_id,
-                    image_processor_for(model) if vision else None, weights_digest(model.visual) if vision else b"",
+    runner = ModelRunner(model, kv_pool, state_pool, eos_token_ids, plan.context_length)
+    intake = Intake(cfg, plan.context_length, plan.kv_tokens, mc.vocab_size,
                     tokenizer.turn_start_id if tokenizer else None)
-    # the optional features, one line each (features.py); the static steps last, as they run the others' forwards
+    engine = Engine(cfg, plan, model, tokenizer, kv_pool=kv_pool, allocator=allocator, state_pool=state_pool,
+                    copies=copies, cache=cache, scheduler=scheduler, runner=runner, intake=intake, work=work)
+    # the optional parts, each handed to the objects that call it (None: off); the static steps last, below
+    nextn = images = idle = None
     if plan.nextn_layers:
-        features.add(NextN(cfg.speculative.num_steps, cfg.speculative.max_running, len(mc.attn_layer_ids), runner,
-                           running=lambda: len(scheduler.running)))
-    if vision:
-        features.add(Images(model.encode_images, device, intake))
-    features.add(Grammar(tokenizer, mc.vocab_size, eos_token_ids))
-    features.add(PromptLogprobs(model))
+        nextn = NextN(cfg.speculative.num_steps, cfg.speculative.max_running, len(mc.attn_layer_ids), runner,
+                      running=lambda: len(scheduler.running))
+    if model.visual is not None:
+        images = Images(cfg, model, mc.vocab_size, weights_digest(model.visual))
+    grammar = Grammar(tokenizer, mc.vocab_size, eos_token_ids)
+    prompt_logprobs = PromptLogprobs(model)
     if cfg.engine.idle_release_s:
-        features.add(IdleRelease(cfg.engine.idle_release_s, kv_pool, state_pool, allocator, cache, copies, features))
+        idle = IdleRelease(cfg.engine.idle_release_s, kv_pool, state_pool, allocator, cache, copies, runner)
+    scheduler.nextn, scheduler.images = nextn, images
+    runner.nextn, runner.images, runner.grammar, runner.prompt_logprobs = nextn, images, grammar, prompt_logprobs
+    intake.images, intake.grammar, intake.prompt_logprobs = images, grammar, prompt_logprobs
+    engine.nextn, engine.images, engine.grammar, engine.idle = nextn, images, grammar, idle
     if plan.device == "cpu":                   # pick this CPU's fastest GEMM route on the model's own shapes
         if not hasattr(model, "huge_pages"):   # once per model, before pack: its copies follow the weights' addresses
             _, model.huge_pages = place_on_huge_pages(model)
@@ -141,10 +146,8 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
         log.info("CPU GEMM route: %s%s", routes, f" (packed weight copies: {added / GIB:.2f} GiB)" if added else "")
         from tinyserve.kernels import attention_cpu   # here: registering its torch op is the engine thread's work
         attention_cpu.library()                # the C decode attention: built for this CPU (once) and loaded now
-    compiled_steps(cfg, plan, runner)
-    return Engine(cfg, plan, model, tokenizer, kv_pool=kv_pool, allocator=allocator, state_pool=state_pool,
-                  copies=copies, cache=cache, scheduler=scheduler, runner=runner, intake=intake, features=features,
-                  work=work)
+    runner.steps = compiled_steps(cfg, plan, runner)
+    return engine
 
 
 def prefix_cache(cfg: Config, plan: MemoryPlan, model, tokenizer, kv_pool: KVPool, allocator: PageAllocator,
@@ -167,33 +170,31 @@ def prefix_cache(cfg: Config, plan: MemoryPlan, model, tokenizer, kv_pool: KVPoo
                describe=lambda d: describe_divergence(d, decode, model.cfg.vocab_size))
 
 
-def compiled_steps(cfg: Config, plan: MemoryPlan, runner: ModelRunner) -> None:
+def compiled_steps(cfg: Config, plan: MemoryPlan, runner: ModelRunner) -> StaticStep | None:
     """The static decode / NEXTN verify path (engine.compile_steps, static.py), made at start (a server is not ready
-    before) and registered: on CUDA its graphs, one per batch size up to engine.max_running_requests and tokens per
+    before), for the runner's `steps`: on CUDA its graphs, one per batch size up to engine.max_running_requests and tokens per
     sequence (1 + the draft steps), which need the Triton kernels (the torch references read values on the host); on
     the CPU its forwards compiled by torch.compile, inductor's cache in compile_cache_dir. A capture or a compile
     that fails leaves every step eager, with the error in the log."""
     if not cfg.engine.compile_steps:
-        return
+        return None
     if plan.device != "cpu" and not use_triton(runner.kv_pool.buffer):
         why = triton_problem() if cfg.engine.kernels == "auto" else ""
         log.log(logging.WARNING if why else logging.INFO, "CUDA graphs are off: engine.kernels = %r runs the "
                 "torch references on CUDA%s", cfg.engine.kernels, f" ({why})" if why else "")
-        return
+        return None
     if plan.device == "cpu":
         from tinyserve.compiled import use_cache_dir
         log.info("compiling the CPU steps (inductor's cache: %s)", use_cache_dir(compile_cache_dir(cfg)))
-    static = built_static_step(runner, cfg.engine.max_running_requests, for_graphs=plan.device != "cpu",
-                               in_background=True)
-    if static is not None:
-        runner.features.add(static)
+    return built_static_step(runner, cfg.engine.max_running_requests, for_graphs=plan.device != "cpu",
+                             in_background=True)
 
 
 def compile_while_serving(engine: Engine):
     """Start compiling the CPU step graphs left for after start (NEXTN's verify and head passes not saved yet:
     compiled.py) on a thread of their own; once they are made the draft depths are priced again. Returns the
     CompiledSteps (its `wait` joins the thread), None when no graph is left."""
-    static, nextn = engine.features.named("static"), engine.features.named("nextn")
+    static, nextn = engine.runner.steps, engine.nextn
     if static is None or static.compiled is None or not static.compiled.pending:
         return None
     static.compiled.compile_pending(lambda: nextn is not None and engine.call_soon(nextn.forget_draft_prices))

@@ -17,7 +17,8 @@ tree, its state snapshots and its tiers (`DevicePrefixCache`: with no tier, noth
 
 The engine also asks for stats(), flush(), close() and, when has_upkeep, every second upkeep_due() / upkeep() (the
 host tier giving memory back when the machine runs short). The cache keeps each request's bookkeeping (a CacheRun) by request id,
-from arrival to drop. The tree and its invariants are in radix.py; the tiers and their copies in host_tier.py and
+from arrival to drop. The tree and its invariants are in radix.py; with a host or a file tier, the tree is tiers.py's
+TieredRadixCache (what goes to a tier and when, promotion, host eviction), the tiers' copies in host_tier.py and
 file_tier.py; where prompts leave cached paths in divergences.py.
 """
 from __future__ import annotations
@@ -32,11 +33,12 @@ from tinyserve.config import Config
 from tinyserve.divergences import Divergence, Divergences
 from tinyserve.file_tier import FileStats, FileTier
 from tinyserve.host_tier import HostStats, HostTier
-from tinyserve.kv import PageAllocator
+from tinyserve.pools import PageAllocator, StatePool
 from tinyserve.radix import Node, RadixCache
+from tinyserve.radix_check import check_tree
 from tinyserve.request import Request
 from tinyserve.snapshot_worth import KEPT_INTERVALS
-from tinyserve.state import StatePool
+from tinyserve.tiers import TieredRadixCache
 
 TIERS = ("device", "host", "file")     # where cached tokens come from (req.report["cached_by_tier"])
 
@@ -121,6 +123,7 @@ class CacheRun:
     read: Future | None = None              # file-tier blobs being read for this prompt
     read_first_page: int = 0
     read_deadline: float = 0.0
+    read_again: bool = False                # read once more (the tree lost part of its prefix while it waited)
 
 
 def read_deadline(prompt_tokens: int) -> float:
@@ -149,7 +152,9 @@ class PrefixCache(Cache):
                  wake: Callable[[], None] = lambda: None,
                  describe: Callable[[Divergence], str] | None = None) -> None:
         super().__init__(state_pool)
-        self.tree = RadixCache(allocator, state_pool, page_size, hybrid, host, file, cfg.cache.host.write_policy)
+        # the tree alone, or with the tiers' policy when there is a tier: no tier code runs without one
+        self.tree = RadixCache(allocator, state_pool, page_size, hybrid) if host is None and file is None else \
+            TieredRadixCache(allocator, state_pool, page_size, hybrid, host, file, cfg.cache.host.write_policy)
         self.allocator, self.host, self.file = allocator, host, file
         self.page_size, self.hybrid = page_size, hybrid
         self.track_interval = cfg.cache.state_track_interval
@@ -165,7 +170,9 @@ class PrefixCache(Cache):
         run = self.runs[req.request_id] = CacheRun()
         if self.file is None or len(req.cache_ids) <= self.page_size:
             return
-        first = self.tree.coverage(req.cache_ids) // self.page_size
+        self._prefetch(req, run, self.tree.coverage(req.cache_ids) // self.page_size)
+
+    def _prefetch(self, req: Request, run: CacheRun, first: int) -> None:
         run.read, run.read_first_page = self.file.prefetch(req.cache_ids, first, self.page_size), first
         run.read_deadline = read_deadline(len(req.cache_ids))
         run.read.add_done_callback(lambda _: self.wake())
@@ -181,9 +188,24 @@ class PrefixCache(Cache):
 
     def _ready(self, req: Request) -> bool:
         run = self.runs.get(req.request_id)
-        if run is None or run.read is None or run.read.done():
+        if run is None or run.read is None:
             return True
+        if run.read.done():
+            return not self._read_again(req, run)
         return self.prefetch_policy != "wait_complete" and time.monotonic() >= run.read_deadline
+
+    def _read_again(self, req: Request, run: CacheRun) -> bool:
+        """Whether a landed read is read again: the read continues what the tree held of the prompt at arrival, and
+        while the request waited in line the tree may have lost part of that (evicted for the requests before it,
+        written to the folder on the way out); then the blobs from what the tree holds now are read, once."""
+        if run.read_again:
+            return False
+        run.read_again = True
+        first = self.tree.coverage(req.cache_ids) // self.page_size
+        if first >= run.read_first_page:
+            return False
+        self._prefetch(req, run, first)
+        return True
 
     # ---- admission ----
     def admit(self, req: Request) -> None:
@@ -370,7 +392,7 @@ class PrefixCache(Cache):
                           file=self.file.report() if self.file else None)
 
     def check(self) -> None:
-        self.tree.check()
+        check_tree(self.tree)
 
 
 class DevicePrefixCache(PrefixCache):

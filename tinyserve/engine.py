@@ -31,21 +31,18 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from tinyserve.cache import TIERS, Cache, CacheStats
 from tinyserve.config import Config
 from tinyserve.copies import CopyStream
-from tinyserve.features import Features
 from tinyserve.images import ProcessedImage
-from tinyserve.intake import Intake, RequestError
-from tinyserve.kv import KVPool, PageAllocator
+from tinyserve.pools import KVPool, PageAllocator, StatePool
 from tinyserve.plan import MemoryPlan
-from tinyserve.request import Request, Status
+from tinyserve.request import Intake, Request, RequestError, Status
 from tinyserve.runner import ModelRunner, SeqOutput
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import ScheduledSeq, Scheduler
-from tinyserve.state import StatePool
 
 __all__ = ["Engine", "EngineInfo", "EngineStats", "RequestError", "RequestResult", "RequestStream", "StepEvent",
            "TokenEvent", "compute_thread"]
@@ -80,8 +77,9 @@ class RequestResult:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
-    # what the cache and the features report of the request: "cached_by_tier" (the cache's split of cached_tokens
-    # by the tier they came from), "prompt_logprobs" (prompt_logprobs.py's, with the first tokens), NEXTN's counts
+    # what the cache and the optional parts report of the request: "cached_by_tier" (the cache's split of
+    # cached_tokens by the tier they came from), "prompt_logprobs" (prompt_logprobs.py's, with the first tokens),
+    # NEXTN's counts ("draft_rounds", "draft_tokens", "accepted_draft_tokens": spec.py)
     report: dict[str, Any] = field(default_factory=lambda: {"cached_by_tier": dict.fromkeys(TIERS, 0)})
 
 
@@ -122,8 +120,10 @@ class EngineStats:
     state_slots_total: int
     num_preemptions: int
     cache: CacheStats
-    features: dict[str, Any] = field(default_factory=dict)   # each registered feature's stats, by its name
     info: EngineInfo | None = None
+    nextn: Any = None                    # spec.NextNStats (None: NEXTN is off)
+    images: Any = None                   # multimodal.ImageStats (None: no vision tower)
+    idle: Any = None                     # idle.IdleStats (None: engine.idle_release_s = 0)
 
 
 def run_job(fut: Future, fn: Callable[..., Any], args: tuple) -> None:
@@ -184,20 +184,49 @@ class RequestStream:
             self._engine._abort(self._req)
 
 
+class ImageEncoder(Protocol):                # multimodal.Images
+    def encode(self, seqs: list[ScheduledSeq]) -> dict[Request, Exception]: ...
+    def stats(self) -> Any: ...
+
+
+class GrammarMatchers(Protocol):             # grammar.Grammar
+    def advance(self, req: Request, tokens: list[int]) -> str | None: ...
+
+
+class DraftCounters(Protocol):               # spec.NextN
+    def stats(self) -> Any: ...
+
+
+class IdlePools(Protocol):                   # idle.IdleRelease
+    def timeout(self) -> float | None: ...
+    def release(self) -> None: ...
+    def wake(self) -> bool: ...
+    def stats(self) -> Any: ...
+
+
 class Engine:
-    """The parts an engine is made of (built by build.py), the step, and the hand-over to the event loop."""
+    """The parts an engine is made of (built by build.py), the step, and the hand-over to the event loop.
+
+    The optional parts it calls, each None when off (build.py sets them, with the scheduler's and the runner's):
+        images   multimodal.Images    encodes the images a step's prefill chunks read, before the step
+        grammar  grammar.Grammar      its matchers take each constrained request's kept tokens
+        nextn    spec.NextN           its counters (stats); the API asks whether it is on (usage)
+        idle     idle.IdleRelease     frees the device pools after engine.idle_release_s without a request
+    """
 
     def __init__(self, cfg: Config, plan: MemoryPlan, model, tokenizer, *, kv_pool: KVPool,
                  allocator: PageAllocator, state_pool: StatePool, copies: CopyStream, cache: Cache,
-                 scheduler: Scheduler, runner: ModelRunner, intake: Intake, features: Features,
-                 work: threading.Event) -> None:
+                 scheduler: Scheduler, runner: ModelRunner, intake: Intake, work: threading.Event) -> None:
         self.cfg, self.plan, self.model, self.tokenizer = cfg, plan, model, tokenizer
         self.served_name = cfg.model.served_name
         self.context_length = plan.context_length
         self.info = EngineInfo.of(cfg, plan)
         self.kv_pool, self.allocator, self.state_pool, self.copies = kv_pool, allocator, state_pool, copies
         self.cache, self.scheduler, self.runner, self.intake = cache, scheduler, runner, intake
-        self.features = features                         # the optional features' hooks (features.py)
+        self.images: ImageEncoder | None = None
+        self.grammar: GrammarMatchers | None = None
+        self.nextn: DraftCounters | None = None
+        self.idle: IdlePools | None = None
         self.eos_token_ids = runner.eos_token_ids
         # hand-over between the event loop and the engine thread (see the module docstring)
         self._work = work                                # set when the engine thread has something to do
@@ -213,7 +242,7 @@ class Engine:
     # ---- requests (called from the event loop or offline code) ----
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                images: list[ProcessedImage] = ()) -> RequestStream:
-        """images: what intake.prepare_images returned for these (expanded) prompt ids."""
+        """images: what Images.prepare (multimodal.py) returned for these (expanded) prompt ids."""
         req = self.intake.make_request(prompt_ids, params, request_id, images)
         stream = RequestStream(self, req, RequestResult(req.request_id, len(prompt_ids)))
         self._streams[req.request_id] = stream
@@ -251,7 +280,7 @@ class Engine:
         """Take what the event loop handed over (jobs, new requests, aborts), then run one step."""
         while self._calls:
             run_job(*self._calls.popleft())
-        events = self._refuse_new() if self._new and not self.features.wake() else []
+        events = self._refuse_new() if self._new and self.idle is not None and not self.idle.wake() else []
         while self._new:                                 # before the aborts: a request may be cancelled at once
             self.scheduler.add(self._new.popleft())
         if self._aborts:
@@ -259,7 +288,8 @@ class Engine:
         return events + self.run_step(self.scheduler)
 
     def _refuse_new(self) -> list[StepEvent]:
-        """A feature has no room for the new requests now: they fail (the next ones try again)."""
+        """After an idle release the device has no room for the new requests now: they fail (the next ones try
+        again)."""
         events = []
         while self._new:
             req = self._new.popleft()
@@ -279,8 +309,8 @@ class Engine:
     def run_step(self, sched: Scheduler) -> list[StepEvent]:
         """One forward over what `sched` schedules, its tokens committed."""
         seqs, events = sched.schedule(), []
-        failed = self.features.prepare(seqs)
-        if failed:                                       # only those requests fail
+        if self.images is not None and any(s.req.images is not None for s in seqs):
+            failed = self.images.encode(seqs)            # an image the tower cannot encode fails its request alone
             events = self._fail_before_step(sched, failed)
             seqs = [s for s in seqs if s.req.status == Status.RUNNING]
         if not seqs:
@@ -297,14 +327,15 @@ class Engine:
         return events
 
     def _commit(self, sched: Scheduler, seqs: list[ScheduledSeq], outputs: list[SeqOutput]) -> list[StepEvent]:
-        """Commit each sequence's tokens one by one (a decode with extra tokens may bring several): nothing after a
-        stop is kept. The scheduler advances by what was kept before finished requests leave (the cache keeps what
-        they computed)."""
+        """Commit each sequence's tokens one by one (a verify may bring several): nothing after a stop is kept. The
+        scheduler advances by what was kept before finished requests leave (the cache keeps what they computed)."""
         kept: dict[int, tuple[int, str | None]] = {}
         for o in outputs:
-            n, reason = self._append(o.seq.req, o.tokens)
-            imposed = self.features.commit(o.seq, o, n)      # a feature's reason (grammar: a rejected token)
-            kept[id(o.seq)] = n, reason or imposed
+            req = o.seq.req
+            n, reason = self._append(req, o.tokens)
+            if req.grammar is not None and reason is None:   # a token its grammar rejects ends the request
+                reason = self.grammar.advance(req, o.tokens[:n])
+            kept[id(o.seq)] = n, reason
         sched.advance(seqs, [kept[id(s)][0] if id(s) in kept else 0 for s in seqs])
         events = []
         for o in outputs:
@@ -359,10 +390,10 @@ class Engine:
                 self._loop.call_soon_threadsafe(self._dispatch, events)
             elif not self._has_work():
                 # /health answers on the event loop; /metrics and flushes are `call` jobs: none of them is a
-                # request, so none wakes the features (idle release: its clock, its pools)
-                timeout = self.features.idle_timeout()
+                # request, so none restarts idle release's clock or brings its pools back
+                timeout = self.idle.timeout() if self.idle is not None else None
                 if not self._work.wait(timeout) and not self._has_work() and timeout is not None:
-                    self.features.on_idle()
+                    self.idle.release()
             elif not self.scheduler.running:             # requests wait on file-tier reads: their landing wakes us
                 self._work.wait(IDLE_WAIT_S)
         self.cache.close()
@@ -433,7 +464,7 @@ class Engine:
     def run_requests(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                      images: list[list[ProcessedImage]] | None = None) -> list[Request]:
         """Like generate(), returning the finished Requests (outputs, cached_tokens, finish_reason). images: per
-        prompt, what intake.prepare_images returned for it."""
+        prompt, what Images.prepare (multimodal.py) returned for it."""
         assert self._serving is None, "run_requests() is offline only; use submit() while serving"
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ilist = images if images is not None else [[]] * len(prompts)
@@ -452,13 +483,10 @@ class Engine:
                            kv_pages_used=self.allocator.num_used, kv_pages_total=self.allocator.num_pages,
                            state_slots_used=self.state_pool.num_slots - self.state_pool.num_free,
                            state_slots_total=self.state_pool.num_slots, num_preemptions=s.num_preemptions,
-                           cache=self.cache.stats(), features=self.features.stats(), info=self.info)
-
-    def drafts(self, result: RequestResult) -> Any:
-        """What NEXTN drafted for a request (spec.DraftCounts: rounds, drafted, accepted), for its usage and
-        metrics; None when speculation is off (the API's one way to NEXTN)."""
-        nextn = self.features.named("nextn")
-        return nextn.counts(result.report) if nextn is not None else None
+                           cache=self.cache.stats(), info=self.info,
+                           nextn=self.nextn.stats() if self.nextn is not None else None,
+                           images=self.images.stats() if self.images is not None else None,
+                           idle=self.idle.stats() if self.idle is not None else None)
 
     def flush_cache(self, include_file: bool = False) -> bool:
         """Empty the prefix cache (device and host tiers; the file tier too when asked); False when a running

@@ -86,7 +86,7 @@ class Meta:
 class Generation:
     """Submits n requests for each prompt with its params (max_tokens already fitted); the engine's RequestError
     for a parameter out of range comes from the first submit, before anything runs. `images`: what
-    engine.intake.prepare_images returned for the (one) prompt; every choice sees the same ones."""
+    engine.images.prepare returned for the (one) prompt; every choice sees the same ones."""
 
     def __init__(self, engine: Engine, metrics: Metrics, prompts: list[list[int]], params: list[SamplingParams],
                  n: int, stop: list[str], id_prefix: str, images: Sequence[Any] = ()) -> None:
@@ -131,9 +131,8 @@ class Generation:
         log.info("%s: %s, prompt %d tokens, %d from the prefix cache (device %d, host %d, file %d), %d generated",
                  r.request_id, reason, r.prompt_tokens, r.cached_tokens, tiers["device"], tiers["host"],
                  tiers["file"], r.completion_tokens)
-        drafts = self.engine.drafts(r)
         self.metrics.on_finished(reason, r.prompt_tokens, tiers, time.monotonic() - self.arrival,
-                                 drafts.rounds if drafts else 0, drafts.accepted if drafts else 0)
+                                 r.report.get("draft_rounds", 0), r.report.get("accepted_draft_tokens", 0))
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Every choice's pieces as they come."""
@@ -217,8 +216,9 @@ class Generation:
         by_tier = [r.report["cached_by_tier"] for r in firsts]  # prompt (and hit what the first wrote)
         usage = Usage(sum(map(len, self.prompts)), self.completion_tokens, sum(r.cached_tokens for r in firsts),
                       {tier: sum(t[tier] for t in by_tier) for tier in by_tier[0]})
-        drafts = [self.engine.drafts(s.result) for s in self.streams]
-        if drafts[0] is not None:                     # speculative decoding is on
-            usage.accepted_prediction_tokens = sum(d.accepted for d in drafts)
-            usage.rejected_prediction_tokens = sum(d.drafted - d.accepted for d in drafts)
+        if self.engine.nextn is not None:             # speculative decoding is on: NEXTN's counts (spec.py)
+            reports = [s.result.report for s in self.streams]
+            usage.accepted_prediction_tokens = sum(r.get("accepted_draft_tokens", 0) for r in reports)
+            usage.rejected_prediction_tokens = sum(r.get("draft_tokens", 0) for r in reports) - \
+                usage.accepted_prediction_tokens
         return usage

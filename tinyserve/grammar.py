@@ -5,12 +5,12 @@ trie straight from an HF `tokenizers` tokenizer.json (xgrammar also ships wheels
 would tie our torch version to its releases).
 
 A request's `SamplingParams.constraint` (a frozen `Constraint`, sampling.py) is compiled once at submit into a
-`GrammarState` (one llguidance matcher), the request's record (req.features["grammar"]). A feature (features.py,
-`Grammar`) on three hooks: `on_request` (the matcher, or a RequestError naming the field), `logit_masks` (on the
-engine thread, before sampling, the library writes the allowed-token bitmask of every constrained row into one
-preallocated int32 [rows, ceil(V / 32)] buffer, `MaskBuffer`; sampling unpacks it and applies it to the [B, V]
-logits in one batched masked_fill) and `commit` (each constrained request's matcher consumes its token; a token it
-rejects ends the request). The model's vocabulary may be larger than the tokenizer's: the matcher's vocabulary is
+`GrammarState` (one llguidance matcher), the request's record (req.grammar). An optional part (`Grammar`, held by
+name by the intake, the runner and the engine), called at three places: the intake's `attach` (the matcher, or a
+RequestError naming the field), the runner's `masks` (on the engine thread, before sampling, the library writes the
+allowed-token bitmask of every constrained row into one preallocated int32 [rows, ceil(V / 32)] buffer,
+`MaskBuffer`; sampling unpacks it and applies it to the [B, V] logits in one batched masked_fill) and the engine's
+`advance` (each constrained request's matcher consumes its kept token; a token it rejects ends the request). The model's vocabulary may be larger than the tokenizer's: the matcher's vocabulary is
 sized to the model's, and ids the tokenizer lacks have no bytes, so they are never allowed. EOS (the engine's eos
 ids) is allowed only where the grammar accepts.
 
@@ -35,21 +35,15 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
-from .features import Feature
-from .intake import RequestError
+from .request import Request, RequestError
 from .sampling import Constraint, SamplingParams
 from .tool_calls import FORMAT_SYNTAXES, FREEFORM_INPUT, FUNCTION_END, PARAMETER_END, TOOL_CALL_END, TOOL_CALL_START
 from .tool_values import schema_types
-
-if TYPE_CHECKING:
-    from .request import Request
-    from .runner import SeqOutput
-    from .scheduler import ScheduledSeq
 
 log = logging.getLogger("tinyserve.grammar")
 
@@ -266,10 +260,9 @@ class MaskBuffer:
         return out
 
 
-class Grammar(Feature):
+class Grammar:
     """Constrained output at the sampler: a matcher for each constrained request, the masks of the constrained rows,
     the matchers advanced as tokens are kept."""
-    name = "grammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         self._masks: MaskBuffer | None = None      # made on first use
@@ -283,12 +276,8 @@ class Grammar(Feature):
                 self._error = f"llguidance cannot use this tokenizer ({e})"
                 log.warning("constrained decoding (response_format) is off: %s", self._error)
 
-    def on_request(self, req: Request, images: list[Any]) -> None:
-        if req.params.constraint is not None:
-            req.features[self.name] = self._state(req.params)
-
-    def _state(self, params: SamplingParams) -> GrammarState:
-        """The request's matcher; RequestError(field="response_format", or "tool_choice" / "tools" for a forced tool
+    def attach(self, params: SamplingParams) -> GrammarState:
+        """A constrained request's matcher; RequestError(field="response_format", or "tool_choice" / "tools" for a forced tool
         call) on a constraint it cannot take. Compiling a schema runs on the caller's thread (milliseconds for
         API-sized schemas; cached)."""
         tool_call = params.constraint.kind == "tool_call"
@@ -305,10 +294,10 @@ class Grammar(Feature):
         except ValueError as e:
             raise RequestError(f"{field}: {e}", field) from None
 
-    def logit_masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
+    def masks(self, reqs: list[Request], rows: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """(sampling rows, bitmask) of the requests whose grammar is active this step, filled by llguidance; None
         if none. reqs[i] samples at row rows[i] (a constrained request never speculates: one row)."""
-        active = [(row, g) for r, row in zip(reqs, rows) if (g := r.features[self.name]).active]
+        active = [(row, r.grammar) for r, row in zip(reqs, rows) if r.grammar is not None and r.grammar.active]
         return self._fill(active) if active else None
 
     def _fill(self, active: list[tuple[int, GrammarState]]) -> tuple[list[int], torch.Tensor]:
@@ -316,15 +305,12 @@ class Grammar(Feature):
             self._masks = MaskBuffer(active[0][1].vocab_size)
         return [row for row, _ in active], self._masks.fill([g for _, g in active])
 
-    def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
-        return self._advance(seq.req, seq.req.features[self.name], out.tokens[:kept])
-
     @staticmethod
-    def _advance(req: Request, state: GrammarState, tokens: list[int]) -> str | None:
-        """The matcher consumes the kept tokens; one it rejects cannot come with the mask applied: the request ends
+    def advance(req: Request, tokens: list[int]) -> str | None:
+        """req's matcher consumes its kept tokens; one it rejects cannot come with the mask applied: the request ends
         ("stop") rather than sample from an empty mask."""
         for tok in tokens:
-            if not state.advance(tok):
-                log.error("request %s: the grammar rejected token %d (%s)", req.request_id, tok, state.error)
+            if not req.grammar.advance(tok):
+                log.error("request %s: the grammar rejected token %d (%s)", req.request_id, tok, req.grammar.error)
                 return "stop"
         return None

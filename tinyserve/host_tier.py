@@ -16,17 +16,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 
 from tinyserve.copies import CopyStream, index_runs, scattered
-from tinyserve.kv import KVPool
+from tinyserve.pools import KVPool, StatePool
 from tinyserve.plan import GIB, host_available_bytes
-from tinyserve.state import StatePool
-
-if TYPE_CHECKING:
-    from tinyserve.radix import RadixCache
 
 log = logging.getLogger("tinyserve.tiers")
 
@@ -227,6 +223,12 @@ class _Rows:
         return freed
 
 
+class HostCopies(Protocol):
+    """The tree that holds the tier's copies (tiers.TieredRadixCache), as relieve() sees it."""
+    def evict_host(self, pages: int = 0, snapshots: int = 0) -> None:
+        """Evict host copies until `pages` pages and `snapshots` snapshot slots are free (or nothing more can go)."""
+
+
 class HostTier:
     """Host memory (pinned on CUDA) for KV pages and state snapshots, taken in segments as it fills, up to the
     plan's budget, and given back when the machine runs short.
@@ -236,7 +238,7 @@ class HostTier:
     unless a probe is injected); otherwise the allocation fails and the tier works within what it holds (the radix
     tree evicts its LRU host entries). `relieve(tree)` (engine thread) gives memory back while the machine has less
     than `min_free_bytes` available: it lowers the tier's capacity, has the tree evict LRU host entries down to
-    it (`RadixCache.evict_host`), moves the remaining rows into the lowest segments and frees the rest. Such an
+    it (`TieredRadixCache.evict_host`), moves the remaining rows into the lowest segments and frees the rest. Such an
     episode is logged once and counted (stats.pressure_events, stats.released_bytes); capacity returns when memory
     does.
 
@@ -353,7 +355,7 @@ class HostTier:
                    self._snaps.bytes_in(len(self._snaps.segments) + 1) - self._snaps.allocated_bytes)
         return available - grow >= self.min_free_bytes
 
-    def relieve(self, tree: RadixCache) -> int:
+    def relieve(self, tree: HostCopies) -> int:
         """Engine thread. While the machine has less than min_free_bytes available: lower the capacity segment by
         segment (the larger part gives first), have `tree` evict its LRU host entries down to it (the tree's own
         host eviction keeps its invariants: host-only nodes go with their copy, children before parents, a snapshot

@@ -1,5 +1,5 @@
 """Images on the HTTP side: fetching http(s) image URLs (server.fetch_image_urls) and handing a request's images to
-the engine's intake in worker threads, within the image budget. `prepare_images` is api.py's one call."""
+the engine's images part (multimodal.Images) in worker threads, within the image budget. `prepare_images` is api.py's one call."""
 from __future__ import annotations
 
 import asyncio
@@ -64,15 +64,18 @@ async def prepare_images(state: ServerState, engine: Engine, images: list[ImageI
                          fields: Fields) -> tuple[list[int], list[Any]]:
     """A request's images: (the prompt ids with each image's pad widened to its tokens, the processed images for
     the generation). 400 naming the part when the model takes no images or an image cannot be used. The request
-    waits here, in line, until its pixels fit the image budget (intake.py); they are made only then."""
-    intake, loop = engine.intake, asyncio.get_running_loop()
+    waits here, in line, until its pixels fit the image budget (multimodal.py); they are made only then."""
+    part, loop = engine.images, asyncio.get_running_loop()
+    if part is None:
+        raise bad_request(f"{images[0].param}: this model takes no image input (the checkpoint has no vision tower, "
+                          "or model.vision = false)", fields.of(images[0].param))
     try:
-        intake.check_images([im.param for im in images])            # before fetching what cannot be used
+        part.check([im.param for im in images])                     # before fetching what cannot be used
         sources = await fetch_images(images, int(state.cfg.server.max_request_body_mb * 1024 * 1024))
-        sizes = await loop.run_in_executor(IMAGE_WORKERS, intake.measure_images, sources)
-        await intake.image_budget.acquire(sum(sizes))
+        sizes = await loop.run_in_executor(IMAGE_WORKERS, part.measure, sources)
+        await part.budget.acquire(sum(sizes))
         # shielded: once the room is taken the job runs (a cancelled caller drops its images, which gives it back)
-        job = loop.run_in_executor(IMAGE_WORKERS, intake.prepare_images, prompt_ids, sources, sizes)
+        job = loop.run_in_executor(IMAGE_WORKERS, part.prepare, prompt_ids, sources, sizes)
         job.add_done_callback(lambda f: f.cancelled() or f.exception())
         return await asyncio.shield(job)
     except RequestError as e:

@@ -2,10 +2,10 @@
 to the host / file tiers and the device KV and state pools are freed, so an idle home box holds no device memory for
 its cache; the first request after it allocates them again. Engine thread only.
 
-A feature (features.py) on the engine loop's hooks: `idle_timeout` (how long the engine may sit with nothing to
-do: the clock starts when it last had work), `on_idle` (the pools go), `wake` (new requests: the pools come back,
-or the requests fail when the device has no room for them now) and `stats`. The static steps' CUDA graphs point
-into the pools: they are dropped with them and captured again after (static.py, by its feature name).
+An optional part (`IdleRelease`, the engine's `idle`), called by the engine's loop: `timeout` (how long the engine
+may sit with nothing to do: the clock starts when it last had work), `release` (the pools go), `wake` (new requests:
+the pools come back, or the requests fail when the device has no room for them now) and `stats`. The static steps'
+CUDA graphs point into the pools: they are dropped with them and captured again after (the runner's `steps`).
 """
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ import torch
 
 from tinyserve.cache import Cache
 from tinyserve.copies import CopyStream
-from tinyserve.features import Feature, Features
-from tinyserve.kv import KVPool, PageAllocator
-from tinyserve.state import StatePool
+from tinyserve.pools import KVPool, PageAllocator, StatePool
+from tinyserve.runner import ModelRunner
 
 log = logging.getLogger("tinyserve.idle")
 
@@ -30,14 +29,12 @@ class IdleStats:
     times: int = 0                   # times they were freed
 
 
-class IdleRelease(Feature):
-    name = "idle"
-
+class IdleRelease:
     def __init__(self, after_s: float, kv_pool: KVPool, state_pool: StatePool, allocator: PageAllocator,
-                 cache: Cache, copies: CopyStream, features: Features) -> None:
+                 cache: Cache, copies: CopyStream, runner: ModelRunner) -> None:
         self.after_s = after_s
         self.kv_pool, self.state_pool, self.allocator = kv_pool, state_pool, allocator
-        self.cache, self.copies, self.features = cache, copies, features
+        self.cache, self.copies, self.runner = cache, copies, runner
         self.idle_since: float | None = None          # when the engine last ran out of work; None: it has work
         self.times = 0
 
@@ -45,7 +42,7 @@ class IdleRelease(Feature):
     def pools_freed(self) -> bool:
         return not self.kv_pool.allocated
 
-    def idle_timeout(self) -> float | None:
+    def timeout(self) -> float | None:
         """Seconds until the device pools are due to be freed; None when they are freed already."""
         if self.pools_freed:
             return None
@@ -54,7 +51,7 @@ class IdleRelease(Feature):
             self.idle_since = now
         return max(0.0, self.idle_since + self.after_s - now)
 
-    def on_idle(self) -> None:
+    def release(self) -> None:
         """Demote the device's prefix cache to the tiers (what they can take; the rest is dropped) and free the
         device pools. The engine calls it with no request running or waiting."""
         if self.pools_freed or self.idle_since is None or time.monotonic() < self.idle_since + self.after_s:
@@ -62,9 +59,8 @@ class IdleRelease(Feature):
         # every device page (none is locked while idle) is demoted or dropped, and with it its node's snapshot
         self.cache.make_room(self.allocator.num_pages)
         self.copies.synchronize()                  # the demotions' copies read the pools about to be freed
-        static = self.features.named("static")
-        if static is not None:
-            static.drop_graphs()                   # they point into the pools about to be freed
+        if self.runner.steps is not None:
+            self.runner.steps.drop_graphs()        # they point into the pools about to be freed
         self.kv_pool.deallocate()
         self.state_pool.deallocate()
         if self.kv_pool.buffer.is_cuda:
@@ -90,7 +86,7 @@ class IdleRelease(Feature):
             log.error("a request after an idle release: no room for the device pools now (%s); the waiting "
                       "requests fail and the next one tries again", str(e).splitlines()[0])
             return False
-        static = self.features.named("static")
+        static = self.runner.steps
         if static is not None and static.for_graphs:
             try:
                 static.capture()                   # on the new pools, before the request's first step

@@ -1,47 +1,18 @@
-"""A request body, as bytes, -> its JSON object; every failure a BodyError that says why (a 400), never a traceback.
+"""The nesting of a JSON request body, measured on its bytes before parsing (protocol.parse_body refuses a body past
+MAX_JSON_DEPTH with a 400).
 
 Python's json parser recurses per level of nesting, and so does much of what reads a body after it (templates,
 schema compilers): a body nested thousands deep would raise RecursionError (a 500) wherever it first got deep. So the
-nesting is measured on the bytes before parsing, in numpy, and a body past MAX_JSON_DEPTH is refused; what the
-parser itself refuses (bad JSON, not UTF-8, integers longer than Python converts) and strings that cannot be encoded
-(a lone surrogate escape) are 400s too. The size is capped before this, by server.max_request_body_mb (a 413).
+nesting is measured first, in numpy; only a body with more brackets than MAX_JSON_DEPTH is measured at all.
 """
 from __future__ import annotations
 
-import json
 import re
-from typing import Any
 
 import numpy as np
 
-
-class BodyError(ValueError):
-    """Why a body is refused (protocol.read_json answers it as a 400)."""
-
 MAX_JSON_DEPTH = 64               # nesting of a request body: far past any real request, far below the recursion limit
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """A request body -> its JSON object; every failure is a BodyError that says why. The nesting is measured on the
-    bytes before parsing (a body nested thousands deep would exhaust the recursion of the parser or of whatever walks it
-    after), and strings must be valid Unicode (a lone surrogate escape cannot be encoded for the tokenizer)."""
-    depth = json_depth(raw) if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH else 0
-    if depth > MAX_JSON_DEPTH:
-        raise BodyError(f"the request body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
-    try:
-        body = json.loads(raw)
-        if _SURROGATE_ESCAPE.search(raw):             # rare: check that every string encodes
-            json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeError as e:
-        raise BodyError(f"the request body is not valid UTF-8 / Unicode: {e}") from None
-    except (ValueError, RecursionError) as e:        # JSONDecodeError, an integer too long to convert
-        raise BodyError(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BodyError("the request body must be a JSON object")
-    return body
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")   # a \uD800-\uDFFF escape: maybe a lone surrogate
 _DEPTH_CHUNK = 1 << 20
 
 

@@ -65,8 +65,8 @@ ENGINE_RATIOS = (
     ("cache_hit_rate", "Prefix-cache hit tokens / query tokens since start (0..1).", "cache.hit_tokens",
      "cache.query_tokens"),
 )
-# The optional features' series, shown whether the feature is on or not (0 when off): (feature, family, name, help,
-# the field of the feature's stats).
+# The optional parts' series, shown whether the part is on or not (0 when off): (part: its EngineStats field,
+# family, name, help, the field of the part's stats).
 FEATURE_SERIES = (
     ("idle", G, "device_pools_released", "1 while the device KV and state pools are freed after "
      "engine.idle_release_s without requests.", "pools_freed"),
@@ -77,7 +77,7 @@ FEATURE_SERIES = (
      "encoded"),
     ("images", C, "vision_encoder_seconds", "Time spent in the vision tower.", "encode_seconds"),
 )
-# Shown only while the feature is on: the image budget, NEXTN (vLLM's counters and definitions), the tiers.
+# Shown only while the part is on: the image budget, NEXTN (vLLM's counters and definitions), the tiers.
 IMAGE_BUDGET_SERIES = (
     (G, "image_budget_bytes", "Most bytes of image pixels waiting for the vision tower (derived: docs/operators.md).",
      "budget_bytes"),
@@ -91,12 +91,16 @@ NEXTN_SERIES = (
     (G, "spec_decode_mean_accept_length", "Tokens committed per verify round since start, the bonus token included "
      "(1 + accepted / drafts; 0 before the first round).", "mean_accept_length"),
 )
-TIER_SERIES = (       # one family each, a sample per tier ("errors": the file tier's only)
+TIER_SERIES = (       # one family each, a sample per tier (errors and failures: the file tier's only)
     (C, "tier_hit_tokens", "Prompt tokens loaded from the tier.", "hit_tokens"),
     (C, "tier_bytes_in", "Bytes written into the tier (backups).", "bytes_in"),
     (C, "tier_bytes_out", "Bytes read from the tier (loads).", "bytes_out"),
     (C, "tier_transfer_seconds", "Time spent copying / reading / writing.", "seconds"),
     (C, "tier_errors", "Corrupt, truncated or foreign blobs (each deleted).", "errors"),
+    (C, "tier_read_failures", "Reads that failed with an I/O error (a miss; the blob left as it is).",
+     "read_failures"),
+    (C, "tier_write_failures", "Writes that failed (the blob skipped: a full disk, an I/O error, the folder gone; "
+     "writes pause, then resume).", "write_failures"),
     (G, "tier_used", "Used capacity (pages for host, bytes for file).", "used"),
     (G, "tier_capacity", "Capacity (pages for host, bytes for file).", "capacity"),
 )
@@ -165,10 +169,10 @@ class _EngineCollector(Collector):
         for name, doc, part, whole in ENGINE_RATIOS:
             total = attrgetter(whole)(st)
             out.append(G(f"tinyserve:{name}", doc, value=attrgetter(part)(st) / total if total else 0.0))
-        for feature, family, name, doc, field in FEATURE_SERIES:
-            stats = st.features.get(feature)
+        for part, family, name, doc, field in FEATURE_SERIES:
+            stats = getattr(st, part)
             out.append(family(f"tinyserve:{name}", doc, value=float(getattr(stats, field) if stats else 0)))
-        images, nextn = st.features.get("images"), st.features.get("nextn")
+        images, nextn = st.images, st.nextn
         if images is not None and images.budget_bytes:
             out += _series(IMAGE_BUDGET_SERIES, images)
         if nextn is not None:
@@ -250,6 +254,16 @@ class Metrics:
         if prompt_tokens:
             self.prompt_hit_ratio.observe(sum((cached_by_tier or {}).values()) / prompt_tokens)
         self.e2e.observe(seconds)
+
+    def served(self) -> tuple[float, dict[str, float]]:
+        """Generated tokens since start, and prompt tokens served from the prefix cache by tier: the counters
+        /metrics shows as tinyserve:generation_tokens_total and tinyserve:cached_prompt_tokens_total{tier}
+        (GET /v1/loads reports them without rendering the whole registry)."""
+        generated = sum(s.value for m in self.generation_tokens.collect() for s in m.samples
+                        if s.name.endswith("_total"))
+        cached = {s.labels["tier"]: s.value for m in self.cached_tokens.collect() for s in m.samples
+                  if s.name.endswith("_total")}
+        return generated, cached
 
     def values(self, stats: EngineStats | None) -> dict[str, float]:
         """Every sample /metrics would show with these stats, by sample_key."""

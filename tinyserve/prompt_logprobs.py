@@ -1,24 +1,20 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs: vLLM's prompt_logprobs, the completions API's echo with
 logprobs): each prompt token's logprob under the model, and the top-n at its position, from the prefill's own rows.
 
-A feature (features.py) on three hooks: `on_request` (such a request computes its whole prompt: Request.reuse_cache
-is False), `after_forward` (the rows of the prefill chunks of a request that asks go through the LM head
-PROMPT_LOGPROB_ROWS at a time, so a long chunk never holds [chunk, V] logits) and `commit` (the list goes to the
-request's report with its first tokens: RequestResult.report). Its per-request record is the list itself
-(req.features["prompt_logprobs"]). Its rows are read from the forward; once they are all in, a recompute may reuse
-the cache again.
+An optional part (`PromptLogprobs`), called at two places: the intake's `attach` (such a request computes its whole
+prompt: Request.reuse_cache is False; its record, req.prompt_logprobs, is the list so far) and the runner's `read`
+after a step (the rows of the prefill chunks of a request that asks go through the LM head PROMPT_LOGPROB_ROWS at a
+time, so a long chunk never holds [chunk, V] logits). Once the list is whole it goes to the request's report, which
+the result hears with the first tokens (RequestResult.report), and a recompute may reuse the cache again.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from tinyserve.features import Feature
 from tinyserve.request import Request
-from tinyserve.runner import Packed, SeqOutput
-from tinyserve.top_k_top_p import top_n
+from tinyserve.runner import Packed
 from tinyserve.scheduler import ScheduledSeq
+from tinyserve.top_k_top_p import top_n
 
 PROMPT_LOGPROB_ROWS = 128      # prompt rows per LM-head pass ([rows, vocab] float32 at a time)
 
@@ -26,32 +22,28 @@ PROMPT_LOGPROB_ROWS = 128      # prompt rows per LM-head pass ([rows, vocab] flo
 PromptLogprob = tuple[float, list[tuple[int, float]]]
 
 
-class PromptLogprobs(Feature):
-    name = "prompt_logprobs"
-
+class PromptLogprobs:
     def __init__(self, model) -> None:
         self.model = model                    # its LM head: compute_logits
 
-    def on_request(self, req: Request, images: list[Any]) -> None:
-        if req.params.prompt_logprobs is not None:
-            req.features[self.name] = []        # its record: the prompt's logprobs so far
-            req.reuse_cache = False             # its rows are read from the forward: the whole prompt is computed
+    @staticmethod
+    def attach(req: Request) -> None:
+        req.prompt_logprobs = []                # the prompt's logprobs so far
+        req.reuse_cache = False                 # its rows are read from the forward: the whole prompt is computed
 
-    def after_forward(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor,
-                      outputs: list[SeqOutput], started: float) -> None:
+    def read(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor) -> None:
         for i, s in enumerate(seqs):
-            if not s.is_decode and self.name in s.req.features:
+            if not s.is_decode and s.req.prompt_logprobs is not None:
                 self._prompt_rows(s, packed.cu_seqlens[i], hidden)
 
     def _prompt_rows(self, s: ScheduledSeq, first_row: int, hidden: torch.Tensor) -> None:
         """The logprobs of the prompt tokens a prefill chunk's rows predict: row q predicts prompt token q + 1,
         under the raw model distribution (as sampled tokens' logprobs), with its top-n."""
         req = s.req
-        done = req.features[self.name]
+        done = req.prompt_logprobs
         end = min(s.start + s.num_tokens, len(req.prompt_ids) - 1)
-        if len(done) >= end:
-            return
-        assert len(done) >= s.start, "a request computing its prompt's logprobs resumes from no cached prefix"
+        assert len(done) >= end or len(done) >= s.start, \
+            "a request computing its prompt's logprobs resumes from no cached prefix"
         n_top = req.params.prompt_logprobs
         for q in range(len(done), end, PROMPT_LOGPROB_ROWS):
             q_end = min(q + PROMPT_LOGPROB_ROWS, end)
@@ -67,9 +59,4 @@ class PromptLogprobs(Feature):
             done += zip(chosen, tops)
         if len(done) == len(req.prompt_ids) - 1:
             req.reuse_cache = True                  # all in: a recompute after preemption may resume
-
-    def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
-        req = seq.req
-        if len(req.output_ids) == kept:                # its first tokens
-            req.report[self.name] = req.features[self.name]
-        return None
+            req.report["prompt_logprobs"] = done    # heard with the first tokens

@@ -15,7 +15,7 @@ its output together. Here: errors in OpenAI's shape, the server's state, reading
 writing SSE, the field readers every body uses, the options every generation takes, image parts, response formats
 and logprob entries.
 
-A body reaches a protocol as a JSON object (json_body.py: nesting and encoding checked, every failure a 400).
+A body reaches a protocol as a JSON object (read_json: nesting and encoding checked, every failure a 400).
 Parsing checks types and the protocol's own limits (n, top_logprobs, completion logprobs, stop strings, logit_bias
 keys and values), each a 400 naming its field; unused_fields walks the fields a protocol knows and does not act on.
 Ranges (sampling parameters, token ids inside the vocabulary) and whether the prompt fits are the engine's to decide:
@@ -38,8 +38,8 @@ from aiohttp import web
 from .config import Config
 from .generation import Generation
 from .images import SUPPORTED_MEDIA_TYPES, ImageError, ImageSource, decode_base64, parse_data_url
-from .intake import RequestError
-from .json_body import BodyError, parse_json_body
+from .engine import RequestError
+from .json_body import MAX_JSON_DEPTH, SURROGATE_ESCAPE, json_depth
 from .metrics import Metrics
 from .parsers import THINK_END
 from .sampling import MAX_LOGIT_BIAS, Constraint, SamplingParams
@@ -136,15 +136,30 @@ def serving(request: web.Request) -> tuple[ServerState, Engine]:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body's JSON object (json_body.parse_json_body: nesting capped, every failure a 400); a large body is
-    measured and parsed in a worker thread, off the event loop."""
+    """The body's JSON object (parse_body); a large one is measured and parsed in a worker thread, off the event
+    loop."""
     raw = await request.read()                        # raises 413 past client_max_size
+    return await asyncio.to_thread(parse_body, raw) if len(raw) > LARGE_BODY else parse_body(raw)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body -> its JSON object; every failure a 400 that says why, never a traceback. The nesting is
+    measured on the bytes before parsing (json_body.json_depth: a body nested thousands deep would exhaust the
+    recursion of the parser or of whatever walks it after), and strings must be valid Unicode (a lone surrogate
+    escape cannot be encoded for the tokenizer)."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and (depth := json_depth(raw)) > MAX_JSON_DEPTH:
+        raise bad_request(f"the request body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
     try:
-        if len(raw) > LARGE_BODY:
-            return await asyncio.to_thread(parse_json_body, raw)
-        return parse_json_body(raw)
-    except BodyError as e:
-        raise bad_request(str(e)) from None
+        body = json.loads(raw)
+        if SURROGATE_ESCAPE.search(raw):              # rare: check that every string encodes
+            json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 / Unicode: {e}") from None
+    except (ValueError, RecursionError) as e:        # JSONDecodeError, an integer too long to convert
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
 
 
 @dataclass
@@ -190,7 +205,9 @@ def _check_capacity(engine: Engine, cfg: Config, n: int, prompts: int) -> None:
         raise bad_request(f"{prompts} prompts x n={n} make {n * prompts} requests; this server takes at most {limit} "
                           "at once (engine.max_running_requests + server.max_queued_requests)",
                           "prompt" if prompts > 1 else "n")
-    unfinished = engine.num_unfinished + engine.intake.image_budget.waiting    # waiting for image memory: queued
+    unfinished = engine.num_unfinished
+    if engine.images is not None:                     # waiting for room for their images: queued too
+        unfinished += engine.images.budget.waiting
     if unfinished + n * prompts > limit:
         raise APIError(503, f"the server is full ({unfinished} requests running or queued, limit {limit}); "
                             "retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -433,7 +450,7 @@ def stream_options_field(value: Any, name: str, stream: bool, allowed: tuple[str
 
 # ---------------------------------------------------------------------------------------------------------------
 # Images: every protocol's image parts become ImageSources (bytes as sent) or RemoteImages (fetched by api.py), in
-# prompt order; the engine decodes them (engine.intake.prepare_images). Errors name the part.
+# prompt order; the engine decodes them (engine.images.prepare). Errors name the part.
 
 FETCH_OFF = ("remote image URLs are not fetched (server.fetch_image_urls = false); send the image as a data: URL "
              "(data:image/png;base64,...)")

@@ -6,22 +6,21 @@ order while there are free running slots, state slots and pages. When a decode n
 newest running request is preempted: its pages and state slot are freed and it waits again at the front of the
 queue; when it comes back it recomputes prompt + tokens generated so far, so its output does not change.
 
-A decode may carry extra tokens after its own (features.Feature.decode_tokens: NEXTN's drafts), computed in the
-same step when their pages and one spare state slot each (the state after every token, so the step can keep any
-prefix of them) are free without preempting anyone; otherwise it decodes plainly. Such decodes go after the plain
-ones (the model's packed layout). After the step the engine says how many of each sequence's tokens it kept
+With NEXTN (`nextn`, spec.NextN; None when off) a decode may carry the drafts made after its last step: a verify,
+computed in the same step when their pages and one spare state slot each (the state after every token, so the step
+can keep any prefix of them) are free without preempting anyone; otherwise it decodes plainly. Verifies go after the
+plain decodes (the model's packed layout). After the step the engine says how many of each sequence's tokens it kept
 (`advance`): the state after the last kept one becomes the request's, the KV past it is overwritten later.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tinyserve.cache import Cache
-from tinyserve.features import Features
-from tinyserve.kv import PageAllocator
+from tinyserve.pools import PageAllocator, StatePool
 from tinyserve.request import Request, Status
-from tinyserve.state import StatePool
 
 
 @dataclass
@@ -31,18 +30,27 @@ class ScheduledSeq:
     num_tokens: int       # tokens computed this step
     samples: bool         # this chunk reaches the end of the known tokens, so a token is sampled after it
     is_decode: bool       # one new token after the request's own previous one (decided here, once)
-    extra: list[int] = field(default_factory=list)          # tokens computed after the request's own last one
-    state_after: list[int] = field(default_factory=list)    # with extra tokens: the state slot after each token
+    drafts: list[int] = field(default_factory=list)         # a verify's: NEXTN's drafts after its own last token
+    state_after: list[int] = field(default_factory=list)    # a verify's: the state slot after each token
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # a prefill's (position, snapshot slot): the
     #                                                                 state there, written by the forward itself
 
 
+class Drafts(Protocol):                      # spec.NextN
+    def drafts(self, req: Request, sched: Scheduler) -> list[int]: ...
+    def drop(self, req: Request) -> None: ...
+
+
+class HeldImages(Protocol):                  # multimodal.Images
+    def drop(self, req: Request) -> None: ...
+
+
 class Scheduler:
     def __init__(self, allocator: PageAllocator, state_pool: StatePool, page_size: int, max_running: int,
-                 chunked_prefill_size: int, cache: Cache, features: Features | None = None,
-                 snapshot_align: int | None = None) -> None:
+                 chunked_prefill_size: int, cache: Cache, snapshot_align: int | None = None) -> None:
         self.allocator, self.state_pool, self.cache = allocator, state_pool, cache
-        self.features = features or Features()
+        self.nextn: Drafts | None = None            # NEXTN: each decode's drafts (build.py sets it)
+        self.images: HeldImages | None = None       # images: what a request's prefill holds of them goes with it
         # a prefill chunk runs past a due state snapshot that lies a multiple of this from its start (the forward
         # writes the state there into the cache's slot: kernels.gdn.snapshot_alignment); None: chunks end there
         self.snapshot_align = snapshot_align
@@ -79,7 +87,10 @@ class Scheduler:
             self.state_pool.free(req.state_slot)
             req.state_slot = None
         req.num_computed = 0
-        self.features.free(req)
+        if req.drafts is not None:                      # they continue a state the request gave up
+            self.nextn.drop(req)
+        if req.images is not None:
+            self.images.drop(req)
 
     @staticmethod
     def _decoding(req: Request) -> bool:
@@ -100,19 +111,19 @@ class Scheduler:
         return batch
 
     def _decodes(self) -> list[ScheduledSeq]:
-        """The decodes, oldest first; a decode that cannot get a page preempts the newest running request. Decodes
-        with extra tokens go after the plain ones (the model's packed layout)."""
+        """The decodes, oldest first; a decode that cannot get a page preempts the newest running request. Verifies
+        go after the plain decodes (the model's packed layout)."""
         plain: list[ScheduledSeq] = []
-        extended: list[ScheduledSeq] = []
+        verifies: list[ScheduledSeq] = []
         for req in sorted([r for r in self.running if self._decoding(r)], key=lambda r: r.admit_order):
             if req.status != Status.RUNNING:
                 continue                                   # preempted by an older request in this loop
-            extra = self.features.decode_tokens(req, self)
-            if extra and (seq := self._extended(req, extra)) is not None:
-                extended.append(seq)
+            drafts = self.nextn.drafts(req, self) if self.nextn is not None else []
+            if drafts and (seq := self._verify(req, drafts)) is not None:
+                verifies.append(seq)
             elif self._grow(req, 1):
                 plain.append(ScheduledSeq(req, req.num_computed, 1, True, is_decode=True))
-        return plain + extended
+        return plain + verifies
 
     def _prefills(self, prefilling: list[Request], batch: list[ScheduledSeq], budget: int) -> tuple[int, bool]:
         """Chunks of the running requests still prefilling, oldest first, into batch; one that finds no free page
@@ -181,14 +192,14 @@ class Scheduler:
         return ScheduledSeq(req, start, n, start + n == req.num_tokens, is_decode=False,
                             snapshots=[s for s in snapshots if s[0] < start + n])   # positions ascend: a prefix
 
-    def _extended(self, req: Request, extra: list[int]) -> ScheduledSeq | None:
-        """req's decode with extra tokens, when their pages and a state slot per extra token are free without
+    def _verify(self, req: Request, drafts: list[int]) -> ScheduledSeq | None:
+        """req's decode with its drafts after it, when their pages and a state slot per draft are free without
         preempting anyone."""
-        n = 1 + len(extra)
-        if len(extra) > self.state_pool.num_free or not self.grow_free(req, n):
+        n = 1 + len(drafts)
+        if len(drafts) > self.state_pool.num_free or not self.grow_free(req, n):
             return None
-        slots = [req.state_slot] + [self.state_pool.alloc() for _ in extra]
-        return ScheduledSeq(req, req.num_computed, n, True, is_decode=True, extra=list(extra), state_after=slots)
+        slots = [req.state_slot] + [self.state_pool.alloc() for _ in drafts]
+        return ScheduledSeq(req, req.num_computed, n, True, is_decode=True, drafts=list(drafts), state_after=slots)
 
     def grow_free(self, req: Request, n: int) -> bool:
         """Pages for n more tokens of req from the free pages only (no eviction, no preemption)."""
@@ -225,15 +236,14 @@ class Scheduler:
         """Record the step's computed tokens; the cache takes the snapshots that fall due at the new positions.
         kept[i]: the tokens the engine kept of seq i's output."""
         for s, k in zip(seqs, kept):
-            if s.extra:
-                self._advance_extended(s, k)
+            if s.drafts:
+                self._advance_verified(s, k)
             elif s.req.status == Status.RUNNING:
                 s.req.num_computed = s.start + s.num_tokens
                 self.cache.advance(s.req, s.req.num_computed)
 
-    def _advance_extended(self, s: ScheduledSeq, kept: int) -> None:
-        """A decode with extra tokens keeps its first `kept` inputs (its own last token and the accepted extra ones,
-        cut at a stop): the state after the last of them becomes the request's (a slot swap: no copy), the other
+    def _advance_verified(self, s: ScheduledSeq, kept: int) -> None:
+        """A verify keeps its first `kept` inputs (its own last token and the accepted drafts, cut at a stop): the state after the last of them becomes the request's (a slot swap: no copy), the other
         slots go back, and the cache's snapshots inside the run are taken from the state at exactly their position.
         The KV written past them lies in the request's own pages, and is overwritten."""
         req = s.req

@@ -19,10 +19,30 @@ request's end came, and no interval snapshot of the current session was kept at 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Mapping, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from tinyserve.radix import Node, RadixCache
+
+class Node(Protocol):
+    """What the ranking reads of a node (a radix.Node: named here, not imported, since radix.py imports this)."""
+    snapshot: int | None           # the device's copy of the state at its end
+    host_snapshot: int | None      # the host tier's (always None in a tree without tiers)
+    resume: bool
+    claimed: int
+    last_use: int
+
+    @property
+    def parent(self) -> Node | None: ...
+
+    @property
+    def children(self) -> Mapping[tuple[int, ...], Node]: ...
+
+
+class Tree(Protocol):
+    """What the ranking reads of the tree (radix.RadixCache)."""
+    @property
+    def root(self) -> Node: ...
+
+    def nodes(self) -> Sequence[Node]: ...
 
 # The interval snapshots kept above each resume point: a prompt that changes the path in the last KEPT_INTERVALS
 # intervals before one (an agent's last message edited) still resumes within one interval of the change. The cache
@@ -49,7 +69,7 @@ def ancestry(node: Node, root: Node) -> Iterator[Node]:
         node = node.parent
 
 
-def snapshot_ranks(tree: RadixCache) -> Ranks:
+def snapshot_ranks(tree: Tree) -> Ranks:
     """(interior, kept, requests): the nodes with a state snapshot (device or host) somewhere below them; the
     KEPT_INTERVALS deepest interval snapshots above each resume point or leaf; and the snapshots of item 4 of the
     module docstring -> the request they count as (its RadixCache.stamp, less INTERVAL_AGE for an interval)."""

@@ -1,14 +1,14 @@
 """NEXTN (MTP) speculative decoding: drafting, the verify, how deep to draft, its price, and the counters (the draft
-and verify maths, lossless in distribution, are verify.py's). A feature (features.py) on these hooks:
-  - decode_tokens (the scheduler): a request's drafts, as extra tokens of its decode (with room for the next
-    round's draft chain taken ahead when free);
-  - accept (the runner's sampling): the verify, which keeps a prefix of the drafts and one token after them;
-  - after_forward (the runner): the NEXTN head over the positions the step computed, and the next round's drafts;
-    a lone decode's time prices a draft (StepCost);
-  - commit (the engine): acceptance counts, per request (its report: DraftCounts) and engine-wide (NextNStats);
-  - free (the scheduler): drafts continue a state that a preempted request gives up: they go;
-  - stats. The API reaches it through Engine.drafts, build.py through `price` at start.
-Its per-request record is `Drafts` (req.features["nextn"]).
+and verify maths, lossless in distribution, are verify.py's). An optional part (`NextN`, the scheduler's, the
+runner's and the engine's `nextn`), called at these places:
+  - the scheduler's `drafts`: a request's drafts, verified after its decode's own token (with room for the next
+    round's draft chain taken ahead when free); `drop`: drafts continue a state that a preempted request gives up;
+  - the runner's `verify` (its sampling): keeps a prefix of the drafts and one token after them; then its `draft`
+    after the step: the NEXTN head over the positions the step computed, the next round's drafts, the acceptance
+    counts, per request (its report: "draft_rounds", "draft_tokens", "accepted_draft_tokens", which the API reads
+    for usage and metrics) and engine-wide (NextNStats); a lone decode's time prices a draft (StepCost);
+  - the engine's `stats`; build.py's `price` at start.
+Its per-request record is `Drafts` (req.drafts).
 
 One round for a speculating request (the runner does the tensor work; this module decides and counts):
   1. the step verifies [x0, d1..dk] (x0: the last committed token, not yet computed; d: the drafts) in the packed
@@ -48,10 +48,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from tinyserve.cache import Cache
-from tinyserve.features import Feature
-from tinyserve.intake import RequestError
 from tinyserve.kernels.pool_layer import PoolLayer
-from tinyserve.request import Request, Status
+from tinyserve.request import Request, RequestError, Status
 from tinyserve.runner import ModelRunner, SeqOutput
 from tinyserve.sampling import SamplingBatch, SamplingParams
 from tinyserve.scheduler import ScheduledSeq, Scheduler
@@ -184,14 +182,6 @@ class Drafts:
 
 
 @dataclass
-class DraftCounts:
-    """What one request's rounds did (its usage: accepted / rejected prediction tokens; its accept length)."""
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-
-@dataclass
 class _Segment:
     """NEXTN positions pos .. pos+len(next_ids)-1 of one request, fed the target's hidden rows `rows`."""
     req: Request
@@ -202,9 +192,8 @@ class _Segment:
     outputs: list[int] | None = None   # the request's outputs once this step's tokens are committed
 
 
-class NextN(Feature):
+class NextN:
     """NEXTN for one engine: the [speculative] settings, the measured step prices, the counters, and drafting."""
-    name = "nextn"
 
     def __init__(self, num_steps: int, max_running: int, kv_layer: int, runner: ModelRunner | None = None,
                  running: Callable[[], int] = lambda: 1) -> None:
@@ -222,19 +211,19 @@ class NextN(Feature):
     def speculates(req: Request) -> bool:
         return req.params.speculative and req.params.constraint is None
 
-    def record(self, req: Request) -> Drafts:
-        rec = req.features.get(self.name)
-        if rec is None:
-            rec = req.features[self.name] = Drafts()
-        return rec
+    @staticmethod
+    def record(req: Request) -> Drafts:
+        if req.drafts is None:
+            req.drafts = Drafts()
+        return req.drafts
 
-    # ---- the scheduler's hooks ----
-    def decode_tokens(self, req: Request, sched: Scheduler) -> list[int]:
+    # ---- the scheduler's ----
+    def drafts(self, req: Request, sched: Scheduler) -> list[int]:
         """req's drafts when a state slot per draft is free, with pages for the next round's chain when free too;
         otherwise none (they are dropped), and the chain's pages taken ahead when free."""
         if not req.params.speculative:
             return []
-        rec = req.features.get(self.name)
+        rec = req.drafts
         if rec is not None and rec.tokens and len(rec.tokens) <= sched.state_pool.num_free:
             sched.grow_free(req, 1 + len(rec.tokens) + self.num_steps)
             return rec.tokens
@@ -243,38 +232,41 @@ class NextN(Feature):
         sched.grow_free(req, 1 + self.num_steps)          # best effort: room for the draft chain's positions
         return []
 
-    def free(self, req: Request) -> None:
-        rec = req.features.get(self.name)
-        if rec is not None:
-            rec.tokens, rec.q = [], None
+    @staticmethod
+    def drop(req: Request) -> None:
+        req.drafts.tokens, req.drafts.q = [], None
 
     # ---- the runner's: the verify, then the drafts ----
-    def accept(self, seqs: list[ScheduledSeq], logits: torch.Tensor, first_rows: list[int]) -> list[SeqOutput]:
-        """Verify each sequence's drafts (its extra tokens) against its 1 + len(drafts) rows of logits: row j sees
+    def verify(self, seqs: list[ScheduledSeq], logits: torch.Tensor, first_rows: list[int]) -> list[SeqOutput]:
+        """Verify each sequence's drafts against its 1 + len(drafts) rows of logits: row j sees
         the request's outputs plus the drafts before it (verify_drafts: lossless in distribution)."""
         runner, dev = self.runner, logits.device
         rows, params, prompts, outs, seeds, drafts, qs = [], [], [], [], [], [], []
         for s, first in zip(seqs, first_rows):
             req, rec = s.req, self.record(s.req)
-            rows += range(first, first + 1 + len(s.extra))
-            for j in range(len(s.extra) + 1):
+            rows += range(first, first + 1 + len(s.drafts))
+            for j in range(len(s.drafts) + 1):
                 params.append(req.params)
                 prompts.append(req.prompt_ids)
-                outs.append(req.output_ids + s.extra[:j])
+                outs.append(req.output_ids + s.drafts[:j])
                 seeds.append(req.seed)
-            drafts.append(s.extra)
-            qs.append(rec.q if rec.q is not None else torch.zeros(len(s.extra), runner.vocab_size, device=dev))
+            drafts.append(s.drafts)
+            qs.append(rec.q if rec.q is not None else torch.zeros(len(s.drafts), runner.vocab_size, device=dev))
         sb = SamplingBatch.build(params, prompts, outs, seeds, runner.eos_token_ids, runner.vocab_size, dev)
         any_q = any(self.record(s.req).q is not None for s in seqs)
         v = verify_drafts(logits[torch.tensor(rows, device=dev)], sb, drafts, torch.cat(qs) if any_q else None)
         return [SeqOutput(s, v.tokens[j], v.logprobs[j], v.top[j] if v.top is not None else None)
                 for j, s in enumerate(seqs)]
 
-    def after_forward(self, seqs: list[ScheduledSeq], packed: Any, hidden: torch.Tensor,
-                      outputs: list[SeqOutput], started: float) -> None:
+    def draft(self, seqs: list[ScheduledSeq], packed: Any, hidden: torch.Tensor, outputs: list[SeqOutput],
+              started: float) -> None:
+        """After a step: the next drafts (and the head's KV), then each verify's round counted."""
         self._draft(seqs, packed.cu_seqlens, hidden, {id(o.seq): o for o in outputs})
+        for o in outputs:
+            if o.seq.drafts:
+                self._count(o.seq.req, len(o.seq.drafts), len(o.tokens) - 1)
         if len(seqs) == 1 and seqs[0].is_decode:    # one request decoding: its time prices a draft
-            self.step_cost.observe(len(seqs[0].extra), time.perf_counter() - started)
+            self.step_cost.observe(len(seqs[0].drafts), time.perf_counter() - started)
 
     def _depth(self, req: Request, outputs: list[int], next_pos: int) -> int:
         """How many drafts req makes for its next round: its DepthControl's choice, cut to what max_tokens, the
@@ -299,8 +291,8 @@ class NextN(Feature):
         segments: list[_Segment] = []
         for i, s in enumerate(seqs):
             req = s.req
-            if req.features.get(self.name) is not None:
-                self.free(req)                         # the drafts just verified, or never scheduled
+            if req.drafts is not None:
+                self.drop(req)                         # the drafts just verified, or never scheduled
             start, end_row = cu_seqlens[i], cu_seqlens[i + 1]
             end = s.start + s.num_tokens
             if not s.samples:                          # a prefill chunk that is not the last: KV only
@@ -371,7 +363,7 @@ class NextN(Feature):
         num_decode = 0 if kv_only else next((k for k, (_, _, n) in enumerate(spans) if n != 1), len(spans))
         packed = runner.pack(spans, next_ids, [0] * len(spans), num_decode)
         inputs = runner.model_inputs(packed, shift=1)
-        static = runner.features.named("static")
+        static = runner.steps
         if static is not None and static.nextn_kv_layer is not None and not inputs and static.fits(packed):
             return static.run(packed, "head_kv" if kv_only else "draft", hidden)
         batch, m = packed.batch(runner.device), runner.model
@@ -379,19 +371,15 @@ class NextN(Feature):
                 self.kv_layer), m.cos_sin(batch.positions, inputs.get("rope_positions")))
         return m.mtp.write_kv(*args) if kv_only else m.mtp(*args)
 
-    # ---- the engine's ----
-    def commit(self, seq: ScheduledSeq, out: SeqOutput, kept: int) -> str | None:
+    def _count(self, req: Request, drafted: int, accepted: int) -> None:
         """A verify's round: the acceptance estimates and the counters, the request's among them (its report)."""
-        drafted = len(seq.extra)
-        if drafted:
-            req, accepted = seq.req, len(out.tokens) - 1
-            self.observe(req, drafted, accepted)
-            report = req.report
-            report["draft_rounds"] = report.get("draft_rounds", 0) + 1
-            report["draft_tokens"] = report.get("draft_tokens", 0) + drafted
-            report["accepted_draft_tokens"] = report.get("accepted_draft_tokens", 0) + accepted
-        return None
+        self.observe(req, drafted, accepted)
+        report = req.report
+        report["draft_rounds"] = report.get("draft_rounds", 0) + 1
+        report["draft_tokens"] = report.get("draft_tokens", 0) + drafted
+        report["accepted_draft_tokens"] = report.get("accepted_draft_tokens", 0) + accepted
 
+    # ---- the engine's ----
     def observe(self, req: Request, drafted: int, accepted: int) -> None:
         """A round of req verified `drafted` drafts (at least one) and accepted the first `accepted` of them."""
         self.totals.observe(drafted, accepted)
@@ -405,12 +393,6 @@ class NextN(Feature):
 
     def stats(self) -> NextNStats:
         return self.totals
-
-    @staticmethod
-    def counts(report: dict[str, Any]) -> DraftCounts:
-        """A request's rounds from its report (RequestResult.report)."""
-        return DraftCounts(report.get("draft_rounds", 0), report.get("draft_tokens", 0),
-                           report.get("accepted_draft_tokens", 0))
 
     # ---- pricing, at start ----
     def forget_draft_prices(self) -> None:

@@ -1,11 +1,12 @@
-"""The static-shape steps (engine.compile_steps): decode steps, decodes with extra tokens (NEXTN's verify), and
-the NEXTN head's passes after them.
+"""The static-shape steps (engine.compile_steps): decode steps, verifies (a decode with NEXTN's drafts), and the
+NEXTN head's passes after them.
 
-A feature on one hook: `forward` (features.py), which takes a target step's packed batch (runner.Packed) when it
-is all decodes and fits the buffers: a CPU decode step reads tensors made from it (decode_tensors), any other is
-padded into the buffers; then the forward of that shape runs. NEXTN's head passes call
-`run` themselves (spec.py), and idle release drops the graphs with the pools they point into and captures them
-again (idle.py). Off, or a batch it does not take: the runner's eager forward, the same math.
+An optional part (`StaticStep`, the runner's `steps`): the runner asks whether it `takes` a target step's packed
+batch (runner.Packed: all decodes and verifies, fitting the buffers) and then has it run the step (`forward`): a
+CPU decode step reads tensors made from it (decode_tensors), any other is padded into the buffers; then the forward
+of that shape runs. NEXTN's head passes call `run` themselves (spec.py), and idle release drops the graphs with the
+pools they point into and captures them again (idle.py). Off, or a batch it does not take: the runner's eager
+forward, the same math.
 
 A step of N sequences of at most T tokens runs as shape (B, T) over buffers sized for the largest step: nothing
 inside a forward changes from step to step but the buffers' contents and, on the CPU, the batch size and the page
@@ -26,15 +27,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tinyserve.features import Feature
 from tinyserve.kernels import use_triton
 from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kernels.verify_layout import VerifyLayout
-from tinyserve.kv import KVPool
+from tinyserve.pools import KVPool, StatePool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
 from tinyserve.request import Request
 from tinyserve.runner import ModelRunner, Packed
-from tinyserve.state import StatePool
 
 log = logging.getLogger("tinyserve.static")
 
@@ -47,7 +46,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class ShapeBatch(ForwardBatch):
     """A static step's batch as its forward sees it: B sequences of T tokens each, every one a decode (T = 1) or a
-    decode with extra tokens (T > 1), described by tensors alone. No host list: the number of sequences and where
+    verify (T > 1), described by tensors alone. No host list: the number of sequences and where
     the prefill rows would begin come from the shapes, so torch.compile traces one graph for every batch size."""
 
     @property
@@ -87,8 +86,8 @@ def shape_batch(T: int, max_len: int, t: StepTensors) -> ShapeBatch:
                               token_seq=rows // T, token_lens=t.token_lens)
     return ShapeBatch(input_ids=t.input_ids, positions=t.positions, cu_seqlens=[], seq_lens=[],
                       seq_lens_t=t.seq_lens, page_table=t.page_table, slot_mapping=t.slot_mapping, state_slots=[],
-                      state_slots_t=t.state_slots, num_decode=B if T == 1 else 0, num_extended=0 if T == 1 else B,
-                      extended=verify, decode_max_len=max_len)
+                      state_slots_t=t.state_slots, num_decode=B if T == 1 else 0, num_verify=0 if T == 1 else B,
+                      verify=verify, decode_max_len=max_len)
 
 
 class StepPools(NamedTuple):
@@ -124,9 +123,9 @@ def head_kv_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv
 FORWARDS = {"step": target_forward, "draft": draft_forward, "head_kv": head_kv_forward}   # by kind
 
 
-class StaticStep(Feature):
-    """The static-shape steps: a decode step (every sequence one new token), a decode step with extra tokens (NEXTN's
-    verify: the last accepted token plus the drafts, plain decodes among them), and the NEXTN head's passes after
+class StaticStep:
+    """The static-shape steps: a decode step (every sequence one new token), a verify step (the last accepted token
+    plus NEXTN's drafts, plain decodes among them), and the NEXTN head's passes after
     them (over the tokens a step committed, then one token per draft; its KV alone where nothing is drafted). No
     prefill chunk, no image.
 
@@ -137,7 +136,7 @@ class StaticStep(Feature):
       - T = 1: a decode batch of B rows.
       - T > 1: B sequences of T tokens each. A shorter sequence's tokens past its end are padding (token 0 at its
         last real position, KV to the scratch page, the state after it to `padding_slot`); a plain decode among
-        them is a sequence of one real token, whose state goes to its own slot as an extended one's first token's.
+        them is a sequence of one real token, whose state goes to its own slot as a verify's first token's.
     Sequences N..B-1 (CUDA graphs' padding) are padding: token 0 at position 0 of a one-token context on the KV
     pool's scratch page, state from `padding_slot` (the page is never handed out), so every kernel computes them
     as any row and nothing reads what they produce. `padding_slot` is -1 with the Triton kernels, which read a zero
@@ -151,7 +150,6 @@ class StaticStep(Feature):
     sees a width it keeps dynamic), a decode step reads tensors made from its packed rows (no buffer: nothing to
     pad, no address to keep), and the forwards run as compiled at start (`compiled`, compiled.CompiledSteps), or
     eagerly. The logits and the sampling run outside, as for an eager step, on the real rows."""
-    name = "static"
 
     def __init__(self, model: Qwen3NextForCausalLM, kv_pool: KVPool, state_pool: StatePool, max_batch: int,
                  max_len: int, max_tokens: int = 1, nextn_kv_layer: int | None = None,
@@ -208,13 +206,14 @@ class StaticStep(Feature):
         if self.nextn_kv_layer is not None:
             self.draft_in.zero_()
 
-    # ---- the hook ----
-    def forward(self, packed: Packed, inputs: dict) -> torch.Tensor | None:
-        """A target step that is all decodes (with or without extra tokens) and fits: its hidden rows. Batches
-        with model inputs of their own (images) run eagerly."""
-        if inputs or packed.num_decode + packed.num_extended != packed.num_seqs or not self.fits(packed):
-            return None
-        if not self.for_graphs and not packed.num_extended:     # a CPU decode: no buffers to pad into
+    # ---- the runner's ----
+    def takes(self, packed: Packed) -> bool:
+        """A target step that is all decodes and verifies, and fits."""
+        return packed.num_decode + packed.num_verify == packed.num_seqs and self.fits(packed)
+
+    def forward(self, packed: Packed) -> torch.Tensor:
+        """The hidden rows of a target step it takes."""
+        if not self.for_graphs and not packed.num_verify:     # a CPU decode: no buffers to pad into
             return self._forward_on("step", 1, self.decode_tensors(packed))
         return self.run(packed)
 
@@ -308,7 +307,7 @@ class StaticStep(Feature):
 
     def _rows(self, packed: Packed, T: int, target: bool) -> tuple[list[int], ...]:
         """The token rows of sequences of up to T tokens, each padded to T: token ids, positions, KV slots, the
-        slot the state after each token goes to (a target step's: an extended sequence's state_after, a plain
+        slot the state after each token goes to (a target step's: a verify's state_after, a plain
         decode's own state slot; the head's: padding_slot), the keys each sees; and the real tokens' rows. A padding
         token repeats its sequence's last real position, writes the scratch page and its state to padding_slot."""
         scratch, pad_slot, cu = self.kv_pool.scratch_page * self.kv_pool.page_size, self.padding_slot, packed.cu_seqlens
@@ -441,11 +440,11 @@ class StaticStep(Feature):
 def static_step(runner: ModelRunner, max_batch: int, for_graphs: bool) -> StaticStep:
     """The static path for a runner's steps of up to max_batch sequences (and, with NEXTN registered, its verify
     and head passes), not built yet: with for_graphs in the CUDA graphs' layout (capture makes the graphs),
-    otherwise in the CPU's (compiled.CompiledSteps compiles its forwards). Registered in runner.features, it takes
-    the steps it fits; unbuilt (the CPU tests' switch), they run eagerly through its buffers."""
+    otherwise in the CPU's (compiled.CompiledSteps compiles its forwards). As the runner's `steps`, it takes the
+    steps it fits; unbuilt (the CPU tests' switch), they run eagerly through its buffers."""
     pool_tokens = runner.kv_pool.num_pages * runner.page_size
     max_len = min(runner.context_length, pool_tokens) if runner.context_length else pool_tokens
-    nextn = runner.features.named("nextn")
+    nextn = runner.nextn
     return StaticStep(runner.model, runner.kv_pool, runner.state_pool, max_batch, max_len,
                       1 + nextn.num_steps if nextn is not None else 1, nextn.kv_layer if nextn is not None else None,
                       for_graphs=for_graphs)

@@ -124,7 +124,7 @@ class MessageError(ValueError):
 
 
 # One image in a prompt, as Qwen3.5's template renders an image part: one pad, which the engine widens to the image's
-# token count (intake.prepare_images).
+# token count (multimodal.Images.prepare).
 IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 SYSTEM_IMAGE_ERROR = "System message cannot contain images."      # the template's own words
 SYSTEM_ROLES = ("system", "developer")

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from tinyserve.draws import draw, random_uniform, row_uniform
 
-if TYPE_CHECKING:
-    from tinyserve.sampling import SamplingBatch
+
+class SamplingBatch(Protocol):
+    """What these filters read of sampling.SamplingBatch: per row, as [B] tensors."""
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None           # int64, the vocabulary size where off
+    top_p: torch.Tensor | None           # float32, 1.0 where off
+    min_p: torch.Tensor | None           # float32, 0.0 where off
+    seeds: torch.Tensor | None           # int64: the coins' seeds (draws.py)
+    positions: torch.Tensor | None       # int64: the index of this draw in the row's output
 
 
 def top_n(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
