@@ -343,7 +343,7 @@ def cases(dev):
                             lambda x, wgu, wd, tw, ti: fused_experts(x.float(), wgu, wd, tw, ti)))
 
     from tinyserve.kernels.attention import store_kv
-    from tinyserve.kernels.pool_layer import PoolLayer
+    from tinyserve.kernels import PoolLayer
 
     def stored(k, v, pool, slots):                      # the pool after the write (layer 1 of 2)
         store_kv(k, v, PoolLayer(pool, 1), slots)

@@ -54,7 +54,7 @@ def _install() -> None:
     _timed(runner.ModelRunner, "step", "runner step")
     _timed(engine.Engine, "run_step", "engine step")
     _timed(static.StaticStep, "run", lambda self, packed, kind="step", *a: f"static {kind}")
-    _timed(compiled.CompiledSteps, "__call__", lambda self, kind, T, *a: f"graph {kind} x{T}")
+    _timed(compiled.CompiledSteps, "_run", lambda self, kind, T, *a: f"graph {kind} x{T}")
     _timed(runner.ModelRunner, "_sample", "sampling")
     _timed(spec.NextN, "accept", "verify")
     _timed(spec.NextN, "_draft", "drafting")

@@ -8,12 +8,22 @@ Which one runs is decided per call by `use_triton(tensor)` from the backend set 
   "triton" always Triton (debugging; on CPU tensors only under TRITON_INTERPRET=1, as the tests run it).
 The engine calls `set_backend(cfg.engine.kernels)` once before the first forward. Triton modules are imported only
 when a Triton kernel first runs, so the CPU path never imports triton.
+
+Every kernel takes a pool as `PoolLayer`: one layer of a pool laid out [rows, layers, ...]. The KV pool (rows are
+pages) and the GDN state pools (rows are state slots) hold every layer of a row together, so a row moves to and from
+the cache tiers in one piece. A kernel reads the layer through `rows` (a view) and writes it through `put`, which
+indexes the whole pool with the layer as one more index (rows[index] = values: advanced indexing, ints select;
+`PoolLayer.of` takes a plain tensor [rows, ...] as a pool of one layer). Written so, a compiled step (torch.compile / inductor)
+updates the rows in place; a write into the layer's view makes inductor copy the whole layer (the whole KV or state
+pool, every step) around it.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Iterator, NamedTuple
+
+import torch
 
 BACKENDS = ("auto", "torch", "triton")
 MIN_TRITON = (3, 5)                # the GDN prefill kernels' bf16x3 dots (tl.dot input_precision) came in 3.5
@@ -78,3 +88,23 @@ def use_triton(x) -> bool:
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("engine.kernels = \"triton\" runs CPU tensors only under TRITON_INTERPRET=1")
     return True
+
+
+class PoolLayer(NamedTuple):
+    pool: torch.Tensor          # [rows, layers, ...]
+    layer: int
+
+    @staticmethod
+    def of(x: "torch.Tensor | PoolLayer") -> "PoolLayer":
+        return x if isinstance(x, PoolLayer) else PoolLayer(x.unsqueeze(1), 0)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.pool.select(1, self.layer)
+
+    def put(self, index: tuple[torch.Tensor | int, ...], values: torch.Tensor) -> None:
+        first = index[0]
+        full = [first, torch.full_like(first, self.layer)]
+        for i in index[1:]:
+            full.append(torch.full_like(first, i) if isinstance(i, int) else i)
+        self.pool.index_put_(tuple(full), values.to(self.pool.dtype))

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels import use_cpu_kernel, use_triton
-from tinyserve.kernels.pool_layer import PoolLayer
+from tinyserve.kernels import PoolLayer, use_cpu_kernel, use_triton
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | PoolLayer,
@@ -34,10 +33,7 @@ def _gather_kv(kv_cache: torch.Tensor, pages: torch.Tensor, length: int, dtype: 
 
 def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor | PoolLayer, page_table: torch.Tensor,
                             cu_seqlens: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
-    """New tokens (any count per sequence) attend to their cached context plus themselves, causally.
-
-    q [T, H, hd] packed; returns [T, H, hd]. Loops over sequences (a handful per step), never over tokens.
-    """
+    """New tokens (any count per sequence, q [T, H, hd] packed) attend causally to their context: [T, H, hd]."""
     kv_cache = PoolLayer.of(kv_cache).rows
     if use_triton(q):
         from tinyserve.kernels import attention_sdpa, attention_triton

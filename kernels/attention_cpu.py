@@ -7,6 +7,10 @@ threads of torch's own OpenMP team. It is built once per machine and source (the
 needs; ~0.3 s) into the cache folder, loaded with ctypes, and called through a torch custom op, so the compiled CPU
 steps call it as they would any op. Without a compiler (or for a shape it does not take) the torch reference runs,
 with one warning. The pool may hold float32, bfloat16 or float16; queries and outputs are float32 inside.
+
+paged_decode(q, rows, page_table, seq_lens, table_rows, scale): q [N, H, hd]; rows: one layer's pool [pages, 2,
+page_size, KV, hd] (any strides but a contiguous hd); page_table [R, width] int32; seq_lens [N] int32; table_rows [N]
+int64 (None: row i reads page-table row i).
 """
 from __future__ import annotations
 
@@ -90,8 +94,6 @@ def usable(q: torch.Tensor, rows: torch.Tensor) -> bool:
 @torch.library.custom_op("tinyserve::paged_decode_cpu", mutates_args=())
 def paged_decode(q: torch.Tensor, rows: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                  table_rows: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [N, H, hd]; rows: one layer's pool [pages, 2, page_size, KV, hd] (any strides but a contiguous hd);
-    page_table [R, width] int32; seq_lens [N] int32; table_rows [N] int64 (None: row i reads page-table row i)."""
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
     table = page_table.to(torch.int32).contiguous()

@@ -2,6 +2,11 @@
 
 The conv state of a sequence is its last K-1 *pre-conv* inputs, shape [conv_dim, K-1], kept in a pool indexed by
 state slot (`conv_state[slot]`), so prefill chunks and decode steps continue exactly where the last one stopped.
+
+The prefill (causal_conv1d_prefill): x [T, C] packed sequences, weight [C, K], conv_state [slots, C, K-1] (read,
+then updated in place); returns silu(conv(x)) [T, C]. Sequence i covers x[cu_seqlens[i]:cu_seqlens[i+1]] and
+continues slot_ids[i]; snapshots: (sequence i, offset o, slot): the history after sequence i's first o tokens is also
+written to `slot` (as gdn.chunk_gated_delta_rule's snapshots).
 """
 from __future__ import annotations
 
@@ -10,21 +15,15 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels import use_triton
+from tinyserve.kernels import PoolLayer, use_triton
 from tinyserve.kernels.gdn import slot_run
-from tinyserve.kernels.pool_layer import PoolLayer
 from tinyserve.kernels.verify_layout import VerifyLayout, pad_to_layout
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | PoolLayer,
                           cu_seqlens: list[int], slot_ids: list[int],
                           snapshots: Sequence[tuple[int, int, int]] = ()) -> torch.Tensor:
-    """x [T, C] packed sequences; weight [C, K]; conv_state [slots, C, K-1] (read, then updated in place).
-
-    Returns silu(conv(x)) [T, C]. Sequence i covers x[cu_seqlens[i]:cu_seqlens[i+1]] and continues slot_ids[i].
-    snapshots: (sequence i, offset o, slot): the history after sequence i's first o tokens is also written to `slot`
-    (as gdn.chunk_gated_delta_rule's snapshots).
-    """
+    """x [T, C], weight [C, K], conv_state [slots, C, K-1] -> [T, C] (the module docstring)."""
     conv_state = PoolLayer.of(conv_state).rows
     if use_triton(x):
         assert not snapshots, "the Triton prefill takes no snapshots inside a chunk (gdn.snapshot_alignment)"

@@ -4,6 +4,11 @@ Per value head h, with state S [dk, dv] (fp32):  S <- exp(g_t) S;  S <- S + k_t 
 o_t = S^T q_t.  q and k arrive l2-normalised (q also scaled by dk^-1/2); they have H key heads and value head j uses
 key head j // (HV // H). The state pool is [slots, HV, dk, dv]; each sequence reads its initial state from its slot
 and writes its final state back in place (slots are zeroed by the engine when a sequence starts fresh).
+
+The prefill (chunk_gated_delta_rule): every chunk of every sequence is computed at once (intra-chunk work batched);
+only the chunk-to-chunk state hand-over loops, over chunk index, batched across sequences. Its snapshots: (sequence i,
+offset o, slot) with 0 < o < its length and o a multiple of SNAPSHOT_ALIGN: the state after sequence i's first o
+tokens is also written to `slot` (the prefix cache's snapshots inside a chunk).
 """
 from __future__ import annotations
 
@@ -15,8 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels import use_triton
-from tinyserve.kernels.pool_layer import PoolLayer
+from tinyserve.kernels import PoolLayer, use_triton
 from tinyserve.kernels.verify_layout import VerifyLayout, pad_to_layout
 
 
@@ -50,13 +54,7 @@ def snapshot_alignment(device: torch.device) -> int | None:
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            state: torch.Tensor | PoolLayer, cu_seqlens: list[int], slot_ids: list[int],
                            chunk_size: int = 64, snapshots: Sequence[tuple[int, int, int]] = ()) -> torch.Tensor:
-    """Prefill form. q, k [T, H, dk]; v [T, HV, dv]; g, beta [T, HV] (fp32, g = log-decay <= 0).
-
-    Every chunk of every sequence is computed at once (intra-chunk work batched); only the chunk-to-chunk state
-    hand-over loops, over chunk index, batched across sequences. Returns o [T, HV, dv] in v's dtype.
-    snapshots: (sequence i, offset o, slot) with 0 < o < its length and o a multiple of SNAPSHOT_ALIGN: the state
-    after sequence i's first o tokens is also written to `slot` (the prefix cache's snapshots inside a chunk).
-    """
+    """Prefill: q, k [T, H, dk]; v [T, HV, dv]; g, beta [T, HV] (fp32, g = log-decay <= 0) -> o [T, HV, dv]."""
     state = PoolLayer.of(state).rows
     if use_triton(q):
         assert not snapshots, "the Triton prefill takes no snapshots inside a chunk (snapshot_alignment)"

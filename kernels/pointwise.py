@@ -3,6 +3,14 @@ the RMSNorm variants of the Qwen hybrid models, the MLP's SiLU-and-mul, and the 
 
 Their Triton kernels, one file each beside this one: norm_triton.py, activation_triton.py, rotary_triton.py.
 Qwen3.5 / Qwen3-Next rotate 64 of each head's 256 dims (partial_rotary_factor 0.25); the rest pass through.
+
+l2_norm is scale * x / sqrt(sum(x^2) + 1e-6) over the last dim, in fp32 (HF's and FLA's l2norm; F.normalize clamps
+the norm instead, which differs near 0), written as one rms_norm: mean(x^2) + 1e-6/d = (sum(x^2) + 1e-6) / d. Its
+Triton kernel reads x in its dtype and writes fp32 (no weight tensor made, no fp32 copy of x: two launches fewer).
+
+apply_rotary: x [T, H, hd] (last dim contiguous); cos, sin [T, 1, rd] fp32 (rd even, <= hd), as qwen3_next.Rotary
+and the M-RoPE tables make them. It returns a new [T, H, hd] in x's dtype: dims :rd are x * cos + rotate_half(x) * sin
+in fp32 (rotate_half(x1 | x2) = -x2 | x1), dims rd: are x's.
 """
 from __future__ import annotations
 
@@ -51,10 +59,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def l2_norm(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """scale * x / sqrt(sum(x^2) + 1e-6) over the last dim, in fp32 (HF's and FLA's l2norm; F.normalize clamps the
-    norm instead, which differs near 0). Written as one rms_norm: mean(x^2) + 1e-6/d = (sum(x^2) + 1e-6) / d. The
-    Triton kernel reads x in its dtype and writes fp32 (no weight tensor made, no fp32 copy of x: two launches
-    fewer per call)."""
+    """scale * x / sqrt(sum(x^2) + 1e-6) over the last dim, in fp32 (the module docstring)."""
     if use_triton(x):
         from tinyserve.kernels import norm_triton
         return norm_triton.l2_norm(x, scale)
@@ -73,9 +78,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, hd] (last dim contiguous); cos, sin [T, 1, rd] fp32 (rd even, <= hd), as qwen3_next.Rotary.cos_sin and
-    the M-RoPE tables make them. Returns a new [T, H, hd] in x's dtype: dims :rd are x * cos + rotate_half(x) * sin
-    in fp32 (rotate_half(x1 | x2) = -x2 | x1), dims rd: are x's."""
+    """The partial NeoX rotary embedding of x [T, H, hd] by cos, sin [T, 1, rd] (the module docstring)."""
     if use_triton(x):
         from tinyserve.kernels import rotary_triton
         return rotary_triton.apply_rotary(x, cos, sin)

@@ -7,6 +7,7 @@ family: GDN input projections are stored split and contiguous ([q | k | v | z] a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from tinyserve.kernels.gdn import (chunk_gated_delta_rule, recurrent_gated_delta
                                    recurrent_gated_delta_rule_verify)
 from tinyserve.kernels.linear import linear
 from tinyserve.kernels.moe import fused_experts, route
-from tinyserve.kernels.pool_layer import PoolLayer
+from tinyserve.kernels import PoolLayer
 from tinyserve.kernels.verify_layout import VerifyLayout
 from tinyserve.models.config import ModelConfig  # noqa: F401 - re-exported
 from tinyserve.models.qwen_vision import VisionConfig, VisionTower, mrope_cos_sin
@@ -59,16 +60,44 @@ class ForwardBatch:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens)
+        return self.page_table.shape[0]
 
     @property
     def prefill_start(self) -> int:
-        """The first token row of the prefill chunks (after the decode and verify tokens)."""
-        return self.cu_seqlens[self.num_decode + self.num_verify]
+        # the first token row of the prefill chunks, after the decode and verify tokens
+        return self.cu_seqlens[self.num_decode + self.num_verify] if self.has_prefill else self.input_ids.shape[0]
 
     @property
     def has_prefill(self) -> bool:
         return self.num_seqs > self.num_decode + self.num_verify
+
+    @classmethod
+    def of_shape(cls, T: int, max_len: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor,
+                 state_slots: torch.Tensor, out_slots: torch.Tensor | None = None,
+                 token_lens: torch.Tensor | None = None) -> ForwardBatch:
+        """B = page_table.shape[0] sequences of T tokens each (token rows i*T .. i*T+T-1 are sequence i's), all
+        decodes (T = 1) or all verifies, described by tensors alone: no host list or count, so torch.compile traces
+        one graph for every batch size (static_forward). max_len bounds the decode attention's context; T > 1
+        also reads out_slots (where the state after each token goes) and token_lens (the keys each token sees)."""
+        B = page_table.shape[0]
+        verify = None
+        if T > 1:
+            rows = torch.arange(B * T, device=input_ids.device)
+            verify = VerifyLayout(rows=rows.view(B, T), valid=None, in_slots=state_slots, out_slots=out_slots,
+                                  token_seq=rows // T, token_lens=token_lens)
+        return cls(input_ids=input_ids, positions=positions, cu_seqlens=[], seq_lens=[], seq_lens_t=seq_lens,
+                   page_table=page_table, slot_mapping=slot_mapping, state_slots=[], state_slots_t=state_slots,
+                   num_decode=B if T == 1 else 0, num_verify=0 if T == 1 else B, verify=verify,
+                   decode_max_len=max_len)
+
+
+class Pools(NamedTuple):
+    """The KV and state pools as the forward reads them (kv_pool.buffer, state_pool.conv / .ssm), as tensors: what
+    a compiled or captured step passes (its graphs are keyed on tensors, not on the pool objects)."""
+    buffer: torch.Tensor
+    conv: torch.Tensor | None = None
+    ssm: torch.Tensor | None = None
 
 
 class Rotary:
@@ -88,12 +117,11 @@ class Rotary:
 
 def norm_scale(shape, device) -> nn.Parameter:
     """A zero-centred RMSNorm's weight w (every norm but the GDN output norm multiplies by 1 + w), held as that
-    scale, 1 + w in fp32: computed once at load (WeightLoaders.add_norm), not on every step."""
+    scale, 1 + w in fp32: computed once at load (WeightLoaders.add_norm), not on every step (scaled_rms_norm)."""
     return empty_param(shape, torch.float32, device)
 
 
 def scaled_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm by a norm_scale (1 + w already added)."""
     return rms_norm(x, scale, eps, zero_centred=False)
 
 
@@ -126,9 +154,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, conv_state: PoolLayer,
                 ssm_state: PoolLayer) -> torch.Tensor:
         T = x.shape[0]
-        kd, vd = self.kd, self.vd
-        qkvz = linear(x, self.in_proj_qkvz)
-        mixed, z = qkvz.split([2 * kd + vd, vd], dim=-1)
+        mixed, z = linear(x, self.in_proj_qkvz).split([2 * self.kd + self.vd, self.vd], dim=-1)
         b, a = linear(x, self.in_proj_ba).float().split([self.nv, self.nv], dim=-1)
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
@@ -144,18 +170,16 @@ class GatedDeltaNet(nn.Module):
         if nv:
             u = causal_conv1d_verify(mixed[vs:ve], self.conv_weight, conv_state, batch.verify)
             q, k, v = self._split_heads(u)
-            parts.append(recurrent_gated_delta_rule_verify(q, k, v, g[vs:ve], beta[vs:ve], ssm_state,
-                                                           batch.verify))
+            parts.append(recurrent_gated_delta_rule_verify(q, k, v, g[vs:ve], beta[vs:ve], ssm_state, batch.verify))
         if batch.has_prefill:
             cu = [c - ve for c in batch.cu_seqlens[nd + nv:]]
-            slots = batch.state_slots[nd + nv:]
-            snaps = batch.prefill_snapshots
+            slots, snaps = batch.state_slots[nd + nv:], batch.prefill_snapshots
             u = causal_conv1d_prefill(mixed[ve:], self.conv_weight, conv_state, cu, slots, snaps)
             q, k, v = self._split_heads(u)
             parts.append(chunk_gated_delta_rule(q, k, v, g[ve:], beta[ve:], ssm_state, cu, slots, snapshots=snaps))
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         y = gated_rms_norm(o, z.reshape(T, self.nv, self.dv), self.norm_weight, self.cfg.rms_norm_eps)
-        return linear(y.reshape(T, vd), self.out_proj)
+        return linear(y.reshape(T, self.vd), self.out_proj)
 
     def _split_heads(self, u: torch.Tensor):
         T = u.shape[0]
@@ -275,8 +299,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(cfg, dtype, device) if moe else DenseMLP(H, cfg.intermediate_size, dtype, device)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, *pools) -> torch.Tensor:
-        """pools: the mixer's (the conv and SSM state layers of a GDN layer; the KV layer and the rotary tables of an
-        attention layer)."""
+        # pools: the mixer's (a GDN layer's conv and SSM state layers; an attention layer's KV layer, rotary tables)
         h = x + self.mixer(scaled_rms_norm(x, self.input_layernorm, self.eps), batch, *pools)
         return h + self.mlp(scaled_rms_norm(h, self.post_attention_layernorm, self.eps))
 
@@ -333,7 +356,12 @@ class Qwen3NextForCausalLM(nn.Module):
 
     quantized: the linear weights to hold as FP8 or 4-bit; the parameters are then laid out on "meta" first and
     given their memory once it is known which are quantized (weights.allocate; a bf16 copy of a 27B model would
-    not fit the card it is meant for)."""
+    not fit the card it is meant for).
+
+    forward(batch, kv_pool, state_pool) returns the final hidden states [T, H] (after model.norm). Images (Qwen3.5)
+    add two inputs: rope_positions, the (t, h, w) rotary rows [3, T] of a batch with an image (M-RoPE), and embeds,
+    the packed rows that take the vision tower's features instead of the pad's embedding, with those features
+    ([n] int64, [n, H])."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
                  quantized: QuantizedWeights | None = None) -> None:
@@ -364,9 +392,7 @@ class Qwen3NextForCausalLM(nn.Module):
     # ---- forward ----
     def forward(self, batch: ForwardBatch, kv_pool, state_pool, rope_positions: torch.Tensor | None = None,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The final hidden states [T, H] (after model.norm). Images (Qwen3.5) add two inputs: rope_positions, the
-        (t, h, w) rotary rows [3, T] of a batch with an image (M-RoPE), and embeds, the packed rows that take the
-        vision tower's features instead of the pad's embedding, with those features ([n] int64, [n, H])."""
+        # the final hidden states [T, H] (after model.norm); an image's inputs: the class docstring
         x = self.embed(batch.input_ids, embeds)
         cos_sin = self.cos_sin(batch.positions, rope_positions)
         for i, layer in enumerate(self.layers):
@@ -377,10 +403,16 @@ class Qwen3NextForCausalLM(nn.Module):
                 x = layer(x, batch, PoolLayer(kv_pool.buffer, j), cos_sin)
         return scaled_rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
+    def static_forward(self, T: int, max_len: int | None, kv: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
+                       *tensors: torch.Tensor) -> torch.Tensor:
+        # the forward on ForwardBatch.of_shape's batch (max_len None: the page table's width in tokens): what the
+        # CPU compiles (a plain decode: the runner's batch as it is) and CUDA graphs capture (static.py)
+        pools = Pools(kv, conv, ssm)
+        return self(ForwardBatch.of_shape(T, max_len or tensors[4].shape[1] * kv.shape[3], *tensors), pools, pools)
+
     def embed(self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
               ) -> torch.Tensor:
-        """Token embeddings [T, H]; rows embeds[0] take embeds[1] instead (image pads: the vision tower's features,
-        as transformers' masked_scatter)."""
+        # rows embeds[0] take embeds[1] (image pads: the vision tower's features, as transformers' masked_scatter)
         x = F.embedding(input_ids, self.embed_tokens)
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
@@ -388,8 +420,7 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, rope_positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary tables: M-RoPE over (t, h, w) rows when a batch has image positions; otherwise the rows are equal
-        and M-RoPE is exactly 1-D RoPE."""
+        # M-RoPE over (t, h, w) rows when a batch has image positions; otherwise the rows are equal: 1-D RoPE
         if rope_positions is None:
             return self.rotary.cos_sin(positions)
         return mrope_cos_sin(rope_positions, self.rotary.inv_freq, self.cfg.mrope_section,

@@ -138,6 +138,7 @@ def static_steps(eng: Engine, build: bool = False, for_graphs: bool = True, in_b
         static_step(eng.runner, max_batch, for_graphs)
     if static is not None:
         eng.runner.steps = static
+        eng.runner.compiled = static.compiled      # built on the CPU: plain decodes through its graphs
     return static
 
 

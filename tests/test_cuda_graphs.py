@@ -66,10 +66,10 @@ class Recorder:
         self._run = static.run
         static.run = self.run
 
-    def run(self, packed, kind="step", hidden=None):
-        out = self._run(packed, kind, hidden)
-        st, n = self.static, packed.num_seqs
-        lens = [k for _, _, k in packed.spans]
+    def run(self, batch, kind="step", hidden=None):
+        out = self._run(batch, kind, hidden)
+        st, n, cu = self.static, batch.num_seqs, batch.cu_seqlens
+        lens = [cu[i + 1] - cu[i] for i in range(n)]
         T = max(lens)
         B, ps, page, slot = next(b for b in st.sizes if b >= n), st.kv_pool.page_size, st.kv_pool.scratch_page, \
             st.padding_slot
@@ -78,18 +78,18 @@ class Recorder:
         assert not (st.slot_mapping[real] // ps == page).any()
         assert (st.slot_mapping[padding] == page * ps).all()
         if kind != "step":                 # the NEXTN head's passes: the real tokens' KV in their pages
-            assert len(real) == len(packed.input_ids) == hidden.shape[0]
+            assert len(real) == batch.input_ids.shape[0] == hidden.shape[0]
             assert out is None if kind == "head_kv" else out.shape[0] == len(real)
             self.drafts.append((n, B, T, kind == "head_kv"))
             return out
-        assert all(page not in req.pages and req.state_slot not in (slot, st.state_pool.scratch_slot)
-                   for req, _, _ in packed.spans)
+        assert not (batch.page_table == page).any()
+        assert all(s not in (slot, st.state_pool.scratch_slot) for s in batch.state_slots)
         assert not (st.state_slots[:n] == slot).any()
         assert (st.state_slots[n:B] == slot).all()
         assert (st.page_table[n:B, 0] == page).all() and (st.seq_lens[n:B] == 1).all()
         if T > 1:                          # extra tokens: the state after each real token in its own slot
             assert not (st.out_slots[real] == slot).any() and (st.out_slots[padding] == slot).all()
-            assert packed.cu_seqlens[n] == out.shape[0] == len(real)
+            assert batch.cu_seqlens[n] == out.shape[0] == len(real)
         else:
             assert out.shape[0] == n
         self.steps.append((n, B, T))
@@ -152,23 +152,26 @@ def test_static_decode_gives_the_eager_tokens(dense, page_size):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cpu_layout_decode_reads_the_packed_rows(dense, page_size):
-    """The CPU's static decode (for_graphs off) makes its tensors from the packed rows (decode_tensors), no buffer
-    filled: the eager tokens while the batch shrinks and grows, every decode step taken, page tables as wide as
-    the step's longest sequence (at least 2)."""
+    """The CPU's static decode (for_graphs off) reads the runner's batch as it is, no buffer filled: the eager
+    tokens while the batch shrinks and grows, every decode step taken, page tables as wide as the step's longest
+    sequence (at least 2)."""
     schedule = workload(page_size)
     want = drive(make_engine(dense, page_size), schedule)
     eng = make_engine(dense, page_size)
     static = static_steps(eng, for_graphs=False)
     static.run = lambda *a, **k: pytest.fail("a CPU decode step went through the buffers")
-    made, decode_tensors = [], static.decode_tensors
+    made, pages, forward_on, pack = [], [], static._forward_on, eng.runner.pack
 
-    def recorded(packed):
-        t = decode_tensors(packed)
-        pages = max(len(req.pages) for req, _, _ in packed.spans)
-        made.append((packed.num_seqs, tuple(t.page_table.shape) == (packed.num_seqs, max(pages, 2)),
-                     t.page_table.is_contiguous() and t.input_ids.shape == (packed.num_seqs,)))
-        return t
-    static.decode_tensors = recorded
+    def packed(spans, *args, **kwargs):
+        pages.append(max(len(req.pages) for req, _, _ in spans))     # the step's longest sequence's
+        return pack(spans, *args, **kwargs)
+
+    def recorded(kind, T, t):
+        ids, table = t[0], t[4]
+        made.append((ids.shape[0], tuple(table.shape) == (ids.shape[0], max(pages[-1], 2)),
+                     table.is_contiguous() and T == 1))
+        return forward_on(kind, T, t)
+    eng.runner.pack, static._forward_on = packed, recorded
     assert drive(eng, schedule) == want
     assert {n for n, _, _ in made} >= set(range(1, MAX_RUNNING + 1))
     assert all(width_ok and layout_ok for _, width_ok, layout_ok in made)
@@ -334,20 +337,20 @@ def test_static_decode_with_a_short_pool(dense):
 
 
 def test_a_page_row_follows_its_requests_pages(dense):
-    """The static step keeps each request's pages as an array between steps (StaticStep._page_row): pages appended
+    """The runner keeps each request's pages as an array between steps (ModelRunner._page_row): pages appended
     extend it, a list replaced whole (the prefix cache's match, a release) is read again, even at the same length."""
     from tinyserve.sampling import SamplingParams
-    static = static_steps(make_engine(dense, 16))
     eng = make_engine(dense, 16)
+    runner = eng.runner
     req = eng.intake.make_request(tokens(5, 1), SamplingParams(max_tokens=1), None)
     req.pages = [3, 4]
-    assert static._page_row(req).tolist() == [3, 4]
+    assert runner._page_row(req).tolist() == [3, 4]
     req.pages += [9]
-    assert static._page_row(req).tolist() == [3, 4, 9]
+    assert runner._page_row(req).tolist() == [3, 4, 9]
     req.pages = [7, 8, 1]
-    assert static._page_row(req).tolist() == [7, 8, 1]
+    assert runner._page_row(req).tolist() == [7, 8, 1]
     req.pages = []
-    assert static._page_row(req).tolist() == []
+    assert runner._page_row(req).tolist() == []
 
 
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="on the CPU engine.compile_steps compiles (tests/test_compiled.py)")

@@ -13,7 +13,8 @@ import torch
 from tinyserve.demo import DEMO_VERSION, SPECIAL_TOKENS, ensure_demo_checkpoint
 from tinyserve.loader import load_model
 from tinyserve.model_config import read_model_config
-from tinyserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from tinyserve.generation import IncrementalDetokenizer
+from tinyserve.tokenizer import Tokenizer
 
 FILES = ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json"]

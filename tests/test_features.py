@@ -1,5 +1,5 @@
-"""The core and its optional parts (NEXTN, images, grammar, prompt logprobs, the static steps, idle release): each is
-one module, held by the core objects that call it under its own name, None when off.
+"""The core and its optional parts (NEXTN, images, grammar, prompt logprobs, the static steps, the CPU's compiled
+decode, idle release): each is one module, held by the core objects that call it under its own name, None when off.
 
 - From the source: each part's methods are called at one place each, on `self.<part>` in the scheduler, the runner,
   the intake (request.py) or the engine (the table below is where a reader finds them); nothing binds methods with setattr; a
@@ -39,9 +39,13 @@ CALLS = {
     "grammar": ("grammar", {"runner": {"masks"}, "intake": {"attach"}, "engine": {"advance"}}),
     "prompt_logprobs": ("prompt_logprobs", {"runner": {"read"}, "intake": {"attach"}}),
     "steps": ("static", {"runner": {"takes", "forward"}}),
+    "compiled": ("compiled", {"runner": {"decode"}}),
     "idle": ("idle", {"engine": {"wake", "timeout", "release", "stats"}}),
 }
 PARTS = tuple(CALLS)
+# the parts an engine here switches on and runs: all but the CPU's compiled graphs, which take minutes to make (their
+# running rules: tests/test_compiled.py, tests/test_compiled_nextn.py)
+RUNNING = tuple(p for p in PARTS if p != "compiled")
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
@@ -77,8 +81,9 @@ def test_the_parts_methods_exist_where_the_core_calls_them():
     from tinyserve.prompt_logprobs import PromptLogprobs
     from tinyserve.spec import NextN
     from tinyserve.static import StaticStep
+    from tinyserve.compiled import CompiledSteps
     classes = {"nextn": NextN, "images": Images, "grammar": Grammar, "prompt_logprobs": PromptLogprobs,
-               "steps": StaticStep, "idle": IdleRelease}
+               "steps": StaticStep, "compiled": CompiledSteps, "idle": IdleRelease}
     for part, (_, by_holder) in CALLS.items():
         for methods in by_holder.values():
             assert all(callable(getattr(classes[part], m, None)) for m in methods), (part, methods)
@@ -129,13 +134,13 @@ def switch_off(eng, part: str) -> None:
         setattr(holders[holder], part, None)
 
 
-def engine(vl, keep: tuple[str, ...] = PARTS):
+def engine(vl, keep: tuple[str, ...] = RUNNING):
     """An engine with every part on (the static steps unbuilt), then only those in `keep`."""
     model, tok = vl
     eng = engine_for(model, tok, engine={"page_size": 16, "kv_cache_tokens": 2048, "idle_release_s": 60},
                      speculative={"num_steps": 2, "max_running": 0})
     static_steps(eng)
-    for part in PARTS:
+    for part in RUNNING:
         assert getattr(eng.runner, part, None) is not None or getattr(eng, part) is not None, part
         if part not in keep:
             switch_off(eng, part)
@@ -180,7 +185,7 @@ def test_every_part_off_serves_the_plain_tokens(vl, everything):
     assert_no_leaks(eng)
 
 
-@pytest.mark.parametrize("name", PARTS)
+@pytest.mark.parametrize("name", RUNNING)
 def test_each_part_alone(vl, everything, name):
     eng = engine(vl, keep=(name,))
     if name == "nextn":                                # lossless, and it drafted

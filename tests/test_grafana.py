@@ -63,8 +63,8 @@ def test_the_dashboard_imports_into_grafana():
 
 def test_every_series_the_dashboard_queries_is_exported():
     metrics = Metrics()
-    metrics.on_first_token(0.5, warm=True)
-    metrics.on_first_token(2.5, warm=False)
+    metrics.on_tokens(1, 0.5, first=True, warm=True)
+    metrics.on_tokens(1, 2.5, first=True, warm=False)
     metrics.on_tokens(3, 0.03)
     metrics.on_response(200)
     metrics.on_finished("stop", 100, {"device": 50, "host": 0, "file": 10}, 3.0)

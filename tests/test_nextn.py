@@ -13,7 +13,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
 
 from checkpoints import make_qwen3_5_text, make_qwen3_next
-from tinyserve.kernels.pool_layer import PoolLayer
+from tinyserve.kernels import PoolLayer
 from tinyserve.pools import KVPool, StatePool
 from tinyserve.loader import load_model
 from tinyserve.models.qwen3_next import ForwardBatch

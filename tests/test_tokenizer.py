@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tinyserve.demo import write_demo_tokenizer_files
-from tinyserve.tokenizer import (IMAGE_MARKER, IncrementalDetokenizer, MessageError, Tokenizer, content_text,
+from tinyserve.generation import IncrementalDetokenizer
+from tinyserve.tokenizer import (IMAGE_MARKER, MessageError, Tokenizer, content_text,
                                  normalise_messages, tool_call_arguments)
 
 TOOLS = [{"type": "function", "function": {

@@ -138,7 +138,7 @@ def test_store_kv(page_size, pool_dtype, x_dtype):
     """The KV write: one layer of a two-layer pool, scattered slots, k and v as strided views of a projection (as the
     model's v is); the other layer and every other slot untouched; an FP8 pool saturates at +-448 as torch does."""
     from tinyserve.kernels.attention import store_kv
-    from tinyserve.kernels.pool_layer import PoolLayer
+    from tinyserve.kernels import PoolLayer
     g = gen_(page_size)
     T, KV, hd, pages = 5, 2, 24, 8
     proj = rnd(T, 3 * KV * hd, dtype=x_dtype, gen=g, scale=100.0)

@@ -135,10 +135,9 @@ def _refused(request: web.Request, err: APIError) -> web.Response:
     return error_response(err, request.path)
 
 
+# Every failure leaves in the error shape; never a traceback to the client.
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every failure leaves in the error shape; never a traceback to the client."""
-    state = request.app[STATE]
     try:
         response = await handler(request)
     except APIError as e:
@@ -146,18 +145,19 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except web.HTTPException as e:                    # routing (404, 405) and body size (413) from aiohttp
         if e.status < 400:
             raise
-        response = _refused(request, _http_error(request, e, state.cfg))
+        response = _refused(request, _http_error(request, e))
     except (asyncio.CancelledError, ConnectionResetError):
         raise                                         # the client went away; the handler cleaned up
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         response = error_response(APIError(500, "internal server error (logged on the server)"), request.path)
     if request.path in GENERATION_ROUTES:
-        state.metrics.on_response(response.status)
+        request.app[STATE].metrics.on_response(response.status)
     return response
 
 
-def _http_error(request: web.Request, e: web.HTTPException, cfg: Config) -> APIError:
+def _http_error(request: web.Request, e: web.HTTPException) -> APIError:
+    cfg = request.app[STATE].cfg
     message = {404: f"no route {request.method} {request.path}",
                405: f"method {request.method} not allowed on {request.path}",
                413: f"request body is larger than server.max_request_body_mb "

@@ -146,7 +146,10 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
         log.info("CPU GEMM route: %s%s", routes, f" (packed weight copies: {added / GIB:.2f} GiB)" if added else "")
         from tinyserve.kernels import attention_cpu   # here: registering its torch op is the engine thread's work
         attention_cpu.library()                # the C decode attention: built for this CPU (once) and loaded now
-    runner.steps = compiled_steps(cfg, plan, runner)
+    static = compiled_steps(cfg, plan, runner)
+    if static is not None:                     # the CPU: plain decodes through the compiled graphs, the static step
+        runner.compiled = static.compiled      # for NEXTN's verifies and head passes only
+        runner.steps = static if static.for_graphs or nextn is not None else None
     return engine
 
 
@@ -194,11 +197,11 @@ def compile_while_serving(engine: Engine):
     """Start compiling the CPU step graphs left for after start (NEXTN's verify and head passes not saved yet:
     compiled.py) on a thread of their own; once they are made the draft depths are priced again. Returns the
     CompiledSteps (its `wait` joins the thread), None when no graph is left."""
-    static, nextn = engine.runner.steps, engine.nextn
-    if static is None or static.compiled is None or not static.compiled.pending:
+    compiled, nextn = engine.runner.compiled, engine.nextn
+    if compiled is None or not compiled.pending:
         return None
-    static.compiled.compile_pending(lambda: nextn is not None and engine.call_soon(nextn.forget_draft_prices))
-    return static.compiled
+    compiled.compile_pending(lambda: nextn is not None and engine.call_soon(nextn.forget_draft_prices))
+    return compiled
 
 
 def built_static_step(runner: ModelRunner, max_batch: int, for_graphs: bool,

@@ -7,13 +7,15 @@ tree, its state snapshots and its tiers (`DevicePrefixCache`: with no tier, noth
     admission:  admit(req)               resume req from its longest usable cached prefix: pages shared, state copied,
                                          req.num_computed and req.cached_tokens set, the path locked
     prefill:    plan_prefill(req, n, align)   how far the next prefill chunk goes, and the snapshots its forward
-                                         writes inside it (their slots)
+                                         writes inside it (their slots; one not written goes back at advance)
     room:       make_room(pages)         evict unlocked cached pages until `pages` are free
     each step:  advance(req, pos, slot)  req has computed up to pos: keep the snapshots written inside the chunk,
-                                         take those due at pos (from `slot`: the state there)
-    end:        finish(req)              cache what the request computed
-                drop(req)                unlock, give back what the request held of the cache (after finish;
-                                         abort, preemption)
+                                         take those due at pos (planned; past the prompt every state_track_interval)
+                                         from `slot` (default: its state slot), the state there
+    end:        finish(req)              cache what the request computed, up to its last page boundary, with the
+                                         state there
+                drop(req)                unlock, give back the tracking slot and the snapshot slots never written,
+                                         stop the read (after finish; abort, preemption)
 
 The engine also asks for stats(), flush(), close() and, when has_upkeep, every second upkeep_due() / upkeep() (the
 host tier giving memory back when the machine runs short). The cache keeps each request's bookkeeping (a CacheRun) by request id,
@@ -145,7 +147,15 @@ class PrefixCache(Cache):
     lies a multiple of the kernels' alignment from the chunk's start and a slot is found; otherwise the chunk ends
     at it (the next one starts from it, and advance takes it after the step). The first snapshot of a chunk may take
     the slot of the cached snapshot least worth keeping, as advance's would (a full cache must not cut every prefill
-    at its snapshots); a snapshot is weighed against the others only once it is in the tree, after the step."""
+    at its snapshots); a snapshot is weighed against the others only once it is in the tree, after the step.
+
+    Admission plans a request's snapshots: every state_track_interval, and its resume points: the page-aligned end
+    of its prompt, a branch point (cached KV but no state there yet), and where the request says a state helps
+    (Request.resume_hints: the last message's start, where the same conversation with that message changed resumes;
+    before the first image: the same text with another picture; after the last one: other text after the same
+    pictures). The last interval snapshots before the prompt's end are kept with its resume points (kept_points,
+    snapshot_worth.KEPT_INTERVALS): a next turn that changes the last message part-way resumes within one interval of
+    the change."""
 
     def __init__(self, cfg: Config, allocator: PageAllocator, state_pool: StatePool, page_size: int, hybrid: bool,
                  host: HostTier | None = None, file: FileTier | None = None,
@@ -209,7 +219,6 @@ class PrefixCache(Cache):
 
     # ---- admission ----
     def admit(self, req: Request) -> None:
-        """Resume from the longest usable cached prefix: share its pages, copy its state, skip its prefill."""
         run = self.runs.setdefault(req.request_id, CacheRun())
         ids = req.cache_ids if req.reuse_cache else []     # nothing reused: the whole prompt is computed
         loaded = self._load(run, ids) if self.host is not None or run.read is not None else {}
@@ -222,7 +231,7 @@ class PrefixCache(Cache):
             self.state_pool.zero(req.state_slot)
         self.allocator.retain(m.pages)
         cached = min(m.length, len(req.prompt_ids))
-        by_tier = {t: max(0, min(end, cached) - start) for t, (start, end) in loaded.items()}
+        by_tier = {t: max(0, min(end, cached) - start) for t, (start, end) in loaded.items()} if loaded else {}
         self.tree.lock(m.deepest, +1)                   # up to the branch point: the tokens it passes over stay
         run.node = m.deepest
         ps, end = self.page_size, req.num_tokens
@@ -230,19 +239,13 @@ class PrefixCache(Cache):
         run.resume_points = {(end - 1) // ps * ps}         # page-aligned end of the prompt
         if m.kv_length > m.length:
             run.resume_points.add(m.kv_length)             # branch point: cached KV but no state there yet
-        # where the request says a state helps (the last message's start: the same conversation with that message
-        # changed resumes there; before the first image: the same text with another picture; after the last one:
-        # other text after the same pictures)
-        run.resume_points |= {p // ps * ps for p in req.resume_hints if 0 < p // ps * ps < end}
-        # the last interval snapshots before the prompt's end, kept with its resume points (snapshot_worth): a next
-        # turn that changes the last message part-way resumes within one interval of the change
-        run.kept_points = set(sorted(p for p in points if p < (end - 1) // ps * ps)[-KEPT_INTERVALS:])
+        run.resume_points |= {p // ps * ps for p in req.resume_hints if 0 < p // ps * ps < end}   # hinted
+        run.kept_points = set(sorted(p for p in points if p < (end - 1) // ps * ps)[-KEPT_INTERVALS:])  # docstring
         run.snapshot_points = sorted(p for p in points | run.resume_points if p > m.length)
         run.prompt_end, run.stamp = end, self.tree.stamp()
         self.tree.claim(ids[:m.length], run.resume_points | run.kept_points, run.stamp)
         req.pages, req.num_computed, req.cached_tokens = list(m.pages), m.length, cached
-        req.report["cached_by_tier"] = {"device": cached - sum(by_tier.values()), "host": by_tier.get("host", 0),
-                                        "file": by_tier.get("file", 0)}
+        req.report["cached_by_tier"] = dict.fromkeys(TIERS, 0) | by_tier | {"device": cached - sum(by_tier.values())}
 
     def _load(self, run: CacheRun, ids: list[int]) -> dict[str, tuple[int, int]]:
         """Bring what the host tier and the file-tier read hold of ids onto the device: tier -> the token range it
@@ -257,9 +260,6 @@ class PrefixCache(Cache):
 
     # ---- prefill chunks ----
     def plan_prefill(self, req: Request, n: int, align: int | None) -> tuple[int, list[tuple[int, int]]]:
-        """How many of the next n prompt tokens req's prefill chunk computes, and the state snapshots its forward
-        writes inside it, (position, snapshot slot) (align: the kernels' alignment; the class docstring). Slots not
-        written (the scheduler cut the chunk shorter) go back at advance."""
         run, start = self.runs.get(req.request_id), req.num_computed
         if run is None:
             return n, []
@@ -291,9 +291,6 @@ class PrefixCache(Cache):
 
     # ---- after each step ----
     def advance(self, req: Request, pos: int, slot: int | None = None) -> None:
-        """req has computed up to pos, and `slot` (default: its state slot) holds its state there: cache the
-        snapshots its forward wrote inside the chunk, and take the snapshots that fall due at pos (the planned
-        ones; past the prompt, every state_track_interval)."""
         run, ps = self.runs[req.request_id], self.page_size
         for at in sorted(run.written):
             written = run.written.pop(at)
@@ -332,7 +329,6 @@ class PrefixCache(Cache):
 
     # ---- end ----
     def finish(self, req: Request) -> None:
-        """Cache what a finished request computed, up to its last page boundary, with the state there."""
         run, ps = self.runs[req.request_id], self.page_size
         end = req.num_computed // ps * ps
         if end == 0:
@@ -346,8 +342,6 @@ class PrefixCache(Cache):
             self.tree.insert(req.cache_ids[:end], req.pages[:end // ps], None)
 
     def drop(self, req: Request) -> None:
-        """Unlock the resume node, give back the tracking slot and the snapshot slots never written, stop the read
-        (finish, abort, preemption)."""
         run = self.runs.pop(req.request_id, None)
         if run is None:
             return

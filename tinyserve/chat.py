@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Callable
 
 from .config import Config
@@ -55,10 +57,6 @@ class ChatRequest:
     # the tools the model may call, where they differ from those the template shows first (tools added or removed
     # mid-conversation: Anthropic's tool_addition / tool_removal); None: `tools`
     call_tools: list[dict[str, Any]] | None = None
-
-    @property
-    def enable_thinking(self) -> bool:
-        return bool(self.template_kwargs.get("enable_thinking", True))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -256,37 +254,35 @@ def count_reasoning_tokens(token_ids: list[int], token_text: Callable[[int], str
     return len(token_ids)
 
 
+@dataclass(frozen=True)
 class ChatFormat:
     """The prompt through the chat template, the answer through the parsers. The parser names come from the
-    config's [parsers] table ("" = off)."""
+    config's [parsers] table ("" = off).
 
-    def __init__(self, reasoning_parser: str = "", tool_parser: str = "") -> None:
-        self.reasoning_parser = reasoning_parser
-        self.tool_parser = tool_parser
+    prompt_ids renders the prompt (a worker thread: templates take time) and settles the request's constraint (a
+    forced tool call, and where it starts). The answer starts inside a think block only when the generation prompt
+    opened it; a <think> in the conversation (a file a tool read) does not count, so the prompt is rendered again
+    without the generation prompt when a <think> is open at all (a prefill, or a template that insists on its
+    generation prompt: the whole prompt is judged)."""
+
+    reasoning_parser: str = ""
+    tool_parser: str = ""
 
     @classmethod
     def of(cls, cfg: Config) -> ChatFormat:
         return cls(cfg.parsers.reasoning, cfg.parsers.tool_call)
 
     def prompt_ids(self, req: ChatRequest, tokenizer: Tokenizer) -> list[int]:
-        """The rendered prompt; it also settles the request's constraint (a forced tool call, and where it starts)."""
-        def render(generation_prompt: bool) -> str:
-            return tokenizer.apply_chat_template(req.messages, tools=req.tools, add_generation_prompt=generation_prompt,
-                                                 continue_final_message=req.continue_final, **req.template_kwargs)
-
+        render = partial(tokenizer.apply_chat_template, req.messages, tools=req.tools,
+                         continue_final_message=req.continue_final, **req.template_kwargs)
         try:
-            text = render(req.add_generation_prompt)
+            text = render(add_generation_prompt=req.add_generation_prompt)
         except ValueError as e:                       # e.g. the template's raise_exception on a bad history
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-        # The answer starts inside a think block only when the generation prompt opened it; a <think> in the
-        # conversation (a file a tool read) does not count. Rendered again only when a <think> is open at all.
-        req.starts_in_reasoning = False
-        if prompt_opens_reasoning(text):
-            try:
-                without = render(False) if req.add_generation_prompt else ""    # a prefill: judge it whole
-            except ValueError:                        # a template that insists on its generation prompt
-                without = ""                          # (then the whole prompt is judged)
-            req.starts_in_reasoning = prompt_opens_reasoning(text, without)
+        req.starts_in_reasoning = prompt_opens_reasoning(text)
+        if req.starts_in_reasoning and req.add_generation_prompt:
+            with suppress(ValueError):                # a template that insists on its generation prompt
+                req.starts_in_reasoning = prompt_opens_reasoning(text, render(add_generation_prompt=False))
         if req.tools or req.options.params.constraint is not None:
             self._settle_constraint(req, tokenizer)
         return tokenizer.encode(text)
@@ -301,14 +297,14 @@ class ChatFormat:
         if req.options.params.constraint is not None:
             req.options.params = constraint_after_reasoning(req.options.params, req.starts_in_reasoning, tokenizer)
 
+    # One choice's reasoning and tool-call parsers (None: off), fresh: they are stateful.
     def parsers(self, req: ChatRequest) -> tuple[Qwen3ReasoningParser | None, Qwen3CoderToolParser | None]:
-        """One choice's reasoning and tool-call parsers (None: off), fresh: they are stateful."""
         offered = req.tools if req.call_tools is None else req.call_tools
         tools = make_tool_parser(offered, req.tool_choice) if self.tool_parser == "qwen3_coder" and offered else None
         if self.reasoning_parser != "qwen3":
             return None, tools
-        return Qwen3ReasoningParser(starts_in_reasoning=req.starts_in_reasoning, enabled=req.enable_thinking,
-                                    tool_names=tools.allowed_names if tools is not None else None), tools
+        return Qwen3ReasoningParser(req.starts_in_reasoning, bool(req.template_kwargs.get("enable_thinking", True)),
+                                    tools.allowed_names if tools is not None else None), tools
 
     def split(self, req: ChatRequest, r: Choice) -> Answer:
         """A finished choice's text -> reasoning, content and tool calls. A choice cut by max_tokens reads a value
@@ -342,30 +338,20 @@ class ChatFormat:
 
 
 class ChatStreamChoice:
-    """One choice's parsers while streaming: text deltas in, OpenAI chat delta dicts out."""
+    """One choice's parsers while streaming: text deltas in, OpenAI chat delta dicts out. `pieces` gives the deltas
+    for one text: reasoning_content, then content and tool_calls in the order they came; final: the choice's last
+    text, truncated: max_tokens cut it."""
 
     def __init__(self, chat: ChatFormat, req: ChatRequest) -> None:
         self.reasoning, self.tools = chat.parsers(req)
-        self.called_tools = False
-        self.parallel_tool_calls = req.parallel_tool_calls
+        self.called_tools, self.parallel_tool_calls = False, req.parallel_tool_calls
 
     def pieces(self, text: str, final: bool, truncated: bool = False) -> list[dict[str, Any]]:
-        """Deltas for this text: reasoning_content, then content and tool_calls in the order they came. truncated:
-        the choice was cut by max_tokens (with the last text)."""
-        out: list[dict[str, Any]] = []
-        content = text
-        if self.reasoning is not None:
-            reasoning_text, content = self.reasoning.feed(text)
-            if final:
-                r2, c2 = self.reasoning.finish()
-                reasoning_text, content = reasoning_text + r2, content + c2
-            if reasoning_text:
-                out.append({"reasoning_content": reasoning_text})
+        reasoning, content = self.reasoning.feed(text, final) if self.reasoning is not None else ("", text)
+        out = [{"reasoning_content": reasoning}] if reasoning else []
         if self.tools is not None:
             return out + self._tool_pieces(content, final, truncated)
-        if content:
-            out.append({"content": content})
-        return out
+        return out + [{"content": content}] if content else out
 
     def _tool_pieces(self, content: str, final: bool, truncated: bool) -> list[dict[str, Any]]:
         """Content and tool_calls deltas, in the order they came."""

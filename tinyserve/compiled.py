@@ -1,15 +1,17 @@
-"""The CPU's static steps (static.py) compiled by torch.compile: a decode step as a few fused C++ loops around the
-GEMMs instead of some two thousand eager ops, each paying Python's and the dispatcher's overhead.
+"""The CPU's decode steps compiled by torch.compile: a decode step as a few fused C++ loops around the GEMMs instead
+of some two thousand eager ops, each paying Python's and the dispatcher's overhead.
 
-What is compiled: static.target_forward (a decode step, T = 1, and a NEXTN verify, T = 1 + drafts) and, with NEXTN,
-static.draft_forward (the head's passes) and static.head_kv_forward (its KV alone), per tokens per sequence T, with
-the batch size and the page table's width dynamic: one graph for a lone sequence (what one request decodes through,
-fully specialised) and one for 2 .. max_running_requests sequences (two where a GEMM route splits the range), at
-any context length. The plain decode's are made at start, before the server answers /health; with NEXTN the verify
-and head graphs not saved yet are compiled on a thread of their own while the server already serves (a cold start
-would otherwise wait minutes for some twenty graphs), each forward's steps running eagerly until its graphs are
-published. Nothing is compiled after that: a step whose shapes no graph covers runs eagerly, with one warning,
-instead of compiling for seconds in the middle of serving.
+What is compiled: the model's static_forward (a decode step, T = 1, and a NEXTN verify, T = 1 + drafts) and, with
+NEXTN, static.draft_forward (the head's passes) and static.head_kv_forward (its KV alone), per tokens per sequence
+T, with the batch size and the page table's width dynamic: one graph for a lone sequence (what one request decodes
+through, fully specialised) and one for 2 .. max_running_requests sequences (two where a GEMM route splits the
+range), at any context length. A plain decode is the runner's batch as it is (`decode`, the runner's `compiled`:
+the batch's tensors, nothing to pad); NEXTN's verifies and head passes go through the static step's buffers
+(static.py, the runner's `steps`). The plain decode's are made at start, before the server answers /health; with
+NEXTN the verify and head graphs not saved yet are compiled on a thread of their own while the server already
+serves (a cold start would otherwise wait minutes for some twenty graphs), each forward's steps running eagerly until
+its graphs are published. Nothing is compiled after that: a step whose shapes no graph covers runs eagerly, with
+one warning, instead of compiling for seconds in the middle of serving.
 
 Each graph is compiled ahead of time (torch.compile's `aot_compile`) and saved whole, dynamo's bytecode and shape
 guards with inductor's library, as one file in the cache folder, named by a hash of everything it was traced from
@@ -37,7 +39,8 @@ import torch._dynamo
 
 import tinyserve.static
 from tinyserve.kernels import linear, use_triton
-from tinyserve.static import FORWARDS, StaticStep, StepTensors
+from tinyserve.models.qwen3_next import ForwardBatch
+from tinyserve.static import FORWARDS, StaticStep
 
 log = logging.getLogger("tinyserve.compiled")
 
@@ -98,6 +101,7 @@ class CompiledSteps:
         self.pending: list[tuple[tuple[str, int, bool], list[tuple[int, int]]]] = []   # _shapes() not made yet
         self._thread: threading.Thread | None = None
         self._warned = False
+        self.eager_steps = 0          # steps no graph covered
         model = static.model
         fingerprint = [torch.__version__, sys.version, _source_hash(), torch.backends.cpu.get_cpu_capability(),
                        repr(model.cfg), str(model.dtype), repr(sorted(linear.traced_routes().items())),
@@ -181,13 +185,14 @@ class CompiledSteps:
         kind, T, _ = key
         graphs: list[Any] = []
         for B, W in shapes:
-            args = st.args(kind, T, None, st.tensors(B, T, W))
+            t = st.tensors(B, T, W)
+            args = st.args(kind, T, None, t)
             if any(g.guard_check(*args) for g in graphs):
                 continue
             graph = self._load(kind, T, B, args)
             if graph is None and not compile:
                 return None
-            graphs.append(graph if graph is not None else self._compile(kind, T, B, W, args, warm_up))
+            graphs.append(graph if graph is not None else self._compile(kind, T, B, W, args, t, warm_up))
         if len(graphs) == 1:          # the only graph of its kind covers every shape routed to it: checked above
             graphs[0].disable_guard_check()
         return graphs
@@ -203,7 +208,8 @@ class CompiledSteps:
             return None
         try:
             with path.open("rb") as f:
-                graph = torch.compiler.load_compiled_function(f, f_globals=vars(tinyserve.static))
+                module = sys.modules[FORWARDS[kind].__module__]          # the traced function's globals
+                graph = torch.compiler.load_compiled_function(f, f_globals=vars(module))
             if not graph.guard_check(*args):
                 raise ValueError("its shape guards refuse the shape it was saved for")
         except Exception as e:        # noqa: BLE001 - a damaged file, another torch: compile it again
@@ -215,15 +221,16 @@ class CompiledSteps:
                  time.perf_counter() - t0)
         return graph
 
-    def _compile(self, kind: str, T: int, B: int, W: int, args: tuple, warm_up: bool) -> Any:
+    def _compile(self, kind: str, T: int, B: int, W: int, args: tuple, t: tuple[torch.Tensor, ...],
+                 warm_up: bool) -> Any:
         t0 = time.perf_counter()
         if B > 1:                     # the batch size and the page table's width dynamic (1 stays a constant)
-            for x in args[-1] + ((args[5],) if kind != "step" else ()):
+            for x in t + ((args[5],) if kind != "step" else ()):
                 torch._dynamo.maybe_mark_dynamic(x, 0)
-        torch._dynamo.maybe_mark_dynamic(args[-1].page_table, 1)
+        torch._dynamo.maybe_mark_dynamic(t[4], 1)
         # no size, stride and alignment asserts on the outputs of the ops called out of the graph (the GEMMs): they
         # cost ~0.15 ms a step of 8 sequences, and every input is a contiguous tensor static.py made, laid out as
-        # traced (its buffers, or a CPU decode's decode_tensors)
+        # traced (its buffers, or a plain decode's batch: runner.pack)
         compile_fn: Callable = torch.compile(FORWARDS[kind], fullgraph=True,
                                              options={"guard_filter_fn": _shape_guards_only, "size_asserts": False,
                                                       "alignment_asserts": False, "scalar_asserts": False})
@@ -241,24 +248,27 @@ class CompiledSteps:
                  NAMES[kind], B, T, W, time.perf_counter() - t0)
         return graph
 
-    def _call(self, kind: str, T: int, t: StepTensors) -> torch.Tensor:
-        args = self.static.args(kind, T, None, t)
-        graphs = self.graphs.get((kind, T, t.page_table.shape[0] == 1), [])
-        if len(graphs) == 1:
-            return graphs[0](*args)
-        for graph in graphs:
-            if graph.guard_check(*args):
-                return graph(*args)
-        raise LookupError("no graph covers this shape")
+    def decode(self, batch: ForwardBatch) -> torch.Tensor:
+        """A plain decode step's hidden rows: the runner's batch as it is (nothing to pad) through its graph."""
+        st, state = self.static, self.static.state_pool
+        return self._run("step", 1, len(batch.seq_lens) == 1, (
+            st.model, 1, None, st.kv_pool.buffer, state.conv_all, state.ssm_all, batch.input_ids, batch.positions,
+            batch.slot_mapping, batch.seq_lens_t, batch.page_table, batch.state_slots_t))
 
-    def __call__(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> torch.Tensor:
-        """The forward through the graphs made; eagerly where none covers the shape (with one warning, unless its
-        graphs are still being compiled)."""
-        try:
-            return self._call(kind, T, t)
-        except LookupError as e:
-            if not self._warned and not any(key[:2] == (kind, T) for key, _ in self.pending):
-                self._warned = True
-                log.warning("a %s step of %d sequence(s) x %d token(s) needs a graph not compiled at start: such "
-                            "steps run eagerly (%s)", kind, t.page_table.shape[0], T, e)
-            return self.static.eager(kind, T, max_len, t)
+    def __call__(self, kind: str, T: int, max_len: int | None, t: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """A forward over the static step's tensors t (StaticStep._forward_on)."""
+        return self._run(kind, T, t[4].shape[0] == 1, self.static.args(kind, T, max_len, t))
+
+    def _run(self, kind: str, T: int, lone: bool, args: tuple) -> torch.Tensor:
+        # through the graph covering this shape (a lone sequence's, or the one whose size guards take it); eagerly
+        # where none does, with one warning unless its graphs are still being compiled
+        graphs = self.graphs.get((kind, T, lone), [])
+        for graph in graphs:
+            if len(graphs) == 1 or graph.guard_check(*args):
+                return graph(*args)
+        self.eager_steps += 1
+        if not self._warned and not any(key[:2] == (kind, T) for key, _ in self.pending):
+            self._warned = True
+            log.warning("a %s step of %d token(s) per sequence needs a graph not compiled at start: such steps run "
+                        "eagerly", kind, T)
+        return FORWARDS[kind](*args)

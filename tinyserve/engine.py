@@ -327,52 +327,39 @@ class Engine:
         return events
 
     def _commit(self, sched: Scheduler, seqs: list[ScheduledSeq], outputs: list[SeqOutput]) -> list[StepEvent]:
-        """Commit each sequence's tokens one by one (a verify may bring several): nothing after a stop is kept. The
-        scheduler advances by what was kept before finished requests leave (the cache keeps what they computed)."""
+        # each sequence's tokens (a verify may bring several) up to the first that finishes its request; the
+        # scheduler advances by what was kept before finished requests leave (the cache keeps what they computed)
         kept: dict[int, tuple[int, str | None]] = {}
         for o in outputs:
-            req = o.seq.req
-            n, reason = self._append(req, o.tokens)
+            req, p, reason = o.seq.req, o.seq.req.params, None
+            for n, tok in enumerate(o.tokens, 1):
+                req.output_ids.append(tok)
+                made = len(req.output_ids)
+                if made >= p.min_tokens and (tok in p.stop_token_ids or not p.ignore_eos and tok in self.eos_token_ids):
+                    reason = "stop"
+                elif made >= p.max_tokens or req.num_tokens >= self.context_length:
+                    reason = "length"
+                if reason:
+                    break
             if req.grammar is not None and reason is None:   # a token its grammar rejects ends the request
                 reason = self.grammar.advance(req, o.tokens[:n])
             kept[id(o.seq)] = n, reason
         sched.advance(seqs, [kept[id(s)][0] if id(s) in kept else 0 for s in seqs])
         events = []
         for o in outputs:
-            req, (n, reason) = o.seq.req, kept[id(o.seq)]
+            req, (n, reason), p = o.seq.req, kept[id(o.seq)], o.seq.req.params
             if reason:
                 sched.finish(req, reason)
-            events.append(self._event(req, self._token_events(req, o, n)))
+            events.append(self._event(req, [TokenEvent(o.tokens[k], o.logprobs[k] if p.logprobs is not None else None,
+                                                       o.top[k] if p.logprobs and o.top is not None else None)
+                                            for k in range(n)]))
         return events
-
-    def _append(self, req: Request, tokens: list[int]) -> tuple[int, str | None]:
-        """Append tokens to req's output up to the first that finishes it: (tokens kept, finish reason or None)."""
-        for n, tok in enumerate(tokens, 1):
-            req.output_ids.append(tok)
-            reason = self._finish_reason(req, tok)
-            if reason:
-                return n, reason
-        return len(tokens), None
-
-    @staticmethod
-    def _token_events(req: Request, o: SeqOutput, n: int) -> list[TokenEvent]:
-        p = req.params
-        return [TokenEvent(o.tokens[k], o.logprobs[k] if p.logprobs is not None else None,
-                           o.top[k] if p.logprobs and o.top is not None else None) for k in range(n)]
 
     @staticmethod
     def _event(req: Request, tokens: list[TokenEvent]) -> StepEvent:
         done = req.status == Status.FINISHED
         return StepEvent(req.request_id, tokens, req.finish_reason if done else None, req.cached_tokens,
                          dict(req.report) if req.report else None)
-
-    def _finish_reason(self, req: Request, tok: int) -> str | None:
-        p, n = req.params, len(req.output_ids)
-        if n >= p.min_tokens and ((not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids):
-            return "stop"
-        if n >= p.max_tokens or req.num_tokens >= self.context_length:
-            return "length"
-        return None
 
     def _has_work(self) -> bool:
         return bool(self._new or self._aborts or self._calls or self.scheduler.has_work())

@@ -2,27 +2,26 @@
 usage, its metrics and its log line. The one place where tokens become text: a route handler iterates `pieces()` or
 awaits `collect()` and writes what it gets in its protocol's shape (openai_api.py, anthropic.py, responses.py).
 
-    engine step -> the request's token events -> Generation.pieces: each choice's tokens decoded (stop strings
-    applied, tokenizer.IncrementalDetokenizer) -> Piece -> the protocol's chunks -> SSE
-
-Choice k * n + i answers prompt k (its i-th sample; seeds differ by i). `close()` cancels whatever has not finished:
-the client went away, a stop string ended a choice, or the server shuts down.
+    engine step -> the request's token events -> Generation.pieces: each choice's tokens decoded, stop strings
+    applied (IncrementalDetokenizer) -> Piece -> the protocol's chunks -> SSE
 """
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from .sampling import SamplingParams
-from .tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from .engine import Engine, TokenEvent
     from .metrics import Metrics
+    from .tokenizer import Tokenizer
 
 log = logging.getLogger("tinyserve.generation")
 
@@ -77,28 +76,29 @@ class Meta:
     token_bytes: Callable[[int], bytes] | None = None  # the bytes of one token (Tokenizer.token_bytes)
     prompts: list[list[int]] = field(default_factory=list)   # every prompt, in order (choice i: prompt i // n)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:                  # a Meta made by hand: one prompt, each token's text as bytes
         self.prompts = self.prompts or [self.prompt_ids]
-        if self.token_bytes is None:
-            self.token_bytes = lambda token_id: self.token_text(token_id).encode()
+        self.token_bytes = self.token_bytes or (lambda token_id: self.token_text(token_id).encode())
 
 
 class Generation:
-    """Submits n requests for each prompt with its params (max_tokens already fitted); the engine's RequestError
-    for a parameter out of range comes from the first submit, before anything runs. `images`: what
-    engine.images.prepare returned for the (one) prompt; every choice sees the same ones."""
+    """Submits n requests for each prompt with its params (max_tokens already fitted: protocol.start_generation); the
+    engine's RequestError for a parameter out of range comes from the first submit, before anything runs. `images`:
+    what engine.images.prepare returned for the (one) prompt; every choice sees the same ones. Choice k * n + i answers
+    prompt k (its i-th sample; seeds differ by i).
+
+    `close()` cancels whatever has not finished: the client went away, a stop string ended a choice, or the server
+    shuts down. Each choice finishes once: its log line (with its cache match, so prompt drift, 0 cached on every
+    turn, shows in the log) and its metrics. Several choices stream through one queue, one task each, in the order
+    their pieces come."""
 
     def __init__(self, engine: Engine, metrics: Metrics, prompts: list[list[int]], params: list[SamplingParams],
                  n: int, stop: list[str], id_prefix: str, images: Sequence[Any] = ()) -> None:
-        self.engine, self.metrics, self.tokenizer = engine, metrics, engine.tokenizer
-        self.prompts, self.n, self.stop = prompts, n, stop
-        tok = engine.tokenizer
+        self.engine, self.metrics, self.prompts, self.n, self.stop = engine, metrics, prompts, n, stop
         self.meta = Meta(id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompts[0],
-                         tok.token_text, self.usage, tok.token_bytes, prompts)
-        self.arrival = time.monotonic()
-        self.completion_tokens = 0
-        self.streams: list[Any] = []
-        self._open: set[int] = set()                  # choices not finished yet
+                         engine.tokenizer.token_text, self.usage, engine.tokenizer.token_bytes, prompts)
+        self.arrival, self.completion_tokens = time.monotonic(), 0
+        self.streams, self._open = [], set()          # the engine's streams; the choices not finished yet
         try:
             for prompt, p in zip(prompts, params):
                 for i in range(n):
@@ -110,55 +110,37 @@ class Generation:
             self.close()
             raise
 
-    def __enter__(self) -> Generation:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def close(self) -> None:
         for i in list(self._open):
             self.streams[i].cancel()
             self._finished(i, "abort")
 
     def _finished(self, index: int, reason: str) -> None:
-        if index not in self._open:                   # counted once
+        if index not in self._open:
             return
         self._open.discard(index)
         r = self.streams[index].result
         tiers = r.report["cached_by_tier"]
-        # one line per request with its cache match, so prompt drift (0 cached on every turn) shows in the log
         log.info("%s: %s, prompt %d tokens, %d from the prefix cache (device %d, host %d, file %d), %d generated",
                  r.request_id, reason, r.prompt_tokens, r.cached_tokens, tiers["device"], tiers["host"],
                  tiers["file"], r.completion_tokens)
         self.metrics.on_finished(reason, r.prompt_tokens, tiers, time.monotonic() - self.arrival,
                                  r.report.get("draft_rounds", 0), r.report.get("accepted_draft_tokens", 0))
 
-    async def pieces(self) -> AsyncIterator[Piece]:
-        """Every choice's pieces as they come."""
-        if len(self.streams) == 1:
-            async for piece in self._choice(0):
-                yield piece
-            return
-        async for piece in self._merged():
-            yield piece
+    def pieces(self) -> AsyncIterator[Piece]:        # every choice's pieces as they come
+        return self._choice(0) if len(self.streams) == 1 else self._merged()
 
     async def _choice(self, index: int) -> AsyncIterator[Piece]:
-        stream = self.streams[index]
-        detok = IncrementalDetokenizer(self.tokenizer, self.stop)
-        last = None
+        stream, detok, last = self.streams[index], IncrementalDetokenizer(self.engine.tokenizer, self.stop), None
         async for events in stream:
-            now = time.monotonic()
-            if last is None:                          # the prompt's logprobs (when asked for) come with the first
-                r = stream.result
-                self.metrics.on_first_token(now - self.arrival, warm=2 * r.cached_tokens >= r.prompt_tokens > 0)
-            self.metrics.on_tokens(len(events), None if last is None else now - last)
-            prompt_logprobs = stream.result.report.get("prompt_logprobs") if last is None else None
-            last = now
-            taken = len(detok.token_ids)
+            now, r = time.monotonic(), stream.result
+            self.metrics.on_tokens(len(events), now - (last or self.arrival), last is None,
+                                   warm=2 * r.cached_tokens >= r.prompt_tokens > 0)
+            prompt_logprobs = r.report.get("prompt_logprobs") if last is None else None   # with the first, if asked
+            taken, last = len(detok.token_ids), now
             text = detok.add([e.token_id for e in events])
             events = events[:len(detok.token_ids) - taken]     # nothing after a stop string counts
-            ids = [e.token_id for e in events]
+            ids = detok.token_ids[taken:]
             self.completion_tokens += len(ids)
             if detok.stopped:                         # a stop string: the rest is cut, and the request cancelled
                 stream.cancel()
@@ -172,7 +154,6 @@ class Generation:
         yield Piece(index, detok.flush(), [], [], reason)
 
     async def _merged(self) -> AsyncIterator[Piece]:
-        """Several choices: one task each, their pieces through one queue in the order they come."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int) -> None:
@@ -222,3 +203,72 @@ class Generation:
             usage.rejected_prediction_tokens = sum(r.get("draft_tokens", 0) for r in reports) - \
                 usage.accepted_prediction_tokens
         return usage
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Token ids in, final text out, one step at a time, stop strings applied.
+
+    Each token adds its own bytes to the text (Tokenizer.token_bytes: exact for a byte-level BPE, every Qwen
+    checkpoint's), decoded by Python's incremental UTF-8 decoder: a character split across tokens comes out whole once
+    its last byte arrives, and a step costs its own token, however long the output. `add` gives the newly final text
+    ('' once stopped): with stop strings, what may still start one is held back, and the ids after the one that
+    completes a stop string are not taken (token_ids grows by the ids taken). `flush` gives what was held back at the
+    end (a trailing partial character as U+FFFD)."""
+
+    tokenizer: Tokenizer
+    stop: list[str] | None = None
+    skip_special_tokens: bool = True
+    stopped: bool = field(default=False, init=False)
+    stop_reason: str | None = field(default=None, init=False)
+    token_ids: list[int] = field(default_factory=list, init=False)  # the ids taken so far
+    _pending: str = field(default="", init=False)    # decoded text held back: it may start a stop string
+    _flushed: bool = field(default=False, init=False)
+    _utf8: codecs.IncrementalDecoder = field(default_factory=partial(codecs.getincrementaldecoder("utf-8"), "replace"),
+                                             init=False)
+
+    def __post_init__(self) -> None:
+        self.stop = list(filter(None, self.stop or ()))
+        self._skipped = self.tokenizer.skipped_ids if self.skip_special_tokens else frozenset()
+
+    def add(self, token_ids: list[int] | int) -> str:
+        text = ""
+        for tid in [token_ids] if isinstance(token_ids, int) else token_ids:
+            if self.stopped or self._flushed:
+                break
+            self.token_ids.append(tid)
+            piece = "" if tid in self._skipped else self._utf8.decode(self.tokenizer.token_bytes(tid))
+            text += self._until_stop(piece, False) if self.stop else piece
+        return text
+
+    def flush(self) -> str:
+        if self.stopped or self._flushed:
+            return ""
+        self._flushed, tail = True, self._utf8.decode(b"", final=True)
+        return self._until_stop(tail, True) if self.stop else tail
+
+    def _until_stop(self, piece: str, final: bool) -> str:
+        """What of the held text and this piece can be sent: up to a stop string (and then no more), or all but
+        what may start one."""
+        text, self._pending = self._pending + piece, ""
+        hit, hit_at = None, -1
+        for s in self.stop:
+            i = text.find(s)
+            if i >= 0 and (hit_at < 0 or i < hit_at):
+                hit, hit_at = s, i
+        if hit is not None:
+            self.stopped, self.stop_reason = True, hit
+            return text[:hit_at]
+        hold = 0 if final else self._stop_prefix_len(text)
+        self._pending = text[len(text) - hold:]
+        return text[:len(text) - hold]
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that is the start of some stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -35,8 +35,8 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 _ACCEPT_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 
+# A sample's key: its name and labels as /metrics writes them (labels sorted, values unescaped).
 def sample_key(name: str, labels: dict[str, str] | None = None) -> str:
-    """A sample's key: its name and labels as /metrics writes them (labels sorted, values unescaped)."""
     if not labels:
         return name
     return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
@@ -160,23 +160,25 @@ class _EngineCollector(Collector):
 
     def __init__(self) -> None:
         self.stats: EngineStats | None = None     # set by Metrics.render for the scrape in progress
+        self.setup: list[Metric] | None = None    # the set-up's families: it is fixed at start, so built once
 
     def collect(self) -> Iterable[Metric]:
         st = self.stats
         if st is None:                            # still loading: nothing to report yet
             return []
-        out = (_setup(st.info) if st.info is not None else []) + _series(ENGINE_SERIES, st)
+        if self.setup is None and st.info is not None:
+            self.setup = _setup(st.info)
+        out = (self.setup or []) + _series(ENGINE_SERIES, st)
         for name, doc, part, whole in ENGINE_RATIOS:
             total = attrgetter(whole)(st)
             out.append(G(f"tinyserve:{name}", doc, value=attrgetter(part)(st) / total if total else 0.0))
         for part, family, name, doc, field in FEATURE_SERIES:
             stats = getattr(st, part)
             out.append(family(f"tinyserve:{name}", doc, value=float(getattr(stats, field) if stats else 0)))
-        images, nextn = st.images, st.nextn
-        if images is not None and images.budget_bytes:
-            out += _series(IMAGE_BUDGET_SERIES, images)
-        if nextn is not None:
-            out += _nextn(nextn)
+        if st.images is not None and st.images.budget_bytes:
+            out += _series(IMAGE_BUDGET_SERIES, st.images)
+        if st.nextn is not None:
+            out += _nextn(st.nextn)
         if st.cache.host is not None or st.cache.file is not None:
             out += _tiers(st)
         return out
@@ -228,22 +230,19 @@ class Metrics:
         for kind in types:
             self.tools_left_out.labels(type=kind).inc()
 
-    def on_first_token(self, seconds: float, warm: bool = False) -> None:
-        """warm: at least half of the prompt came from the prefix cache."""
-        self.ttft.observe(seconds)
-        self.ttft_by_cache.labels(cache="warm" if warm else "cold").observe(seconds)
-
-    def on_tokens(self, count: int, seconds_since_last: float | None) -> None:
-        """`count` tokens arrived together; the gap since the previous arrival is spread evenly over them."""
+    # `count` tokens arrived together, `seconds` after the request (the first ones: time to first token, warm when at
+    # least half of the prompt came from the prefix cache) or after the previous ones (spread evenly over them).
+    def on_tokens(self, count: int, seconds: float, first: bool = False, warm: bool = False) -> None:
         self.generation_tokens.inc(count)
-        if seconds_since_last is not None and count > 0:
-            per_token = seconds_since_last / count
-            for _ in range(count):
-                self.itl.observe(per_token)
+        if first:
+            self.ttft.observe(seconds)
+            self.ttft_by_cache.labels(cache="warm" if warm else "cold").observe(seconds)
+        for _ in range(0 if first else count):
+            self.itl.observe(seconds / count)
 
+    # draft_rounds: the request's NEXTN verify rounds, accepted_drafts: the drafts they accepted.
     def on_finished(self, finish_reason: str, prompt_tokens: int, cached_by_tier: dict[str, int] | None,
                     seconds: float, draft_rounds: int = 0, accepted_drafts: int = 0) -> None:
-        """draft_rounds: the request's NEXTN verify rounds, accepted_drafts: the drafts they accepted."""
         self.finished.labels(finish_reason=finish_reason).inc()
         if draft_rounds:
             self.accept_length.observe(1 + accepted_drafts / draft_rounds)
@@ -265,8 +264,8 @@ class Metrics:
                   if s.name.endswith("_total")}
         return generated, cached
 
+    # Every sample /metrics would show with these stats, by sample_key (the status page samples them).
     def values(self, stats: EngineStats | None) -> dict[str, float]:
-        """Every sample /metrics would show with these stats, by sample_key."""
         self._engine.stats = stats
         try:
             return {sample_key(s.name, s.labels): s.value for family in self.registry.collect() for s in family.samples}

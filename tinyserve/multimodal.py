@@ -47,7 +47,8 @@ from tinyserve.images import (ImageError, ImageProcessorConfig, ImageSource, Pro
                               pixel_bytes, preprocess)
 from tinyserve.models.qwen_vision import ImageSpan, mrope_delta, mrope_positions_range
 from tinyserve.request import Request, RequestError
-from tinyserve.runner import Packed
+from tinyserve.models.qwen3_next import ForwardBatch
+from tinyserve.runner import Spans
 from tinyserve.scheduler import ScheduledSeq
 
 log = logging.getLogger("tinyserve.multimodal")
@@ -398,14 +399,15 @@ class Images:
             torch.cuda.empty_cache()
         return failed
 
-    def model_inputs(self, packed: Packed, shift: int) -> dict[str, Any]:
-        """For a batch with an image: every sequence's (t, h, w) rotary rows (a text-only request's three rows are
-        its plain positions), and the image tokens' rows with their feature slices (the tokens at p + shift)."""
-        records = [req.images for req, _, _ in packed.spans]
+    def model_inputs(self, spans: Spans, batch: ForwardBatch, shift: int) -> dict[str, Any]:
+        """For a batch with an image (spans: its (request, first position, tokens)): every sequence's (t, h, w)
+        rotary rows (a text-only request's three rows are its plain positions), and the image tokens' rows with
+        their feature slices (the tokens at p + shift)."""
+        records = [req.images for req, _, _ in spans]
         rope: list[torch.Tensor] = []
         rows: list[int] = []
         embeds: list[torch.Tensor] = []
-        for (_, start, n), images, offset in zip(packed.spans, records, packed.cu_seqlens):
+        for (_, start, n), images, offset in zip(spans, records, batch.cu_seqlens):
             end = start + n
             rope.append(images.positions(start, end) if images is not None else torch.arange(start, end).expand(3, -1))
             if images is not None:                     # a chunk takes its slice of each image it covers

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, AsyncIterator
 
 from aiohttp import web
@@ -36,7 +37,8 @@ CHAT_TOOL = '{"type": "function", "function": {...}}'
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# POST /v1/chat/completions
+# POST /v1/chat/completions: parse the body, render the prompt (in a worker thread: templates take time; with images,
+# the ids grow by each image's tokens), start the generation, then SSE chunks or one JSON body.
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, engine = serving(request)
@@ -45,9 +47,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chat = ChatFormat.of(state.cfg)
     fields = Fields("messages", req.options.max_tokens_field)
     prompt = await asyncio.to_thread(chat.prompt_ids, req, engine.tokenizer)
-    images: list[Any] = []
-    if req.images:                                    # the ids grow by each image's tokens
-        prompt, images = await prepare_images(state, engine, req.images, prompt, fields)
+    prompt, images = await prepare_images(state, engine, req.images, prompt, fields) if req.images else (prompt, ())
     with start_generation(state, engine, req.options, [prompt], "chatcmpl-", fields, images) as gen:
         if req.options.stream:
             return await sse(request, chat_events(chat, req, gen.meta, gen.pieces()))
@@ -55,8 +55,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _check_model(body: dict, served_name: str) -> None:
-    model = body.get("model")
-    if model is not None and model != served_name:
+    if (model := body.get("model")) is not None and model != served_name:
         raise _model_error(model, served_name)
 
 
@@ -93,25 +92,23 @@ def _assistant_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _parse_messages(value: Any, images: list[ImageInput], fetch_image_urls: bool = False) -> list[dict[str, Any]]:
-    """The messages as the template takes them; their image parts are appended to `images` in order."""
+# The messages as the template takes them, and their image parts in order. A message of text alone is taken as sent;
+# anything else is _message_parts's.
+def _parse_messages(value: Any, fetch_image_urls: bool) -> tuple[list[dict[str, Any]], list[ImageInput]]:
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list", "messages")
-    return [_parse_message(m, f"messages[{i}]", images, fetch_image_urls) for i, m in enumerate(value)]
-
-
-def _parse_message(m: Any, p: str, images: list[ImageInput], fetch_image_urls: bool) -> dict[str, Any]:
-    """A message of text alone is taken as sent; anything else is _message_parts's."""
-    if not isinstance(m, dict):
-        raise bad_request(f"{p} must be an object with role and content", p)
-    role = m.get("role")
-    if role not in CHAT_ROLES:
-        raise bad_request(f"{p}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{p}.role")
-    msg: dict[str, Any] = {"role": "system" if role == "developer" else role,   # templates know "system"
-                           "content": m.get("content")}
-    if not isinstance(msg["content"], str) or len(m) > 2:
-        _message_parts(m, msg, p, images, fetch_image_urls)
-    return msg
+    messages, images = [], []
+    for i, m in enumerate(value):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{p} must be an object with role and content", p)
+        if (role := m.get("role")) not in CHAT_ROLES:
+            raise bad_request(f"{p}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{p}.role")
+        messages.append({"role": "system" if role == "developer" else role,   # templates know "system"
+                         "content": m.get("content")})
+        if not isinstance(m.get("content"), str) or len(m) > 2:
+            _message_parts(m, messages[-1], p, images, fetch_image_urls)
+    return messages, images
 
 
 def _message_parts(m: dict, msg: dict[str, Any], p: str, images: list[ImageInput], fetch_image_urls: bool) -> None:
@@ -144,13 +141,6 @@ def _chat_tool(tool: dict[str, Any], p: str) -> dict[str, Any]:
         raise bad_request(f"{p} must be {CHAT_TOOL}", p)
     function_tool(fn, f"{p}.function")                # the checks: the template takes the tool as it was sent
     return tool
-
-
-def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, Any]:
-    choice = "auto" if body.get("tool_choice") is None else body["tool_choice"]
-    if body.get("tools") is None:                     # nothing to check: the choice is "auto" or "none" (the caller)
-        return None, choice
-    return chat_tools(function_tools(body["tools"], _chat_tool, CHAT_TOOL), choice)
 
 
 def _template_kwargs(kwargs: Any, name: str) -> dict[str, Any]:
@@ -199,17 +189,6 @@ def _reasoning_effort(effort: Any, name: str) -> str:
     return effort
 
 
-def _continuation(body: dict, messages: list[dict[str, Any]]) -> tuple[bool, bool, bool]:
-    """(continue_final_message, add_generation_prompt, echo): vLLM's extensions for a prefill, which continue the
-    last (assistant) message instead of closing it; echo puts that message's text before the answer."""
-    cont = read_field(body, "continue_final_message", boolean, False)
-    gen = read_field(body, "add_generation_prompt", boolean, not cont)
-    echo = read_field(body, "echo", boolean, False)
-    if cont:
-        _check_continued(gen, messages)
-    return cont, gen, echo
-
-
 def _check_continued(add_generation_prompt: bool, messages: list[dict[str, Any]]) -> None:
     if add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
@@ -218,26 +197,32 @@ def _check_continued(add_generation_prompt: bool, messages: list[dict[str, Any]]
         raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
 
 
+# fetch_image_urls (server.fetch_image_urls): http(s) image URLs become RemoteImages instead of a 400.
+# continue_final_message, add_generation_prompt and echo are vLLM's extensions for a prefill, which continue the last
+# (assistant) message instead of closing it; echo puts that message's text before the answer.
 def parse_chat_request(body: dict, served_name: str, fetch_image_urls: bool = False) -> ChatRequest:
-    """fetch_image_urls (server.fetch_image_urls): http(s) image URLs become RemoteImages instead of a 400."""
     _check_model(body, served_name)
     unused_fields(body, CHAT_REFUSED, IGNORED)
     constraint = read_field(body, "response_format", parse_response_format)
-    images: list[ImageInput] = []
-    messages = _parse_messages(body.get("messages"), images, fetch_image_urls)
+    messages, images = _parse_messages(body.get("messages"), fetch_image_urls)
     if body.get("tool_choice") not in (None, "none") and not body.get("tools"):
         raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
-    tools, tool_choice = _parse_tools(body)
+    tools, tool_choice = None, "auto" if body.get("tool_choice") is None else body["tool_choice"]
+    if body.get("tools") is not None:             # else nothing to check: the choice is "auto" or "none" (above)
+        tools, tool_choice = chat_tools(function_tools(body["tools"], _chat_tool, CHAT_TOOL), tool_choice)
     logprobs = read_field(body, "logprobs", boolean, False)
     top_logprobs = read_field(body, "top_logprobs", integer, 0, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs and not logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    options = parse_options(body, top_logprobs if logprobs else None)
-    options.params = replace(options.params, constraint=constraint)
+    options = parse_options(body, top_logprobs if logprobs else None, constraint)
     template_kwargs = read_field(body, "chat_template_kwargs", _template_kwargs) or {}
     if read_field(body, "reasoning_effort", _reasoning_effort) == "none":
         template_kwargs.setdefault("enable_thinking", False)
-    cont, gen, echo = _continuation(body, messages)
+    cont = read_field(body, "continue_final_message", boolean, False)
+    gen = read_field(body, "add_generation_prompt", boolean, not cont)
+    echo = read_field(body, "echo", boolean, False)
+    if cont:
+        _check_continued(gen, messages)
     return ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
                        logprobs=logprobs, top_logprobs=top_logprobs, options=options, images=images,
                        continue_final=cont, add_generation_prompt=gen,
@@ -260,43 +245,42 @@ def chat_body(chat: ChatFormat, req: ChatRequest, meta: Meta, choices: list[Choi
     return _response_body(meta, "chat.completion", out, usage, req.options)
 
 
+UNFINISHED = {"logprobs": None, "finish_reason": None}     # a chat chunk's choice before its logprobs and finish
+
+
+# A role chunk per choice, then a chunk per delta of its text (reasoning_content, content, tool_calls, as the parsers
+# split it): logprobs and token ids ride on the first chunk of each piece, finish_reason on a last chunk with an empty
+# delta, as OpenAI's. A chunk that carries text, logprobs or token ids has a string content ("" when it has no text of
+# its own), so `text += delta.content` works. The usage chunk at the end with stream_options.include_usage; the usage
+# so far on every chunk with vLLM's continuous_usage_stats (_chunk).
 async def chat_events(chat: ChatFormat, req: ChatRequest, meta: Meta, pieces: AsyncIterator[Piece]
                       ) -> AsyncIterator[bytes]:
-    """A role chunk per choice, then a chunk per delta of its text (reasoning_content, content, tool_calls, as the
-    parsers split it): logprobs and token ids ride on the first chunk of each piece, finish_reason on a last chunk
-    with an empty delta, as OpenAI's. A chunk that carries text, logprobs or token ids has a string content ("" when
-    it has no text of its own), so `text += delta.content` works. The usage chunk at the end with
-    stream_options.include_usage; the usage so far on every chunk with vLLM's continuous_usage_stats."""
-    options = req.options
-    chunk = _chunker(meta, "chat.completion.chunk", options)
-    parsed = [ChatStreamChoice(chat, req) for _ in range(options.n)]
+    options, obj, parsed = req.options, "chat.completion.chunk", []
+    chunk = partial(_chunk, meta, obj, options)
     for i in range(options.n):
-        first = chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                       "finish_reason": None})
+        parsed.append(ChatStreamChoice(chat, req))
+        first = chunk({"index": i, "delta": {"role": "assistant", "content": ""}, **UNFINISHED})
         if options.return_token_ids:
             first["prompt_token_ids"] = meta.prompt_ids
         yield sse_event(first)
         if req.echo:
-            yield sse_event(chunk({"index": i, "delta": {"content": req.echo}, "logprobs": None,
-                                   "finish_reason": None}))
+            yield sse_event(chunk({"index": i, "delta": {"content": req.echo}, **UNFINISHED}))
     async for p in pieces:
-        final = p.finish_reason is not None
-        deltas = parsed[p.choice].pieces(p.text, final, truncated=p.finish_reason == "length")
+        deltas = parsed[p.choice].pieces(p.text, p.finish_reason is not None, truncated=p.finish_reason == "length")
         if not deltas and p.token_ids and (options.return_token_ids or req.logprobs):
             deltas = [{"content": ""}]                # no text of its own, but logprobs or ids to carry
         for k, delta in enumerate(deltas):
-            choice: dict[str, Any] = {"index": p.choice, "delta": delta, "logprobs": None, "finish_reason": None}
+            choice: dict[str, Any] = {"index": p.choice, "delta": delta, **UNFINISHED}
             if k == 0 and req.logprobs and p.events:
                 choice["logprobs"] = {"content": logprob_content(meta, p.events)}
             if k == 0 and options.return_token_ids:
                 choice["token_ids"] = p.token_ids
             yield sse_event(chunk(choice))
-        if final:
-            called = parsed[p.choice].called_tools and p.finish_reason == "stop"
-            yield sse_event(chunk({"index": p.choice, "delta": {}, "logprobs": None,
-                                   "finish_reason": "tool_calls" if called else p.finish_reason}))
+        if p.finish_reason is not None:
+            finish = "tool_calls" if parsed[p.choice].called_tools and p.finish_reason == "stop" else p.finish_reason
+            yield sse_event(chunk({"index": p.choice, "delta": {}, "logprobs": None, "finish_reason": finish}))
     if options.include_usage:
-        yield sse_event({**_envelope(meta, "chat.completion.chunk"), "choices": [], "usage": usage_body(meta.usage())})
+        yield sse_event({**_envelope(meta, obj), "choices": [], "usage": usage_body(meta.usage())})
     yield SSE_DONE
 
 
@@ -333,8 +317,8 @@ COMPLETION_REFUSED = {
 }
 
 
+# OpenAI's prompt: a string, a list of token ids, or a list of either (one choice per prompt, times n).
 def _prompts(value: Any) -> list[str | list[int]]:
-    """OpenAI's prompt: a string, a list of token ids, or a list of either (one choice per prompt, times n)."""
     if isinstance(value, str) or (isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value)):
         value = [value]
@@ -343,14 +327,10 @@ def _prompts(value: Any) -> list[str | list[int]]:
     out: list[str | list[int]] = []
     for k, p in enumerate(value):
         where = "prompt" if len(value) == 1 else f"prompt[{k}]"
-        if isinstance(p, str):
-            if not p:
-                raise bad_request(f"{where} must not be empty", where)
-            out.append(p)
-        elif isinstance(p, list):
-            out.append(token_id_list(p, where, allow_empty=False))
-        else:
-            raise bad_request(f"{where} must be a string or a list of token ids", where)
+        if not p or not isinstance(p, (str, list)):
+            raise bad_request(f"{where} must not be empty" if p in ("", []) else
+                              f"{where} must be a string or a list of token ids", where)
+        out.append(p if isinstance(p, str) else token_id_list(p, where))
     return out
 
 
@@ -373,9 +353,9 @@ def parse_completion_request(body: dict, served_name: str) -> CompletionRequest:
     return CompletionRequest(prompts=prompts, logprobs=logprobs, options=options, echo=echo, prompt_only=prompt_only)
 
 
+# Each prompt's ids (a worker thread: encoding a long text takes time); with echo, each prompt's text as it is echoed
+# (a text prompt as sent, token ids as they decode).
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
-    """Each prompt's ids (a worker thread: encoding a long text takes time); with echo, each prompt's text as it is
-    echoed (a text prompt as sent, token ids as they decode)."""
     out = []
     for k, prompt in enumerate(req.prompts):
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -408,18 +388,16 @@ def completion_body(req: CompletionRequest, meta: Meta, choices: list[Choice], u
     return _response_body(meta, "text_completion", out, usage, req.options)
 
 
+# One chunk per piece; a choice's first chunk carries its prompt's text (echo), logprobs (echo with logprobs) and ids
+# (return_token_ids), as the non-streamed body does. With logprobs, each choice's text so far gives their offsets.
 async def completion_events(req: CompletionRequest, meta: Meta, pieces: AsyncIterator[Piece]
                             ) -> AsyncIterator[bytes]:
-    """One chunk per piece; a choice's first chunk carries its prompt's text (echo), logprobs (echo with logprobs)
-    and ids (return_token_ids), as the non-streamed body does."""
-    options = req.options
-    chunk = _chunker(meta, "text_completion", options)
-    count = len(meta.prompts) * options.n
-    offsets = [TextOffsets() for _ in range(count)]     # each choice's text so far, for logprobs' offsets
+    options, count = req.options, len(meta.prompts) * req.options.n
+    offsets = [TextOffsets() for _ in range(count)] if req.logprobs is not None else []
     started = [False] * count
     async for p in pieces:
         text, events, token_ids = ("", [], []) if req.prompt_only else (p.text, p.events, p.token_ids)
-        tokens = _scored(events)
+        tokens = _scored(events) if req.logprobs is not None else []
         first, started[p.choice] = not started[p.choice], True
         prompt = meta.prompts[p.choice // options.n]
         if first and req.echo:
@@ -434,7 +412,7 @@ async def completion_events(req: CompletionRequest, meta: Meta, pieces: AsyncIte
             choice["token_ids"] = token_ids
             if first:
                 choice["prompt_token_ids"] = prompt
-        yield sse_event(chunk(choice))
+        yield sse_event(_chunk(meta, "text_completion", options, choice))
     if options.include_usage:
         usage = meta.usage()
         if req.prompt_only:
@@ -520,17 +498,12 @@ def _envelope(meta: Meta, obj: str) -> dict[str, Any]:
     return {"id": meta.request_id, "object": obj, "created": meta.created, "model": meta.model}
 
 
-def _chunker(meta: Meta, obj: str, options: GenerationOptions):
-    """A stream's chunk of one choice: the envelope, and with vLLM's stream_options.continuous_usage_stats the
-    usage so far."""
-    base = _envelope(meta, obj)
-
-    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
-        out = {**base, "choices": [choice]}
-        if options.continuous_usage:
-            out["usage"] = usage_body(meta.usage())
-        return out
-    return chunk
+# A stream's chunk of one choice: the envelope, and with vLLM's stream_options.continuous_usage_stats the usage so far.
+def _chunk(meta: Meta, obj: str, options: GenerationOptions, choice: dict[str, Any]) -> dict[str, Any]:
+    out = {"id": meta.request_id, "object": obj, "created": meta.created, "model": meta.model, "choices": [choice]}
+    if options.continuous_usage:
+        out["usage"] = usage_body(meta.usage())
+    return out
 
 
 def _response_body(meta: Meta, obj: str, choices: list[dict[str, Any]], usage: Usage, options: GenerationOptions

@@ -8,92 +8,95 @@ A tool call ends the reasoning even without `</think>` (models often call from i
 calls are tool_calls, not reasoning). The one exception: when the model closes its thinking later and calls after
 that, the calls written while thinking were drafts and stay reasoning (llama.cpp reads them the same way).
 The tool calls themselves are tool_calls.py's.
+
+Whether the answer starts inside a think block: `prompt_opens_reasoning` is true when the generation prompt ends inside
+a think block it opened (the template wrote `<think>` for the model). The generation prompt is what the prompt
+(rendered with add_generation_prompt) has past its common start with the prompt rendered without; a `<think>` the
+conversation itself holds (a file a tool read, a user's question about the tag) does not count. A template that
+renders the same either way (or no second rendering) leaves the whole prompt to judge by.
 """
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
 
 from .tool_calls import CUT, WAIT, YES, call_start
 
 THINK_START, THINK_END = "<think>", "</think>"
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `tag` (0 if none)."""
+def _partial_suffix(text: str, tag: str) -> int:       # the longest tail of text that starts tag (0: none)
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return k
     return 0
 
 
+# True when the generation prompt (what `prompt` has past its common start with `without_generation_prompt`) ends
+# inside a think block it opened.
 def prompt_opens_reasoning(prompt: str, without_generation_prompt: str = "") -> bool:
-    """True when the generation prompt ends inside a think block it opened (the template wrote `<think>` for the
-    model). The generation prompt is what `prompt` (rendered with add_generation_prompt) has past its common start
-    with `without_generation_prompt` (rendered without); a `<think>` the conversation itself holds (a file a tool
-    read, a user's question about the tag) does not count. A template that renders the same either way (or no
-    second rendering) leaves the whole prompt to judge by."""
-    start = 0
-    limit = min(len(prompt), len(without_generation_prompt))
-    while start < limit and prompt[start] == without_generation_prompt[start]:
-        start += 1
-    generation = prompt[start:] or prompt
+    generation = prompt[len(os.path.commonprefix([prompt, without_generation_prompt])):] or prompt
     return generation.rfind(THINK_START) > generation.rfind(THINK_END)
 
 
+@dataclass
 class Qwen3ReasoningParser:
-    """Splits model output into reasoning_content and content.
+    """Splits model output into reasoning_content and content: `feed` takes the next text delta (final: the last
+    one, which releases whatever is still held back) and gives (reasoning_delta, content_delta), either maybe ''.
 
-    starts_in_reasoning: the prompt already opened `<think>` (Qwen3.5 / Qwen3-Thinking templates), so the output
-        begins inside the think block and only contains `</think>`; use `prompt_opens_reasoning`.
-    enabled: False for `enable_thinking: false` requests: everything is content.
-    tool_names: the functions the request's tool parser reads calls of; a call of one of them ends the reasoning.
     Newlines that only frame the sections (after `<think>`, before `</think>`, after `</think>`) are dropped.
     A `<think>` is recognised only before any content: once the answer has started, tags are plain text.
-    `end_offset`: once known, where in the whole output the think block ended (past `</think>`, or where the call
-    that ended it starts); None while inside it or when there was none.
+    The machine runs one mode after the other (each a _mode_* method that says whether it handed over to another
+    mode), until it waits for more text or has taken it all.
     """
 
-    def __init__(self, starts_in_reasoning: bool = False, enabled: bool = True,
-                 tool_names: set[str] | None = None):
-        self.starts_in_reasoning = starts_in_reasoning
-        self.enabled = enabled
-        self.tool_names = set(tool_names or ())
-        self._mode = "reasoning" if starts_in_reasoning else "before"   # before | reasoning | call | content
-        self._section_start = True     # at the start of a section: strip framing newlines
-        self._repeat_checked = False   # whether a repeated leading <think> was looked for
-        self._buf = ""
-        self._line_start = True        # whether _buf[0] starts a line
-        self._ws_before_call = ""      # mode call: the whitespace between the reasoning and the call
-        self._consumed = 0             # output characters before _buf
-        self.saw_reasoning = starts_in_reasoning and enabled
-        self.end_offset: int | None = None
+    # the prompt already opened `<think>` (Qwen3.5 / Qwen3-Thinking templates), so the output begins inside the
+    # think block and only contains `</think>` (prompt_opens_reasoning)
+    starts_in_reasoning: bool = False
+    enabled: bool = True              # False for `enable_thinking: false` requests: everything is content
+    # the functions the request's tool parser reads calls of; a call of one of them ends the reasoning
+    tool_names: set[str] | None = None
+    _mode: str = field(default="before", init=False)            # before | reasoning | call | content
+    _section_start: bool = field(default=True, init=False)      # at the start of a section: strip framing newlines
+    _repeat_checked: bool = field(default=False, init=False)    # whether a repeated leading <think> was looked for
+    _buf: str = field(default="", init=False)
+    _line_start: bool = field(default=True, init=False)         # whether _buf[0] starts a line
+    _ws_before_call: str = field(default="", init=False)        # mode call: whitespace between reasoning and call
+    _consumed: int = field(default=0, init=False)               # output characters before _buf
+    saw_reasoning: bool = field(default=False, init=False)
+    # once known, where in the whole output the think block ended (past `</think>`, or where the call that ended it
+    # starts); None while inside it or when there was none
+    end_offset: int | None = field(default=None, init=False)
 
-    def feed(self, delta: str) -> tuple[str, str]:
-        """Next text delta -> (reasoning_delta, content_delta); either may be ''."""
+    def __post_init__(self) -> None:
+        self.tool_names = set(self.tool_names or ())
+        self._mode, self.saw_reasoning = ("reasoning", self.enabled) if self.starts_in_reasoning else ("before", False)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         if not self.enabled:
             return "", delta
         self._buf += delta
-        return self._run(final=False)
+        reasoning, content = [], []                   # what each mode hands out
+        for last in (False, True) if final else (False,):    # what is certain first, then what was held back
+            while getattr(self, f"_mode_{self._mode}")(last, reasoning, content):
+                pass
+        return "".join(reasoning), "".join(content)
 
-    def finish(self) -> tuple[str, str]:
-        """End of output: release whatever is still held back."""
-        if not self.enabled:
-            return "", ""
-        return self._run(final=True)
+    def finish(self) -> tuple[str, str]:             # the end of the output: what was held back
+        return self.feed("", final=True)
 
     def parse(self, text: str) -> tuple[str | None, str]:
         """Whole output -> (reasoning, or None when there was none, content)."""
         p = Qwen3ReasoningParser(self.starts_in_reasoning, self.enabled, self.tool_names)
-        r1, c1 = p.feed(text)
-        r2, c2 = p.finish()
+        reasoning, content = p.feed(text, final=True)   # as a stream would: the text, then its end
         self.end_offset = p.end_offset
-        return (r1 + r2) or None, c1 + c2
+        return reasoning or None, content
 
-    def _take(self, n: int) -> str:
-        """Consume the first n characters of the buffer."""
+    def _take(self, n: int) -> str:                   # consume the first n characters of the buffer
         head, self._buf = self._buf[:n], self._buf[n:]
         self._consumed += n
-        if head:
-            kept = head.rstrip(" \t")
-            self._line_start = kept.endswith("\n") if kept else self._line_start
+        if kept := head.rstrip(" \t"):
+            self._line_start = kept.endswith("\n")
         return head
 
     def _first_call(self, limit: int, final: bool) -> tuple[str, int] | None:
@@ -106,17 +109,8 @@ class Qwen3ReasoningParser:
             pos = i + 1
         return None
 
-    def _run(self, final: bool) -> tuple[str, str]:
-        """Runs the machine over the buffer, one mode after the other (each a _mode_* method that says whether it
-        handed over to another mode), until it waits for more text or has taken it all."""
-        reasoning: list[str] = []
-        content: list[str] = []
-        while getattr(self, f"_mode_{self._mode}")(final, reasoning, content):
-            pass
-        return "".join(reasoning), "".join(content)
-
+    # Nothing yet: a <think> after whitespace alone opens the reasoning; anything else starts the answer.
     def _mode_before(self, final: bool, reasoning: list[str], content: list[str]) -> bool:
-        """Nothing yet: a <think> after whitespace alone opens the reasoning; anything else starts the answer."""
         buf = self._buf
         i = buf.find(THINK_START)
         if i >= 0 and not buf[:i].strip():            # only whitespace before <think>: drop it
@@ -210,8 +204,8 @@ class Qwen3ReasoningParser:
         self._mode, self._section_start = "content", False
         return False
 
+    # The answer: everything (but the newlines that frame its start).
     def _mode_content(self, final: bool, reasoning: list[str], content: list[str]) -> bool:
-        """The answer: everything (but the newlines that frame its start)."""
         if self._section_start:
             stripped = self._buf.lstrip("\n")
             self._take(len(self._buf) - len(stripped))

@@ -8,7 +8,9 @@ contiguous span, so moving a page to the host or to a file is a single copy. One
 State: one slot per running sequence (plus snapshot slots for the prefix cache), slot-major so one slot (every GDN
 layer's conv and SSM state) is one contiguous span per tensor: conv [slots, gdn_layers, conv_dim, K-1] in the model
 dtype, ssm [slots, gdn_layers, v_heads, dk, dv] in fp32. The model takes per-layer views `conv[:, l]`, `ssm[:, l]`
-and indexes them by slot.
+and indexes them by slot. Free working slots are kept in order and alloc() hands out the lowest: requests admitted
+together get consecutive slots, which the decode kernels update through a view (slot swaps of NEXTN verifies and
+out-of-order finishes would otherwise scatter them for good).
 """
 from __future__ import annotations
 
@@ -80,7 +82,8 @@ class PageAllocator:
         """n fresh pages with refcount 1, or None (nothing taken) when fewer than n are free."""
         if n > len(self._free):
             return None
-        pages = [self._free.pop() for _ in range(n)]
+        pages = self._free[len(self._free) - n:][::-1]          # the lowest free ids, as pop() would give them
+        del self._free[len(self._free) - n:]
         for p in pages:
             self.refcount[p] = 1
         self.fence(pages)
@@ -110,7 +113,7 @@ class StatePool:
         self.conv_all = torch.zeros((total + 1, L, conv_dim, conv_kernel - 1), dtype=conv_dtype, device=device)
         self.ssm_all = torch.zeros((total + 1, L, num_v_heads, dk, dv), dtype=torch.float32, device=device)
         self.conv, self.ssm, self.scratch_slot = self.conv_all[:total], self.ssm_all[:total], total
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))                   # ascending: alloc() hands out the lowest
         self._free_snapshots = list(range(total - 1, num_slots - 1, -1))
         # called with slots about to be written (handed out, copied or zeroed into): orders the write after any tier
         # copy still reading them (copies.py; the engine sets it, a no-op otherwise)
@@ -145,17 +148,14 @@ class StatePool:
         return len(self._free)
 
     def alloc(self) -> int | None:
-        slot = self._free.pop() if self._free else None
+        slot = self._free.pop(0) if self._free else None
         if slot is not None:
             self.fence([slot])
         return slot
 
     def free(self, slot: int) -> None:
         assert slot not in self._free, f"double free of state slot {slot}"
-        # kept in descending order, so alloc() hands out the lowest free slot: requests admitted together get
-        # consecutive slots, which the decode kernels update through a view (slot swaps of NEXTN verifies and
-        # out-of-order finishes would otherwise scatter them for good)
-        bisect.insort(self._free, slot, key=lambda s: -s)
+        bisect.insort(self._free, slot)                     # in order (the module docstring)
 
     @property
     def num_free_snapshots(self) -> int:

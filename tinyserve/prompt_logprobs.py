@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tinyserve.request import Request
-from tinyserve.runner import Packed
+from tinyserve.models.qwen3_next import ForwardBatch
 from tinyserve.scheduler import ScheduledSeq
 from tinyserve.top_k_top_p import top_n
 
@@ -31,10 +31,10 @@ class PromptLogprobs:
         req.prompt_logprobs = []                # the prompt's logprobs so far
         req.reuse_cache = False                 # its rows are read from the forward: the whole prompt is computed
 
-    def read(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor) -> None:
+    def read(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor) -> None:
         for i, s in enumerate(seqs):
             if not s.is_decode and s.req.prompt_logprobs is not None:
-                self._prompt_rows(s, packed.cu_seqlens[i], hidden)
+                self._prompt_rows(s, batch.cu_seqlens[i], hidden)
 
     def _prompt_rows(self, s: ScheduledSeq, first_row: int, hidden: torch.Tensor) -> None:
         """The logprobs of the prompt tokens a prefill chunk's rows predict: row q predicts prompt token q + 1,

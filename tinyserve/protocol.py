@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import re
+from contextlib import closing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
 
@@ -86,12 +87,10 @@ def error_body(err: APIError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
 
 
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+dumps: Callable[[Any], str] = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode   # compact UTF-8
 
 
-def sse_event(obj: dict[str, Any]) -> bytes:
-    """OpenAI's events are data-only."""
+def sse_event(obj: dict[str, Any]) -> bytes:       # OpenAI's events are data-only
     return b"data: " + dumps(obj).encode() + b"\n\n"
 
 
@@ -125,8 +124,8 @@ class ServerState:
 STATE: web.AppKey[ServerState] = web.AppKey("tinyserve_state", ServerState)
 
 
+# A request's server state and engine: 503 while the model loads or the server shuts down.
 def serving(request: web.Request) -> tuple[ServerState, Engine]:
-    """The server's state and its engine, for a request: 503 while the model loads or the server shuts down."""
     state = request.app[STATE]
     if state.engine is None:
         raise APIError(503, "the model is still loading", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -135,18 +134,17 @@ def serving(request: web.Request) -> tuple[ServerState, Engine]:
     return state, state.engine
 
 
+# The body's JSON object (parse_body); a large one is measured and parsed in a worker thread, off the event loop.
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body's JSON object (parse_body); a large one is measured and parsed in a worker thread, off the event
-    loop."""
     raw = await request.read()                        # raises 413 past client_max_size
     return await asyncio.to_thread(parse_body, raw) if len(raw) > LARGE_BODY else parse_body(raw)
 
 
+# A request body -> its JSON object; every failure a 400 that says why, never a traceback. The nesting is measured on
+# the bytes before parsing (json_body.json_depth: a body nested thousands deep would exhaust the recursion of the
+# parser or of whatever walks it after), and strings must be valid Unicode (a lone surrogate escape cannot be
+# encoded for the tokenizer).
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """A request body -> its JSON object; every failure a 400 that says why, never a traceback. The nesting is
-    measured on the bytes before parsing (json_body.json_depth: a body nested thousands deep would exhaust the
-    recursion of the parser or of whatever walks it after), and strings must be valid Unicode (a lone surrogate
-    escape cannot be encoded for the tokenizer)."""
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and (depth := json_depth(raw)) > MAX_JSON_DEPTH:
         raise bad_request(f"the request body is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
     try:
@@ -180,57 +178,51 @@ class Fields:
             return self.max_tokens
         return (self.renamed or {}).get(engine_field, engine_field)
 
+    def context_error(self, e: RequestError, which: int | None) -> APIError:
+        """A prompt or max_tokens past the context (Intake.fit_max_tokens), in the protocol's words; which: the
+        prompt's index when the request sends several."""
+        if e.tokens is not None and self.too_long is not None:   # the client reads the numbers: no prefix
+            return APIError(400, self.too_long(*e.tokens), code="context_length_exceeded")
+        where = f"{self.of(e.field)}[{which}]: " if which is not None else ""
+        return APIError(400, where + str(e), self.of(e.field), code="context_length_exceeded")
 
+
+# Submit a request's generation (use it in `with`: leaving closes it, cancelling what still runs):
+# - 503 + Retry-After while the engine holds too many requests for these n x prompts (waiting for room for their
+#   images counts as queued), a 400 when they could never fit at once;
+# - each prompt's max_tokens fitted to the context (Intake.fit_max_tokens; a prompt or max_tokens past it: a 400 in
+#   the protocol's words, Fields.context_error). clamp_max_tokens cuts a max_tokens past the context instead
+#   (Anthropic's clients send one large max_tokens whatever the model); sampling_params settles min_tokens;
+# - the engine's check of the sampling parameters at the first submit: a 400 naming the field the client sent.
 def start_generation(state: ServerState, engine: Engine, options: GenerationOptions, prompts: list[list[int]],
                      id_prefix: str, fields: Fields, images: list[Any] = (), clamp_max_tokens: bool = False
-                     ) -> Generation:
-    """Submit a request's generation: 503 + Retry-After while the engine is full; each prompt's max_tokens
-    fitted to the context (a prompt or max_tokens past it: a 400, in the protocol's words); the engine's check of
-    the sampling parameters (a 400 naming the field). clamp_max_tokens: cut a max_tokens past the context instead
-    (Anthropic's clients send one large max_tokens whatever the model)."""
-    _check_capacity(engine, state.cfg, options.n, len(prompts))
-    params = [_fitted(engine, options, prompt, k if len(prompts) > 1 else None, fields, clamp_max_tokens)
-              for k, prompt in enumerate(prompts)]
+                     ) -> closing[Generation]:
+    limit = state.cfg.engine.max_running_requests + state.cfg.server.max_queued_requests
+    requests = options.n * len(prompts)
+    if requests > limit:
+        raise bad_request(f"{len(prompts)} prompts x n={options.n} make {requests} requests; this server takes at "
+                          f"most {limit} at once (engine.max_running_requests + server.max_queued_requests)",
+                          "prompt" if len(prompts) > 1 else "n")
+    unfinished = engine.num_unfinished + (engine.images.budget.waiting if engine.images is not None else 0)
+    if unfinished + requests > limit:
+        raise APIError(503, f"the server is full ({unfinished} requests running or queued, limit {limit}); "
+                            "retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
+    params = []
+    for k, prompt in enumerate(prompts):
+        try:
+            params.append(sampling_params(options, engine.intake.fit_max_tokens(len(prompt), options.max_tokens,
+                                                                                clamp_max_tokens)))
+        except RequestError as e:
+            raise fields.context_error(e, k if len(prompts) > 1 else None) from None
     try:
-        return Generation(engine, state.metrics, prompts, params, options.n, options.stop, id_prefix, images)
+        return closing(Generation(engine, state.metrics, prompts, params, options.n, options.stop, id_prefix, images))
     except RequestError as e:
         raise bad_request(str(e), fields.of(e.field)) from None
 
 
-def _check_capacity(engine: Engine, cfg: Config, n: int, prompts: int) -> None:
-    """503 + Retry-After while the engine holds too many requests for these n x prompts; 400 when they could never
-    fit at once."""
-    limit = cfg.engine.max_running_requests + cfg.server.max_queued_requests
-    if n * prompts > limit:
-        raise bad_request(f"{prompts} prompts x n={n} make {n * prompts} requests; this server takes at most {limit} "
-                          "at once (engine.max_running_requests + server.max_queued_requests)",
-                          "prompt" if prompts > 1 else "n")
-    unfinished = engine.num_unfinished
-    if engine.images is not None:                     # waiting for room for their images: queued too
-        unfinished += engine.images.budget.waiting
-    if unfinished + n * prompts > limit:
-        raise APIError(503, f"the server is full ({unfinished} requests running or queued, limit {limit}); "
-                            "retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def _fitted(engine: Engine, options: GenerationOptions, prompt: list[int], which: int | None, fields: Fields,
-            clamp: bool) -> SamplingParams:
-    """The prompt's SamplingParams with its max_tokens (intake.fit_max_tokens). which: the prompt's index when the
-    request sends several."""
-    try:
-        max_tokens = engine.intake.fit_max_tokens(len(prompt), options.max_tokens, clamp)
-    except RequestError as e:
-        param = fields.of(e.field)
-        if e.tokens is not None and fields.too_long is not None:    # the client reads the numbers: no prefix
-            raise APIError(400, fields.too_long(*e.tokens), code="context_length_exceeded") from None
-        where = f"{param}[{which}]: " if which is not None else ""
-        raise APIError(400, where + str(e), param, code="context_length_exceeded") from None
-    return sampling_params(options, max_tokens)
-
-
+# The request's SamplingParams once max_tokens is fitted: a min_tokens past a max_tokens the engine chose is cut to it;
+# past one the client chose, it stays (and the engine rejects it).
 def sampling_params(options: GenerationOptions, max_tokens: int) -> SamplingParams:
-    """The request's SamplingParams once max_tokens is fitted. A min_tokens past a max_tokens the engine chose is
-    cut to it; past one the client chose, it stays (and the engine rejects it)."""
     min_tokens = options.params.min_tokens if options.max_tokens is not None else \
         min(options.params.min_tokens, max_tokens)
     return replace(options.params, max_tokens=max_tokens, min_tokens=min_tokens)
@@ -239,9 +231,9 @@ def sampling_params(options: GenerationOptions, max_tokens: int) -> SamplingPara
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# Server-sent events, each frame as the protocol wrote it; a client that leaves ends it quietly (the generation's
+# close() cancels what it had running).
 async def sse(request: web.Request, frames: AsyncIterator[bytes]) -> web.StreamResponse:
-    """Server-sent events, each frame as the protocol wrote it; a client that leaves ends it quietly (the
-    generation's close() cancels what it had running)."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     try:
@@ -341,9 +333,10 @@ def note_markers(marker: str, values: set[str], known: Mapping[str, str] | set[s
     return values
 
 
+# OpenAI-Beta (`responses=experimental`, `assistants=v2`, ...): no value changes what these routes do.
 def note_openai_beta(headers: Any) -> None:
-    """OpenAI-Beta (`responses=experimental`, `assistants=v2`, ...): no value changes what these routes do."""
-    note_markers("OpenAI-Beta", header_values(headers, "openai-beta"), ())
+    if "OpenAI-Beta" in headers:
+        note_markers("OpenAI-Beta", header_values(headers, "openai-beta"), ())
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,12}")
@@ -351,17 +344,17 @@ _TOKEN_ID = re.compile(r"[0-9]{1,12}")
 Refusal = Callable[[Any], "str | None"]             # a field's value -> why it is refused; None: it is accepted
 
 
+# The fields a protocol knows and does not act on, of those the body sends. `refused`: not implemented (for the
+# values each rule refuses): a 400 naming the field beats output that silently differs from what the client asked
+# for. `ignored`: they change nothing here (documented in docs/api.md), but are type-checked, so a malformed one is
+# still a 400 naming it.
 def unused_fields(body: dict, refused: dict[str, Refusal], ignored: dict[str, type | tuple[type, ...]]) -> None:
-    """The fields a protocol knows and does not act on, of those the body sends. `refused`: not implemented (for
-    the values each rule refuses): a 400 naming the field beats output that silently differs from what the client
-    asked for. `ignored`: they change nothing here (documented in docs/api.md), but are type-checked, so a
-    malformed one is still a 400 naming it."""
-    for name in [n for n in refused if body.get(n) is not None]:
-        reason = refused[name](body[name])
-        if reason:
+    for name, refuse in refused.items():
+        if body.get(name) is not None and (reason := refuse(body[name])):
             raise bad_request(f"{name} is not supported by this server: {reason}", name)
-    for name in [n for n in ignored if body.get(n) is not None]:
-        _check_type(body[name], name, ignored[name])
+    for name, kind in ignored.items():
+        if body.get(name) is not None:
+            _check_type(body[name], name, kind)
 
 
 def _check_type(value: Any, name: str, kind: type | tuple[type, ...]) -> None:
@@ -412,17 +405,17 @@ SAMPLING_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "logit_bias": logit_bias}
 
 
-def parse_options(body: dict, logprobs: int | None) -> GenerationOptions:
-    """Sampling and streaming fields (SAMPLING_FIELDS, then the rest)."""
+# Sampling and streaming fields (SAMPLING_FIELDS, then the rest); of max_completion_tokens and max_tokens, the newer
+# OpenAI name wins.
+def parse_options(body: dict, logprobs: int | None, constraint: Constraint | None = None) -> GenerationOptions:
     sampling = {name: read(body[name], name) for name, read in SAMPLING_FIELDS.items() if body.get(name) is not None}
-    # the newer OpenAI name wins
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     stream = read_field(body, "stream", boolean, False)
     stream_options = read_field(body, "stream_options", stream_options_field, {}, stream=stream)
     return GenerationOptions(
-        params=SamplingParams(logprobs=logprobs, **sampling), max_tokens=read_field(body, max_field, integer),
-        max_tokens_field=max_field, stop=read_field(body, "stop", stop_strings, []),
-        n=read_field(body, "n", integer, 1, lo=1, hi=MAX_N), stream=stream,
+        params=SamplingParams(logprobs=logprobs, constraint=constraint, **sampling),
+        max_tokens=read_field(body, max_field, integer), max_tokens_field=max_field, stream=stream,
+        stop=read_field(body, "stop", stop_strings, []), n=read_field(body, "n", integer, 1, lo=1, hi=MAX_N),
         include_usage=read_field(stream_options, "include_usage", boolean, False),
         return_token_ids=read_field(body, "return_token_ids", boolean, False),
         continuous_usage=read_field(stream_options, "continuous_usage_stats", boolean, False))

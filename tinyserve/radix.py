@@ -26,6 +26,11 @@ Invariants (radix_check.check_tree asserts them, and the tiers' of tiers.py; tes
   snapshot (`alloc_snapshot(resume=False)`) never displaces a leaf or a resume point. A leaf left with no snapshot
   anywhere goes with it, since nothing can resume there. Held device snapshots never exceed the plan's slots,
   checked in bytes.
+
+insert(tokens, pages, snapshot, resume, claim) caches a page-aligned prefix: parts already on the device keep their
+pages (parts off it take these), the tree takes a reference on the pages it keeps, and a snapshot the node already has
+is given back; resume marks a state that resumes requests (kept longer than interval snapshots), claim is the stamp
+(`stamp`) of the request whose resume point or kept interval snapshot it is.
 """
 from __future__ import annotations
 
@@ -108,9 +113,8 @@ class RadixCache:
         return tuple(tokens[i:i + self.page_size])
 
     def _walk(self, tokens: list[int], split: bool) -> tuple[list[Node], int]:
-        """Follow tokens down the tree page by page (through nodes off the device too, where a tier keeps them).
-        Returns the nodes fully matched and the matched length; with split=True a node matched part-way is split so
-        that the match ends on a node boundary."""
+        # the nodes fully matched page by page (off the device too) and the length; split: a node matched part-way
+        # is split there
         ps, node, pos, path = self.page_size, self.root, 0, []
         n = len(tokens) - len(tokens) % ps
         while pos < n:
@@ -170,14 +174,12 @@ class RadixCache:
         return Match(usable, usable.depth, pages[:usable.depth // self.page_size], kv_len, walked, branch, deepest)
 
     def stamp(self) -> int:
-        """A new request's stamp (they count requests: snapshot_worth.INTERVAL_AGE), for `claim` and
-        insert(..., claim=)."""
+        # a new request's stamp (they count requests: snapshot_worth.INTERVAL_AGE)
         self.requests += 1
         return self.requests
 
     def claim(self, tokens: list[int], ends: set[int], stamp: int) -> None:
-        """A request's resume points and kept interval snapshots that are cached already (its prompt end or last
-        message's start, found in the tree): they count as its own (snapshot_worth), as if it had made them."""
+        # a request's resume points and kept interval snapshots cached already count as its own (snapshot_worth)
         path, _ = self._walk(tokens, split=False)
         for node in path:
             if node.depth in ends and (node.snapshot is not None or node.host_snapshot is not None):
@@ -192,16 +194,10 @@ class RadixCache:
     # ---- insertion ----
     def insert(self, tokens: list[int], pages: list[int], snapshot: int | None, resume: bool = False,
                claim: int = 0) -> Node:
-        """Cache a page-aligned prefix (its KV pages, and the state at its end if given). Parts already on the
-        device keep their pages (parts off the device take these); the tree takes a reference on the pages it
-        keeps. A snapshot the node already has is given back. resume: the state at this end resumes requests (a
-        prompt end, a branch point, a request end), so it is kept longer than interval snapshots; claim: the stamp
-        (`stamp`) of the request whose resume point or kept interval snapshot this is. Returns the node ending at
-        tokens' end (the root for no tokens)."""
+        """Cache a page-aligned prefix (the module docstring); returns the node ending there (or the root)."""
         node = self._insert(tokens, pages, snapshot, resume)
-        if claim and node is not self.root:
-            node.claimed = claim
         if node is not self.root:
+            node.claimed = claim or node.claimed
             self._on_insert(node)
         return node
 
@@ -229,15 +225,14 @@ class RadixCache:
         return node
 
     # ---- the hooks a tier policy overrides (tiers.TieredRadixCache) ----
-    def _on_hit(self, node: Node) -> None:
-        """node was matched again (node.hits counts its matches)."""
+    def _on_hit(self, node: Node) -> None:              # node was matched again (node.hits counts its matches)
+        pass
 
-    def _on_insert(self, node: Node) -> None:
-        """node (not the root) was cached, or cached again."""
+    def _on_insert(self, node: Node) -> None:           # node (not the root) was cached, or cached again
+        pass
 
-    def _take_back(self, path: list[Node], pages: list[int]) -> None:
-        """Nodes off the device on an inserted path take its pages (the tree alone has none: its nodes are all on
-        the device)."""
+    def _take_back(self, path: list[Node], pages: list[int]) -> None:   # off-device nodes on an inserted path take
+        pass                                                            # its pages (here every node is on the device)
 
     def _evict_device(self, victim: Node) -> None:
         """victim (unlocked, no child on the device) leaves the device: removed with its subtree."""
@@ -288,9 +283,8 @@ class RadixCache:
 
     # ---- snapshot placement ----
     def alloc_snapshot(self, resume: bool = True) -> int | None:
-        """A free device snapshot slot; when none is free, the slot of the snapshot least worth keeping
-        (_take_snapshot_slot), or None. resume: a snapshot its request resumes from or keeps (a resume point, or
-        one of its last interval snapshots before its prompt end), not just an interval one."""
+        # a free snapshot slot, else the slot of the one least worth keeping (_take_snapshot_slot; resume: the
+        # snapshot of a resume point or a kept interval one)
         slot = self.state_pool.alloc_snapshot()
         return slot if slot is not None else self._take_snapshot_slot(resume)
 

@@ -4,6 +4,15 @@ a worker thread (no torch compute); a request that fails a check gets a RequestE
 traceback. The optional parts a request may ask for take it up there, each None when off (build.py sets them):
 `grammar` (grammar.Grammar: the matcher of a constrained request), `images` (multimodal.Images: where its images
 sit) and `prompt_logprobs` (prompt_logprobs.PromptLogprobs).
+
+The max_tokens a request gets (`fit_max_tokens`): None means up to the end of the context (vLLM's default), but never
+past what the KV pool holds, which on a small card or the CPU can be less; with clamp a larger one is cut to what fits
+instead of refused (Anthropic's clients send one large max_tokens whatever the server's context).
+
+Where the prompt's last two messages start (the last two turn markers; after a generation prompt the second last opens
+the last message) are its resume hints (Request.resume_hints): agents resend a conversation with its last message
+changed (a reminder dropped, a tool result cut short), so a state cached there resumes their next prompt, where the
+interval snapshots below it may have been evicted.
 """
 from __future__ import annotations
 
@@ -107,10 +116,7 @@ class Intake:
 
     # ---- lengths and parameters ----
     def fit_max_tokens(self, prompt_len: int, max_tokens: int | None, clamp: bool = False) -> int:
-        """The max_tokens a request with this prompt gets: None means up to the end of the context (vLLM's
-        default), but never past what the KV pool holds, which on a small card or the CPU can be less. With clamp,
-        a larger max_tokens is cut to what fits instead of refused (Anthropic's clients send one large
-        max_tokens whatever the server's context)."""
+        """The max_tokens a request with this prompt gets (see the module docstring)."""
         fits = min(self.context_length, self.kv_tokens) - prompt_len
         if fits <= 0:
             raise self._prompt_too_long(prompt_len)
@@ -137,15 +143,6 @@ class Intake:
         return RequestError(f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}, which is more than "
                             f"the KV cache holds ({pool} tokens); raise engine.kv_cache_tokens", "max_tokens")
 
-    def validate(self, params: SamplingParams) -> None:
-        """The one validation of sampling parameters; raises RequestError naming the field."""
-        try:
-            params.validate()
-        except ValueError as e:                          # its messages start with the field name
-            raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
-        if params.stop_token_ids or params.logit_bias:
-            self._check_vocabulary(params)
-
     def _check_vocabulary(self, params: SamplingParams) -> None:
         """The token ids of stop_token_ids and logit_bias are inside the vocabulary."""
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -162,13 +159,25 @@ class Intake:
     def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                      images: list[Any] = ()) -> Request:
         """images: what multimodal.Images.prepare returned for these (expanded) prompt ids."""
-        self.validate(params)
+        try:                                             # the one validation of sampling parameters
+            params.validate()
+        except ValueError as e:                          # its messages start with the field name
+            raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
+        if params.stop_token_ids or params.logit_bias:
+            self._check_vocabulary(params)
         if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise self._bad_prompt(prompt_ids)
         self.fit_max_tokens(len(prompt_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed,
-                      resume_hints=self.last_message_starts(prompt_ids))
+        starts: list[int] = []                           # where the last two messages start (resume_hints)
+        backwards, end = prompt_ids[::-1], len(prompt_ids)
+        while self.turn_start_id is not None and len(starts) < 2:
+            try:
+                end = len(prompt_ids) - 1 - backwards.index(self.turn_start_id, len(prompt_ids) - end)
+            except ValueError:
+                break
+            starts.append(end)
+        req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, resume_hints=tuple(starts))
         if params.constraint is not None and self.grammar is not None:
             req.grammar = self.grammar.attach(params)          # its matcher; a RequestError names the field
         if params.prompt_logprobs is not None and self.prompt_logprobs is not None:
@@ -179,23 +188,6 @@ class Intake:
                                    "or model.vision = false)", "prompt")
             self.images.attach(req, list(images))
         return req
-
-    def last_message_starts(self, ids: list[int]) -> tuple[int, ...]:
-        """Where the prompt's last two messages start (the last two turn markers; after a generation prompt the
-        second last opens the last message). Agents resend a conversation with its last message changed (a
-        reminder dropped, a tool result cut short), so a state cached there resumes their next prompt, where the
-        interval snapshots below it may have been evicted (Request.resume_hints)."""
-        if self.turn_start_id is None:
-            return ()
-        starts: list[int] = []
-        backwards, end = ids[::-1], len(ids)
-        for _ in range(2):
-            try:
-                end = len(ids) - 1 - backwards.index(self.turn_start_id, len(ids) - end)
-            except ValueError:
-                break
-            starts.append(end)
-        return tuple(starts)
 
     def _bad_prompt(self, prompt_ids: list[int]) -> RequestError:
         if not prompt_ids:

@@ -1,14 +1,22 @@
-"""Turns a scheduled step into one packed forward pass and the tokens it samples: pack -> forward -> sample.
+"""Turns a scheduled step into one forward pass and the tokens it samples: pack -> forward -> sample.
 
-`pack` lays the step's sequences out on the host (plain decodes, then verifies, then prefill chunks): token ids,
-positions, KV slots, the page table, state slots. It is the one packer: the eager forward makes its ForwardBatch
-from it (Packed.batch), and the static steps pad it into their buffers. `forward` runs the model, `step` then takes
-the logits of the rows that sample and samples them.
+A step has two names: the scheduler's sequences (scheduler.ScheduledSeq) and the model's batch
+(qwen3_next.ForwardBatch). `pack` lays the sequences out as that batch (plain decodes, then verifies, then prefill
+chunks: token ids, positions, KV slots, the page table, state slots), the one packer: the eager forward reads it, the
+compiled CPU decode reads its tensors as they are, the static steps pad them into their buffers. `forward` runs the
+model, `step` then takes the logits of the rows that sample and samples them.
+
+A request's page-table row is kept as an array between steps (`_page_row`): a request's page list only grows by
+appends, or is replaced whole (PrefixCache.admit, Scheduler._free: a new list), so a step copies each row instead of
+walking every page of a long context in Python. The page table is at least 2 wide: torch.compile keeps a width of 1
+apart, as a constant.
 
 The optional parts it calls, each None when off and called at one place here (build.py sets them):
     images           multimodal.Images       the model's inputs of a batch with an image (M-RoPE rows, features),
                                              and the features of images computed let go after the step
-    steps            static.StaticStep       a step it takes (decodes, verifies) through CUDA graphs / compiled code
+    compiled         compiled.CompiledSteps  a plain decode step through the graphs torch.compile made (the CPU)
+    steps            static.StaticStep       a step it takes (decodes, verifies) through CUDA graphs (and, on the
+                                             CPU, NEXTN's verifies through the compiled graphs)
     grammar          grammar.Grammar         the masks of the constrained rows, before sampling
     nextn            spec.NextN              the verify of the drafts, then the next drafts after the step
     prompt_logprobs  prompt_logprobs.PromptLogprobs   the prompt rows' logprobs of a request that asks, after the step
@@ -19,9 +27,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from tinyserve.kernels.verify_layout import VerifyLayout, verify_layout
+from tinyserve.kernels.verify_layout import verify_layout
 from tinyserve.pools import KVPool, StatePool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
 from tinyserve.request import Request
@@ -38,59 +47,21 @@ class SeqOutput:
     top: list[list[tuple[int, float]]] | None = None   # per token, when the request asks for top logprobs
 
 
-@dataclass
-class Packed:
-    """Sequences packed on the host: spans[i] = (request, first position, tokens) owns token rows
-    cu_seqlens[i]:cu_seqlens[i+1]. The first num_decode sequences decode one token, the next num_verify are
-    verifies (state_after[k]: where the state after each of verify k's tokens goes), the rest are prefill chunks."""
-    spans: list[tuple[Request, int, int]]
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]                            # flat KV slot (page * page_size + offset) of each token
-    cu_seqlens: list[int]
-    seq_lens: list[int]                                # context length after the step
-    state_slots: list[int]
-    num_decode: int
-    num_verify: int = 0
-    state_after: tuple[list[int], ...] = ()
-    prefill_snapshots: tuple[tuple[int, int, int], ...] = ()   # ForwardBatch.prefill_snapshots
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.spans)
-
-    def batch(self, device: torch.device) -> ForwardBatch:
-        """The packed sequences as the model's tensors on `device` (the eager forward's)."""
-        max_pages = max(len(req.pages) for req, _, _ in self.spans)
-        table = [req.pages + [0] * (max_pages - len(req.pages)) for req, _, _ in self.spans]
-        return ForwardBatch(
-            input_ids=torch.tensor(self.input_ids, dtype=torch.long, device=device),
-            positions=torch.tensor(self.positions, dtype=torch.long, device=device),
-            cu_seqlens=self.cu_seqlens, seq_lens=self.seq_lens,
-            seq_lens_t=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
-            page_table=torch.tensor(table, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(self.slot_mapping, dtype=torch.long, device=device),
-            state_slots=self.state_slots,
-            state_slots_t=torch.tensor(self.state_slots, dtype=torch.long, device=device),
-            num_decode=self.num_decode, num_verify=self.num_verify,
-            verify=self.verify_layout_of(device) if self.num_verify else None,
-            prefill_snapshots=self.prefill_snapshots)
-
-    def verify_layout_of(self, device: torch.device) -> VerifyLayout:
-        """Where the verifies read and write their state, token by token (the kernels' layout)."""
-        first, last, cu = self.num_decode, self.num_decode + self.num_verify, self.cu_seqlens
-        return verify_layout([c - cu[first] for c in cu[first:last + 1]], self.seq_lens[first:last],
-                             self.state_slots[first:last], list(self.state_after), device)
+Spans = list[tuple[Request, int, int]]     # (request, first position, tokens) of each sequence, in batch order
 
 
 class ImageInputs(Protocol):                # multimodal.Images
-    def model_inputs(self, packed: Packed, shift: int) -> dict[str, Any]: ...
+    def model_inputs(self, spans: Spans, batch: ForwardBatch, shift: int) -> dict[str, Any]: ...
     def after_step(self, seqs: list[ScheduledSeq]) -> None: ...
 
 
+class CompiledDecode(Protocol):             # compiled.CompiledSteps
+    def decode(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
 class StaticSteps(Protocol):                # static.StaticStep
-    def takes(self, packed: Packed) -> bool: ...
-    def forward(self, packed: Packed) -> torch.Tensor: ...
+    def takes(self, batch: ForwardBatch) -> bool: ...
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
 class LogitMasks(Protocol):                 # grammar.Grammar
@@ -99,12 +70,12 @@ class LogitMasks(Protocol):                 # grammar.Grammar
 
 class Drafting(Protocol):                   # spec.NextN
     def verify(self, seqs: list[ScheduledSeq], logits: torch.Tensor, first_rows: list[int]) -> list[SeqOutput]: ...
-    def draft(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor, outputs: list[SeqOutput],
+    def draft(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor, outputs: list[SeqOutput],
               started: float) -> None: ...
 
 
 class PromptRows(Protocol):                 # prompt_logprobs.PromptLogprobs
-    def read(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor) -> None: ...
+    def read(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor) -> None: ...
 
 
 class ModelRunner:
@@ -118,61 +89,89 @@ class ModelRunner:
         self.context_length = context_length
         # the optional parts (see the module docstring), set by build.py
         self.images: ImageInputs | None = None
+        self.compiled: CompiledDecode | None = None
         self.steps: StaticSteps | None = None
         self.grammar: LogitMasks | None = None
         self.nextn: Drafting | None = None
         self.prompt_logprobs: PromptRows | None = None
+        self._page_rows: dict[int, tuple[list[int], np.ndarray]] = {}   # id(request) -> (its pages, as an array)
 
     # ---- pack ----
-    def pack(self, spans: list[tuple[Request, int, int]], input_ids: list[int], state_slots: list[int],
-             num_decode: int, state_after: tuple[list[int], ...] = (),
-             snapshots: tuple[tuple[int, int, int], ...] = ()) -> Packed:
-        """Spans (request, first position, tokens) over each request's own pages, with their token ids packed in
-        span order; the first num_decode are one-token decodes, the next len(state_after) verifies."""
-        ps = self.page_size
+    def pack(self, spans: Spans, input_ids: list[int], state_slots: list[int], num_decode: int,
+             state_after: tuple[list[int], ...] = (), snapshots: tuple[tuple[int, int, int], ...] = ()
+             ) -> ForwardBatch:
+        # num_decode decodes, len(state_after) verifies (state_after[k]: each token's state slot), prefill chunks
+        ps, dev, nd, nv = self.page_size, self.device, num_decode, len(state_after)
         positions: list[int] = []
         slots: list[int] = []
-        cu, seq_lens = [0], []
+        cu, seq_lens, rows = [0], [], []
         for req, start, n in spans:
-            end = start + n
-            positions += range(start, end)
-            slots += [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
+            positions += range(start, start + n)
+            slots += [req.pages[p // ps] * ps + p % ps for p in range(start, start + n)]
             cu.append(cu[-1] + n)
-            seq_lens.append(end)
-        return Packed(spans, input_ids, positions, slots, cu, seq_lens, state_slots, num_decode, len(state_after),
-                      state_after, snapshots)
+            seq_lens.append(start + n)
+            rows.append(self._page_row(req))
+        table = np.zeros((len(rows), max(2, max(map(len, rows)))), dtype=np.int32)
+        for i, row in enumerate(rows):
+            table[i, :len(row)] = row
+        verify = None
+        if nv:              # where the verifies read and write their state, token by token (the kernels' layout)
+            verify = verify_layout([c - cu[nd] for c in cu[nd:nd + nv + 1]], seq_lens[nd:nd + nv],
+                                   state_slots[nd:nd + nv], list(state_after), dev)
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev), cu_seqlens=cu, seq_lens=seq_lens,
+            positions=torch.tensor(positions, dtype=torch.long, device=dev), page_table=torch.from_numpy(table).to(dev),
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev), state_slots=state_slots,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            state_slots_t=torch.tensor(state_slots, dtype=torch.long, device=dev), num_decode=nd, num_verify=nv,
+            verify=verify, prefill_snapshots=snapshots)
 
-    def pack_step(self, seqs: list[ScheduledSeq]) -> Packed:
-        """A scheduled step packed (plain decodes, verifies, then prefill chunks, as scheduled)."""
-        num_decode = sum(s.is_decode and not s.drafts for s in seqs)
-        num_verify = sum(bool(s.drafts) for s in seqs)
-        ids: list[int] = []
-        for s in seqs:
-            own = s.num_tokens - len(s.drafts)
-            ids += s.req.token_ids(s.start, s.start + own) + s.drafts
-        first_prefill = num_decode + num_verify
-        snapshots = tuple((i - first_prefill, pos - s.start, slot)
-                          for i, s in enumerate(seqs) for pos, slot in s.snapshots)
-        return self.pack([(s.req, s.start, s.num_tokens) for s in seqs], ids, [s.req.state_slot for s in seqs],
-                         num_decode, tuple(s.state_after for s in seqs[num_decode:first_prefill]), snapshots)
+    def _page_row(self, req: Request) -> np.ndarray:
+        pages, (held, row) = req.pages, self._page_rows.get(id(req), (None, None))
+        if held is not pages or len(row) > len(pages):
+            row = np.asarray(pages, dtype=np.int32)
+        elif len(row) < len(pages):
+            row = np.concatenate((row, np.asarray(pages[len(row):], dtype=np.int32)))
+        else:
+            return row
+        if len(self._page_rows) > 64:              # finished requests' rows go (an id a new request reuses comes
+            self._page_rows.clear()                 # with another list, which the held one tells apart)
+        self._page_rows[id(req)] = (pages, row)
+        return row
 
-    def model_inputs(self, packed: Packed, shift: int = 0) -> dict:
+    def model_inputs(self, spans: Spans, batch: ForwardBatch, shift: int = 0) -> dict:
         """The model's keyword inputs beyond the batch: an image's (M-RoPE rows, features). shift: 0 for the
         target, 1 for the NEXTN head, whose row p embeds the token at p + 1."""
-        if self.images is None or all(req.images is None for req, _, _ in packed.spans):
+        if self.images is None or all(req.images is None for req, _, _ in spans):
             return {}
-        return self.images.model_inputs(packed, shift)
+        return self.images.model_inputs(spans, batch, shift)
 
     # ---- forward ----
     @torch.inference_mode()
-    def forward(self, seqs: list[ScheduledSeq]) -> tuple[Packed, torch.Tensor]:
-        """The step's packed batch and the final hidden rows, laid out as packed: through the static steps when
-        they take the batch (all decodes and verifies, no image), else eagerly."""
-        packed = self.pack_step(seqs)
-        inputs = self.model_inputs(packed)
-        if self.steps is not None and not inputs and self.steps.takes(packed):
-            return packed, self.steps.forward(packed)
-        return packed, self.model(packed.batch(self.device), self.kv_pool, self.state_pool, **inputs)
+    def forward(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, torch.Tensor]:
+        # the step packed and its final hidden rows (the compiled decode, the static steps, else eagerly)
+        spans: Spans = []
+        ids: list[int] = []
+        state_after: list[list[int]] = []
+        snapshots: list[tuple[int, int, int]] = []
+        state_slots: list[int] = []
+        num_decode = 0
+        for i, s in enumerate(seqs):
+            spans.append((s.req, s.start, s.num_tokens))
+            state_slots.append(s.req.state_slot)
+            ids += s.req.token_ids(s.start, s.start + s.num_tokens - len(s.drafts)) + s.drafts
+            num_decode += s.is_decode and not s.drafts
+            if s.drafts:
+                state_after.append(s.state_after)
+            for pos, slot in s.snapshots:       # a prefill's, counted from the first prefill
+                snapshots.append((i - num_decode - len(state_after), pos - s.start, slot))
+        batch = self.pack(spans, ids, state_slots, num_decode, tuple(state_after), tuple(snapshots))
+        inputs = self.model_inputs(spans, batch) if self.images is not None else {}
+        if not inputs and self.compiled is not None and num_decode == len(seqs):
+            return batch, self.compiled.decode(batch)
+        if not inputs and self.steps is not None and self.steps.takes(batch):
+            return batch, self.steps.forward(batch)
+        return batch, self.model(batch, self.kv_pool, self.state_pool, **inputs)
 
     # ---- the step ----
     @torch.inference_mode()
@@ -181,38 +180,49 @@ class ModelRunner:
         if not seqs:
             return []
         started = time.perf_counter()
-        packed, hidden = self.forward(seqs)
-        outputs = self._sample(seqs, packed, hidden)
+        batch, hidden = self.forward(seqs)
+        outputs = self._sample(seqs, batch, hidden)
         if self.nextn is not None:                     # the next drafts (and the NEXTN head's KV)
-            self.nextn.draft(seqs, packed, hidden, outputs, started)
+            self.nextn.draft(seqs, batch, hidden, outputs, started)
         if self.images is not None and any(s.req.images is not None for s in seqs):
             self.images.after_step(seqs)
         if self.prompt_logprobs is not None and any(s.req.prompt_logprobs is not None for s in seqs):
-            self.prompt_logprobs.read(seqs, packed, hidden)
+            self.prompt_logprobs.read(seqs, batch, hidden)
         return outputs
 
-    def _sample(self, seqs: list[ScheduledSeq], packed: Packed, hidden: torch.Tensor) -> list[SeqOutput]:
-        """One logits pass over the sampling rows (a sequence's last token; a verify's own last token and each
-        draft), in batch order."""
-        sampled = [s for s in seqs if s.samples]
+    def _sample(self, seqs: list[ScheduledSeq], batch: ForwardBatch, hidden: torch.Tensor) -> list[SeqOutput]:
+        # one logits pass over the sampling rows (a sequence's last token; a verify's own last token and each
+        # draft), in batch order
+        sampled: list[ScheduledSeq] = []
+        rows: list[int] = []
+        for i, s in enumerate(seqs):
+            if s.samples:
+                sampled.append(s)
+                rows += range(batch.cu_seqlens[i + 1] - 1 - len(s.drafts), batch.cu_seqlens[i + 1])
         if not sampled:
             return []
-        ends = [packed.cu_seqlens[i + 1] for i, s in enumerate(seqs) if s.samples]
-        rows = [r for s, end in zip(sampled, ends) for r in range(end - 1 - len(s.drafts), end)]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
         if len(rows) == len(sampled):                  # no drafts: one row each
             return self._sample_rows(sampled, logits)
         return self._sample_with_drafts(sampled, logits)
 
     def _sample_rows(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SeqOutput]:
-        """One token for each sequence from its row of logits: the argmax when every row is plainly greedy, else
-        through the sampler."""
-        reqs = [s.req for s in seqs]
-        masks = None
-        if self.grammar is not None and any(r.grammar is not None for r in reqs):
-            masks = self.grammar.masks(reqs, list(range(len(reqs))))
-        if masks is None and all(r.params.plain_greedy for r in reqs):
+        # one token for each sequence from its row: the argmax when every row is plainly greedy, else the sampler's
+        reqs: list[Request] = []
+        sampler = constrained = False
+        for s in seqs:
+            reqs.append(s.req)
+            sampler = sampler or not s.req.params.plain_greedy
+            constrained = constrained or s.req.grammar is not None
+        masks = self.grammar.masks(reqs, list(range(len(reqs)))) if constrained and self.grammar is not None else None
+        if masks is None and not sampler:
             return [SeqOutput(s, [token], [None]) for s, token in zip(seqs, logits.argmax(-1).tolist())]
+        return self._draw(seqs, reqs, logits, masks)
+
+    def _draw(self, seqs: list[ScheduledSeq], reqs: list[Request], logits: torch.Tensor,
+              masks: tuple[list[int], torch.Tensor] | None) -> list[SeqOutput]:
+        """One token for each sequence through the sampler (penalties, temperature, filters, seeded draws,
+        logprobs), its constrained rows masked first."""
         sb = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
                                  [r.seed for r in reqs], self.eos_token_ids, self.vocab_size, self.device, masks)
         r = sample(logits, sb)

@@ -24,22 +24,23 @@ GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0            # OpenAI's range for logit_bias values: [-100, 100]
 
-# Each numeric field: what it must be, its range as an error names it, and the range (None passes where the range
-# starts with "None"), in the order they are checked
+# Each numeric field: what it must be, its range as an error names it (None passes where that starts with "None"), and
+# the range as an interval: its ends and which it includes ("[" / "]": included, "(" / ")": not; None: max_tokens), in
+# the order they are checked
+INF = math.inf
 _RANGES = {
-    "temperature": ("a number", ">= 0 (0 = greedy)", lambda v, p: v >= 0.0 and math.isfinite(v)),
-    "top_p": ("a number", "in (0, 1]", lambda v, p: 0.0 < v <= 1.0),
-    "top_k": ("an integer", "-1, 0 (both disable it) or a positive integer", lambda v, p: v >= -1),
-    "min_p": ("a number", "in [0, 1]", lambda v, p: 0.0 <= v <= 1.0),
-    "presence_penalty": ("a number", "in [-2, 2]", lambda v, p: -2.0 <= v <= 2.0),
-    "frequency_penalty": ("a number", "in [-2, 2]", lambda v, p: -2.0 <= v <= 2.0),
-    "repetition_penalty": ("a number", "> 0 (1 = off)", lambda v, p: v > 0.0 and math.isfinite(v)),
-    "max_tokens": ("an integer", ">= 1", lambda v, p: v >= 1),
-    "min_tokens": ("an integer", "in [0, max_tokens={p.max_tokens}]", lambda v, p: 0 <= v <= p.max_tokens),
-    "logprobs": ("an integer", f"None or an integer in [0, {MAX_LOGPROBS}]", lambda v, p: 0 <= v <= MAX_LOGPROBS),
-    "seed": ("an integer", "None or an integer", lambda v, p: True),
-    "prompt_logprobs": ("an integer", f"None or an integer in [0, {MAX_LOGPROBS}]",
-                        lambda v, p: 0 <= v <= MAX_LOGPROBS),
+    "temperature": ("a number", ">= 0 (0 = greedy)", "[)", 0.0, INF),
+    "top_p": ("a number", "in (0, 1]", "(]", 0.0, 1.0),
+    "top_k": ("an integer", "-1, 0 (both disable it) or a positive integer", "[)", -1, INF),
+    "min_p": ("a number", "in [0, 1]", "[]", 0.0, 1.0),
+    "presence_penalty": ("a number", "in [-2, 2]", "[]", -2.0, 2.0),
+    "frequency_penalty": ("a number", "in [-2, 2]", "[]", -2.0, 2.0),
+    "repetition_penalty": ("a number", "> 0 (1 = off)", "()", 0.0, INF),
+    "max_tokens": ("an integer", ">= 1", "[)", 1, INF),
+    "min_tokens": ("an integer", "in [0, max_tokens={p.max_tokens}]", "[]", 0, None),
+    "logprobs": ("an integer", f"None or an integer in [0, {MAX_LOGPROBS}]", "[]", 0, MAX_LOGPROBS),
+    "seed": ("an integer", "None or an integer", "()", -INF, INF),
+    "prompt_logprobs": ("an integer", f"None or an integer in [0, {MAX_LOGPROBS}]", "[]", 0, MAX_LOGPROBS),
 }
 
 
@@ -110,14 +111,16 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its allowed range (the ranges: _RANGES)."""
-        for name, (kind, allowed, ok) in _RANGES.items():
+        for name, (kind, allowed, ends, lo, hi) in _RANGES.items():
             value = getattr(self, name)
             if value is None and allowed.startswith("None"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int if kind == "an integer" else (int, float)) \
                     or value != value:                                      # NaN
                 raise ValueError(f"{name} must be {kind}, got {value!r}")
-            if not ok(value, self):
+            hi = self.max_tokens if hi is None else hi
+            above = lo <= value if ends[0] == "[" else lo < value
+            if not above or not (value <= hi if ends[1] == "]" else value < hi):
                 raise ValueError(f"{name} must be {allowed.format(p=self)}, got {value!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):

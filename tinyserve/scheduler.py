@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
 from tinyserve.cache import Cache
 from tinyserve.pools import PageAllocator, StatePool
 from tinyserve.request import Request, Status
+
+
+BY_AGE = attrgetter("admit_order")        # larger: admitted later (preempted first)
 
 
 @dataclass
@@ -92,45 +96,37 @@ class Scheduler:
         if req.images is not None:
             self.images.drop(req)
 
-    @staticmethod
-    def _decoding(req: Request) -> bool:
-        return req.num_computed == req.num_tokens - 1 and len(req.output_ids) > 0
-
     # ---- one step ----
     def schedule(self) -> list[ScheduledSeq]:
-        """This step's batch: 1. the decodes; 2. the running requests still prefilling; 3. waiting requests
-        admitted, while the token budget lasts."""
-        batch = self._decodes()
-        budget = self.chunk_budget - sum(s.num_tokens for s in batch)
-        prefilling = [r for r in self.running if not self._decoding(r)]
-        starved = False
+        """This step's batch: 1. the decodes, oldest first; 2. the running requests still prefilling; 3. waiting
+        requests admitted, while the token budget lasts (the module docstring)."""
+        plain, verifies, prefilling, budget = [], [], [], self.chunk_budget
+        for req in sorted(self.running, key=BY_AGE):
+            if req.status != Status.RUNNING:
+                continue                                   # preempted by an older request in this loop
+            if req.num_computed != req.num_tokens - 1 or not req.output_ids:
+                prefilling.append(req)
+                continue
+            drafts = self.nextn.drafts(req, self) if self.nextn is not None else []
+            if drafts and (seq := self._verify(req, drafts)) is not None:
+                verifies.append(seq)
+                budget -= seq.num_tokens
+            elif self._grow(req, 1):
+                plain.append(ScheduledSeq(req, req.num_computed, 1, True, is_decode=True))
+                budget -= 1
+        batch, starved = plain + verifies, False
         if prefilling:
             budget, starved = self._prefills(prefilling, batch, budget)
         if self.waiting and not starved:
             self._admit(batch, budget)
         return batch
 
-    def _decodes(self) -> list[ScheduledSeq]:
-        """The decodes, oldest first; a decode that cannot get a page preempts the newest running request. Verifies
-        go after the plain decodes (the model's packed layout)."""
-        plain: list[ScheduledSeq] = []
-        verifies: list[ScheduledSeq] = []
-        for req in sorted([r for r in self.running if self._decoding(r)], key=lambda r: r.admit_order):
-            if req.status != Status.RUNNING:
-                continue                                   # preempted by an older request in this loop
-            drafts = self.nextn.drafts(req, self) if self.nextn is not None else []
-            if drafts and (seq := self._verify(req, drafts)) is not None:
-                verifies.append(seq)
-            elif self._grow(req, 1):
-                plain.append(ScheduledSeq(req, req.num_computed, 1, True, is_decode=True))
-        return plain + verifies
-
     def _prefills(self, prefilling: list[Request], batch: list[ScheduledSeq], budget: int) -> tuple[int, bool]:
         """Chunks of the running requests still prefilling, oldest first, into batch; one that finds no free page
         preempts newer requests (not yet in this batch), so the pool can never fill up with half-prefilled requests
         and stall. Returns the budget left and whether a request found no room (starved)."""
         starved = False
-        for req in sorted(prefilling, key=lambda r: r.admit_order):
+        for req in prefilling:                             # oldest first
             if budget <= 0 or req.status != Status.RUNNING:
                 continue
             chunk = self._prefill_chunk(req, budget)
@@ -138,7 +134,7 @@ class Scheduler:
                 scheduled = {id(s.req) for s in batch}
                 newer = [r for r in self.running if r.admit_order > req.admit_order and id(r) not in scheduled]
                 if newer:
-                    self.preempt(max(newer, key=lambda r: r.admit_order))
+                    self.preempt(max(newer, key=BY_AGE))
                     chunk = self._prefill_chunk(req, budget)
             if chunk is not None:
                 batch.append(chunk)
@@ -148,9 +144,8 @@ class Scheduler:
         return budget, starved
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
-        """Waiting requests in arrival order, as the cache lets them in (one whose file-tier read is in flight
-        waits, or lets those behind it go first), while there are running slots, state slots and pages: their
-        first chunks into batch."""
+        # waiting requests in arrival order as the cache lets them in (the prefetch policy), while there are
+        # running slots, state slots and pages: their first chunks into batch
         for req in self.cache.admissible(list(self.waiting)):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
@@ -176,9 +171,8 @@ class Scheduler:
         return max(0, need - len(req.pages))
 
     def _prefill_chunk(self, req: Request, budget: int) -> ScheduledSeq | None:
-        """The next chunk of req's prefill that fits the budget and the free pages (allocated here); None if not one
-        token fits. The cache says where it ends for a state snapshot it cannot take inside it, and which snapshots
-        the forward writes (cache.plan_prefill)."""
+        # the next chunk of req's prefill that fits the budget and the free pages (allocated here; None: not one
+        # token fits), ended where the cache says (plan_prefill: a state snapshot it cannot take inside it)
         start = req.num_computed
         n, snapshots = self.cache.plan_prefill(req, min(req.num_tokens - start, budget), self.snapshot_align)
         self.cache.make_room(self._pages_for(req, n))
@@ -215,7 +209,7 @@ class Scheduler:
         need = self._pages_for(req, n)
         self.cache.make_room(need)                         # cached pages go before any running request
         while need > self.allocator.num_free:
-            victim = max(self.running, key=lambda r: r.admit_order)
+            victim = max(self.running, key=BY_AGE)
             self.preempt(victim)
             if victim is req:
                 return False
@@ -233,8 +227,8 @@ class Scheduler:
 
     # ---- after the forward ----
     def advance(self, seqs: list[ScheduledSeq], kept: list[int]) -> None:
-        """Record the step's computed tokens; the cache takes the snapshots that fall due at the new positions.
-        kept[i]: the tokens the engine kept of seq i's output."""
+        # record the step's computed tokens (kept[i]: what the engine kept of seq i's); the cache takes the
+        # snapshots due at the new positions
         for s, k in zip(seqs, kept):
             if s.drafts:
                 self._advance_verified(s, k)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from tinyserve.cache import Cache
-from tinyserve.kernels.pool_layer import PoolLayer
+from tinyserve.kernels import PoolLayer
 from tinyserve.request import Request, RequestError, Status
 from tinyserve.runner import ModelRunner, SeqOutput
 from tinyserve.sampling import SamplingBatch, SamplingParams
@@ -258,10 +258,10 @@ class NextN:
         return [SeqOutput(s, v.tokens[j], v.logprobs[j], v.top[j] if v.top is not None else None)
                 for j, s in enumerate(seqs)]
 
-    def draft(self, seqs: list[ScheduledSeq], packed: Any, hidden: torch.Tensor, outputs: list[SeqOutput],
+    def draft(self, seqs: list[ScheduledSeq], batch: Any, hidden: torch.Tensor, outputs: list[SeqOutput],
               started: float) -> None:
         """After a step: the next drafts (and the head's KV), then each verify's round counted."""
-        self._draft(seqs, packed.cu_seqlens, hidden, {id(o.seq): o for o in outputs})
+        self._draft(seqs, batch.cu_seqlens, hidden, {id(o.seq): o for o in outputs})
         for o in outputs:
             if o.seq.drafts:
                 self._count(o.seq.req, len(o.seq.drafts), len(o.tokens) - 1)
@@ -361,12 +361,11 @@ class NextN:
         steps when registered and the batch fits, else eagerly; leading one-token spans use the decode attention."""
         runner = self.runner
         num_decode = 0 if kv_only else next((k for k, (_, _, n) in enumerate(spans) if n != 1), len(spans))
-        packed = runner.pack(spans, next_ids, [0] * len(spans), num_decode)
-        inputs = runner.model_inputs(packed, shift=1)
-        static = runner.steps
-        if static is not None and static.nextn_kv_layer is not None and not inputs and static.fits(packed):
-            return static.run(packed, "head_kv" if kv_only else "draft", hidden)
-        batch, m = packed.batch(runner.device), runner.model
+        batch = runner.pack(spans, next_ids, [0] * len(spans), num_decode)
+        inputs = runner.model_inputs(spans, batch, shift=1)
+        static, m = runner.steps, runner.model
+        if static is not None and static.nextn_kv_layer is not None and not inputs and static.fits(batch):
+            return static.run(batch, "head_kv" if kv_only else "draft", hidden)
         args = (m.embed(batch.input_ids, inputs.get("embeds")), hidden, batch, PoolLayer(runner.kv_pool.buffer,
                 self.kv_layer), m.cos_sin(batch.positions, inputs.get("rope_positions")))
         return m.mtp.write_kv(*args) if kv_only else m.mtp(*args)

@@ -1,39 +1,33 @@
-"""The static-shape steps (engine.compile_steps): decode steps, verifies (a decode with NEXTN's drafts), and the
-NEXTN head's passes after them.
+"""The static-shape steps (engine.compile_steps): CUDA graphs of the decode steps, the verifies (a decode with
+NEXTN's drafts) and the NEXTN head's passes after them, and their CPU twin where it is the same code: NEXTN's verifies
+and head passes through the graphs torch.compile made (compiled.py). A plain CPU decode does not come here: the
+runner hands its batch as it is to the compiled graphs (compiled.CompiledSteps.decode).
 
-An optional part (`StaticStep`, the runner's `steps`): the runner asks whether it `takes` a target step's packed
-batch (runner.Packed: all decodes and verifies, fitting the buffers) and then has it run the step (`forward`): a
-CPU decode step reads tensors made from it (decode_tensors), any other is padded into the buffers; then the forward
-of that shape runs. NEXTN's head passes call `run` themselves (spec.py), and idle release drops the graphs with the
-pools they point into and captures them again (idle.py). Off, or a batch it does not take: the runner's eager
-forward, the same math.
+An optional part (`StaticStep`, the runner's `steps`): the runner asks whether it `takes` a target step's batch
+(qwen3_next.ForwardBatch: all decodes and verifies, fitting the buffers) and then has it run the step (`forward`):
+the batch's tensors are copied into the buffers, padded to a shape, and the forward of that shape runs. NEXTN's head
+passes call `run` themselves (spec.py), and idle release drops the graphs with the pools they point into and captures
+them again (idle.py). Off, or a batch it does not take: the runner's eager forward, the same math.
 
-A step of N sequences of at most T tokens runs as shape (B, T) over buffers sized for the largest step: nothing
-inside a forward changes from step to step but the buffers' contents and, on the CPU, the batch size and the page
-table's width. Two ways to make that fast:
-  - CUDA: B is the smallest graph batch size >= N, the page table spans the whole context, and one graph per shape
-    (and per forward: the target's, the NEXTN head's) is captured at start and replayed;
-  - CPU: B = N, the page table spans the step's pages, and the forwards are compiled once by torch.compile
-    (compiled.py) for every batch size and context length; a decode step (one token per sequence, nothing to pad)
-    reads tensors made from the packed rows, without the buffers (decode_tensors).
-Without either (the CPU tests) the same batches run eagerly: the same math.
+A step of N sequences of at most T tokens runs as shape (B, T) over buffers sized for the largest step
+(ForwardBatch.of_shape reads them): nothing inside a forward changes from step to step but the buffers' contents and,
+on the CPU, the batch size and the page table's width. CUDA: B is the smallest graph batch size >= N, the page table
+spans the whole context, and one graph per shape (and per forward: the target's, the NEXTN head's) is captured at
+start and replayed. CPU: B = N, the page table spans the step's pages, and the forwards are compiled once by
+torch.compile for every batch size and context length. Without either (the CPU tests) the same batches run eagerly:
+the same math.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from tinyserve.kernels import use_triton
-from tinyserve.kernels.pool_layer import PoolLayer
-from tinyserve.kernels.verify_layout import VerifyLayout
+from tinyserve.kernels import PoolLayer, use_triton
 from tinyserve.pools import KVPool, StatePool
 from tinyserve.models.qwen3_next import ForwardBatch, Qwen3NextForCausalLM
-from tinyserve.request import Request
-from tinyserve.runner import ModelRunner, Packed
+from tinyserve.runner import ModelRunner
 
 log = logging.getLogger("tinyserve.static")
 
@@ -44,83 +38,23 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
 
 
-class ShapeBatch(ForwardBatch):
-    """A static step's batch as its forward sees it: B sequences of T tokens each, every one a decode (T = 1) or a
-    verify (T > 1), described by tensors alone. No host list: the number of sequences and where
-    the prefill rows would begin come from the shapes, so torch.compile traces one graph for every batch size."""
-
-    @property
-    def num_seqs(self) -> int:
-        return self.page_table.shape[0]
-
-    @property
-    def prefill_start(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def has_prefill(self) -> bool:
-        return False
-
-
-class StepTensors(NamedTuple):
-    """What a static forward reads, per token row (B * T) or per sequence (B): views of StaticStep's buffers, or a
-    CPU decode's own contiguous tensors (decode_tensors), laid out the same."""
-    input_ids: torch.Tensor        # [B*T] int64
-    positions: torch.Tensor        # [B*T] int64
-    slot_mapping: torch.Tensor     # [B*T] int64
-    seq_lens: torch.Tensor         # [B] int32: context length after the step
-    page_table: torch.Tensor       # [B, W] int32
-    state_slots: torch.Tensor      # [B] int64: the state each sequence starts from
-    out_slots: torch.Tensor        # [B*T] int64: where the state after each token goes (T > 1)
-    token_lens: torch.Tensor       # [B*T] int32: the keys each token sees (T > 1)
-
-
-def shape_batch(T: int, max_len: int, t: StepTensors) -> ShapeBatch:
-    """The batch of B = page_table.shape[0] sequences of T tokens (token rows i*T .. i*T+T-1 are sequence i's);
-    max_len bounds the decode attention's context."""
-    B = t.page_table.shape[0]
-    verify = None
-    if T > 1:
-        rows = torch.arange(B * T, device=t.input_ids.device)
-        verify = VerifyLayout(rows=rows.view(B, T), valid=None, in_slots=t.state_slots, out_slots=t.out_slots,
-                              token_seq=rows // T, token_lens=t.token_lens)
-    return ShapeBatch(input_ids=t.input_ids, positions=t.positions, cu_seqlens=[], seq_lens=[],
-                      seq_lens_t=t.seq_lens, page_table=t.page_table, slot_mapping=t.slot_mapping, state_slots=[],
-                      state_slots_t=t.state_slots, num_decode=B if T == 1 else 0, num_verify=0 if T == 1 else B,
-                      verify=verify, decode_max_len=max_len)
-
-
-class StepPools(NamedTuple):
-    """The KV and state pools as the forward takes them (kv_pool.buffer, state_pool.conv / .ssm), the state pool
-    with its scratch slot (StatePool.conv_all)."""
-    buffer: torch.Tensor
-    conv: torch.Tensor | None = None
-    ssm: torch.Tensor | None = None
-
-
-def target_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv: torch.Tensor, conv: torch.Tensor,
-                   ssm: torch.Tensor, t: StepTensors) -> torch.Tensor:
-    """A static target step: the final hidden rows [B * T, H]. kv: the whole KV pool [pages, layers, 2, page_size,
-    ...]; max_len None: the page table's width in tokens."""
-    pools = StepPools(kv, conv, ssm)
-    return model(shape_batch(T, max_len or t.page_table.shape[1] * kv.shape[3], t), pools, pools)
-
-
 def draft_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv_layer: int, kv: torch.Tensor,
-                  hidden: torch.Tensor, t: StepTensors) -> torch.Tensor:
-    """A static NEXTN head pass: token row r embeds input_ids[r] with the hidden row hidden[r] ([B * T, H])."""
-    batch = shape_batch(T, max_len or t.page_table.shape[1] * kv.shape[3], t)
-    return model.mtp(model.embed(t.input_ids), hidden, batch, PoolLayer(kv, kv_layer), model.cos_sin(t.positions))
+                  hidden: torch.Tensor, *t: torch.Tensor) -> torch.Tensor:
+    """A static NEXTN head pass: token row r embeds input_ids[r] with the hidden row hidden[r] ([B * T, H]).
+    t: ForwardBatch.of_shape's tensors; max_len None: the page table's width in tokens."""
+    batch = ForwardBatch.of_shape(T, max_len or t[4].shape[1] * kv.shape[3], *t)
+    return model.mtp(model.embed(t[0]), hidden, batch, PoolLayer(kv, kv_layer), model.cos_sin(t[1]))
 
 
 def head_kv_forward(model: Qwen3NextForCausalLM, T: int, max_len: int | None, kv_layer: int, kv: torch.Tensor,
-                    hidden: torch.Tensor, t: StepTensors) -> None:
+                    hidden: torch.Tensor, *t: torch.Tensor) -> None:
     """A static pass of the NEXTN head's KV alone (positions nothing is drafted from), fed as draft_forward."""
-    batch = shape_batch(T, max_len or t.page_table.shape[1] * kv.shape[3], t)
-    model.mtp.write_kv(model.embed(t.input_ids), hidden, batch, PoolLayer(kv, kv_layer), model.cos_sin(t.positions))
+    batch = ForwardBatch.of_shape(T, max_len or t[4].shape[1] * kv.shape[3], *t)
+    model.mtp.write_kv(model.embed(t[0]), hidden, batch, PoolLayer(kv, kv_layer), model.cos_sin(t[1]))
 
 
-FORWARDS = {"step": target_forward, "draft": draft_forward, "head_kv": head_kv_forward}   # by kind
+# by kind: the target's forward (the model's own static_forward), the NEXTN head's, its KV alone
+FORWARDS = {"step": Qwen3NextForCausalLM.static_forward, "draft": draft_forward, "head_kv": head_kv_forward}
 
 
 class StaticStep:
@@ -129,7 +63,7 @@ class StaticStep:
     them (over the tokens a step committed, then one token per draft; its KV alone where nothing is drafted). No
     prefill chunk, no image.
 
-    Every tensor a forward reads lives in a buffer sized for the largest step (StepTensors): token ids, positions,
+    Every tensor a forward reads lives in a buffer sized for the largest step (`tensors`): token ids, positions,
     KV slots, the state slot after each token, lengths and (for the NEXTN head) input hidden rows per token; context
     lengths, state slots and the page table (whole-context rows) per sequence. N sequences of at most T tokens run
     as shape (B, T): B the smallest of `sizes` >= N, T in 1 .. max_tokens (1 + the NEXTN draft steps).
@@ -147,9 +81,10 @@ class StaticStep:
     the whole context (`max_len`, at most the pool), not this step's, so nothing inside a forward changes from step
     to step but the buffers' contents: one graph per shape (and per forward) is captured at start (`capture`) and
     replayed. Otherwise (the CPU): B = N, and the page table spans the step's pages (at least 2, so torch.compile
-    sees a width it keeps dynamic), a decode step reads tensors made from its packed rows (no buffer: nothing to
-    pad, no address to keep), and the forwards run as compiled at start (`compiled`, compiled.CompiledSteps), or
-    eagerly. The logits and the sampling run outside, as for an eager step, on the real rows."""
+    sees a width it keeps dynamic), a decode step reads the batch's own tensors (no buffer: nothing to pad, no
+    address to keep; CompiledSteps.decode, called by the runner, does the same), and the forwards run as compiled
+    at start (`compiled`, compiled.CompiledSteps), or eagerly. The logits and the sampling run outside, as for an
+    eager step, on the real rows."""
 
     def __init__(self, model: Qwen3NextForCausalLM, kv_pool: KVPool, state_pool: StatePool, max_batch: int,
                  max_len: int, max_tokens: int = 1, nextn_kv_layer: int | None = None,
@@ -179,7 +114,6 @@ class StaticStep:
         self._captured_on: tuple[int, ...] | None = None      # the pools' addresses the graphs were captured on
         self.compiled = None                                  # compiled.CompiledSteps (the CPU), once built
         self.held_pools: tuple[torch.Tensor, ...] | None = None   # a twin's: the pools as they were when made
-        self._page_rows: dict[int, tuple[list[int], np.ndarray]] = {}   # id(request) -> (its pages, as an array)
         self._pad()
 
     def twin(self) -> "StaticStep":
@@ -207,125 +141,87 @@ class StaticStep:
             self.draft_in.zero_()
 
     # ---- the runner's ----
-    def takes(self, packed: Packed) -> bool:
+    def takes(self, batch: ForwardBatch) -> bool:
         """A target step that is all decodes and verifies, and fits."""
-        return packed.num_decode + packed.num_verify == packed.num_seqs and self.fits(packed)
+        return batch.num_decode + batch.num_verify == len(batch.seq_lens) and self.fits(batch)
 
-    def forward(self, packed: Packed) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The hidden rows of a target step it takes."""
-        if not self.for_graphs and not packed.num_verify:     # a CPU decode: no buffers to pad into
-            return self._forward_on("step", 1, self.decode_tensors(packed))
-        return self.run(packed)
+        if not self.for_graphs and not batch.num_verify:     # a CPU decode: its tensors as they are, nothing to pad
+            return self._forward_on("step", 1, (batch.input_ids, batch.positions, batch.slot_mapping,
+                                                batch.seq_lens_t, batch.page_table, batch.state_slots_t))
+        return self.run(batch)
 
-    def fits(self, packed: Packed) -> bool:
-        """Whether a packed batch fits the buffers: sequences, tokens per sequence, context."""
-        return packed.num_seqs <= self.sizes[-1] and all(
-            n <= self.max_tokens and pos + n <= self.max_len for _, pos, n in packed.spans)
+    def fits(self, batch: ForwardBatch) -> bool:
+        """Whether a batch fits the buffers: sequences, tokens per sequence, context."""
+        cu = batch.cu_seqlens
+        return len(batch.seq_lens) <= self.sizes[-1] and max(batch.seq_lens) <= self.max_len and \
+            max(cu[i + 1] - cu[i] for i in range(len(batch.seq_lens))) <= self.max_tokens
 
-    def run(self, packed: Packed, kind: str = "step", hidden: torch.Tensor | None = None) -> torch.Tensor | None:
-        """A forward of `kind` over a packed batch (fits): the buffers filled from it, padded to a shape. Returns
-        the real rows laid out as packed (for one token per sequence a view of the output buffer: read before the
-        next forward); the head's KV pass (head_kv) returns None. kind "draft" / "head_kv": the NEXTN head, whose
-        row r embeds the packed token r with the hidden row hidden[r]."""
-        B, T, W, real_rows = self._fill(packed, kind == "step")
-        if hidden is not None:
-            self.draft_in.index_copy_(0, real_rows, hidden)   # padding rows keep earlier rows: finite, never read
+    def run(self, batch: ForwardBatch, kind: str = "step", hidden: torch.Tensor | None = None
+            ) -> torch.Tensor | None:
+        """A forward of `kind` over a batch (fits): the buffers filled from it, padded to a shape. Returns the real
+        rows laid out as the batch's (for one token per sequence a view of the output buffer: read before the next
+        forward); the head's KV pass (head_kv) returns None. kind "draft" / "head_kv": the NEXTN head, whose row r
+        embeds the batch's token r with the hidden row hidden[r]."""
+        B, T, W, real = self._fill(batch, kind == "step")
+        if hidden is not None and real is None:
+            self.draft_in[:hidden.shape[0]].copy_(hidden)
+        elif hidden is not None:     # padding rows keep earlier rows: finite, never read
+            self.draft_in.index_copy_(0, real, hidden)
         out = self._forward(kind, B, T, W)
         if out is None:
             return None
-        return out[:packed.num_seqs] if T == 1 else out[real_rows]   # a gather copies: safe from the next replay
+        return out[:len(batch.seq_lens)] if real is None else out[real]   # a gather copies: safe from the next replay
 
-    def _fill(self, packed: Packed, target: bool) -> tuple[int, int, int, torch.Tensor]:
-        """Fill the buffers from the packed batch, each sequence's rows padded to T and the sequences to B. Returns
-        (B, T, the page-table width to read, the real tokens' rows on the device)."""
-        spans, ps = packed.spans, self.kv_pool.page_size
-        N, T = len(spans), max(n for _, _, n in spans)
+    def _fill(self, batch: ForwardBatch, target: bool) -> tuple[int, int, int, torch.Tensor | None]:
+        """Copy the batch into the buffers, each sequence's tokens padded to T and the sequences to B (padding as
+        the class docstring says). Returns (B, T, the page-table width to read, the real tokens' rows on the
+        device: None for one token per sequence, the first N rows)."""
+        N, cu, dev = len(batch.seq_lens), batch.cu_seqlens, self.input_ids.device
+        T = max(cu[i + 1] - cu[i] for i in range(N))
         B = next(b for b in self.sizes if b >= N)
-        scratch_page, pad_slot = self.kv_pool.scratch_page, self.padding_slot
-        if T == 1:                                       # one token per sequence: the packed rows as they are
-            ids, positions, slots = packed.input_ids, packed.positions, packed.slot_mapping
-            out_slots, token_lens, real_rows = [pad_slot] * N, [1] * N, list(range(N))
+        scratch, pad_slot, n = self.kv_pool.scratch_page, self.padding_slot, N * T
+        slot_pad = scratch * self.kv_pool.page_size
+        real = None
+        if T == 1:                          # one token per sequence: the batch's rows as they are
+            self.input_ids[:N].copy_(batch.input_ids)
+            self.positions[:N].copy_(batch.positions)
+            self.slot_mapping[:N].copy_(batch.slot_mapping)
         else:
-            ids, positions, slots, out_slots, token_lens, real_rows = self._rows(packed, T, target)
-        pad_rows = (B - N) * T
-        pages = max(len(req.pages) for req, _, _ in spans)
-        W = self.table_width(pages)                            # columns the forward reads
-        w = min(self.width, pages) if self.for_graphs else W   # columns written (a graph's later ones: never read)
-        R = B * T
-        # every buffer with its values, padding sequences last: packed into one host tensor, copied once
-        layout = [(self.input_ids[:R], ids + [0] * pad_rows),
-                  (self.positions[:R], positions + [0] * pad_rows),
-                  (self.slot_mapping[:R], slots + [scratch_page * ps] * pad_rows),
-                  (self.out_slots[:R], out_slots + [pad_slot] * pad_rows),
-                  (self.token_lens[:R], token_lens + [1] * pad_rows),
-                  (self.seq_lens[:B], packed.seq_lens + [1] * (B - N)),
-                  (self.state_slots[:B], packed.state_slots + [pad_slot] * (B - N))]
-        small = [v for _, values in layout for v in values] + real_rows
-        host = np.full(len(small) + B * w, scratch_page, dtype=np.int64)
-        host[:len(small)] = small
-        table = host[len(small):].reshape(B, w)         # the page table last, without a Python loop over its pages
-        for i, (req, _, _) in enumerate(spans):
-            row = self._page_row(req)[:w]
-            table[i, :len(row)] = row
-        vals = torch.from_numpy(host).to(self.input_ids.device, non_blocking=True)
-        at = 0
-        for buf, values in layout:
-            buf.copy_(vals[at:at + len(values)].view(buf.shape))
-            at += len(values)
-        self.table(B, W)[:, :w].copy_(vals[len(small):].view(B, w))
-        return B, T, W, vals[at:len(small)]
-
-    def decode_tensors(self, packed: Packed) -> StepTensors:
-        """A CPU decode's tensors, the packed rows as they are (one token per sequence, nothing to pad): only a CUDA
-        graph needs the buffers' fixed addresses. out_slots and token_lens are not read at T = 1."""
-        N, dev = packed.num_seqs, self.input_ids.device
-        W = self.table_width(max(len(req.pages) for req, _, _ in packed.spans))
-        table = np.full((N, W), self.kv_pool.scratch_page, dtype=np.int32)
-        for i, (req, _, _) in enumerate(packed.spans):
-            row = self._page_row(req)[:W]
-            table[i, :len(row)] = row
-        ids, positions, slots, state_slots = (torch.tensor(v, dtype=torch.long, device=dev) for v in (
-            packed.input_ids, packed.positions, packed.slot_mapping, packed.state_slots))
-        return StepTensors(ids, positions, slots, torch.tensor(packed.seq_lens, dtype=torch.int32, device=dev),
-                           torch.from_numpy(table).to(dev), state_slots, self.out_slots[:N], self.token_lens[:N])
-
-    def _page_row(self, req: Request) -> np.ndarray:
-        """req.pages as an array, extended by the pages added since the last step. A request's page list only
-        grows by appends, or is replaced whole (PrefixCache.admit, Scheduler._free: a new list), so a step copies
-        each row instead of walking every page of a long context in Python."""
-        pages, held = req.pages, self._page_rows.get(id(req))
-        if held is None or held[0] is not pages or len(held[1]) > len(pages):
-            row = np.asarray(pages, dtype=np.int32)
-        elif len(held[1]) < len(pages):
-            row = np.concatenate((held[1], np.asarray(pages[len(held[1]):], dtype=np.int32)))
-        else:
-            return held[1]
-        if len(self._page_rows) > 4 * self.sizes[-1]:  # finished requests' (their lists are held: an id reused
-            self._page_rows.clear()                     # by a new request comes with another list)
-        self._page_rows[id(req)] = (pages, row)
-        return row
-
-    def _rows(self, packed: Packed, T: int, target: bool) -> tuple[list[int], ...]:
-        """The token rows of sequences of up to T tokens, each padded to T: token ids, positions, KV slots, the
-        slot the state after each token goes to (a target step's: a verify's state_after, a plain
-        decode's own state slot; the head's: padding_slot), the keys each sees; and the real tokens' rows. A padding
-        token repeats its sequence's last real position, writes the scratch page and its state to padding_slot."""
-        scratch, pad_slot, cu = self.kv_pool.scratch_page * self.kv_pool.page_size, self.padding_slot, packed.cu_seqlens
-        ids, positions, slots, out_slots, token_lens, real_rows = [], [], [], [], [], []
-        for i, (_, _, n) in enumerate(packed.spans):
-            after = [pad_slot] * n
-            if target:
-                k = i - packed.num_decode
-                after = packed.state_after[k] if k >= 0 else [packed.state_slots[i]]
-            for t in range(T):
-                r = cu[i] + min(t, n - 1)
-                ids.append(packed.input_ids[r] if t < n else 0)
-                positions.append(packed.positions[r])
-                slots.append(packed.slot_mapping[r] if t < n else scratch)
-                out_slots.append(after[t] if t < n else pad_slot)
-                token_lens.append(packed.positions[r] + 1)
-            real_rows += range(i * T, i * T + n)
-        return ids, positions, slots, out_slots, token_lens, real_rows
+            # row i * T + t holds token t of sequence i; past its end a padding token at its last real position, its
+            # KV to the scratch page, its state to padding_slot
+            src = [cu[i] + min(t, cu[i + 1] - cu[i] - 1) for i in range(N) for t in range(T)]
+            rows = [i * T + t for i in range(N) for t in range(cu[i + 1] - cu[i])]
+            src_t, real = torch.tensor(src, device=dev), torch.tensor(rows, device=dev)
+            self.input_ids[:n].zero_()
+            self.input_ids.index_copy_(0, real, batch.input_ids)
+            self.positions[:n].copy_(batch.positions[src_t])
+            self.token_lens[:n].copy_(self.positions[:n] + 1)
+            self.slot_mapping[:n].fill_(slot_pad)
+            self.slot_mapping.index_copy_(0, real, batch.slot_mapping)
+            self.out_slots[:n].fill_(pad_slot)
+            if target:                      # the state after each token: a plain decode's own slot, a verify's
+                after = batch.state_slots_t[:batch.num_decode]          # state_after
+                if batch.verify is not None:
+                    after = torch.cat([after, batch.verify.out_slots])
+                self.out_slots.index_copy_(0, real, after)
+        if B > N:                           # the padding sequences
+            self.input_ids[n:B * T].zero_()
+            self.positions[n:B * T].zero_()
+            self.slot_mapping[n:B * T].fill_(slot_pad)
+            self.out_slots[n:B * T].fill_(pad_slot)
+            self.token_lens[n:B * T].fill_(1)
+            self.seq_lens[N:B].fill_(1)
+            self.state_slots[N:B].fill_(pad_slot)
+        self.seq_lens[:N].copy_(batch.seq_lens_t)
+        self.state_slots[:N].copy_(batch.state_slots_t)
+        W = self.table_width(batch.page_table.shape[1])        # columns the forward reads
+        w = min(W, batch.page_table.shape[1])                   # columns written (a graph's later ones: never read)
+        table = self.table(B, W)
+        table[:N, :w].copy_(batch.page_table[:, :w])
+        table[N:].fill_(scratch)
+        return B, T, W, real
 
     # ---- the buffers and the forwards ----
     def pools(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -337,11 +233,14 @@ class StaticStep:
     def _pool_addresses(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.pools())
 
-    def tensors(self, B: int, T: int, W: int) -> StepTensors:
-        """The buffers as the forward of shape (B, T) with a page table W pages wide reads them."""
+    def tensors(self, B: int, T: int, W: int) -> tuple[torch.Tensor, ...]:
+        """The buffers as the forward of shape (B, T) with a page table W pages wide reads them (ForwardBatch.of_shape's
+        tensors: token ids, positions, KV slots, context lengths, the page table, state slots; with T > 1 where
+        the state after each token goes and the keys each sees)."""
         R = B * T
-        return StepTensors(self.input_ids[:R], self.positions[:R], self.slot_mapping[:R], self.seq_lens[:B],
-                           self.table(B, W), self.state_slots[:B], self.out_slots[:R], self.token_lens[:R])
+        t = (self.input_ids[:R], self.positions[:R], self.slot_mapping[:R], self.seq_lens[:B], self.table(B, W),
+             self.state_slots[:B])
+        return t if T == 1 else t + (self.out_slots[:R], self.token_lens[:R])
 
     def table(self, B: int, W: int) -> torch.Tensor:
         """The page table of B sequences, W columns: rows of the whole-context table for a graph; on the CPU a
@@ -373,7 +272,7 @@ class StaticStep:
             self.graphs.clear()
         return self._forward_on(kind, T, self.tensors(B, T, W))
 
-    def _forward_on(self, kind: str, T: int, t: StepTensors) -> torch.Tensor | None:
+    def _forward_on(self, kind: str, T: int, t: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """The forward over these tensors: compiled when it is (the CPU), else eagerly."""
         max_len = self.max_len if self.for_graphs else None
         if self.compiled is not None:
@@ -385,14 +284,14 @@ class StaticStep:
         out = self.output(kind)
         return None if out is None else out[:B * T]
 
-    def args(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> tuple:
+    def args(self, kind: str, T: int, max_len: int | None, t: tuple[torch.Tensor, ...]) -> tuple:
         """What FORWARDS[kind] is called with, eagerly or compiled."""
         kv, conv, ssm = self.pools()
         if kind == "step":
-            return (self.model, T, max_len, kv, conv, ssm, t)
-        return (self.model, T, max_len, self.nextn_kv_layer, kv, self.draft_in[:t.input_ids.shape[0]], t)
+            return (self.model, T, max_len, kv, conv, ssm, *t)
+        return (self.model, T, max_len, self.nextn_kv_layer, kv, self.draft_in[:t[0].shape[0]], *t)
 
-    def eager(self, kind: str, T: int, max_len: int | None, t: StepTensors) -> torch.Tensor | None:
+    def eager(self, kind: str, T: int, max_len: int | None, t: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         return FORWARDS[kind](*self.args(kind, T, max_len, t))
 
     @torch.inference_mode()

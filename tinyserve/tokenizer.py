@@ -1,20 +1,20 @@
-"""Tokenizer, chat template and incremental detokenizing.
+"""Tokenizer and chat template.
 
 `tokenizers` does the encoding; the checkpoint's jinja2 chat template is rendered with the same semantics as
 Hugging Face transformers (sandboxed, trim_blocks + lstrip_blocks, loopcontrols, a `tojson` that keeps non-ASCII),
 so a prompt built here is the prompt the model was trained on. The detokenizer turns a growing list of token ids
-into text that is safe to send: no half UTF-8 characters, no half stop strings.
+into text (generation.IncrementalDetokenizer) from each token's bytes (Tokenizer.token_bytes).
 """
 from __future__ import annotations
 
-import codecs
+import functools
 import json
 import logging
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jinja2
 import jinja2.ext
@@ -211,12 +211,12 @@ def tool_call_arguments(arguments: Any, param: str) -> dict:
     return arguments
 
 
+# OpenAI-shaped messages -> what Qwen-style templates expect, without touching the caller's dicts: content parts
+# joined, images as IMAGE_MARKER (content_text), tool-call arguments parsed (tool_call_arguments). Qwen's templates
+# take one system message, first ("System message must be at the beginning."): the system messages that open the
+# conversation are joined into one, and a later one becomes a user turn in its place (late_system_text). A message of
+# text alone is taken as it is. Raises MessageError.
 def normalise_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI-shaped messages -> what Qwen-style templates expect, without touching the caller's dicts: content
-    parts joined, images as IMAGE_MARKER (content_text), tool-call arguments parsed (tool_call_arguments). Qwen's
-    templates take one system message, first ("System message must be at the beginning."): the system messages
-    that open the conversation are joined into one, and a later one becomes a user turn in its place
-    (late_system_text). A message of text alone is taken as it is. Raises MessageError."""
     out: list[dict] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
@@ -292,7 +292,8 @@ class Tokenizer:
         # what skip_special_tokens drops: the special tokens but the parser markers
         self.skipped_ids = frozenset(i for i, text in special.items() if text not in PARSER_MARKERS)
         self._env = _make_environment()
-        self._bytes: dict[int, bytes] = {}            # token_bytes, cached: logprobs ask for the same ids again
+        # the bytes a token adds to the text, cached: the detokenizer and logprobs ask for the same ids again
+        self.token_bytes: Callable[[int], bytes] = functools.cache(self._token_bytes)
         self._added = {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
         kinds = _decoder_kinds(self.hf)
         self._byte_level = "ByteLevel" in kinds
@@ -373,25 +374,16 @@ class Tokenizer:
             ids = [i for i in ids if i not in self.skipped_ids]
         return self.hf.decode(list(ids), skip_special_tokens=False)
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a token adds to the text (a piece of a character, for a byte token), so that a client can
-        rebuild characters that span tokens from logprobs: a byte-level BPE piece mapped back through the byte
-        alphabet, a byte-fallback token <0xNN> its byte, an added token its own text."""
-        out = self._bytes.get(token_id)
-        if out is None:
-            out = self._bytes[token_id] = self._piece_bytes(token_id)
-        return out
-
-    def _piece_bytes(self, token_id: int) -> bytes:
+    # The bytes a token adds to the text (a piece of a character, for a byte token), so that the detokenizer and a
+    # client reading logprobs rebuild characters that span tokens: a byte-level BPE piece mapped back through the
+    # byte alphabet, a byte-fallback token <0xNN> its byte, an added token its own text.
+    def _token_bytes(self, token_id: int) -> bytes:
         if token_id in self._added:
             return self._added[token_id].encode()
-        piece = self.hf.id_to_token(token_id)
-        if piece is None:
-            return b""
-        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
-            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
-        fallback = _BYTE_FALLBACK.fullmatch(piece)
-        if fallback:
+        piece = self.hf.id_to_token(token_id) or ""     # "": an id past the vocabulary has no bytes
+        if self._byte_level and _UNICODE_TO_BYTE.keys() >= set(piece):
+            return bytes(map(_UNICODE_TO_BYTE.__getitem__, piece))
+        if fallback := _BYTE_FALLBACK.fullmatch(piece):
             return bytes([int(fallback.group(1), 16)])
         return piece.replace("\u2581", " ").encode()       # SentencePiece's word marker is a space
 
@@ -411,37 +403,28 @@ class Tokenizer:
         return self.hf.id_to_token(token_id)
 
     # ---- chat template ----
+    # The prompt text. `template_kwargs` (e.g. enable_thinking) are passed to the template as variables.
+    # continue_final_message: the last message is a prefill the model continues (as transformers does it: the
+    # rendering is cut right after that message's content, so its end-of-turn markup goes). Raises ValueError with
+    # the template's own message when the template rejects the conversation, or fails on it (e.g. `'x' + none` on a
+    # message it did not expect: bad input, not a server fault).
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
                             **template_kwargs: Any) -> str:
-        """Render the prompt text. `template_kwargs` (e.g. enable_thinking) are passed to the template as variables.
-        continue_final_message: the last message is a prefill the model continues (as transformers does it: the
-        rendering is cut right after that message's content, so its end-of-turn markup goes).
-
-        Raises ValueError with the template's own message when the template rejects the conversation.
-        """
-        if continue_final_message:
-            if add_generation_prompt:
-                raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
-            return _cut_after_final(self._render(messages, tools, False, template_kwargs), messages)
-        return self._render(messages, tools, add_generation_prompt, template_kwargs)
-
-    def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
-                template_kwargs: dict[str, Any]) -> str:
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         if self._template is None:
             raise ValueError(f"{self.name or 'this tokenizer'} has no chat template "
                              "(no chat_template.jinja and no chat_template in tokenizer_config.json)")
-        variables: dict[str, Any] = dict(self.special_tokens)
-        variables.update(template_kwargs)
-        variables.update(messages=normalise_messages(messages), tools=tools or None,
-                         add_generation_prompt=add_generation_prompt)
         try:
-            return self._template.render(**variables)
+            text = self._template.render(**{**self.special_tokens, **template_kwargs, "tools": tools or None,
+                                            "messages": normalise_messages(messages),
+                                            "add_generation_prompt": add_generation_prompt})
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template error: {e.message or e}") from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-            # e.g. `'x' + none` on a message the template did not expect: bad input, not a server fault
             raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
+        return _cut_after_final(text, messages) if continue_final_message else text
 
 
 def _cut_after_final(rendered: str, messages: list[dict]) -> str:
@@ -453,81 +436,3 @@ def _cut_after_final(rendered: str, messages: list[dict]) -> str:
         raise ValueError("the last message cannot be continued: its content is empty or the template does not "
                          "render it as sent")
     return rendered[:rendered.rindex(final) + len(final)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Incremental detokenizer
-# ---------------------------------------------------------------------------------------------------------------
-
-class IncrementalDetokenizer:
-    """Token ids in, final text out, one step at a time, stop strings applied.
-
-    Each token adds its own bytes to the text (Tokenizer.token_bytes: exact for a byte-level BPE, every Qwen
-    checkpoint's), decoded by Python's incremental UTF-8 decoder: a character split across tokens comes out whole
-    once its last byte arrives, and a step costs its own token, however long the output.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.stop = [s for s in (stop or []) if s]
-        self.stopped = False
-        self.stop_reason: str | None = None
-        self.token_ids: list[int] = []  # the ids taken so far
-        self._skipped = tokenizer.skipped_ids if skip_special_tokens else frozenset()
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._pending = ""          # decoded text not yet returned (a possible stop-string start)
-        self._finished = False
-
-    def _release(self, final: bool) -> str:
-        """Return what of _pending can be sent now: all of it without stop strings."""
-        text, self._pending = self._pending, ""
-        return self._until_stop(text, final) if self.stop and text else text
-
-    def _until_stop(self, text: str, final: bool) -> str:
-        """What of the text can be sent: up to a stop string (and then no more), or all but what may start one."""
-        hit, hit_at = None, -1
-        for s in self.stop:
-            i = text.find(s)
-            if i >= 0 and (hit_at < 0 or i < hit_at):
-                hit, hit_at = s, i
-        if hit is not None:
-            self.stopped, self.stop_reason = True, hit
-            return text[:hit_at]
-        hold = 0 if final else self._stop_prefix_len(text)
-        self._pending = text[len(text) - hold:]
-        return text[:len(text) - hold]
-
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest tail of `text` that is the start of some stop string."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
-
-    def add(self, token_ids: list[int] | int) -> str:
-        """Append generated ids; return the newly final text ('' once stopped). The ids after the one that completes
-        a stop string are not taken (token_ids grows by the ids taken)."""
-        if self.stopped or self._finished:
-            return ""
-        # One id at a time: the ids after the one that completes a stop string are not taken.
-        text = ""
-        for tid in [token_ids] if isinstance(token_ids, int) else token_ids:
-            self.token_ids.append(tid)
-            if tid not in self._skipped:
-                self._pending += self._utf8.decode(self.tokenizer.token_bytes(tid))
-            text += self._release(final=False)
-            if self.stopped:
-                break
-        return text
-
-    def flush(self) -> str:
-        """End of generation: return everything held back (a trailing partial character decodes as U+FFFD)."""
-        if self.stopped or self._finished:
-            return ""
-        self._pending += self._utf8.decode(b"", final=True)     # an incomplete character at the end: U+FFFD
-        out = self._release(final=True)
-        self._finished = True
-        return out
