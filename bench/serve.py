@@ -19,7 +19,7 @@ Systems (each one a separate process that runs nothing else; all load first, the
                         eos ignored (transformers has no server and no batching of independent requests)
   tinyserve f32 / bf16 / w4   with --weights f32,bf16,w4 instead of the above: one `tinyserve CONFIG` server per
                         entry, as tinyserve HTTP, serving the checkpoint in float32, in bfloat16, or its 4-bit twin
-                        (w4, float32 activations), beside llama-server with --llama-server
+                        (w4: float32 activations; w4bf16: bfloat16 ones), beside llama-server with --llama-server
 
 Measures (the same prompts for every system within a round, new prompts every round and for every warm-up, so
 no prefix cache, tinyserve's or llama-server's, ever holds a prompt it is asked for):
@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -97,7 +98,8 @@ from bench.common import (BENCH_MODELS, CpuMeter, ServerProcess, Worker, fmt_tab
 HTTP, EAGER, INPROC, LLAMA, HF = ("tinyserve HTTP", "tinyserve HTTP eager", "tinyserve in-process", "llama-server",
                                   "transformers")
 SYSTEM_KEYS = {"http": HTTP, "eager": EAGER, "inprocess": INPROC, "llama": LLAMA, "transformers": HF}
-WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "w4": "float32"}   # --weights: model.dtype (w4: its activations')
+WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "w4": "float32",   # --weights: model.dtype (w4: its activations')
+           "w4bf16": "bfloat16"}
 W4_TARGETS = {LLAMA: 1.0, "f32": 2.5}     # the issue's, on the memory-bound model: w4 / each, 1 and 8, decode
 ONE, BATCH, PREFILL, TTFT = "one", "batch", "prefill", "ttft"
 DECODE = {ONE: "one decode", BATCH: "batch decode"}     # --weights: the same requests' decode-only figures
@@ -374,7 +376,7 @@ async def run(args: argparse.Namespace) -> int:
     prep = Worker("prepare", _worker_argv("prepare", {}), work / "prepare.log", env)
     try:
         ckpt = prep.call("prepare", path=model_path, dir=str(args.dir) if args.dir else None, model=args.model,
-                         w4="w4" in weights)
+                         w4=any(w.startswith("w4") for w in weights))
     finally:
         prep.stop()
     folder, shape = ckpt["folder"], Shape(args.new_tokens, args.concurrency, args.prefill_tokens, ckpt["vocab"])
@@ -406,7 +408,7 @@ async def run(args: argparse.Namespace) -> int:
     servers = {HTTP: (cfg, cfg_path), EAGER: (eager_cfg, eager_path)}    # tinyserve HTTP servers: (config, file)
     for w in weights:                   # --weights: one server each, with the HTTP server's config otherwise
         data["engine"]["compile_steps"] = cfg.engine.compile_steps
-        data["model"].update(path=ckpt["w4"] if w == "w4" else folder, dtype=WEIGHTS[w])
+        data["model"].update(path=ckpt["w4"] if w.startswith("w4") else folder, dtype=WEIGHTS[w])
         data["server"]["port"] = free_port()
         w_path = work / f"tinyserve-{w}.toml"
         w_path.write_text(config_mod.dumps(config_mod.from_dict(data)))
@@ -624,7 +626,8 @@ def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Re
     spread = " (per-round ratios' min-max in brackets)" if args.rounds > 1 else ""
     if weights:
         pairs = [(f"tinyserve {w}", LLAMA) for w in weights if LLAMA in systems] + \
-            [(f"tinyserve {a}", f"tinyserve {b}") for a, b in (("w4", "f32"), ("w4", "bf16"), ("bf16", "f32"))
+            [(f"tinyserve {a}", f"tinyserve {b}") for a, b in (("w4", "f32"), ("w4bf16", "f32"), ("w4", "bf16"),
+                                                                ("w4bf16", "bf16"), ("bf16", "f32"))
              if a in weights and b in weights]
         kinds = (ONE, DECODE[ONE], BATCH, DECODE[BATCH], PREFILL, TTFT)
         print(f"\nratios{spread}\n")
@@ -651,14 +654,14 @@ def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Re
     width = [max(len(r[i]) if i < len(r) else 0 for r in ratio_rows) for i in range(5)] if ratio_rows else []
     for r in ratio_rows:
         print("  " + "   ".join(cell.ljust(w) for cell, w in zip(r, width)).rstrip())
-    if args.model == "memory-bound" and not args.config and "w4" in weights:
+    if args.model == "memory-bound" and not args.config:
         checks = []
-        for peer, target in W4_TARGETS.items():
+        for (peer, target), w4 in itertools.product(W4_TARGETS.items(), [w for w in weights if w.startswith("w4")]):
             other = peer if peer == LLAMA else f"tinyserve {peer}"
             for kind, what in ((ONE, "1 request"), (BATCH, f"{c} concurrent")):
-                x, y = figures.get(("tinyserve w4", DECODE[kind])), figures.get((other, DECODE[kind]))
+                x, y = figures.get((f"tinyserve {w4}", DECODE[kind])), figures.get((other, DECODE[kind]))
                 if x and y:
-                    checks.append(f"tinyserve w4 / {systems[other].label}, {what}, decode: {x / y:.2f}x "
+                    checks.append(f"tinyserve {w4} / {systems[other].label}, {what}, decode: {x / y:.2f}x "
                                   f"{'>=' if x / y >= target else '< (MISSED)'} {target}x")
         if checks:
             print("\ntargets (the issue's, on the memory-bound model; from the decode figures above):\n  "

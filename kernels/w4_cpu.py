@@ -13,9 +13,8 @@ loader's buffers as they are (a row block's scales and zeros converted to float3
 
 Up to GEMM_ROWS rows of x (a decode step's batch, a NEXTN verify) go through the GEMM kernel, which reads W once per
 call; more (a prefill) dequantize W a block of rows at a time into a float scratch multiplied by oneDNN's GEMM
-(`prefill`), which computes faster at that size. Measured on a 2-core AMD EPYC (Zen 4), MEMORY_BOUND's shapes,
-int4 group 32, float16 scales, 2 threads (bench/w4_gemm.py):
-  MEASURED_TABLE
+(`prefill`), which computes faster at that size. The kernel against the float32 GEMMs on the memory-bound bench
+model's shapes: bench/w4_gemm.py; its figures in docs/benchmarks.md.
 """
 from __future__ import annotations
 

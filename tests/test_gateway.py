@@ -506,11 +506,12 @@ def folder_settled(workers: Workers, before: set[str]) -> None:
         return tuple(sorted((p.name, p.stat().st_size) for p in workers.shared.iterdir()))
     seen = [listing()]
 
-    def still() -> bool:
+    def still() -> bool:      # unchanged for 3 s: under load a worker's next write can start a second or more later
         time.sleep(1.0)
         seen.append(listing())
         names = {n for n, _ in seen[-1]}
-        return seen[-1] == seen[-2] and bool(names - before) and not any(n.startswith(".tmp-") for n in names)
+        return len(seen) >= 4 and seen[-1] == seen[-2] == seen[-3] == seen[-4] and bool(names - before) \
+            and not any(n.startswith(".tmp-") for n in names)
     wait_until(still, "the cache folder settled", 60)
 
 
