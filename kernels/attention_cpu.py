@@ -19,12 +19,12 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+
+from tinyserve.kernels.c_build import c_compiler, cache_dir, cpu_id, run
 
 log = logging.getLogger("tinyserve.kernels")
 SOURCE = Path(__file__).with_name("attention_cpu.c")
@@ -35,39 +35,22 @@ LINK = ["-shared", "-fopenmp", "-lm"]
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tinyserve" / "kernels"
-
-
-def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU's model and flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
-    except OSError:
-        return os.uname().machine
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None (no C compiler, or the build failed: logged once)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         log.warning("no C compiler: CPU decode attention gathers the pages (the slower torch reference)")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LINK).encode() + _cpu_id().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"attention_cpu-{key}.so"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LINK).encode() + cpu_id().encode()).hexdigest()[:16]
+    target = cache_dir() / f"attention_cpu-{key}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built, obj = Path(tmp) / target.name, Path(tmp) / "attention_cpu.o"
-                for step in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                             [compiler, str(obj), *LINK, "-o", str(built)]):
-                    done = subprocess.run(step, capture_output=True, text=True)
-                    if done.returncode != 0:
-                        raise OSError(done.stderr.strip()[-500:])
+                run([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)])
+                run([compiler, str(obj), *LINK, "-o", str(built)])
                 os.replace(built, target)             # atomic: another process may be building it too
         except OSError as e:
             log.warning("building %s with %s failed (%s): CPU decode attention gathers the pages (the slower "

@@ -127,6 +127,22 @@ def _finish(acc, acc_up, r_ptr, y_ptr, rows, row_ok, cols, col_ok, srm, sym,
 
 
 @triton.jit
+def _finish_slice(acc, acc_up, part_ptr, r_ptr, y_ptr, pid_k, M, N, rows, row_ok, cols, col_ok, srm, sym,
+                  SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr):
+    """A decode GEMM's K slice done: unsplit, the epilogue; else its partial sums part[pid_k, row, col] (the up
+    half at col + N) for _split_sum_kernel."""
+    if SPLIT == 1:
+        _finish(acc, acc_up, r_ptr, y_ptr, rows, row_ok, cols, col_ok, srm, sym, SILU_MUL=SILU_MUL, RESIDUAL=RESIDUAL)
+    else:
+        width = 2 * N if SILU_MUL else N
+        p = part_ptr + (pid_k * M + rows)[:, None].to(tl.int64) * width + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        tl.store(p, acc, mask=mask)
+        if SILU_MUL:
+            tl.store(p + N, acc_up, mask=mask)
+
+
+@triton.jit
 def _decode_gemm_kernel(x_ptr, w_ptr, ws_ptr, nw_ptr, r_ptr, y_ptr, part_ptr,
                         M, N, K, K_SLICE, UP_ROW, sxm, swn, wsn, wsk, srm, sym, eps,
                         FP8: tl.constexpr, ACT_QUANT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
@@ -168,15 +184,8 @@ def _decode_gemm_kernel(x_ptr, w_ptr, ws_ptr, nw_ptr, r_ptr, y_ptr, part_ptr,
                                       PREC)
         x_ptrs += BK
         w_ptrs += BK
-    if SPLIT == 1:
-        _finish(acc, acc_up, r_ptr, y_ptr, rows, row_ok, cols, col_ok, srm, sym, SILU_MUL=SILU_MUL, RESIDUAL=RESIDUAL)
-    else:                            # this slice's sums: part[pid_k, row, col] (and the up half at col + N)
-        width = 2 * N if SILU_MUL else N
-        p = part_ptr + (pid_k * M + rows)[:, None].to(tl.int64) * width + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        tl.store(p, acc, mask=mask)
-        if SILU_MUL:
-            tl.store(p + N, acc_up, mask=mask)
+    _finish_slice(acc, acc_up, part_ptr, r_ptr, y_ptr, pid_k, M, N, rows, row_ok, cols, col_ok, srm, sym,
+                  SPLIT=SPLIT, SILU_MUL=SILU_MUL, RESIDUAL=RESIDUAL)
 
 
 @triton.jit

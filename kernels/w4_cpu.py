@@ -24,13 +24,13 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels.c_build import c_compiler, cache_dir, cpu_id, cpu_info, run
 from tinyserve.kernels.w4_weight import W4Weight
 
 log = logging.getLogger("tinyserve.kernels")
@@ -44,36 +44,12 @@ ERRORS = {1: "a shape it does not take", 2: "a dtype or kind it does not take", 
           4: "rows out of range"}
 
 
-def _cpu_info() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return [line for line in f if line.startswith(("model name", "flags"))]
-    except OSError:
-        return []
-
-
 # Rows of x up to which the GEMM kernel runs; more: dequantized blocks and oneDNN's GEMM (`prefill`). Measured on a
 # 2-core Zen 4 (bench/w4_gemm.py's shapes, 1 thread): float32, the kernel was faster up to 128 rows and within 5%
 # at 256; bfloat16, oneDNN's GEMM runs on the CPU's bfloat16 dot products (AVX512_BF16, AMX) at twice the float32
 # rate and was faster from 32 rows (1.3x; 2x from 64). Without those instructions bfloat16 is float32's case.
-_BF16_DOTS = any({"avx512_bf16", "amx_bf16"} & set(line.split()) for line in _cpu_info() if line.startswith("flags"))
+_BF16_DOTS = any({"avx512_bf16", "amx_bf16"} & set(line.split()) for line in cpu_info() if line.startswith("flags"))
 GEMM_ROWS = {torch.float32: 128, torch.bfloat16: 16 if _BF16_DOTS else 128}
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tinyserve" / "kernels"
-
-
-def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU's model and flags."""
-    return "".join(_cpu_info())[:4096] or os.uname().machine
-
-
-def _run(step: list[str]) -> None:
-    done = subprocess.run(step, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise OSError(done.stderr.strip()[-500:])
 
 
 def _op_steps(obj: Path, kernel_obj: Path, so: Path) -> list[list[str]]:
@@ -94,29 +70,29 @@ def build(flags: tuple[str, ...] = FLAGS, with_op: bool = True) -> ctypes.CDLL |
     """w4_cpu.c compiled with these flags (the tests add -mno-avx512f etc. to check the other paths on this CPU) and
     loaded; with_op: with the torch op (only the library the engine uses: an op is registered once per process).
     None (logged once) when there is no C compiler or the build fails."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         log.warning("no C compiler: 4-bit weights are dequantized block by block (the slower torch reference)")
         return None
-    key = SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_id().encode() + \
+    key = SOURCE.read_bytes() + " ".join(flags).encode() + cpu_id().encode() + \
         (f"op, torch {torch.__version__}".encode() if with_op else b"")
-    target = _cache_dir() / f"w4_cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    target = cache_dir() / f"w4_cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 so, obj = Path(tmp) / target.name, Path(tmp) / "w4_cpu.o"
-                _run([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)])
+                run([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)])
                 try:
                     if not with_op:
                         raise OSError("not asked for")
                     for step in _op_steps(Path(tmp) / "w4_cpu_op.o", obj, so):
-                        _run(step)
+                        run(step)
                 except OSError as e:
                     if with_op:
                         log.warning("building the C++ half of %s failed (%s): the op runs in Python, ~10 us more a "
                                     "call", SOURCE.name, e)
-                    _run([compiler, str(obj), "-shared", "-fopenmp", "-o", str(so)])
+                    run([compiler, str(obj), "-shared", "-fopenmp", "-o", str(so)])
                 os.replace(so, target)                # atomic: another process may be building it too
         except OSError as e:
             log.warning("building %s with %s failed (%s): 4-bit weights are dequantized block by block (the slower "

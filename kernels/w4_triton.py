@@ -53,7 +53,7 @@ Kernels:
    norm / silu_mul / residual, rounding where the separate ops round. A sibling kernel rather than a third weight
    kind inside linear_triton's: the 4-bit tile needs its own pointers (half-width rows, group scales and zeros),
    the split x tile and two dots, which in the FP8 kernel would double its arguments and hide its K loop;
-   everything around the K loop is shared (`_row_rstd`, `_finish`, `_split_sum_kernel`, the tile rule's
+   everything around the K loop is shared (`_row_rstd`, `_finish_slice`, `_split_sum_kernel`, the tile rule's
    constants).
 2. _w4_gemm_kernel: more rows (prefill), the same tile product inside a [BM, BN] output tile (`prefill_tiles`).
 3. _w4_dequant_kernel + torch's matmul: from SCRATCH_ROWS rows the weight is dequantized (F32: the reference's
@@ -74,8 +74,8 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels.linear_triton import (BK as DECODE_BK, BM as DECODE_BM, DECODE_ROWS, MIN_STEPS_PER_SPLIT,
-                                             PROGRAMS_PER_SM, DecodeTiles, _finish, _row_rstd, _split_sum_kernel,
-                                             num_sms)
+                                             PROGRAMS_PER_SM, DecodeTiles, _finish_slice, _row_rstd,
+                                             _split_sum_kernel, num_sms)
 from tinyserve.kernels.w4_weight import W4Weight
 
 if TYPE_CHECKING:
@@ -156,6 +156,21 @@ def _dequantized(c, s, zf, HIGH: tl.constexpr, FP4: tl.constexpr, A: tl.constexp
         q = (c >> 4) if HIGH else (c & 15)
         v = (q | _MAGIC_BITS).to(tl.float32, bitcast=True)
     return _grouped(v, zf, s, A, not FP4)
+
+
+@triton.jit
+def _k_masks(k0, k_ok, js, gs, row_ok, col_ok, K, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    """The masks of one K step: x [BM, BK], the code bytes [BK/2, BN], the groups' scales [A, BN]. EVEN_K (K a
+    multiple of BK: every Qwen3.5 / Qwen3-Next shape): the rows and columns alone."""
+    if EVEN_K:
+        x_mask = row_ok[:, None]
+        c_mask = col_ok[None, :]
+        g_mask = col_ok[None, :]
+    else:
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        c_mask = (k0 // 2 + js < K // 2)[:, None] & col_ok[None, :]
+        g_mask = (k0 // GROUP + gs < K // GROUP)[:, None] & col_ok[None, :]
+    return x_mask, c_mask, g_mask
 
 
 @triton.jit
@@ -242,14 +257,7 @@ def _w4_decode_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, par
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
         k_ok = k0 + ks < K
-        if EVEN_K:                   # K a multiple of BK (every Qwen3.5 / Qwen3-Next shape): no K masks
-            x_mask = row_ok[:, None]
-            c_mask = col_ok[None, :]
-            g_mask = col_ok[None, :]
-        else:
-            x_mask = row_ok[:, None] & k_ok[None, :]
-            c_mask = (k0 // 2 + js < K // 2)[:, None] & col_ok[None, :]
-            g_mask = (k0 // GROUP + gs < K // GROUP)[:, None] & col_ok[None, :]
+        x_mask, c_mask, g_mask = _k_masks(k0, k_ok, js, gs, row_ok, col_ok, K, GROUP, EVEN_K)
         x = tl.load(x_ptr + rows[:, None] * sxm + (k0 + ks)[None, :], mask=x_mask, other=0.0)
         if NORM:
             nw = tl.load(nw_ptr + k0 + ks, mask=k_ok, other=0.0)
@@ -263,15 +271,8 @@ def _w4_decode_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, par
                                       z_row + UP_ROW * szn + g0, g_mask, zero_point, global_scale,
                                       FP4, HAS_ZEROS, A, MODE, PREC)
         c_ptrs += BK // 2
-    if SPLIT == 1:
-        _finish(acc, acc_up, r_ptr, y_ptr, rows, row_ok, cols, col_ok, srm, sym, SILU_MUL=SILU_MUL, RESIDUAL=RESIDUAL)
-    else:                            # this slice's sums: part[pid_k, row, col] (and the up half at col + N), as
-        width = 2 * N if SILU_MUL else N                      # linear_triton's kernel writes them for _split_sum
-        p = part_ptr + (pid_k * M + rows)[:, None].to(tl.int64) * width + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        tl.store(p, acc, mask=mask)
-        if SILU_MUL:
-            tl.store(p + N, acc_up, mask=mask)
+    _finish_slice(acc, acc_up, part_ptr, r_ptr, y_ptr, pid_k, M, N, rows, row_ok, cols, col_ok, srm, sym,
+                  SPLIT=SPLIT, SILU_MUL=SILU_MUL, RESIDUAL=RESIDUAL)
 
 
 @triton.jit
@@ -295,15 +296,7 @@ def _w4_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, y_ptr, M, N, K, sxm, scn, ssn, s
     z_row = z_ptr + cols.to(tl.int64)[None, :] * szn + gs[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        k_ok = k0 + ks < K
-        if EVEN_K:
-            x_mask = row_ok[:, None]
-            c_mask = col_ok[None, :]
-            g_mask = col_ok[None, :]
-        else:
-            x_mask = row_ok[:, None] & k_ok[None, :]
-            c_mask = (k0 // 2 + js < K // 2)[:, None] & col_ok[None, :]
-            g_mask = (k0 // GROUP + gs < K // GROUP)[:, None] & col_ok[None, :]
+        x_mask, c_mask, g_mask = _k_masks(k0, k0 + ks < K, js, gs, row_ok, col_ok, K, GROUP, EVEN_K)
         x = tl.load(x_rows + (k0 + ks)[None, :], mask=x_mask, other=0.0)
         xe, xo = even_odd(x)
         g0 = k0 // GROUP

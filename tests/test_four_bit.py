@@ -512,6 +512,12 @@ def copy_with(folder: Path, tmp_path: Path, config: dict | None = None, drop: st
     ({"dynamic": {r"-:.*mlp\.down_proj": {}}}, r"'model\.layers\.0\.mlp\.down_proj\.qweight' is stored 4-bit.*"
                                                r"leaves its module .* unquantized"),
     ({"desc_act": False}, r"g_idx' permutes the input columns, but quantization_config\.desc_act is off"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": [3]},
+     r"quantization_config\.ignore entry 3 is not a string"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["re:lm_head(", "lm_head"]},
+     r"bad regex in quantization_config\.ignore 're:lm_head\('"),
+    ({"quant_method": "fp8", "modules_to_not_convert": ["lm_head", None]},
+     r"quantization_config\.modules_to_not_convert entry None is not a string"),
 ])
 def test_refusals_name_the_format_tensor_and_key(dense, tmp_path, config, message):
     with pytest.raises(LoaderError, match=message):

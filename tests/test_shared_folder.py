@@ -435,6 +435,16 @@ def from_file(req) -> int:
     return req.report["cached_by_tier"]["file"]
 
 
+def a_new_box_reads(model, folder: Path, cold: dict, names: str) -> None:
+    """A box started on the folder now serves each session from it, with the cold tokens and no read error."""
+    again = box(model, folder)
+    for name in names:
+        r = serve(again, name)
+        assert r.output_ids == cold[name] and from_file(r) > 0, name
+    assert again.cache.file.stats.errors == 0
+    again.close()
+
+
 @pytest.fixture(scope="module")
 def stored(hybrid_model, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """A folder where a box stored sessions A and B (one blob each)."""
@@ -500,12 +510,7 @@ def test_a_read_that_fails_is_a_miss_that_leaves_the_blob(hybrid_model, cold, sh
     eng.close()
 
     share.rules.clear()                                 # the share is well again: a box that reads it now hits
-    again = box(hybrid_model, folder)
-    for name in "AB":
-        r = serve(again, name)
-        assert r.output_ids == cold[name] and from_file(r) > 0
-    assert again.cache.file.stats.errors == 0
-    again.close()
+    a_new_box_reads(hybrid_model, folder, cold, "AB")
 
 
 @pytest.mark.parametrize("other_box", ["replaces it", "evicts it"])
@@ -564,10 +569,7 @@ def test_a_half_written_blob_under_its_name(hybrid_model, cold, shared, monkeypa
     assert deletes == ([blobs["A"].name] if meanwhile == "nothing" else [])
     assert eng.cache.file.flush(30) and complete(blobs["A"])  # the good copy, or ours written again
     eng.close()
-    again = box(hybrid_model, folder)
-    r = serve(again, "A")
-    assert r.output_ids == cold["A"] and from_file(r) > 0
-    again.close()
+    a_new_box_reads(hybrid_model, folder, cold, "A")
 
 
 def test_a_dead_boxs_temporary_files_are_never_read_and_go_only_when_old_by_the_folders_clock(tmp_path, monkeypatch):
@@ -720,10 +722,7 @@ def test_a_disk_full_of_others_data_pauses_writes_until_space_frees(hybrid_model
     assert serve(eng, "C").output_ids == cold["C"]
     assert tier_.flush(30) and len(blob_files(folder)) == 1 and tier_.writable
     eng.close()
-    other = box(hybrid_model, folder)
-    r = serve(other, "C")
-    assert r.output_ids == cold["C"] and from_file(r) > 0
-    other.close()
+    a_new_box_reads(hybrid_model, folder, cold, "C")
 
 
 def test_two_boxes_with_small_budgets_share_a_folder_without_a_storm(tmp_path, deletes):

@@ -131,6 +131,33 @@ def name_variants(module: str) -> set[str]:
     return {module, canon, "model." + canon, "model.language_model." + canon}
 
 
+@dataclass
+class IgnoreList:
+    """A quantization config's modules left unquantized (FP8's `modules_to_not_convert`, compressed-tensors'
+    `ignore`): exact names and `re:` regexes, matched against every name a module goes by (name_variants)."""
+    exact: set[str] = dataclasses.field(default_factory=set)
+    regex: list[re.Pattern[str]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def parse(cls, items: Any, key: str) -> IgnoreList:
+        out = cls()
+        for item in items or []:
+            if not isinstance(item, str):
+                raise LoaderError(f"config.json: {key} entry {item!r} is not a string")
+            if not item.startswith("re:"):
+                out.exact.add(item)
+                continue
+            try:
+                out.regex.append(re.compile(item[3:]))
+            except re.error as e:
+                raise LoaderError(f"config.json: bad regex in {key} {item!r}: {e}") from e
+        return out
+
+    def __contains__(self, module: str) -> bool:
+        names = name_variants(module)
+        return bool(names & self.exact) or any(rx.match(n) for rx in self.regex for n in names)
+
+
 class FourBitScheme:
     """What a checkpoint's quantization config says about its 4-bit modules: `format_of(module)` is how one is
     packed, or None where the config leaves it unquantized. `from_config` is None for a config without 4-bit
@@ -291,18 +318,7 @@ class CompressedTensorsScheme(FourBitScheme):
             fmt = self._group_format(w, group.get("format") or top, key)
             self.groups.append((gname, targets, fmt))
         self.has_four_bit = any(fmt is not None for _, _, fmt in self.groups)
-        self.ignore_exact: set[str] = set()
-        self.ignore_regex: list[re.Pattern[str]] = []
-        for item in qc.get("ignore") or []:
-            if not isinstance(item, str):
-                raise LoaderError(f"config.json: quantization_config.ignore entry {item!r} is not a string")
-            if item.startswith("re:"):
-                try:
-                    self.ignore_regex.append(re.compile(item[3:]))
-                except re.error as e:
-                    raise LoaderError(f"config.json: bad regex in quantization_config.ignore {item!r}: {e}") from e
-            else:
-                self.ignore_exact.add(item)
+        self.ignore = IgnoreList.parse(qc.get("ignore"), "quantization_config.ignore")
 
     @staticmethod
     def _group_format(w: dict[str, Any], fmt: str | None, key: str) -> ModuleFormat | None:
@@ -346,9 +362,9 @@ class CompressedTensorsScheme(FourBitScheme):
 
     def format_of(self, module: str, marker: TensorInfo) -> ModuleFormat | None:
         """compressed-tensors' precedence: a target naming the module, then a regex, then the class "Linear"."""
-        names = name_variants(module)
-        if names & self.ignore_exact or any(rx.match(n) for rx in self.ignore_regex for n in names):
+        if module in self.ignore:
             return None
+        names = name_variants(module)
 
         def rank(target: str) -> int | None:
             if target in names:

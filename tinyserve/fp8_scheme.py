@@ -9,12 +9,11 @@ tensor or channel), the last two also as the FP8 layers of a checkpoint whose ot
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tinyserve.four_bit import CT_FORMATS, FOUR_BIT_METHODS
-from tinyserve.model_config import LoaderError, TensorInfo, TensorToLoad, canonical_name, is_vision_tensor
+from tinyserve.four_bit import CT_FORMATS, FOUR_BIT_METHODS, IgnoreList
+from tinyserve.model_config import LoaderError, TensorInfo, TensorToLoad, is_vision_tensor
 from tinyserve.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -31,8 +30,7 @@ class Fp8Scheme:
 
     method: str | None = None                       # "fp8" | "compressed-tensors" | "modelopt" | None
     block: tuple[int, int] = (128, 128)             # block size for block scales
-    ignore_exact: set[str] = field(default_factory=set)
-    ignore_regex: list[re.Pattern[str]] = field(default_factory=list)
+    ignore: IgnoreList = field(default_factory=IgnoreList)
 
     @classmethod
     def from_config(cls, qc: dict[str, Any] | None) -> "Fp8Scheme":
@@ -48,7 +46,7 @@ class Fp8Scheme:
         if method == "fp8":
             if qc.get("weight_block_size") is not None:
                 scheme.block = cls._block(qc["weight_block_size"], "quantization_config.weight_block_size")
-            ignore = qc.get("modules_to_not_convert") or []
+            ignore = qc.get("modules_to_not_convert"), "quantization_config.modules_to_not_convert"
         elif method == "compressed-tensors":
             fmt = qc.get("format")
             if fmt not in CT_FORMATS + (None,):
@@ -65,21 +63,12 @@ class Fp8Scheme:
                 if w.get("strategy") == "block" and w.get("block_structure") is not None:
                     scheme.block = cls._block(w["block_structure"],
                                               f"quantization_config.config_groups.{gname}.weights.block_structure")
-            ignore = qc.get("ignore") or []
+            ignore = qc.get("ignore"), "quantization_config.ignore"
         else:
             raise LoaderError(f"config.json: quantization_config.quant_method {method!r} is not supported "
                               f"(supported: 'fp8', 'compressed-tensors', {', '.join(map(repr, FOUR_BIT_METHODS))}; "
                               f"bitsandbytes, GGUF, AQLM, HQQ, EXL2 and other formats are not)")
-        for item in ignore:
-            if not isinstance(item, str):
-                raise LoaderError(f"config.json: quantization ignore list entry {item!r} is not a string")
-            if item.startswith("re:"):
-                try:
-                    scheme.ignore_regex.append(re.compile(item[3:]))
-                except re.error as e:
-                    raise LoaderError(f"config.json: bad regex in quantization ignore list {item!r}: {e}") from e
-            else:
-                scheme.ignore_exact.add(item)
+        scheme.ignore = IgnoreList.parse(*ignore)
         return scheme
 
     @staticmethod
@@ -88,14 +77,6 @@ class Fp8Scheme:
                 or not all(isinstance(v, int) and v > 0 for v in value)):
             raise LoaderError(f"config.json: {key} must be two positive ints, found {value!r}")
         return value[0], value[1]
-
-    def is_ignored(self, module: str) -> bool:
-        """Module listed as not quantized; matched against its checkpoint and canonical names."""
-        canon = canonical_name(module + ".weight")[: -len(".weight")]
-        variants = {module, canon, "model." + canon, "model.language_model." + canon}
-        if variants & self.ignore_exact:
-            return True
-        return any(rx.match(v) for rx in self.ignore_regex for v in variants)
 
 
 def pair_scales(items: list[TensorToLoad], tensors: dict[str, TensorInfo], scheme: Fp8Scheme) -> None:
@@ -119,7 +100,7 @@ def pair_scales(items: list[TensorToLoad], tensors: dict[str, TensorInfo], schem
     for item in items:
         if item.info.dtype in _FP8_DTYPES:
             module = item.info.name[: -len(".weight")] if item.info.name.endswith(".weight") else item.info.name
-            if scheme.is_ignored(module):
+            if module in scheme.ignore:
                 raise LoaderError(f"tensor {item.info.name!r} is stored as FP8 but its module is listed as not "
                                   f"quantized (modules_to_not_convert / ignore)")
             if item.scale is None:
