@@ -609,6 +609,11 @@ class StreamResult:
     end: float = 0.0
     count: int = 0                 # generated tokens, as the server counts them
     token_ids: list[int] = field(default_factory=list)   # the ids the events carried (may miss some: see below)
+    stamps: list[float] = field(default_factory=list)    # the arrival of each counted token
+
+    def tokens_within(self, a: float, b: float) -> int:
+        """Tokens that arrived after a, up to b."""
+        return sum(a < t <= b for t in self.stamps)
 
     @property
     def ttft(self) -> float:
@@ -632,8 +637,10 @@ async def stream_sse(session, url: str, body: dict, progress) -> StreamResult:
             ids, total = progress(json.loads(line[6:]))
             res.token_ids += ids
             count = max(res.count, len(res.token_ids) if total is None else total)
-            if count > res.count and res.first is None:
-                res.first = time.perf_counter()
+            if count > res.count:
+                now = time.perf_counter()
+                res.first = now if res.first is None else res.first
+                res.stamps += [now] * (count - res.count)
             res.count = count
     res.end = time.perf_counter()
     return res

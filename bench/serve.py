@@ -55,8 +55,10 @@ the checkpoint as `<name>-<TYPE>.gguf`. The GGUF's file type is checked against 
 
 Every figure is printed with its spread over the rounds (min-max), every ratio with the spread of the rounds' own
 ratios (the systems of a round measured one after the other). With --weights, the 1-request and 8-concurrent rows
-are followed by their decode-only rates (the same requests: the tokens after the first over the time from the first
-token of any of them to the last), on which the issue's targets are checked.
+are followed by their decode-only rates, on which the issue's targets are checked: the same requests' tokens that
+arrived while all of them were decoding (after the last of their first tokens, up to the first of their last ones)
+over that time. No prefill counts, whether a server prefilled the requests in one step or in two (tinyserve starts
+on the first request to arrive and prefills the other seven in its next step; llama-server took all eight at once).
 
 --context C1,C2,...: decode as the context grows instead. For each length, one prompt of that many tokens is sent
 once to each system (its prefill, timed: prompt tokens / time to first token), then again each round with
@@ -167,10 +169,11 @@ class HTTPSystem:
     async def measure(self, prompts: list[list[int]], max_tokens: int, ttft: bool) -> Sample:
         wall, results = await stream_many(self._session(), self.server.url + self.path,
                                           [self.body(p, max_tokens) for p in prompts], self.progress)
-        first, last, count = min(r.first or r.end for r in results), max(r.end for r in results), \
-            sum(r.count for r in results)
-        return Sample(results[0].ttft if ttft else wall, [r.token_ids for r in results],
-                      [r.count for r in results], (count - 1) / (last - first) if last > first else None)
+        # decode: while every request is decoding (from the last first token to the first last one), so that no
+        # prefill counts, whichever steps a server gave the requests' prefills
+        a, b = max(r.first or r.end for r in results), min(r.end for r in results)
+        return Sample(results[0].ttft if ttft else wall, [r.token_ids for r in results], [r.count for r in results],
+                      sum(r.tokens_within(a, b) for r in results) / (b - a) if b > a else None)
 
     async def stream(self, prompt: list[int], max_tokens: int):
         """One streamed request, its StreamResult (start, first and last token)."""
@@ -620,8 +623,9 @@ def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Re
     print(f"  load average before {load_before}, after {load_after}; other processes used {others:.2f} cores "
           f"on average during the run ({os.cpu_count()} CPUs)")
     print("  times: wall clock in this script (HTTP: request sent -> streamed token; in-process and "
-          "transformers: around the call)" + ("; decode only: the tokens after the first over the time from the "
-                                              "first token (of any request) to the last" if weights else "") + "\n")
+          "transformers: around the call)" + ("; decode only: the tokens that arrived while every request was "
+                                              "decoding (last first token -> first last token) over that time"
+                                              if weights else "") + "\n")
     print(fmt_table(rows, ("measure", *(systems[name].label for name in names))))
     spread = " (per-round ratios' min-max in brackets)" if args.rounds > 1 else ""
     if weights:

@@ -129,7 +129,7 @@ def cycling(fn, items: list, calls: int):
 
 @torch.inference_mode()
 def shape_table(shapes: dict, group: int, rows_list: list[int], rounds: int, reference: bool,
-                gen: torch.Generator) -> tuple[list, float, float]:
+                gen: torch.Generator, dtype: torch.dtype) -> tuple[list, float, float]:
     t = Timings()
     (read_fn, read_bytes), (copy_fn, copy_bytes) = memory_bandwidth()
     t.add("read", read_fn)
@@ -142,13 +142,14 @@ def shape_table(shapes: dict, group: int, rows_list: list[int], rounds: int, ref
         calls = [w4_call(w) for w in w4s]
         for rows in rows_list:
             x = torch.randn(rows, K, generator=gen)
+            x4 = x.to(dtype)
             big = rows > 16                                 # compute-bound: a few calls are enough
             n4, nf = (3, 2) if big else (len(calls), len(f32s))
-            t.add((name, rows, "w4"), cycling(lambda call, x=x: call(x), calls, n4), n4)
+            t.add((name, rows, "w4"), cycling(lambda call, x=x4: call(x), calls, n4), n4)
             for route, fn in f32_routes(x).items():
                 t.add((name, rows, route), cycling(fn, f32s, nf), nf)
             if reference:
-                t.add((name, rows, "reference"), cycling(lambda w, x=x: w4_linear_reference(x, w), w4s, 2), 2)
+                t.add((name, rows, "reference"), cycling(lambda w, x=x4: w4_linear_reference(x, w), w4s, 2), 2)
     best = t.measure(rounds)
     read_bw, copy_bw = read_bytes / best["read"] / 1e9, copy_bytes / best["copy"] / 1e9
     out = []
@@ -165,7 +166,8 @@ def shape_table(shapes: dict, group: int, rows_list: list[int], rounds: int, ref
 
 
 @torch.inference_mode()
-def step_table(group: int, rows_list: list[int], rounds: int, gen: torch.Generator, read_bw: float) -> list:
+def step_table(group: int, rows_list: list[int], rounds: int, gen: torch.Generator, read_bw: float,
+               dtype: torch.dtype) -> list:
     """One decode step's projections (the whole model), 4-bit against float32's faster route."""
     shapes = step_shapes()
     w4s = [random_w4(N, K, group, gen) for N, K in shapes]
@@ -174,7 +176,7 @@ def step_table(group: int, rows_list: list[int], rounds: int, gen: torch.Generat
     t = Timings()
     for rows in rows_list:
         xs = {K: torch.randn(rows, K, generator=gen) for K in {k for _, k in shapes}}
-        calls = [(w4_call(w), xs[w.in_features]) for w in w4s]
+        calls = [(w4_call(w), xs[w.in_features].to(dtype)) for w in w4s]
         t.add((rows, "w4"), lambda calls=calls: [call(x) for call, x in calls])
         for route in f32_routes(xs[shapes[0][1]]):
             routes = [(f32_routes(xs[w.shape[1]])[route], w) for w in f32s]
@@ -196,25 +198,28 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", help="names from: " + ", ".join(model_shapes()))
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--no-reference", action="store_true", help="leave out the (slow) torch reference")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="x's dtype for the 4-bit op (the float32 routes stay float32)")
     ap.add_argument("--no-step", action="store_true", help="leave out the whole-step table")
     args = ap.parse_args()
     if not w4_cpu.built():
         raise SystemExit("kernels/w4_cpu.c did not build (no C compiler?)")
-    gen = torch.Generator().manual_seed(0)
+    gen, dtype = torch.Generator().manual_seed(0), getattr(torch, args.dtype)
     meter, load = CpuMeter().start(), load_average()
     path = {512: "AVX-512", 256: "AVX2+FMA", 0: "portable C"}[w4_cpu.library().w4_path()]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel path {path}, op in "
           f"{'C++' if w4_cpu.op_in_cpp() else 'Python'}; best of {args.rounds} rounds; load before: {load}\n")
     shapes = {k: v for k, v in model_shapes().items() if not args.shapes or k in args.shapes}
     for group in args.groups:
-        rows, read_bw, copy_bw = shape_table(shapes, group, args.rows, args.rounds, not args.no_reference, gen)
-        print(f"int4, group {group}, float16 scales, float32 x; memory: read {read_bw:.1f} GB/s, copy {copy_bw:.1f} "
+        rows, read_bw, copy_bw = shape_table(shapes, group, args.rows, args.rounds, not args.no_reference, gen,
+                                               dtype)
+        print(f"int4, group {group}, float16 scales, {args.dtype} x; memory: read {read_bw:.1f} GB/s, copy {copy_bw:.1f} "
               f"GB/s (read + write)")
         print(fmt_table(rows, ("projection", "N x K", "rows", "w4 us", "w4 GB/s", "of read bw", "f32 us (route)",
                                "f32 / w4", "reference us")))
         print()
         if not args.no_step:
-            step = step_table(group, [n for n in args.rows if n <= 16], args.rounds, gen, read_bw)
+            step = step_table(group, [n for n in args.rows if n <= 16], args.rounds, gen, read_bw, dtype)
             print(f"one decode step's projections (the whole model: {len(step_shapes())} GEMMs), group {group}:")
             print(fmt_table(step, ("rows", "w4 ms", "w4 GB/s", "w4 at read bw ms", "f32 ms", "f32 GB/s",
                                    "f32 / w4")))

@@ -18,7 +18,8 @@
  * NB * MB sums stay in registers); more rows of x are further passes over the same rows of W, in L1 by then. The
  * output rows are split over the threads of torch's own OpenMP team (the same libgomp, loaded once).
  *
- * Paths, chosen when this file is compiled (-march=native: the CPU's own flags): AVX-512 (the tables), AVX2 + FMA (a
+ * Paths, chosen when this file is compiled (-march=native: the CPU's own flags): AVX-512 (the tables; with AVX512_BF16
+ * and bfloat16 x, the weights made as bfloat16 and multiplied by bfloat16 dot products: block_bf), AVX2 + FMA (a
  * chunk of 16 columns, each code converted and scaled with arithmetic: AVX2 has no 16-entry permute), and portable C
  * for the rest (and for a group size the vector paths do not take: not a multiple of 16). w4_dequant writes W's rows
  * in float32 or bfloat16 for a prefill's float GEMM (w4_cpu.py: which is faster there).
@@ -320,6 +321,112 @@ block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, 
     }
 }
 
+
+#if defined(__AVX512BF16__)
+/* bfloat16 x on a CPU with bfloat16 dot products (AVX512_BF16): the weights are made as bfloat16 (the table is a
+ * group's 16 weights rounded to bfloat16, as the reference rounds them) and vdpbf16ps multiplies 32 pairs at once,
+ * twice the float32 path's products per instruction; each product of two bfloat16 values is exact in float32, so the
+ * result is still the reference's up to the order of the sums (vdpbf16ps reads a subnormal bfloat16 as 0: the
+ * reference's x and weights have none in practice). A chunk is 64 columns (32 bytes of codes a row) in one group
+ * (group % 64 == 0): vpermw takes 32 codes at once, its 32-entry table being the group's 16 weights twice, so a
+ * byte zero-extended to 16 bits indexes its low code as it is (bit 4, the high code's lowest, picks the same copy)
+ * and its high code after a shift. x is laid out to match (prepare_xb): each chunk's 32 even columns, then its odd. */
+#define BCH 64
+
+static inline __attribute__((always_inline)) __m512i table_bf16(__m512 t) {   /* t: 16 bfloat16 values in float32 */
+    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(t), 16));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+}
+
+static inline __attribute__((always_inline)) void
+block_bf(const weight_t *w, const uint8_t *const *cp, const uint16_t *xb, int64_t Kp, const int mb, const int mode,
+         const float *sf, const float *zf, int G, float *out) {
+    __m512 acc[NB][MB], acc_odd[NB];
+    _Pragma("GCC unroll 4")
+    for (int n = 0; n < NB; n++) {
+        acc_odd[n] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 4")
+        for (int m = 0; m < mb; m++) acc[n][m] = _mm512_setzero_ps();
+    }
+    const __m512 izp = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_ps((float)w->zp));
+    const __m512 gs = _mm512_set1_ps(w->gs);
+    const int per = w->group / BCH;
+    const char *ahead = (const char *)cp[0] + NB * w->cs;  /* as block(): two lines of the next block a chunk */
+    for (int g = 0; g < G; g++) {
+        __m512i tb[NB];
+        _Pragma("GCC unroll 4")
+        for (int n = 0; n < NB; n++) tb[n] = table_bf16(table(mode, sf + n * G, zf + n * G, g, izp, gs, 1));
+        for (int c = g * per; c < (g + 1) * per; c++) {
+            _mm_prefetch(ahead + c * 128, _MM_HINT_T0);
+            _mm_prefetch(ahead + c * 128 + 64, _MM_HINT_T0);
+            const uint16_t *xc = xb + (int64_t)c * BCH;
+            _Pragma("GCC unroll 4")
+            for (int n = 0; n < NB; n++) {
+                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(cp[n] + c * 32)));
+                __m512bh we = (__m512bh)_mm512_permutexvar_epi16(v, tb[n]);
+                __m512bh wo = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tb[n]);
+                _Pragma("GCC unroll 4")
+                for (int m = 0; m < mb; m++) {
+                    __m512bh xe = (__m512bh)_mm512_loadu_si512(xc + m * Kp), xo = (__m512bh)_mm512_loadu_si512(xc + m * Kp + 32);
+                    acc[n][m] = _mm512_dpbf16_ps(acc[n][m], we, xe);
+                    if (mb == 1)
+                        acc_odd[n] = _mm512_dpbf16_ps(acc_odd[n], wo, xo);
+                    else
+                        acc[n][m] = _mm512_dpbf16_ps(acc[n][m], wo, xo);
+                }
+            }
+        }
+    }
+    if (mb == 1) {
+        _Pragma("GCC unroll 4")
+        for (int n = 0; n < NB; n++) out[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[n][0], acc_odd[n]));
+    } else {
+        __m512 sums[NB * MB];
+        _Pragma("GCC unroll 16")
+        for (int i = 0; i < NB * MB; i++) sums[i] = i / NB < mb ? acc[i % NB][i / NB] : _mm512_setzero_ps();
+        _mm512_storeu_ps(out, reduce16(sums));
+    }
+}
+
+/* xb [M][Kp] bfloat16 (K a multiple of 64 here): each chunk's 32 even columns, then its 32 odd ones */
+static void prepare_xb(const uint16_t *x, int64_t xs, int M, int K, const int64_t *perm, uint16_t *xb, int64_t Kp) {
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26,
+                                          24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i one = _mm512_set1_epi16(1);
+    for (int m = 0; m < M; m++) {
+        const uint16_t *row = x + (int64_t)m * xs;
+        uint16_t *out = xb + m * Kp;
+        if (perm) {
+            for (int64_t c = 0; c < K; c += BCH)
+                for (int i = 0; i < BCH / 2; i++) {
+                    out[c + i] = row[perm[c + 2 * i]];
+                    out[c + BCH / 2 + i] = row[perm[c + 2 * i + 1]];
+                }
+            continue;
+        }
+        for (int64_t c = 0; c < K; c += BCH) {
+            __m512i a = _mm512_loadu_si512(row + c), b = _mm512_loadu_si512(row + c + 32);
+            _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(a, even, b));
+            _mm512_storeu_si512(out + c + 32, _mm512_permutex2var_epi16(a, _mm512_add_epi16(even, one), b));
+        }
+    }
+}
+
+typedef void block_bf_fn(const weight_t *, const uint8_t *const *, const uint16_t *, int64_t, const float *,
+                         const float *, int, float *);
+#define INSTANCE_BF(MB_, MODE_)                                                                                    \
+    static __attribute__((noinline)) void block_bf_##MB_##_##MODE_(const weight_t *w, const uint8_t *const *cp,   \
+            const uint16_t *xb, int64_t Kp, const float *sf, const float *zf, int G, float *out) {                \
+        block_bf(w, cp, xb, Kp, MB_, MODE_, sf, zf, G, out);                                                       \
+    }
+#define MODES_BF(MB_) INSTANCE_BF(MB_, 0) INSTANCE_BF(MB_, 1) INSTANCE_BF(MB_, 2)
+#define ROW_BF(MB_) {block_bf_##MB_##_0, block_bf_##MB_##_1, block_bf_##MB_##_2}
+MODES_BF(1) MODES_BF(2) MODES_BF(3) MODES_BF(4)
+static block_bf_fn *const BLOCKS_BF[MB][3] = {ROW_BF(1), ROW_BF(2), ROW_BF(3), ROW_BF(4)};   /* [mb - 1][mode] */
+#define BF16_DOTS 1
+#endif
+
 #elif PATH == 256
 /* AVX2: no 16-entry permute, so each code is converted and scaled: (float(q) - z) * s (the reference's two exact
  * steps), fp4's E2M1 magnitude from an 8-entry permute of the low 3 bits and its sign from bit 3. A chunk is 16
@@ -395,6 +502,9 @@ block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, 
 #else
 #define MB 1
 #endif
+#ifndef BF16_DOTS
+#define BF16_DOTS 0
+#endif
 
 #if PATH
 /* one function per (rows of x, dual, mode): each compiled with its constants */
@@ -442,6 +552,8 @@ static void block_scalar(const weight_t *w, const uint8_t *const *cp, const floa
 
 /* which path this build compiled: 512, 256 or 0 (the tests check that a build for AVX2 took it) */
 int w4_path(void) { return PATH; }
+/* whether it has the bfloat16 dot products (block_bf: bfloat16 x, group % 64 == 0) */
+int w4_bf16_dots(void) { return BF16_DOTS; }
 
 static int setup(weight_t *w, int xdt) {
     if (w->K <= 0 || w->N <= 0 || w->group <= 0 || w->group % 2 || w->K % w->group)
@@ -462,12 +574,18 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
     int bad = setup(&w, xdt);
     if (bad || M <= 0)
         return bad ? bad : M < 0;
+    const int bf = BF16_DOTS && xdt == BF16 && group % 64 == 0;         /* bfloat16 dot products (block_bf) */
     const int vec = PATH && group % 16 == 0, ch = vec ? CH : 2;
-    const int64_t Kp = (K + ch - 1) / ch * ch;
-    float *xd = malloc(sizeof(float) * M * Kp);
+    const int64_t Kp = bf ? K : (K + ch - 1) / ch * ch;
+    void *xd = malloc((bf ? 2 : sizeof(float)) * M * Kp);
     if (!xd)
         return 3;
-    prepare_x(x, xdt, xs, M, K, perm, xd, Kp, ch);
+#if BF16_DOTS
+    if (bf)
+        prepare_xb(x, xs, M, K, perm, xd, Kp);
+    else
+#endif
+        prepare_x(x, xdt, xs, M, K, perm, xd, Kp, ch);
     const int G = K / group, blocks = (N + NB - 1) / NB;
     /* a few hundred output rows are worth a second thread's start (~2 us); fewer run on the calling thread alone */
     int threads = (int64_t)N * K * (M < 4 ? M : 4) < (1 << 18) ? 1 : omp_get_max_threads();
@@ -483,7 +601,12 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
         }
         for (int m0 = 0; m0 < M; m0 += MB) {               /* passes of MB rows of x over the block's rows */
             int mb = M - m0 < MB ? M - m0 : MB;
-            const float *xm = xd + (int64_t)m0 * Kp;
+            const float *xm = (const float *)xd + (int64_t)m0 * Kp;
+#if BF16_DOTS
+            if (bf)
+                BLOCKS_BF[mb - 1][w.mode](&w, cp, (const uint16_t *)xd + (int64_t)m0 * Kp, Kp, sf, zf, G, out);
+            else
+#endif
 #if PATH
             if (vec)
                 BLOCKS[group % 32 != 0][mb - 1][w.mode](&w, cp, xm, Kp, sf, zf, G, out);

@@ -1,7 +1,10 @@
 """y = x W^T on the CPU for 4-bit weights kept packed (kernels/w4_weight.py), activations float32 or bfloat16
 (w4_cpu.c): the codes are read in place and dequantized in registers, the products summed in float32. No activation
 is quantized: the result is the dequantized checkpoint's product up to the order of the sums (the torch reference,
-kernels/w4.py's w4_linear_reference, is the oracle: tests/test_w4_cpu.py).
+kernels/w4.py's w4_linear_reference, is the oracle: tests/test_w4_cpu.py). With bfloat16 activations on a CPU that
+has bfloat16 dot products (AVX512_BF16), the weights are made as bfloat16, as the reference rounds them, and
+multiplied by those (each product exact in float32, twice the float32 path's per instruction): a batch of decodes
+is bound by the kernel's arithmetic, which this halves.
 
 Built once per machine and source into the cache folder: the kernel with the C compiler torch.compile already
 needs (-march=native: AVX-512, AVX2 + FMA or portable C), and the torch op around it (`tinyserve::w4_linear_cpu`)
@@ -45,11 +48,21 @@ ERRORS = {1: "a shape it does not take", 2: "a dtype or kind it does not take", 
 
 
 # Rows of x up to which the GEMM kernel runs; more: dequantized blocks and oneDNN's GEMM (`prefill`). Measured on a
-# 2-core Zen 4 (bench/w4_gemm.py's shapes, 1 thread): float32, the kernel was faster up to 128 rows and within 5%
-# at 256; bfloat16, oneDNN's GEMM runs on the CPU's bfloat16 dot products (AVX512_BF16, AMX) at twice the float32
-# rate and was faster from 32 rows (1.3x; 2x from 64). Without those instructions bfloat16 is float32's case.
+# 2-core Zen 4 (bench/w4_gemm.py's shapes): float32, the kernel was faster up to 128 rows and within 5% at 256;
+# bfloat16, oneDNN's GEMM runs on the CPU's bfloat16 dot products (AVX512_BF16, AMX) at twice the float32 rate and
+# was faster than the kernel's float32 products from 32 rows (1.3x; 2x from 64); the kernel's own bfloat16 dot
+# products (groups of 64 and 128) kept it ahead up to 32 rows (48: oneDNN 1.3x). Without those instructions bfloat16
+# is float32's case.
 _BF16_DOTS = any({"avx512_bf16", "amx_bf16"} & set(line.split()) for line in cpu_info() if line.startswith("flags"))
 GEMM_ROWS = {torch.float32: 128, torch.bfloat16: 16 if _BF16_DOTS else 128}
+KERNEL_DOTS_ROWS = 32       # bfloat16 x through the kernel's own dot products (w4_cpu.c's block_bf)
+
+
+def gemm_rows(x: torch.Tensor, w: W4Weight) -> int:
+    """Rows of x up to which this call goes through the GEMM kernel."""
+    if x.dtype == torch.bfloat16 and w.group % 64 == 0 and kernel_dots():
+        return KERNEL_DOTS_ROWS
+    return GEMM_ROWS.get(x.dtype, GEMM_ROWS[torch.float32])
 
 
 def _op_steps(obj: Path, kernel_obj: Path, so: Path) -> list[list[str]]:
@@ -105,6 +118,7 @@ def build(flags: tuple[str, ...] = FLAGS, with_op: bool = True) -> ctypes.CDLL |
     lib.w4_dequant.argtypes = [p, i64, p, i32, i64, p, i64, i32, i32, i32, i32, i32, f32, i32, i32, p, i32]
     lib.w4_dequant.restype = i32
     lib.w4_path.restype = i32
+    lib.w4_bf16_dots.restype = i32
     return lib
 
 
@@ -123,6 +137,12 @@ def op_in_cpp() -> bool:
     return library() is not None and hasattr(library(), "w4_torch_op")
 
 
+@torch.compiler.assume_constant_result
+def kernel_dots() -> bool:
+    """Whether the library has the bfloat16 dot products (w4_cpu.c's block_bf)."""
+    return library() is not None and bool(library().w4_bf16_dots())
+
+
 def usable(x: torch.Tensor, w: W4Weight) -> bool:
     """Can the kernel take this call? (the CPU, a float x, one 2-D weight (an expert's view is one) whose rows are
     contiguous, a built library)."""
@@ -136,7 +156,7 @@ def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype (call when `usable(x, w)`)."""
     # int4's global scale is 1: a constant, not a float a compiled graph would take as an input (and .item())
     args = (x, w.codes, w.scales, w.zeros, w.perm, w.group, KIND_CODES[w.kind], w.zero_point,
-            w.global_scale if w.kind == "fp4" else 1.0, GEMM_ROWS.get(x.dtype, GEMM_ROWS[torch.float32]))
+            w.global_scale if w.kind == "fp4" else 1.0, gemm_rows(x, w))
     if op_in_cpp():
         return torch.ops.tinyserve.w4_linear_cpu(*args)
     return torch.ops.tinyserve.w4_linear_cpu_python(*args)

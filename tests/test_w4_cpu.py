@@ -84,7 +84,7 @@ def python_op(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """The op as it runs without a C++ compiler (w4_cpu.py's Python version of w4_cpu.c's C++ half)."""
     return torch.ops.tinyserve.w4_linear_cpu_python(x, w.codes, w.scales, w.zeros, w.perm, w.group,
                                                     w4_cpu.KIND_CODES[w.kind], w.zero_point, w.global_scale,
-                                                    w4_cpu.GEMM_ROWS.get(x.dtype, 128))
+                                                    w4_cpu.gemm_rows(x, w))
 
 
 OPS = {"op": w4_cpu.w4_linear, "python op": python_op}
@@ -222,20 +222,28 @@ def test_inside_a_compiled_function():
     assert {op, op + ".default"} & set(targets), targets
 
 
-# The other paths of the same source, built on this CPU with the wider vector units turned off: what a CPU without
-# AVX-512 (AVX2 + FMA), or without either, runs.
-OTHER_BUILDS = {256: ("-mno-avx512f",), 0: ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+# The other paths of the same source, built on this CPU with the wider vector units turned off: what a CPU with
+# AVX-512 but no bfloat16 dot products, with AVX2 + FMA, or with neither, runs.
+OTHER_BUILDS = {(512, 0): ("-mno-avx512bf16",), (256, 0): ("-mno-avx512f",),
+                (0, 0): ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
 
 
-@pytest.mark.parametrize("path", sorted(OTHER_BUILDS))
-def test_the_other_vector_paths(path):
+def test_the_native_build_takes_the_cpus_bfloat16_dots():
+    """With AVX512_BF16 the tests above ran bfloat16 x (groups of 64 and 128) through the dot-product path."""
+    lib = w4_cpu.library()
+    has = any("avx512_bf16" in line.split() for line in w4_cpu.cpu_info() if line.startswith("flags"))
+    assert lib.w4_bf16_dots() == int(lib.w4_path() == 512 and has)
+
+
+@pytest.mark.parametrize("path, dots", sorted(OTHER_BUILDS))
+def test_the_other_vector_paths(path, dots):
     native = w4_cpu.library()
-    if native.w4_path() < 256 or path == native.w4_path():
+    if native.w4_path() < max(path, 256) or (path, dots) == (native.w4_path(), native.w4_bf16_dots()):
         pytest.skip("this CPU builds that path natively (tested above) or cannot build it")
-    lib = w4_cpu.build(w4_cpu.FLAGS + OTHER_BUILDS[path])
+    lib = w4_cpu.build(w4_cpu.FLAGS + OTHER_BUILDS[(path, dots)])
     if lib is None:
         pytest.skip("the C compiler does not take these flags (not x86)")
-    assert lib.w4_path() == path
+    assert (lib.w4_path(), lib.w4_bf16_dots()) == (path, dots)
     for N, K, group, kind, sdt, asym, act in CASES:
         w = make_weight(N, K, group, kind, sdt, asym, act, seed=N)
         for rows in (1, 2, 5, 16):
