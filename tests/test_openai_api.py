@@ -570,8 +570,14 @@ def test_context_length_exceeded(server):
     long = [{"role": "user", "content": "What is the best book " * 200}]
     error = error_of(server, "/v1/chat/completions", {"messages": long})
     assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    aborted = 'tinyserve:request_finished_total{finish_reason="abort"}'
+    before = http("GET", server.base_url + "/metrics")[2].decode()
     error = error_of(server, "/v1/completions", {"prompt": ["x", "word " * 2000]})
     assert error["code"] == "context_length_exceeded" and error["message"].startswith("prompt[1]")
+    after = http("GET", server.base_url + "/metrics")[2].decode()
+    # every prompt is checked before any is submitted: "x" was neither started nor cancelled
+    assert [line for line in before.splitlines() if line.startswith(aborted)] == \
+        [line for line in after.splitlines() if line.startswith(aborted)]
 
 
 def test_invalid_chat_requests(server):

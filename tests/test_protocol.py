@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from tinyserve.chat import ChatFormat
+from tinyserve.config import Config
 from tinyserve.generation import Choice, Meta, Piece, Usage
 from tinyserve.openai_api import (chat_events, completion_body, completion_events, parse_chat_request,
                                   parse_completion_request)
-from tinyserve.protocol import SSE_DONE, APIError, Fields, sampling_params
+from tinyserve.protocol import SSE_DONE, APIError, Fields
+from tinyserve.request import Intake, RequestError
 
 USER = [{"role": "user", "content": "x"}]
 
@@ -186,12 +189,15 @@ def test_engine_error_fields_map_to_what_the_client_sent():
     assert Fields("input", renamed={"response_format": "text.format"}).of("response_format") == "text.format"
 
 
-def test_sampling_params_after_fit():
+def test_min_tokens_after_fit():
     """min_tokens is cut to a max_tokens the engine chose, never to one the client chose (that is an error)."""
+    intake = Intake(Config(), context_length=24, kv_tokens=64, vocab_size=100)
     free = parse_chat_request({"messages": USER, "min_tokens": 50}, "tinyserve").options
-    assert (sampling_params(free, 20).max_tokens, sampling_params(free, 20).min_tokens) == (20, 20)
+    req = intake.make_request([1, 2, 3, 4], replace(free.params, max_tokens=free.max_tokens))
+    assert (req.params.max_tokens, req.params.min_tokens) == (20, 20)
     fixed = parse_chat_request({"messages": USER, "min_tokens": 50, "max_tokens": 20}, "tinyserve").options
-    assert sampling_params(fixed, 20).min_tokens == 50
+    with pytest.raises(RequestError, match="min_tokens"):
+        intake.make_request([1, 2, 3, 4], replace(fixed.params, max_tokens=fixed.max_tokens))
 
 
 class _Event:

@@ -84,6 +84,7 @@ from aiohttp import web
 from .chat import (ChatFormat, ChatRequest, ChatStreamChoice, chat_tools, count_reasoning_tokens, function_tool,
                    function_tools, leave_out, named_tool)
 from .context_edits import Edit, apply_edits, parse_edits
+from .engine import ContextError
 from .generation import Choice, Meta, Piece, Usage
 from .http_images import prepare_images
 from .protocol import (APIError, Fields, GenerationOptions, ImageInput, bad_request, boolean, header_values,
@@ -520,8 +521,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
     images: list[Any] = []
     if req.chat.images:                               # the ids grow by each image's tokens
         prompt, images = await prepare_images(state, engine, req.chat.images, prompt, FIELDS)
-    with start_generation(state, engine, req.chat.options, [prompt], "msg_", FIELDS, images,
-                          clamp_max_tokens=True) as gen:
+    try:                                              # Claude Code's large max_tokens: cut to what fits (above)
+        req.chat.options.max_tokens = engine.intake.fit_max_tokens(len(prompt), req.chat.options.max_tokens, clamp=True)
+    except ContextError as e:
+        raise FIELDS.context_error(e, [prompt]) from None
+    with start_generation(state, engine, req.chat.options, [prompt], "msg_", FIELDS, images) as gen:
         if req.chat.options.stream:
             return await sse(request, message_events(chat, req, gen.meta, gen.pieces()))
         (choice,) = await gen.collect()

@@ -260,9 +260,7 @@ class PrefixCache(Cache):
 
     # ---- prefill chunks ----
     def plan_prefill(self, req: Request, n: int, align: int | None) -> tuple[int, list[tuple[int, int]]]:
-        run, start = self.runs.get(req.request_id), req.num_computed
-        if run is None:
-            return n, []
+        run, start = self.runs[req.request_id], req.num_computed     # admitted: its run is there
         for slot in run.written.values():        # planned for a chunk that did not run (no pages for it)
             self.state_pool.free_snapshot(slot)
         run.written.clear()

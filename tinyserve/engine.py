@@ -39,13 +39,13 @@ from tinyserve.copies import CopyStream
 from tinyserve.images import ProcessedImage
 from tinyserve.pools import KVPool, PageAllocator, StatePool
 from tinyserve.plan import MemoryPlan
-from tinyserve.request import Intake, Request, RequestError, Status
+from tinyserve.request import ContextError, Intake, Request, RequestError, Status
 from tinyserve.runner import ModelRunner, SeqOutput
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import ScheduledSeq, Scheduler
 
-__all__ = ["Engine", "EngineInfo", "EngineStats", "RequestError", "RequestResult", "RequestStream", "StepEvent",
-           "TokenEvent", "compute_thread"]
+__all__ = ["ContextError", "Engine", "EngineInfo", "EngineStats", "RequestError", "RequestResult", "RequestStream",
+           "StepEvent", "TokenEvent", "compute_thread"]
 
 log = logging.getLogger("tinyserve.engine")
 
@@ -243,8 +243,11 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                images: list[ProcessedImage] = ()) -> RequestStream:
         """images: what Images.prepare (multimodal.py) returned for these (expanded) prompt ids."""
-        req = self.intake.make_request(prompt_ids, params, request_id, images)
-        stream = RequestStream(self, req, RequestResult(req.request_id, len(prompt_ids)))
+        return self.enqueue(self.intake.make_request(prompt_ids, params, request_id, images))
+
+    def enqueue(self, req: Request) -> RequestStream:
+        """A request intake.make_request made (and so checked): the engine thread takes it at its next step."""
+        stream = RequestStream(self, req, RequestResult(req.request_id, len(req.prompt_ids)))
         self._streams[req.request_id] = stream
         self._new.append(req)
         self._work.set()

@@ -82,7 +82,7 @@ class Meta:
 
 
 class Generation:
-    """Submits n requests for each prompt with its params (max_tokens already fitted: protocol.start_generation); the
+    """Submits n requests for each prompt with params (max_tokens None: the engine fits it to each prompt); the
     engine's RequestError for a parameter out of range comes from the first submit, before anything runs. `images`:
     what engine.images.prepare returned for the (one) prompt; every choice sees the same ones. Choice k * n + i answers
     prompt k (its i-th sample; seeds differ by i).
@@ -92,23 +92,20 @@ class Generation:
     turn, shows in the log) and its metrics. Several choices stream through one queue, one task each, in the order
     their pieces come."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, prompts: list[list[int]], params: list[SamplingParams],
+    def __init__(self, engine: Engine, metrics: Metrics, prompts: list[list[int]], params: SamplingParams,
                  n: int, stop: list[str], id_prefix: str, images: Sequence[Any] = ()) -> None:
         self.engine, self.metrics, self.prompts, self.n, self.stop = engine, metrics, prompts, n, stop
         self.meta = Meta(id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompts[0],
                          engine.tokenizer.token_text, self.usage, engine.tokenizer.token_bytes, prompts)
         self.arrival, self.completion_tokens = time.monotonic(), 0
-        self.streams, self._open = [], set()          # the engine's streams; the choices not finished yet
-        try:
-            for prompt, p in zip(prompts, params):
-                for i in range(n):
-                    seed = p.seed if p.seed is None or n == 1 else (p.seed + i) % 2 ** 64
-                    self.streams.append(engine.submit(prompt, replace(p, seed=seed),
-                                                      f"{self.meta.request_id}-{len(self.streams)}", images=images))
-                    self._open.add(len(self.streams) - 1)
-        except BaseException:
-            self.close()
-            raise
+        requests = []                                 # every one made (and checked) first: a 400 submits none
+        for prompt in prompts:
+            for i in range(n):
+                seed = params.seed if params.seed is None or n == 1 else (params.seed + i) % 2 ** 64
+                requests.append(engine.intake.make_request(prompt, replace(params, seed=seed),
+                                                           f"{self.meta.request_id}-{len(requests)}", images))
+        self.streams = [engine.enqueue(req) for req in requests]      # the engine's streams
+        self._open = set(range(len(requests)))                        # the choices not finished yet
 
     def close(self) -> None:
         for i in list(self._open):

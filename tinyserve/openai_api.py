@@ -414,9 +414,7 @@ async def completion_events(req: CompletionRequest, meta: Meta, pieces: AsyncIte
                 choice["prompt_token_ids"] = prompt
         yield sse_event(_chunk(meta, "text_completion", options, choice))
     if options.include_usage:
-        usage = meta.usage()
-        if req.prompt_only:
-            usage = replace(usage, completion_tokens=0)
+        usage = replace(meta.usage(), completion_tokens=0) if req.prompt_only else meta.usage()
         yield sse_event({**_envelope(meta, "text_completion"), "choices": [], "usage": usage_body(usage)})
     yield SSE_DONE
 

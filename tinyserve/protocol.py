@@ -5,7 +5,7 @@ Every generation route is a handler that reads top to bottom (openai_api.py, ant
     state, engine = serving(request)                                  # 503 while loading or shutting down
     req = parse_chat_request(await read_json(request), ...)           # every field checked once, here (a 400 names it)
     prompt = await asyncio.to_thread(chat.prompt_ids, req, engine.tokenizer)    # templates off the event loop
-    with start_generation(state, engine, req.options, [prompt], ...) as gen:   # capacity, max_tokens fitted, submit
+    with start_generation(state, engine, req.options, [prompt], ...) as gen:   # capacity, then submit
         if req.options.stream:
             return await sse(request, chat_events(chat, req, gen))     # the protocol's chunks, as SSE frames
         return json_response(chat_body(chat, req, gen.meta, await gen.collect(), gen.usage()))
@@ -39,7 +39,7 @@ from aiohttp import web
 from .config import Config
 from .generation import Generation
 from .images import SUPPORTED_MEDIA_TYPES, ImageError, ImageSource, decode_base64, parse_data_url
-from .engine import RequestError
+from .engine import ContextError, RequestError
 from .json_body import MAX_JSON_DEPTH, SURROGATE_ESCAPE, json_depth
 from .metrics import Metrics
 from .parsers import THINK_END
@@ -178,11 +178,13 @@ class Fields:
             return self.max_tokens
         return (self.renamed or {}).get(engine_field, engine_field)
 
-    def context_error(self, e: RequestError, which: int | None) -> APIError:
-        """A prompt or max_tokens past the context (Intake.fit_max_tokens), in the protocol's words; which: the
-        prompt's index when the request sends several."""
+    def context_error(self, e: ContextError, prompts: list[list[int]]) -> APIError:
+        """A prompt or max_tokens past the context, in the protocol's words; with several prompts the message names
+        the one that failed: the first this long (the fit depends on the length alone, and they are checked in
+        order)."""
         if e.tokens is not None and self.too_long is not None:   # the client reads the numbers: no prefix
             return APIError(400, self.too_long(*e.tokens), code="context_length_exceeded")
+        which = [len(p) for p in prompts].index(e.prompt_len) if len(prompts) > 1 else None
         where = f"{self.of(e.field)}[{which}]: " if which is not None else ""
         return APIError(400, where + str(e), self.of(e.field), code="context_length_exceeded")
 
@@ -190,13 +192,11 @@ class Fields:
 # Submit a request's generation (use it in `with`: leaving closes it, cancelling what still runs):
 # - 503 + Retry-After while the engine holds too many requests for these n x prompts (waiting for room for their
 #   images counts as queued), a 400 when they could never fit at once;
-# - each prompt's max_tokens fitted to the context (Intake.fit_max_tokens; a prompt or max_tokens past it: a 400 in
-#   the protocol's words, Fields.context_error). clamp_max_tokens cuts a max_tokens past the context instead
-#   (Anthropic's clients send one large max_tokens whatever the model); sampling_params settles min_tokens;
-# - the engine's check of the sampling parameters at the first submit: a 400 naming the field the client sent.
+# - the engine's checks at each submit (request.Intake: the sampling parameters, each prompt's max_tokens fitted to
+#   the context): a 400 naming the field the client sent; a prompt or max_tokens past the context in the protocol's
+#   words (Fields.context_error).
 def start_generation(state: ServerState, engine: Engine, options: GenerationOptions, prompts: list[list[int]],
-                     id_prefix: str, fields: Fields, images: list[Any] = (), clamp_max_tokens: bool = False
-                     ) -> closing[Generation]:
+                     id_prefix: str, fields: Fields, images: list[Any] = ()) -> closing[Generation]:
     limit = state.cfg.engine.max_running_requests + state.cfg.server.max_queued_requests
     requests = options.n * len(prompts)
     if requests > limit:
@@ -207,25 +207,13 @@ def start_generation(state: ServerState, engine: Engine, options: GenerationOpti
     if unfinished + requests > limit:
         raise APIError(503, f"the server is full ({unfinished} requests running or queued, limit {limit}); "
                             "retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
-    params = []
-    for k, prompt in enumerate(prompts):
-        try:
-            params.append(sampling_params(options, engine.intake.fit_max_tokens(len(prompt), options.max_tokens,
-                                                                                clamp_max_tokens)))
-        except RequestError as e:
-            raise fields.context_error(e, k if len(prompts) > 1 else None) from None
+    params = replace(options.params, max_tokens=options.max_tokens)
     try:
         return closing(Generation(engine, state.metrics, prompts, params, options.n, options.stop, id_prefix, images))
+    except ContextError as e:
+        raise fields.context_error(e, prompts) from None
     except RequestError as e:
         raise bad_request(str(e), fields.of(e.field)) from None
-
-
-# The request's SamplingParams once max_tokens is fitted: a min_tokens past a max_tokens the engine chose is cut to it;
-# past one the client chose, it stays (and the engine rejects it).
-def sampling_params(options: GenerationOptions, max_tokens: int) -> SamplingParams:
-    min_tokens = options.params.min_tokens if options.max_tokens is not None else \
-        min(options.params.min_tokens, max_tokens)
-    return replace(options.params, max_tokens=max_tokens, min_tokens=min_tokens)
 
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -378,8 +366,8 @@ def token_id_list(value: Any, name: str, allow_empty: bool = True) -> list[int]:
 
 @dataclass
 class GenerationOptions:
-    """What every protocol's request gives its generation. `params.max_tokens` is a placeholder until the engine
-    fits the request (start_generation)."""
+    """What every protocol's request gives its generation. `params.max_tokens` is a placeholder: start_generation
+    sends max_tokens."""
 
     params: SamplingParams
     max_tokens: int | None           # None: the engine picks (up to the end of the context)

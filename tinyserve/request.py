@@ -5,9 +5,11 @@ traceback. The optional parts a request may ask for take it up there, each None 
 `grammar` (grammar.Grammar: the matcher of a constrained request), `images` (multimodal.Images: where its images
 sit) and `prompt_logprobs` (prompt_logprobs.PromptLogprobs).
 
-The max_tokens a request gets (`fit_max_tokens`): None means up to the end of the context (vLLM's default), but never
-past what the KV pool holds, which on a small card or the CPU can be less; with clamp a larger one is cut to what fits
-instead of refused (Anthropic's clients send one large max_tokens whatever the server's context).
+The max_tokens a request gets (`fit_max_tokens`): None means up to the end of the context (vLLM's default; a min_tokens
+past it is cut to it, where one past a max_tokens the client chose is refused), but never past what the KV pool holds,
+which on a small card or the CPU can be less; with clamp a larger one is cut to what fits instead of refused
+(Anthropic's clients send one large max_tokens whatever the server's context). A prompt or max_tokens past them is a
+ContextError.
 
 Where the prompt's last two messages start (the last two turn markers; after a generation prompt the second last opens
 the last message) are its resume hints (Request.resume_hints): agents resend a conversation with its last message
@@ -19,7 +21,7 @@ from __future__ import annotations
 import enum
 import random
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from tinyserve.config import Config
@@ -89,6 +91,15 @@ class RequestError(ValueError):
         self.tokens = tokens
 
 
+class ContextError(RequestError):
+    """A prompt or max_tokens past the context or the KV pool (the APIs answer it in their own words);
+    prompt_len: the prompt's length."""
+
+    def __init__(self, message: str, field: str, prompt_len: int, tokens: tuple[int, int] | None = None) -> None:
+        super().__init__(message, field, tokens)
+        self.prompt_len = prompt_len
+
+
 class Matchers(Protocol):                    # grammar.Grammar
     def attach(self, params: SamplingParams) -> Any: ...
 
@@ -126,22 +137,24 @@ class Intake:
             raise self._max_tokens_too_large(prompt_len, max_tokens)
         return min(max_tokens, fits)
 
-    def _prompt_too_long(self, prompt_len: int) -> RequestError:
+    def _prompt_too_long(self, prompt_len: int) -> ContextError:
         context, pool = self.context_length, self.kv_tokens
         if prompt_len >= context:
-            return RequestError(f"the prompt is {prompt_len} tokens long, but the context is {context} tokens "
-                                "(there must be room for at least one generated token)", "prompt",
+            return ContextError(f"the prompt is {prompt_len} tokens long, but the context is {context} tokens "
+                                "(there must be room for at least one generated token)", "prompt", prompt_len,
                                 (prompt_len, context - 1))
-        return RequestError(f"the prompt is {prompt_len} tokens long, but the KV cache holds {pool} tokens; "
-                            "raise engine.kv_cache_tokens", "prompt", (prompt_len, pool - 1))
+        return ContextError(f"the prompt is {prompt_len} tokens long, but the KV cache holds {pool} tokens; "
+                            "raise engine.kv_cache_tokens", "prompt", prompt_len, (prompt_len, pool - 1))
 
-    def _max_tokens_too_large(self, prompt_len: int, max_tokens: int) -> RequestError:
+    def _max_tokens_too_large(self, prompt_len: int, max_tokens: int) -> ContextError:
         context, pool = self.context_length, self.kv_tokens
         if max_tokens > context - prompt_len:
-            return RequestError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) is longer than the "
-                                f"context ({context} tokens); at most {context - prompt_len} tokens fit", "max_tokens")
-        return RequestError(f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}, which is more than "
-                            f"the KV cache holds ({pool} tokens); raise engine.kv_cache_tokens", "max_tokens")
+            return ContextError(f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) is longer than the "
+                                f"context ({context} tokens); at most {context - prompt_len} tokens fit", "max_tokens",
+                                prompt_len)
+        return ContextError(f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}, which is more than "
+                            f"the KV cache holds ({pool} tokens); raise engine.kv_cache_tokens", "max_tokens",
+                            prompt_len)
 
     def _check_vocabulary(self, params: SamplingParams) -> None:
         """The token ids of stop_token_ids and logit_bias are inside the vocabulary."""
@@ -159,6 +172,9 @@ class Intake:
     def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                      images: list[Any] = ()) -> Request:
         """images: what multimodal.Images.prepare returned for these (expanded) prompt ids."""
+        if params.max_tokens is None:                    # up to the end of the context; a min_tokens past it is cut
+            fits = self.fit_max_tokens(len(prompt_ids), None)
+            params = replace(params, max_tokens=fits, min_tokens=min(params.min_tokens, fits))
         try:                                             # the one validation of sampling parameters
             params.validate()
         except ValueError as e:                          # its messages start with the field name

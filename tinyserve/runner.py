@@ -114,10 +114,9 @@ class ModelRunner:
         table = np.zeros((len(rows), max(2, max(map(len, rows)))), dtype=np.int32)
         for i, row in enumerate(rows):
             table[i, :len(row)] = row
-        verify = None
-        if nv:              # where the verifies read and write their state, token by token (the kernels' layout)
-            verify = verify_layout([c - cu[nd] for c in cu[nd:nd + nv + 1]], seq_lens[nd:nd + nv],
-                                   state_slots[nd:nd + nv], list(state_after), dev)
+        # where the verifies read and write their state, token by token (the kernels' layout)
+        verify = verify_layout([c - cu[nd] for c in cu[nd:nd + nv + 1]], seq_lens[nd:nd + nv], state_slots[nd:nd + nv],
+                               list(state_after), dev) if nv else None
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev), cu_seqlens=cu, seq_lens=seq_lens,
             positions=torch.tensor(positions, dtype=torch.long, device=dev), page_table=torch.from_numpy(table).to(dev),
@@ -150,15 +149,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, torch.Tensor]:
         # the step packed and its final hidden rows (the compiled decode, the static steps, else eagerly)
-        spans: Spans = []
+        spans: Spans = [(s.req, s.start, s.num_tokens) for s in seqs]
+        state_slots = [s.req.state_slot for s in seqs]
         ids: list[int] = []
         state_after: list[list[int]] = []
         snapshots: list[tuple[int, int, int]] = []
-        state_slots: list[int] = []
         num_decode = 0
         for i, s in enumerate(seqs):
-            spans.append((s.req, s.start, s.num_tokens))
-            state_slots.append(s.req.state_slot)
             ids += s.req.token_ids(s.start, s.start + s.num_tokens - len(s.drafts)) + s.drafts
             num_decode += s.is_decode and not s.drafts
             if s.drafts:
@@ -176,9 +173,7 @@ class ModelRunner:
     # ---- the step ----
     @torch.inference_mode()
     def step(self, seqs: list[ScheduledSeq]) -> list[SeqOutput]:
-        """pack -> forward -> sample: the tokens of the sequences that sample, in batch order."""
-        if not seqs:
-            return []
+        """pack -> forward -> sample: the tokens of the sequences that sample, in batch order (seqs: not empty)."""
         started = time.perf_counter()
         batch, hidden = self.forward(seqs)
         outputs = self._sample(seqs, batch, hidden)
@@ -208,14 +203,10 @@ class ModelRunner:
 
     def _sample_rows(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[SeqOutput]:
         # one token for each sequence from its row: the argmax when every row is plainly greedy, else the sampler's
-        reqs: list[Request] = []
-        sampler = constrained = False
-        for s in seqs:
-            reqs.append(s.req)
-            sampler = sampler or not s.req.params.plain_greedy
-            constrained = constrained or s.req.grammar is not None
-        masks = self.grammar.masks(reqs, list(range(len(reqs)))) if constrained and self.grammar is not None else None
-        if masks is None and not sampler:
+        reqs = [s.req for s in seqs]
+        constrained = self.grammar is not None and any(r.grammar is not None for r in reqs)
+        masks = self.grammar.masks(reqs, list(range(len(reqs)))) if constrained else None
+        if masks is None and all(r.params.plain_greedy for r in reqs):
             return [SeqOutput(s, [token], [None]) for s, token in zip(seqs, logits.argmax(-1).tolist())]
         return self._draw(seqs, reqs, logits, masks)
 

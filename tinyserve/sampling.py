@@ -91,7 +91,7 @@ def _check_logit_bias(bias: object) -> None:
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16       # None: up to the end of the context (request.Intake fits it)
     min_tokens: int = 0
     temperature: float = 1.0          # 0 -> greedy
     top_p: float = 1.0

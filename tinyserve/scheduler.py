@@ -14,6 +14,7 @@ plain decodes (the model's packed layout). After the step the engine says how ma
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -62,7 +63,7 @@ class Scheduler:
         self.chunk_budget = chunked_prefill_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._admit_counter = 0
+        self._admit_order = itertools.count(1)       # Request.admit_order
         self.num_preemptions = 0
 
     # ---- queue ----
@@ -84,9 +85,8 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         """Give back a request's pages, state slot and hold on the cache (finish, abort, preemption)."""
         self.cache.drop(req)
-        if req.pages:
-            self.allocator.release(req.pages)
-            req.pages = []
+        self.allocator.release(req.pages)
+        req.pages = []
         if req.state_slot is not None:
             self.state_pool.free(req.state_slot)
             req.state_slot = None
@@ -149,10 +149,9 @@ class Scheduler:
         for req in self.cache.admissible(list(self.waiting)):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
-            slot = self.state_pool.alloc()
-            if slot is None:
+            req.state_slot = self.state_pool.alloc()
+            if req.state_slot is None:
                 break
-            req.state_slot = slot
             self.cache.admit(req)                          # resumes from the cached prefix: pages, num_computed
             chunk = self._prefill_chunk(req, budget)
             if chunk is None:                              # not even one page free: wait for room
@@ -160,8 +159,7 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             req.status = Status.RUNNING
-            self._admit_counter += 1
-            req.admit_order = self._admit_counter
+            req.admit_order = next(self._admit_order)
             self.running.append(req)
             batch.append(chunk)
             budget -= chunk.num_tokens
@@ -176,13 +174,10 @@ class Scheduler:
         start = req.num_computed
         n, snapshots = self.cache.plan_prefill(req, min(req.num_tokens - start, budget), self.snapshot_align)
         self.cache.make_room(self._pages_for(req, n))
-        free_tokens = self.allocator.num_free * self.page_size + (len(req.pages) * self.page_size - start)
-        n = min(n, free_tokens)
+        n = min(n, (len(req.pages) + self.allocator.num_free) * self.page_size - start)   # its pages and the free ones
         if n <= 0:
             return None
-        pages = self.allocator.alloc(self._pages_for(req, n))
-        assert pages is not None
-        req.pages += pages
+        req.pages += self.allocator.alloc(self._pages_for(req, n))
         return ScheduledSeq(req, start, n, start + n == req.num_tokens, is_decode=False,
                             snapshots=[s for s in snapshots if s[0] < start + n])   # positions ascend: a prefix
 
