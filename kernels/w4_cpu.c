@@ -368,7 +368,8 @@ block_bf(const weight_t *w, const uint8_t *const *cp, const uint16_t *xb, int64_
                 __m512bh wo = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tb[n]);
                 _Pragma("GCC unroll 4")
                 for (int m = 0; m < mb; m++) {
-                    __m512bh xe = (__m512bh)_mm512_loadu_si512(xc + m * Kp), xo = (__m512bh)_mm512_loadu_si512(xc + m * Kp + 32);
+                    __m512bh xe = (__m512bh)_mm512_loadu_si512(xc + m * Kp);
+                    __m512bh xo = (__m512bh)_mm512_loadu_si512(xc + m * Kp + 32);
                     acc[n][m] = _mm512_dpbf16_ps(acc[n][m], we, xe);
                     if (mb == 1)
                         acc_odd[n] = _mm512_dpbf16_ps(acc_odd[n], wo, xo);
