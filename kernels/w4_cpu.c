@@ -227,6 +227,35 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 a[16])
     return _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88), _mm512_shuffle_f32x4(s2[0], s2[1], 0xdd));
 }
 
+/* the NB x mb sums of a block zeroed (acc_odd: a lone row of x's second chain of sums) */
+static inline __attribute__((always_inline)) void zero_sums(__m512 (*acc)[MB], __m512 *acc_odd, const int mb) {
+    _Pragma("GCC unroll 4")
+    for (int n = 0; n < NB; n++) {
+        acc_odd[n] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 4")
+        for (int m = 0; m < mb; m++) acc[n][m] = _mm512_setzero_ps();
+    }
+}
+
+/* each sum's lanes added into out[m * NB + n] */
+static inline __attribute__((always_inline)) void
+store_sums(__m512 (*acc)[MB], const __m512 *acc_odd, const int mb, float *out) {
+    if (mb == 1) {
+        _Pragma("GCC unroll 4")
+        for (int n = 0; n < NB; n++) out[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[n][0], acc_odd[n]));
+    } else {                                               /* all the sums at once: a third of the instructions */
+        __m512 sums[NB * MB];
+        _Pragma("GCC unroll 16")
+        for (int i = 0; i < NB * MB; i++) sums[i] = i / NB < mb ? acc[i % NB][i / NB] : _mm512_setzero_ps();
+        _mm512_storeu_ps(out, reduce16(sums));
+    }
+}
+
+static inline __m512 iota_minus_zp(const weight_t *w) {  /* q - zp for q = 0..15: the symmetric tables' factor */
+    return _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_ps((float)w->zp));
+}
+
 /* One chunk (32 columns): each row's 16 code bytes become its weights (we: even columns, wo: odd ones), multiplied
  * into the sums of every row of x. dual: the group size is a multiple of 16 but not of 32, so a chunk's halves
  * (columns 32c .. 32c+15, 32c+16 .. 32c+31) may lie in two groups: a permute of two tables (vpermt2ps: index bit 4
@@ -277,15 +306,8 @@ static inline __attribute__((always_inline)) void
 block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, const int mb, const int dual,
       const int mode, const float *sf, const float *zf, int G, float *out) {
     __m512 acc[NB][MB], acc_odd[NB], luts[NB];
-    _Pragma("GCC unroll 4")
-    for (int n = 0; n < NB; n++) {
-        acc_odd[n] = _mm512_setzero_ps();
-        _Pragma("GCC unroll 4")
-        for (int m = 0; m < mb; m++) acc[n][m] = _mm512_setzero_ps();
-    }
-    const __m512 izp = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                     _mm512_set1_ps((float)w->zp));
-    const __m512 gs = _mm512_set1_ps(w->gs);
+    zero_sums(acc, acc_odd, mb);
+    const __m512 izp = iota_minus_zp(w), gs = _mm512_set1_ps(w->gs);
     const int group = w->group, K = w->K, full = K / CH, chunks = (K + CH - 1) / CH, per = group / CH;
     const char *ahead = (const char *)cp[0] + NB * w->cs;  /* the next block's rows: one line fetched per chunk */
     int g = 0, left = 0;                                   /* !dual: the next group, chunks left in the current */
@@ -310,15 +332,7 @@ block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, 
                 chunk(cp, c, xc, Kp, mb, 1, mode, 1, luts, sf, zf, G, g0, g1, izp, gs, w->bf16_w, ahead, acc, acc_odd);
         }
     }
-    if (mb == 1) {
-        _Pragma("GCC unroll 4")
-        for (int n = 0; n < NB; n++) out[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[n][0], acc_odd[n]));
-    } else {                                               /* all the sums at once: a third of the instructions */
-        __m512 sums[NB * MB];
-        _Pragma("GCC unroll 16")
-        for (int i = 0; i < NB * MB; i++) sums[i] = i / NB < mb ? acc[i % NB][i / NB] : _mm512_setzero_ps();
-        _mm512_storeu_ps(out, reduce16(sums));
-    }
+    store_sums(acc, acc_odd, mb, out);
 }
 
 
@@ -342,15 +356,8 @@ static inline __attribute__((always_inline)) void
 block_bf(const weight_t *w, const uint8_t *const *cp, const uint16_t *xb, int64_t Kp, const int mb, const int mode,
          const float *sf, const float *zf, int G, float *out) {
     __m512 acc[NB][MB], acc_odd[NB];
-    _Pragma("GCC unroll 4")
-    for (int n = 0; n < NB; n++) {
-        acc_odd[n] = _mm512_setzero_ps();
-        _Pragma("GCC unroll 4")
-        for (int m = 0; m < mb; m++) acc[n][m] = _mm512_setzero_ps();
-    }
-    const __m512 izp = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                     _mm512_set1_ps((float)w->zp));
-    const __m512 gs = _mm512_set1_ps(w->gs);
+    zero_sums(acc, acc_odd, mb);
+    const __m512 izp = iota_minus_zp(w), gs = _mm512_set1_ps(w->gs);
     const int per = w->group / BCH;
     const char *ahead = (const char *)cp[0] + NB * w->cs;  /* as block(): two lines of the next block a chunk */
     for (int g = 0; g < G; g++) {
@@ -379,15 +386,7 @@ block_bf(const weight_t *w, const uint8_t *const *cp, const uint16_t *xb, int64_
             }
         }
     }
-    if (mb == 1) {
-        _Pragma("GCC unroll 4")
-        for (int n = 0; n < NB; n++) out[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[n][0], acc_odd[n]));
-    } else {
-        __m512 sums[NB * MB];
-        _Pragma("GCC unroll 16")
-        for (int i = 0; i < NB * MB; i++) sums[i] = i / NB < mb ? acc[i % NB][i / NB] : _mm512_setzero_ps();
-        _mm512_storeu_ps(out, reduce16(sums));
-    }
+    store_sums(acc, acc_odd, mb, out);
 }
 
 /* xb [M][Kp] bfloat16 (K a multiple of 64 here): each chunk's 32 even columns, then its 32 odd ones */
@@ -648,8 +647,7 @@ int w4_dequant(const uint8_t *codes, int64_t cs, const void *scales, int sdt, in
             const __m512i hi16 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
             const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
             const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-            const __m512 izp = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_ps((float)zp));
+            const __m512 izp = iota_minus_zp(&w);
             const __m512 gsv = _mm512_set1_ps(gs);
             for (; k + 32 <= K; k += 32) {
                 __m512 lut = table(w.mode, sf, zf, k / group, izp, gsv, 0);
