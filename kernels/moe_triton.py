@@ -44,7 +44,7 @@ from tinyserve.kernels.pointwise import silu_and_mul
 from tinyserve.kernels.fp8_weight import ACT_GROUP, Fp8Weight
 from tinyserve.kernels.fp8_triton import fp8_group_product
 from tinyserve.kernels.w4_triton import PREFILL_BK as W4_BK, dequant_mode, even_odd, supports as w4_supports
-from tinyserve.kernels.w4_triton import w4_tile_product
+from tinyserve.kernels.w4_triton import k_masks, w4_tile_product
 from tinyserve.kernels.w4_weight import W4Weight
 
 BK = 64                       # K step of every tile shape (fixed: see the module docstring)
@@ -139,14 +139,7 @@ def _moe_w4_gemm_kernel(a_ptr, c_ptr, s_ptr, z_ptr, perm_ptr, y_ptr, rw_ptr, sor
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = k0 + ks < K
-        if EVEN_K:                  # K a multiple of BK (the Qwen3.5 / Qwen3-Next expert shapes): no K masks
-            a_mask = row_ok[:, None]
-            c_mask = col_ok[None, :]
-            g_mask = col_ok[None, :]
-        else:
-            a_mask = row_ok[:, None] & k_ok[None, :]
-            c_mask = (k0 // 2 + js < K // 2)[:, None] & col_ok[None, :]
-            g_mask = (k0 // GROUP + gs < K // GROUP)[:, None] & col_ok[None, :]
+        a_mask, c_mask, g_mask = k_masks(k0, k_ok, js, gs, row_ok, col_ok, K, GROUP, EVEN_K)
         if PERM:                    # act-order: the expert's sorted columns are A's columns perm_e[k]
             ka = tl.load(perm_row + k0 + ks, mask=k_ok, other=0)
         else:

@@ -51,8 +51,8 @@ ERRORS = {1: "a shape it does not take", 2: "a dtype or kind it does not take", 
 # 2-core Zen 4 (bench/w4_gemm.py's shapes): float32, the kernel was faster up to 128 rows and within 5% at 256;
 # bfloat16, oneDNN's GEMM runs on the CPU's bfloat16 dot products (AVX512_BF16, AMX) at twice the float32 rate and
 # was faster than the kernel's float32 products from 32 rows (1.3x; 2x from 64); the kernel's own bfloat16 dot
-# products (groups of 64 and 128) kept it ahead up to 32 rows (48: oneDNN 1.3x). Without those instructions bfloat16
-# is float32's case.
+# products (groups of 64 and 128) kept it ahead up to 32 rows (at 48 oneDNN won on gate_up, 1.3x, and lost on down).
+# Without those instructions bfloat16 is float32's case.
 _BF16_DOTS = any({"avx512_bf16", "amx_bf16"} & set(line.split()) for line in cpu_info() if line.startswith("flags"))
 GEMM_ROWS = {torch.float32: 128, torch.bfloat16: 16 if _BF16_DOTS else 128}
 KERNEL_DOTS_ROWS = 32       # bfloat16 x through the kernel's own dot products (w4_cpu.c's block_bf)

@@ -159,9 +159,10 @@ def _dequantized(c, s, zf, HIGH: tl.constexpr, FP4: tl.constexpr, A: tl.constexp
 
 
 @triton.jit
-def _k_masks(k0, k_ok, js, gs, row_ok, col_ok, K, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
-    """The masks of one K step: x [BM, BK], the code bytes [BK/2, BN], the groups' scales [A, BN]. EVEN_K (K a
-    multiple of BK: every Qwen3.5 / Qwen3-Next shape): the rows and columns alone."""
+def k_masks(k0, k_ok, js, gs, row_ok, col_ok, K, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    """The masks of one K step: x [BM, BK], the code bytes [BK/2, BN], the groups' scales [A, BN] (also the MoE
+    kernel's, moe_triton.py). EVEN_K (K a multiple of BK: every Qwen3.5 / Qwen3-Next shape): the rows and columns
+    alone."""
     if EVEN_K:
         x_mask = row_ok[:, None]
         c_mask = col_ok[None, :]
@@ -257,7 +258,7 @@ def _w4_decode_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, par
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
         k_ok = k0 + ks < K
-        x_mask, c_mask, g_mask = _k_masks(k0, k_ok, js, gs, row_ok, col_ok, K, GROUP, EVEN_K)
+        x_mask, c_mask, g_mask = k_masks(k0, k_ok, js, gs, row_ok, col_ok, K, GROUP, EVEN_K)
         x = tl.load(x_ptr + rows[:, None] * sxm + (k0 + ks)[None, :], mask=x_mask, other=0.0)
         if NORM:
             nw = tl.load(nw_ptr + k0 + ks, mask=k_ok, other=0.0)
@@ -296,7 +297,7 @@ def _w4_gemm_kernel(x_ptr, c_ptr, s_ptr, z_ptr, y_ptr, M, N, K, sxm, scn, ssn, s
     z_row = z_ptr + cols.to(tl.int64)[None, :] * szn + gs[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        x_mask, c_mask, g_mask = _k_masks(k0, k0 + ks < K, js, gs, row_ok, col_ok, K, GROUP, EVEN_K)
+        x_mask, c_mask, g_mask = k_masks(k0, k0 + ks < K, js, gs, row_ok, col_ok, K, GROUP, EVEN_K)
         x = tl.load(x_rows + (k0 + ks)[None, :], mask=x_mask, other=0.0)
         xe, xo = even_odd(x)
         g0 = k0 // GROUP
