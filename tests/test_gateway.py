@@ -74,8 +74,10 @@ class Workers:
     def _proc(self, i: int, port: int) -> ServerProcess:
         home = self.folder / f"worker{i}"
         home.mkdir(exist_ok=True)
-        return ServerProcess(home, server_config(port, {**WORKER, "cache": {"file": {"dir": str(self.shared)}}}),
-                             env=self.env)
+        # wait_complete: the folder hits these tests count come whatever the load (best_effort, the default, computes
+        # a prompt whose read is late, as it should; on a busy 2-core machine a read can be)
+        file = {"dir": str(self.shared), "prefetch_policy": "wait_complete"}
+        return ServerProcess(home, server_config(port, {**WORKER, "cache": {"file": file}}), env=self.env)
 
     @property
     def urls(self) -> list[str]:
@@ -503,7 +505,13 @@ def folder_settled(workers: Workers, before: set[str]) -> None:
     than `before` are there, no write is in flight and the folder has stopped changing, so that what a killed worker
     wrote is all there."""
     def listing() -> tuple:
-        return tuple(sorted((p.name, p.stat().st_size) for p in workers.shared.iterdir()))
+        out = []
+        for p in workers.shared.iterdir():
+            try:
+                out.append((p.name, p.stat().st_size))
+            except FileNotFoundError:        # a temporary file renamed into place since the listing: changing still
+                out.append((p.name, -1))
+        return tuple(sorted(out))
     seen = [listing()]
 
     def still() -> bool:      # unchanged for 3 s: under load a worker's next write can start a second or more later

@@ -299,6 +299,27 @@ def test_a_server_alone_on_its_folder_does_not_list_it_again(tmp_path, monkeypat
     a.close(), b.close()
 
 
+def test_a_blob_another_server_writes_while_we_write_ours_is_listed(tmp_path, monkeypatch):
+    """Our own writes change the folder's mtime, and a change we caused needs no listing; another server's rename
+    landing while we write a blob changes it too. It must not pass for ours: a later listing finds that blob."""
+    a, b = tier(tmp_path), tier(tmp_path)
+    assert a.index.refresh(force=True)               # a knows the folder as it is (b's start changed it)
+    share = Share(monkeypatch)
+    toks, hashes, other = run_of(2)
+
+    def b_writes_meanwhile(path, data):
+        b._write_blob(other)                         # b's whole write, rename included, while a's file is open
+    share.on("write", b_writes_meanwhile, match=lambda name: name.startswith(".tmp-"), times=1)
+    a.write(run_of(1)[2])
+    assert a.flush(30)
+    assert (tmp_path / name_of(other)).exists() and a.num_blobs == 1
+    a.index.listed_at = 0.0
+    assert a.index.refresh() and a.num_blobs == 2
+    (got,) = a.read_chain(hashes, toks, 0, PAGE)
+    assert torch.equal(got.kv, other.kv)
+    a.close(), b.close()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Faults of a network share, injected at the file system calls (this kernel has no NFS: no nfs / nfsd file system)
 

@@ -144,7 +144,9 @@ class FolderIndex:
     def own_change(self, before: int | None) -> None:
         """After we added or deleted a blob (before: the folder's mtime just before we did): the folder's mtime now is
         one we know the cause of (a listing is needed only when it changes again: another server wrote or deleted),
-        unless it had changed already since we last knew it: then what another server did is still to be listed."""
+        unless it had changed already since we last knew it: then what another server did is still to be listed.
+        Call it around one file system call: another server's change between `before` and the stat here passes for
+        ours (a window of microseconds; a probe for the exact names still finds its blobs)."""
         if before == self.seen_mtime:
             self.seen_mtime = self.folder_mtime()
 

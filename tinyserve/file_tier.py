@@ -233,11 +233,15 @@ class FileTier:
         run is replaced whole); the mtime it got, the folder's clock. The temporary file goes when anything fails
         (on NFS a full disk may show only at close)."""
         tmp = self.folder / tmp_name()
+        # the folder's mtime changes twice here, each change ours; what another server renames in while we write
+        # changes it too, so each of ours is told apart around its own call (own_change), never around the write
         before = self.index.folder_mtime()
         try:
             with open(tmp, "wb") as f:
+                self.index.own_change(before)
                 for part in parts:
                     f.write(part)
+            before = self.index.folder_mtime()
             os.replace(tmp, self.folder / name)
         except BaseException:
             unlink(tmp)           # raises nothing, also when the folder itself is gone or is not a folder
