@@ -4,6 +4,7 @@ the norm formulas written out here. fp32, tiny shapes."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
+from conftest import TEST_DEVICE
 from tinyserve.kernels.attention import paged_attention_decode, paged_attention_prefill, store_kv
 from tinyserve.kernels.conv import causal_conv1d_decode, causal_conv1d_prefill
 from tinyserve.kernels.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_decode
@@ -466,6 +468,39 @@ def test_every_cpu_gemm_route_gives_the_plain_product(monkeypatch):
     del doomed
     gc.collect()
     assert len(lin._packed) == 1, "a packed copy outlived its weight"
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the compiled CPU steps' route")
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_lone_decode_multiplies_in_its_own_code_as_the_gemm_does(dtype):
+    """A compiled step of one sequence multiplies up to FUSED_ROWS rows in its own C++ (_multiply_and_sum, no call
+    out of the graph), in float32 and in bfloat16: the float32 product of the same values, rounded once to the
+    dtype (what oneDNN's GEMM gives: bfloat16 products are exact in float32, summed in float32), up to the order of
+    the sums."""
+    import torch._dynamo
+    from torch._inductor.compile_fx import compile_fx
+    from tinyserve.kernels import linear as lin
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 256, generator=gen).to(dtype)
+    traced: list[str] = []
+
+    def inductor(gm, example_inputs):          # inductor, after noting what the graph calls
+        traced.extend(str(node.target) for node in gm.graph.nodes)
+        return compile_fx(gm, example_inputs)
+    torch._dynamo.reset()
+    with lin.fused_rows(True):
+        step = torch.compile(lambda x: lin.linear(x, w), backend=inductor, fullgraph=True, dynamic=False)
+        for rows in range(1, lin.FUSED_ROWS + 1):
+            x = torch.randn(rows, 256, generator=gen).to(dtype)
+            got, want = step(x), (x.float() @ w.float().t())
+            assert got.dtype == dtype
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+            else:                              # within one rounding of bfloat16 (2^-8 relative) of the exact sum
+                torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2 ** -8)
+    torch._dynamo.reset()
+    assert traced and not [t for t in traced if "linear" in t or "mm" in t], traced
 
 
 GEMM_GROWTH = r"""
