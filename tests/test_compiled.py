@@ -102,23 +102,28 @@ def test_compiled_decode_gives_the_eager_tokens(dense, cache_dir, caplog):
     calls = []
     compiled_run = static.compiled._run
     static.compiled._run = lambda *a, **k: calls.append(a[3][10].shape) or compiled_run(*a, **k)   # its page table
+    lm_head_rows = []
+    compiled_logits = static.compiled.logits
+    static.compiled.logits = lambda row: lm_head_rows.append(row.shape) or compiled_logits(row)
     assert drive(eng, schedule) == want
+    assert lm_head_rows and set(lm_head_rows) == {(1, dense.cfg.hidden_size)}, "one sampled row: the LM head's graph"
     batch_sizes = {shape[0] for shape in calls}
     assert batch_sizes == {1, 2, 3}, batch_sizes
     assert len({shape[1] for shape in calls}) >= 4, "page tables of several widths"
     assert static.compiled.eager_steps == 0, "every step ran through the graphs compiled at start"
     assert eng.cache.stats().hit_tokens > 0
-    assert static.compiled.compiled == 2 and static.compiled.loaded == 0, "one graph for 1 sequence, one for 2-3"
+    assert static.compiled.compiled == 3 and static.compiled.loaded == 0, \
+        "one graph for 1 sequence, one for 2-3, the LM head's for one row"
     assert_no_leaks(eng)
 
     # a restart: the graphs come back from their files (no tracing); one file damaged is compiled again
     saved = sorted(set(steps.glob("*.bin")) - others)
-    assert len(saved) == 2, saved
+    assert len(saved) == 3, saved
     saved[0].write_bytes(saved[0].read_bytes()[:1000])
     again = make_engine(dense)
     with caplog.at_level(logging.WARNING, logger="tinyserve.compiled"):
         compiled = static_steps(again, build=True, for_graphs=False).compiled
-    assert (compiled.compiled, compiled.loaded) == (1, 1)
+    assert (compiled.compiled, compiled.loaded) == (1, 2)
     assert any("could not load the saved graph" in r.getMessage() for r in caplog.records)
     assert drive(again, schedule) == want
     assert_no_leaks(again)

@@ -57,6 +57,7 @@ class ImageInputs(Protocol):                # multimodal.Images
 
 class CompiledDecode(Protocol):             # compiled.CompiledSteps
     def decode(self, batch: ForwardBatch) -> torch.Tensor: ...
+    def logits(self, row: torch.Tensor) -> torch.Tensor: ...
 
 
 class StaticSteps(Protocol):                # static.StaticStep
@@ -196,7 +197,10 @@ class ModelRunner:
                 rows += range(batch.cu_seqlens[i + 1] - 1 - len(s.drafts), batch.cu_seqlens[i + 1])
         if not sampled:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        if len(rows) == 1 and self.compiled is not None:      # one row: the LM head compiled (a lone decode's)
+            logits = self.compiled.logits(hidden[rows[0]:rows[0] + 1])
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
         if len(rows) == len(sampled):                  # no drafts: one row each
             return self._sample_rows(sampled, logits)
         return self._sample_with_drafts(sampled, logits)
