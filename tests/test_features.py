@@ -39,7 +39,7 @@ CALLS = {
     "grammar": ("grammar", {"runner": {"masks"}, "intake": {"attach"}, "engine": {"advance"}}),
     "prompt_logprobs": ("prompt_logprobs", {"runner": {"read"}, "intake": {"attach"}}),
     "steps": ("static", {"runner": {"takes", "forward"}}),
-    "compiled": ("compiled", {"runner": {"decode"}}),
+    "compiled": ("compiled", {"runner": {"decode", "logits"}}),
     "idle": ("idle", {"engine": {"wake", "timeout", "release", "stats"}}),
 }
 PARTS = tuple(CALLS)
