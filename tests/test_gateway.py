@@ -614,14 +614,11 @@ def test_a_draining_worker_s_session_moves_to_the_other(workers, reference, gate
 
 # Where the two sessions below part depends on the system prompt's length in tokens. With "a1b2c3d4" they part on
 # the page where the last message starts, where both workers hold a state. With "deadbeef" they share one more
-# page: worker 1 holds its KV without a state, its folder read starts after it (PrefixCache.on_arrival reads from
-# the tree's KV coverage), and no blob of worker 0 starts there (worker 0's start at the state a page before), so
-# nothing is read. A known bug (about half of all system prompts), kept here until the read starts at the last state.
-KNOWN_MISS = pytest.mark.xfail(strict=True, reason="the folder read starts past the last state: no blob starts there")
-
-
+# page: worker 1 holds its KV without a state, and worker 0's blobs start at the state a page before (where its
+# tree has one), so worker 1's folder read must start at its last state, not where its KV ends (RadixCache.coverage;
+# reading from the KV's end found nothing, in about half of all random system prompts).
 @slow
-@pytest.mark.parametrize("nonce", ["a1b2c3d4", pytest.param("deadbeef", marks=KNOWN_MISS)])
+@pytest.mark.parametrize("nonce", ["a1b2c3d4", "deadbeef"])
 def test_a_moved_session_reads_what_its_new_worker_lacks_from_the_folder(workers, reference, nonce):
     """The agents' usual case after a move: the new worker holds the start of the session's prompt already (the
     shared system prompt, from its own sessions) and reads the rest from the folder, written by the old worker.

@@ -148,8 +148,14 @@ class RadixCache:
         return (len(tokens) - 1) // self.page_size * self.page_size     # always leave one token to compute
 
     def coverage(self, tokens: list[int]) -> int:
-        """Tokens of the prompt's usable part present in the tree (any tier), without changing it."""
-        return self._walk(tokens[:self._limit(tokens)], split=False)[1]
+        """Tokens of the prompt's usable part present in the tree (any tier), without changing it: where a read of
+        the file tier continues it. A hybrid model's stops at the deepest state on them (the device's or the host
+        tier's): another server's blobs start where its tree has states, the same points (page-aligned message
+        starts, interval multiples), not where this tree's KV happens to end."""
+        path, walked = self._walk(tokens[:self._limit(tokens)], split=False)
+        if not self.hybrid:
+            return walked
+        return max((n.depth for n in path if n.snapshot is not None or n.host_snapshot is not None), default=0)
 
     def match(self, tokens: list[int]) -> Match:
         """Longest usable device-resident prefix of tokens, always leaving at least one token to compute."""

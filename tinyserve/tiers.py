@@ -194,9 +194,9 @@ class TieredRadixCache(RadixCache):
                 if at is not None:      # the device KV past the last device state is usable thanks to the host
                     start, end = loaded.get("host", (at, at))
                     loaded["host"] = (min(start, state_from), max(end, at))
-            if blobs and reach == first_page * ps:
-                on_path = [n for n in path if n.depth <= reach]
-                end = self._load_blobs(tokens, blobs, on_path)
+            if blobs and first_page * ps <= reach:    # the blobs continue the path's pages up to their start
+                prefix = [p for n in path if n.depth <= reach for p in n.pages][:first_page]
+                end = self._load_blobs(tokens, blobs, prefix)
                 if end > reach:
                     loaded["file"] = (reach, end)
         finally:
@@ -238,10 +238,12 @@ class TieredRadixCache(RadixCache):
                 return node.depth
         return None
 
-    def _load_blobs(self, tokens: list[int], blobs: list[Blob], path: list[TieredNode]) -> int:
-        """Insert file-tier runs (continuing the device path) into the tree; returns the position reached."""
+    def _load_blobs(self, tokens: list[int], blobs: list[Blob], prefix_pages: list[int]) -> int:
+        """Insert file-tier runs, continuing the device pages prefix_pages, into the tree; returns the position
+        reached. A run's first pages may be on the device already (KV past the last state): the tree keeps its own,
+        and the run's copies of them are freed."""
         ps = self.page_size
-        prefix_pages = [p for n in path for p in n.pages]
+        prefix_pages = list(prefix_pages)
         pos = len(prefix_pages) * ps
         held: TieredNode | None = None       # the runs loaded so far stay locked while room is made for the next
         try:                                 # (evicted, their pages would come back as the next run's pages)
