@@ -196,7 +196,7 @@ class TieredRadixCache(RadixCache):
                     loaded["host"] = (min(start, state_from), max(end, at))
             if blobs and first_page * ps <= reach:    # the blobs continue the path's pages up to their start
                 prefix = [p for n in path if n.depth <= reach for p in n.pages][:first_page]
-                end = self._load_blobs(tokens, blobs, prefix)
+                end = self._load_blobs(tokens, blobs, prefix, reach)
                 if end > reach:
                     loaded["file"] = (reach, end)
         finally:
@@ -238,12 +238,11 @@ class TieredRadixCache(RadixCache):
                 return node.depth
         return None
 
-    def _load_blobs(self, tokens: list[int], blobs: list[Blob], prefix_pages: list[int]) -> int:
+    def _load_blobs(self, tokens: list[int], blobs: list[Blob], prefix_pages: list[int], reach: int) -> int:
         """Insert file-tier runs, continuing the device pages prefix_pages, into the tree; returns the position
-        reached. A run's first pages may be on the device already (KV past the last state): the tree keeps its own,
-        and the run's copies of them are freed."""
+        reached. A run's first pages may be on the device already (its KV up to reach, past the last state): the
+        tree keeps its own, the run's copies of them are freed, and they count as no file-tier hit."""
         ps = self.page_size
-        prefix_pages = list(prefix_pages)
         pos = len(prefix_pages) * ps
         held: TieredNode | None = None       # the runs loaded so far stay locked while room is made for the next
         try:                                 # (evicted, their pages would come back as the next run's pages)
@@ -274,9 +273,9 @@ class TieredRadixCache(RadixCache):
                 if self._backup_due("insert", node.hits):
                     self._backup(node)
                 self.allocator.release(pages)          # the tree holds its own reference now
+                self.file.stats.hit_tokens += end - max(pos, reach)
                 prefix_pages += pages
                 pos = end
-                self.file.stats.hit_tokens += n * ps
         finally:
             if held is not None:
                 self.lock(held, -1)
