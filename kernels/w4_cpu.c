@@ -116,17 +116,18 @@ static void row_scales(const weight_t *w, int n, float *sf, float *zf) {
     int G = w->K / w->group;
     const char *s = (const char *)w->scales + (int64_t)n * w->ss * (w->sdt == F32 ? 4 : 2);
     int g = 0;
-#if defined(__AVX512F__)
-    for (; g + 16 <= G; g += 16) {                         /* 16 at a time: one conversion instruction */
-        __m512 v;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    for (; g < G; g += 16) {                               /* 16 at a time, the last masked: one conversion each */
+        __mmask16 k = G - g >= 16 ? 0xffff : (__mmask16)((1u << (G - g)) - 1);   /* a row's few groups: ~1/3 of */
+        __m512 v;                                                                /* a block's time, one by one */
         if (w->sdt == F32)
-            v = _mm512_loadu_ps((const float *)s + g);
+            v = _mm512_maskz_loadu_ps(k, (const float *)s + g);
         else if (w->sdt == BF16)
             v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + g))), 16));
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)s + g)), 16));
         else
-            v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + g)));
-        _mm512_storeu_ps(sf + g, v);
+            v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)s + g));
+        _mm512_mask_storeu_ps(sf + g, k, v);
     }
 #endif
     for (; g < G; g++)
@@ -340,16 +341,18 @@ block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, 
 /* bfloat16 x on a CPU with bfloat16 dot products (AVX512_BF16): the weights are made as bfloat16 (the table is a
  * group's 16 weights rounded to bfloat16, as the reference rounds them) and vdpbf16ps multiplies 32 pairs at once,
  * twice the float32 path's products per instruction; each product of two bfloat16 values is exact in float32, so the
- * result is still the reference's up to the order of the sums (vdpbf16ps reads a subnormal bfloat16 as 0: the
- * reference's x and weights have none in practice). A chunk is 64 columns (32 bytes of codes a row) in one group
+ * result is still the reference's up to the order of the sums (vdpbf16ps reads a subnormal bfloat16 as 0, and the
+ * tables' rounding flushes a subnormal weight to 0: the reference's x and weights have none in practice). A chunk is 64 columns (32 bytes of codes a row) in one group
  * (group % 64 == 0): vpermw takes 32 codes at once, its 32-entry table being the group's 16 weights twice, so a
  * byte zero-extended to 16 bits indexes its low code as it is (bit 4, the high code's lowest, picks the same copy)
  * and its high code after a shift. x is laid out to match (prepare_xb): each chunk's 32 even columns, then its odd. */
 #define BCH 64
 
-static inline __attribute__((always_inline)) __m512i table_bf16(__m512 t) {   /* t: 16 bfloat16 values in float32 */
-    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(t), 16));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+/* t's 16 float32 values rounded to bfloat16 (to nearest, even on ties, as torch rounds), twice: one instruction
+ * (vcvtne2ps2bf16) where rounding in integer arithmetic and packing took ten; at group 128 a block's tables had cost
+ * as much as its chunks */
+static inline __attribute__((always_inline)) __m512i table_bf16(__m512 t) {
+    return (__m512i)_mm512_cvtne2ps_pbh(t, t);
 }
 
 static inline __attribute__((always_inline)) void
@@ -363,7 +366,7 @@ block_bf(const weight_t *w, const uint8_t *const *cp, const uint16_t *xb, int64_
     for (int g = 0; g < G; g++) {
         __m512i tb[NB];
         _Pragma("GCC unroll 4")
-        for (int n = 0; n < NB; n++) tb[n] = table_bf16(table(mode, sf + n * G, zf + n * G, g, izp, gs, 1));
+        for (int n = 0; n < NB; n++) tb[n] = table_bf16(table(mode, sf + n * G, zf + n * G, g, izp, gs, 0));
         for (int c = g * per; c < (g + 1) * per; c++) {
             _mm_prefetch(ahead + c * 128, _MM_HINT_T0);
             _mm_prefetch(ahead + c * 128 + 64, _MM_HINT_T0);

@@ -77,6 +77,7 @@ CASES = [  # N, K, group, kind, scale dtype, asymmetric, act-order
     (19, 208, 16, "int4", torch.bfloat16, True, True),
     (21, 240, 48, "int4", torch.float16, True, False),          # a chunk of 32 columns across two groups
     (9, 60, 6, "int4", torch.float16, True, False),             # a group the vector paths do not take
+    (26, 320, 16, "int4", torch.bfloat16, False, False),        # 20 groups a row: 16 scales at once, then 4 masked
 ]
 
 
