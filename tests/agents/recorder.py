@@ -52,6 +52,32 @@ class Recorded:
     path: str
     headers: dict[str, str]
     body: Any
+    response: bytearray = field(default_factory=bytearray)   # the server's answer as it was passed on
+
+
+def answer_text(r: Recorded) -> str:
+    """The visible text of a recorded generation's answer (what an agent would show of it): OpenAI chat's content,
+    Anthropic's text blocks, the Responses API's output text; streamed or whole. Reasoning and tool calls are not
+    visible text."""
+    raw = bytes(r.response).decode("utf-8", "replace")
+    events = [line[5:].strip() for line in raw.splitlines() if line.startswith("data:")] or [raw]
+    text = []
+    for event in events:
+        try:
+            obj = json.loads(event)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        for choice in obj.get("choices") or []:                     # chat: streamed deltas or the whole message
+            text.append((choice.get("delta") or choice.get("message") or {}).get("content") or "")
+        if obj.get("type") == "content_block_delta" and obj.get("delta", {}).get("type") == "text_delta":
+            text.append(obj["delta"].get("text", ""))
+        if obj.get("type") == "response.output_text.delta":
+            text.append(obj.get("delta", ""))
+        if obj.get("type") == "message" and isinstance(obj.get("content"), list):      # Anthropic, not streamed
+            text += [b.get("text", "") for b in obj["content"] if isinstance(b, dict) and b.get("type") == "text"]
+    return "".join(t for t in text if isinstance(t, str))
 
 
 def body_paths(value: Any, prefix: str = "") -> set[str]:
@@ -172,7 +198,8 @@ class Recorder:
         except ValueError:
             body = raw.decode("utf-8", "replace")
         headers = {k.lower(): v for k, v in request.headers.items()}
-        self.requests.append(Recorded(request.method, request.path, headers, body))
+        recorded = Recorded(request.method, request.path, headers, body)
+        self.requests.append(recorded)
         sent = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         async with self._session.request(request.method, self.upstream + request.path_qs, headers=sent,
                                          data=raw or None) as upstream:
@@ -180,6 +207,7 @@ class Recorder:
                 k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
+                recorded.response += chunk
                 await response.write(chunk)
             await response.write_eof()
             return response

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from recorder import Recorder, compare, kinds, release_shape
+from recorder import Recorder, answer_text, compare, kinds, release_shape
 
 try:
     import tomllib
@@ -93,6 +93,7 @@ CAPS = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "4096", "QWEN_CODE_MAX_OUTPUT_TOKENS": 
 # One request in the server's log: "<id>: <finish>, prompt N tokens, M from the prefix cache (...), G generated"
 REQUEST_LINE = re.compile(r"^(\S+ \S+) INFO tinyserve\.generation: (\S+): (\w+), prompt (\d+) tokens, (\d+) from the prefix "
                           r"cache .*?, (\d+) generated")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/completions")   # answers with text
 REFUSAL_LINE = re.compile(r"WARNING tinyserve\.api: (GET|POST|PUT|DELETE|HEAD|OPTIONS) (\S+): ([45]\d\d) (.*)")
 
 
@@ -237,7 +238,8 @@ ERRORS = re.compile(r"API Error|\b[45]\d\d\b.*(error|Error)|ECONNREFUSED|context
 def run_agent(server: Server, release: Release, home: Path, work: Path, env_lines: str, command: list[str],
               prompt: str, name: str) -> Run:
     agent = release.agent
-    start = len(server.text())
+    recorder = getattr(server, "recorder", None)       # the gateway's tier has no recording proxy
+    start, first_request = len(server.text()), len(recorder.requests) if recorder else 0
     env = {"PATH": f"{release.bin}:{os.environ['PATH']}", "HOME": str(home),
            "LANG": "C.UTF-8", "TERM": "dumb", "NO_COLOR": "1", **CAPS}
     script = f"set -e\n{env_lines}\nexec \"$@\""
@@ -258,9 +260,15 @@ def run_agent(server: Server, release: Release, home: Path, work: Path, env_line
     assert run.requests, f"{release.name} {name}: no request reached the server\n{shown}"
     assert run.main.generated >= 1
     # the random demo model samples an answer of any length, a few characters now and then ("; for" and a lone
-    # byte shown as U+FFFD were seen): what is checked is that the agent shows text and it is no error
+    # byte shown as U+FFFD were seen): what is checked is that the agent shows text and it is no error. An answer
+    # with no visible text at all (its end-of-turn token at once, or only whitespace or reasoning before it) is
+    # shown as nothing: then the agent must have been given nothing to show
     text = out.stdout.strip()
-    assert text and not ERRORS.search(text), f"{release.name} {name}: no answer shown\n{shown}"
+    assert not ERRORS.search(text), f"{release.name} {name}: an error shown\n{shown}"
+    if not text:
+        answers = [r for r in recorder.requests[first_request:] if r.path in GENERATION_PATHS] if recorder else []
+        given = answer_text(answers[-1]) if answers else ""
+        assert answers and not given.strip(), f"{release.name} {name}: no answer shown, of {given[:300]!r}\n{shown}"
     REPORT.append(run)
     return run
 
