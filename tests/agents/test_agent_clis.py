@@ -3,7 +3,8 @@ Qwen Code and opencode, at every release tests/agents/releases.txt lists (six mo
 docs/clients.md gives (read from the page and run as they are written). Each release answers twice and once more
 in its continued session:
 
-  - it exits 0 and shows the model's text;
+  - it exits 0 and shows the model's text (nothing only where the model's last answer had no visible text: the
+    random demo model's can be only reasoning; the proxy keeps each answer);
   - the server refuses nothing (no 4xx or 5xx line in its log);
   - the second run and the continued turn each read at least 90% of their main prompt (the largest prompt the run
     sends) from the prefix cache;
