@@ -117,9 +117,9 @@ static void row_scales(const weight_t *w, int n, float *sf, float *zf) {
     const char *s = (const char *)w->scales + (int64_t)n * w->ss * (w->sdt == F32 ? 4 : 2);
     int g = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    for (; g < G; g += 16) {                               /* 16 at a time, the last masked: one conversion each */
-        __mmask16 k = G - g >= 16 ? 0xffff : (__mmask16)((1u << (G - g)) - 1);   /* a row's few groups: ~1/3 of */
-        __m512 v;                                                                /* a block's time, one by one */
+    for (; g < G; g += 16) {                 /* 16 at a time, the last ones masked (a row of K = 1024 has 8 groups of */
+        __mmask16 k = G - g >= 16 ? 0xffff : (__mmask16)((1u << (G - g)) - 1);        /* 128): one conversion each */
+        __m512 v;
         if (w->sdt == F32)
             v = _mm512_maskz_loadu_ps(k, (const float *)s + g);
         else if (w->sdt == BF16)
@@ -342,10 +342,11 @@ block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, 
  * group's 16 weights rounded to bfloat16, as the reference rounds them) and vdpbf16ps multiplies 32 pairs at once,
  * twice the float32 path's products per instruction; each product of two bfloat16 values is exact in float32, so the
  * result is still the reference's up to the order of the sums (vdpbf16ps reads a subnormal bfloat16 as 0, and the
- * tables' rounding flushes a subnormal weight to 0: the reference's x and weights have none in practice). A chunk is 64 columns (32 bytes of codes a row) in one group
- * (group % 64 == 0): vpermw takes 32 codes at once, its 32-entry table being the group's 16 weights twice, so a
- * byte zero-extended to 16 bits indexes its low code as it is (bit 4, the high code's lowest, picks the same copy)
- * and its high code after a shift. x is laid out to match (prepare_xb): each chunk's 32 even columns, then its odd. */
+ * tables' rounding flushes a subnormal weight to 0: the reference's x and weights have none in practice). A chunk is
+ * 64 columns (32 bytes of codes a row) in one group (group % 64 == 0): vpermw takes 32 codes at once, its 32-entry
+ * table being the group's 16 weights twice, so a byte zero-extended to 16 bits indexes its low code as it is (bit 4,
+ * the high code's lowest, picks the same copy) and its high code after a shift. x is laid out to match (prepare_xb):
+ * each chunk's 32 even columns, then its odd. */
 #define BCH 64
 
 /* t's 16 float32 values rounded to bfloat16 (to nearest, even on ties, as torch rounds), twice: one instruction

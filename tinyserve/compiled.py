@@ -45,7 +45,8 @@ from tinyserve.static import FORWARDS, StaticStep
 
 log = logging.getLogger("tinyserve.compiled")
 
-NAMES = {"step": "decode / verify", "draft": "NEXTN head", "head_kv": "NEXTN head's KV", "logits": "LM head"}  # for the log
+NAMES = {"step": "decode / verify", "draft": "NEXTN head", "head_kv": "NEXTN head's KV",   # by kind, for the log
+         "logits": "LM head"}
 
 
 def lone_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ shape of that agent.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -95,7 +96,10 @@ CAPS = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "4096", "QWEN_CODE_MAX_OUTPUT_TOKENS": 
 # One request in the server's log: "<id>: <finish>, prompt N tokens, M from the prefix cache (...), G generated"
 REQUEST_LINE = re.compile(r"^(\S+ \S+) INFO tinyserve\.generation: (\S+): (\w+), prompt (\d+) tokens, (\d+) from the prefix "
                           r"cache .*?, (\d+) generated")
-LEFT_LINE = re.compile(r"INFO tinyserve\.cache: prefix cache: (\S+) leaves a cached path at token (\d+) of")
+# Where a prompt left a cached path: "<id> leaves a cached path at token N of ... | the prompt goes on '<text>'... |
+# the cache went on '<text>'..." (the tokens either side as quoted text, tinyserve/divergences.py)
+LEFT_LINE = re.compile(r"INFO tinyserve\.cache: prefix cache: (\S+) leaves a cached path at token (\d+) of .*"
+                       r"\| the prompt goes on (.+?)\.\.\. \| the cache went on (.+?)\.\.\.$")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/completions")   # answers with text
 REFUSAL_LINE = re.compile(r"WARNING tinyserve\.api: (GET|POST|PUT|DELETE|HEAD|OPTIONS) (\S+): ([45]\d\d) (.*)")
 
@@ -143,7 +147,9 @@ class Run:
     name: str
     seconds: float
     requests: list[Request] = field(default_factory=list)
-    left: dict[str, int] = field(default_factory=dict)   # request id -> the token where it left a cached path
+    # request id -> the token where it left a cached path whose text goes on as the prompt's does (other tokens for
+    # the same text: see the test)
+    left_same_text: dict[str, int] = field(default_factory=dict)
 
     @property
     def main(self) -> Request:
@@ -239,6 +245,16 @@ COMMANDS = {   # (first and second run, continued turn): each agent's own non-in
 ERRORS = re.compile(r"API Error|\b[45]\d\d\b.*(error|Error)|ECONNREFUSED|context_length_exceeded")
 
 
+def same_text(left: re.Match) -> bool:
+    """Whether the prompt and the cached path it left go on with the same text (one starts with the other)."""
+    try:
+        prompt, cached = ast.literal_eval(left.group(3)), ast.literal_eval(left.group(4))
+    except (ValueError, SyntaxError):
+        return False
+    return isinstance(prompt, str) and isinstance(cached, str) and (prompt.startswith(cached) or
+                                                                    cached.startswith(prompt))
+
+
 def run_agent(server: Server, release: Release, home: Path, work: Path, env_lines: str, command: list[str],
               prompt: str, name: str) -> Run:
     agent = release.agent
@@ -261,7 +277,7 @@ def run_agent(server: Server, release: Release, home: Path, work: Path, env_line
     run = Run(release.name, name, seconds, [Request(m.group(2), m.group(3), int(m.group(4)), int(m.group(5)),
                                              int(m.group(6)))
                                      for m in map(REQUEST_LINE.match, log.splitlines()) if m],
-              {m.group(1): int(m.group(2)) for m in map(LEFT_LINE.search, log.splitlines()) if m})
+              {m.group(1): int(m.group(2)) for m in map(LEFT_LINE.search, log.splitlines()) if m and same_text(m)})
     assert run.requests, f"{release.name} {name}: no request reached the server\n{shown}"
     assert run.main.generated >= 1
     # the random demo model samples an answer of any length, a few characters now and then ("; for" and a lone
@@ -337,13 +353,14 @@ def test_release_runs_twice_and_continues_from_the_cache(server, release, tmp_pa
             dump.write_text(json.dumps([r.__dict__ for r in recorded], indent=1, ensure_ascii=False))
     for run, before in zip(runs[1:], runs):
         main, reusable = run.main, run.main.prompt
-        left = run.left.get(main.request_id)
+        left = run.left_same_text.get(main.request_id)
         if run.name == "continued" and left is not None and left > before.main.prompt:
             # the agent keeps the random model's answer as text: bytes that are no UTF-8 character come back as
-            # U+FFFD, other tokens than the model made, and the prompt leaves the cached path there (the server's
-            # log line shows the same text either side); what lies before that point must still be reused
+            # U+FFFD, other tokens than the model made for the same text, and the prompt leaves the cached path
+            # there (past the prompt the answer continues); what lies before that point must still be reused
             reusable = left
         assert main.cached >= 0.9 * reusable, (f"{release.name} {run.name}: {main.cached} of the main prompt's "
-                                               f"{main.prompt} tokens came from the prefix cache (reusable: {reusable})")
+                                               f"{main.prompt} tokens came from the prefix cache (reusable: "
+                                               f"{reusable})")
     assert runs[2].main.prompt > runs[0].main.prompt, f"{release.name}: the continued turn did not carry the session"
     check_shape(release, recorded)
