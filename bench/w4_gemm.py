@@ -72,6 +72,7 @@ def random_w4(N: int, K: int, group: int, gen: torch.Generator) -> W4Weight:
     w = W4Weight(N, K, group, kind="int4", scale_dtype=torch.float16)
     w.codes.copy_(pack_codes(torch.randint(0, 16, (N, K), generator=gen)))
     w.scales.copy_((torch.rand(N, K // group, generator=gen) * 0.01 + 1e-3).half())
+    w4_cpu.block_weights(w)                 # the layout the loader gives the CPU kernel
     return w
 
 
@@ -81,7 +82,7 @@ def w4_call(w: W4Weight):
     op = torch.ops.tinyserve.w4_linear_cpu.default if w4_cpu.op_in_cpp() else \
         torch.ops.tinyserve.w4_linear_cpu_python.default
     args = (w.codes, w.scales, w.zeros, w.perm, w.group, w4_cpu.KIND_CODES[w.kind], w.zero_point, w.global_scale,
-            w4_cpu.GEMM_ROWS[torch.float32])
+            w.blocked, w4_cpu.GEMM_ROWS[torch.float32])
     return lambda x: op(x, *args)
 
 

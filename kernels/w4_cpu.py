@@ -11,8 +11,9 @@ needs (-march=native: AVX-512, AVX2 + FMA or portable C), and the torch op aroun
 from the same file compiled as C++ against torch's headers, so that a call from a compiled graph costs ~2 us more
 than the kernel rather than ~10 us through a Python op and ctypes (58 calls a decode step of the bench model). No
 C++ compiler or headers: the same op in Python (`w4_linear_cpu_python`), one warning. No C compiler: `usable` is
-False and kernels/w4.py runs the reference, one warning. Nothing is prepared per weight: the kernel reads the
-loader's buffers as they are (a row block's scales and zeros converted to float32 in L1), so it costs no memory.
+False and kernels/w4.py runs the reference, one warning. The loader interleaves each weight's blocks of rows in
+place (`block_weights`: W4Weight.block_rows), so that the kernel reads a block as one stream; nothing else is
+prepared per weight (a row block's scales and zeros are converted to float32 in L1), so it costs no memory.
 
 Up to GEMM_ROWS rows of x (a decode step's batch, a NEXTN verify) go through the GEMM kernel, which reads W once per
 call; more (a prefill) dequantize W a block of rows at a time into a float scratch multiplied by oneDNN's GEMM
@@ -113,9 +114,10 @@ def build(flags: tuple[str, ...] = FLAGS, with_op: bool = True) -> ctypes.CDLL |
             return None
     lib = ctypes.CDLL(str(target))                    # with the op: its registration runs here
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.w4_gemm.argtypes = [p, i32, i64, p, i64, i32, p, i64, p, i32, i64, p, i64, p, i32, i32, i32, i32, i32, f32]
+    lib.w4_gemm.argtypes = [p, i32, i64, p, i64, i32, p, i64, p, i32, i64, p, i64, p, i32, i32, i32, i32, i32, f32,
+                            i32]
     lib.w4_gemm.restype = i32
-    lib.w4_dequant.argtypes = [p, i64, p, i32, i64, p, i64, i32, i32, i32, i32, i32, f32, i32, i32, p, i32]
+    lib.w4_dequant.argtypes = [p, i64, p, i32, i64, p, i64, i32, i32, i32, i32, i32, f32, i32, i32, p, i32, i32]
     lib.w4_dequant.restype = i32
     lib.w4_path.restype = i32
     lib.w4_bf16_dots.restype = i32
@@ -145,18 +147,27 @@ def kernel_dots() -> bool:
 
 def usable(x: torch.Tensor, w: W4Weight) -> bool:
     """Can the kernel take this call? (the CPU, a float x, one 2-D weight (an expert's view is one) whose rows are
-    contiguous, a built library)."""
+    contiguous, and adjacent when blocked, a built library)."""
     return (x.device.type == "cpu" and x.dtype in DTYPES and w.codes.dim() == 2 and w.kind in KIND_CODES
             and x.shape[-1] == w.in_features and w.codes.stride(1) == 1 and w.scales.stride(1) == 1
+            and (not w.blocked or w.codes.is_contiguous())
             and (w.zeros is None or w.zeros.stride(1) == 1) and (w.perm is None or w.perm.stride(0) == 1)
             and built())
+
+
+def block_weights(module: torch.nn.Module) -> int:
+    """Every W4Weight of module in the layout the kernel reads best (W4Weight.block_rows: each block of rows one
+    stream), where the library is built (the reference reads either layout); how many were blocked."""
+    if not built():
+        return 0
+    return sum(w.block_rows() for w in module.modules() if isinstance(w, W4Weight))
 
 
 def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype (call when `usable(x, w)`)."""
     # int4's global scale is 1: a constant, not a float a compiled graph would take as an input (and .item())
     args = (x, w.codes, w.scales, w.zeros, w.perm, w.group, KIND_CODES[w.kind], w.zero_point,
-            w.global_scale if w.kind == "fp4" else 1.0, gemm_rows(x, w))
+            w.global_scale if w.kind == "fp4" else 1.0, w.blocked, gemm_rows(x, w))
     if op_in_cpp():
         return torch.ops.tinyserve.w4_linear_cpu(*args)
     return torch.ops.tinyserve.w4_linear_cpu_python(*args)
@@ -168,16 +179,18 @@ def _raise(code: int, what: str, x: torch.Tensor, codes: torch.Tensor, group: in
 
 
 def gemm(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-         perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float) -> torch.Tensor:
+         perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float,
+         blocked: bool = False) -> torch.Tensor:
     """The GEMM kernel of `lib` on x [M, K] (float32 or bfloat16, rows of contiguous columns): y [M, N] in x's
-    dtype, whatever M."""
+    dtype, whatever M. blocked: the codes' blocks of rows interleaved (W4Weight.block_rows)."""
     M, K = x.shape
     N = codes.shape[0]
     y = x.new_empty((M, N))
     code = lib.w4_gemm(x.data_ptr(), DTYPES[x.dtype], x.stride(0), y.data_ptr(), N, M, codes.data_ptr(),
                        codes.stride(0), scales.data_ptr(), DTYPES[scales.dtype], scales.stride(0),
                        None if zeros is None else zeros.data_ptr(), 0 if zeros is None else zeros.stride(0),
-                       None if perm is None else perm.data_ptr(), N, K, group, kind, zero_point, global_scale)
+                       None if perm is None else perm.data_ptr(), N, K, group, kind, zero_point, global_scale,
+                       blocked)
     if code:
         _raise(code, "GEMM", x, codes, group)
     return y
@@ -185,7 +198,7 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.T
 
 def dequantize(lib: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
                kind: int, zero_point: int, global_scale: float, r0: int, r1: int, dtype: torch.dtype,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, blocked: bool = False) -> torch.Tensor:
     """Rows r0 .. r1-1 of W in dtype (float32 or bfloat16), columns in the weight's own (act-order sorted) order:
     each value (q - z) * s or (E2M1[q] * s) * global_scale in float32, rounded once, as W4Weight.dequantize."""
     N, K = codes.shape[0], codes.shape[1] * 2
@@ -193,7 +206,7 @@ def dequantize(lib: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor, zero
     code = lib.w4_dequant(codes.data_ptr(), codes.stride(0), scales.data_ptr(), DTYPES[scales.dtype],
                           scales.stride(0), None if zeros is None else zeros.data_ptr(),
                           0 if zeros is None else zeros.stride(0), N, K, group, kind, zero_point, global_scale,
-                          r0, r1, out.data_ptr(), DTYPES[dtype])
+                          r0, r1, out.data_ptr(), DTYPES[dtype], blocked)
     if code:
         _raise(code, "dequantization", out, codes, group)
     return out
@@ -213,7 +226,7 @@ def _float_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def prefill(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, perm: torch.Tensor | None, group: int, kind: int, zero_point: int,
-            global_scale: float) -> torch.Tensor:
+            global_scale: float, blocked: bool = False) -> torch.Tensor:
     """Many rows of x [M, K]: W dequantized PREFILL_SCRATCH bytes of rows at a time (in x's dtype, as the reference
     rounds it), each block multiplied by the float GEMM; x's columns gathered once under act-order."""
     M, K = x.shape
@@ -222,13 +235,13 @@ def prefill(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torc
     rows = max(16, min(N, PREFILL_SCRATCH // (K * x.element_size())))
     if rows >= N:
         return _float_gemm(xs, dequantize(lib, codes, scales, zeros, group, kind, zero_point, global_scale, 0, N,
-                                          x.dtype))
+                                          x.dtype, blocked=blocked))
     y = x.new_empty((M, N))
     scratch = x.new_empty((rows, K))
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
         block = dequantize(lib, codes, scales, zeros, group, kind, zero_point, global_scale, r0, r1, x.dtype,
-                           scratch)
+                           scratch, blocked)
         y[:, r0:r1] = _float_gemm(xs, block)
     return y
 
@@ -245,20 +258,20 @@ def _rows_of(x: torch.Tensor) -> torch.Tensor:
 
 def _w4_prefill_cpu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float,
-                    gemm_rows: int) -> torch.Tensor:
-    y = prefill(library(), _rows_of(x), codes, scales, zeros, perm, group, kind, zero_point, global_scale)
+                    blocked: bool, gemm_rows: int) -> torch.Tensor:
+    y = prefill(library(), _rows_of(x), codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked)
     return y.to(x.dtype).reshape(*x.shape[:-1], codes.shape[0])
 
 
 def _w4_linear_cpu_python(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                           perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float,
-                          gemm_rows: int) -> torch.Tensor:
+                          blocked: bool, gemm_rows: int) -> torch.Tensor:
     """The op in Python (without a C++ compiler): what w4_cpu.c's C++ half does."""
     x2 = _rows_of(x)
     if x2.shape[0] > gemm_rows:
-        y = prefill(library(), x2, codes, scales, zeros, perm, group, kind, zero_point, global_scale)
+        y = prefill(library(), x2, codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked)
     else:
-        y = gemm(library(), x2, codes, scales, zeros, perm, group, kind, zero_point, global_scale)
+        y = gemm(library(), x2, codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked)
     return y.to(x.dtype).reshape(*x.shape[:-1], codes.shape[0])
 
 
@@ -267,7 +280,7 @@ def _w4_linear_cpu_python(x: torch.Tensor, codes: torch.Tensor, scales: torch.Te
 # both call for many rows. Library ops rather than torch.library.custom_op: its wrappers cost ~3 us a call more
 # (kernels/linear.py).
 SCHEMA = ("(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, Tensor? perm, int group, int kind, int zero_point, "
-          "float global_scale, int gemm_rows) -> Tensor")
+          "float global_scale, bool blocked, int gemm_rows) -> Tensor")
 _lib = torch.library.Library("tinyserve", "FRAGMENT")
 for _name, _impl in (("w4_linear_cpu", None), ("w4_linear_cpu_python", _w4_linear_cpu_python),
                      ("w4_prefill_cpu", _w4_prefill_cpu)):
@@ -276,5 +289,5 @@ for _name, _impl in (("w4_linear_cpu", None), ("w4_linear_cpu_python", _w4_linea
         _lib.impl(_name, _impl, "CPU")
 
     @torch.library.register_fake(f"tinyserve::{_name}", lib=_lib)
-    def _(x, codes, scales, zeros, perm, group, kind, zero_point, global_scale, gemm_rows):
+    def _(x, codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked, gemm_rows):
         return x.new_empty((*x.shape[:-1], codes.shape[0]))

@@ -119,8 +119,10 @@ def takes(w: W4Weight) -> bool:
 def supports(w: W4Weight, bk: int) -> bool:
     """Whether the kernels read w with K steps of bk columns: each step holds whole groups or lies inside one (every
     power-of-two group, and groups that are multiples of bk: channel-wise scales at K a multiple of 128), and the
-    buffers' last dimensions are contiguous. Other weights go to the torch reference."""
-    return ((w.group % bk == 0 or bk % w.group == 0) and w.codes.stride(-1) == 1 and w.scales.stride(-1) == 1
+    buffers' last dimensions are contiguous, codes in rows (not the CPU's blocks). Other weights go to the torch
+    reference."""
+    return ((w.group % bk == 0 or bk % w.group == 0) and not w.blocked and w.codes.stride(-1) == 1
+            and w.scales.stride(-1) == 1
             and (w.zeros is None or w.zeros.stride(-1) == 1))
 
 

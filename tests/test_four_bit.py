@@ -349,6 +349,18 @@ def test_every_4bit_gdn_projection_is_used(dense):
         assert torch.equal(mixer.out_proj.dequantize(torch.float32), ref[p + "out_proj.weight"])
 
 
+def test_the_cpu_holds_4bit_weights_in_blocks_of_rows(dense, moe):
+    """On the CPU the loader interleaves each 4-bit weight's blocks of rows for the kernel (W4Weight.block_rows) where
+    its rows are whole 32-byte pieces: the dequantized weights above and the logits against transformers are these."""
+    from tinyserve.kernels import w4_cpu
+    if not w4_cpu.built():
+        pytest.skip("no C compiler: the reference reads rows")
+    for t in (dense, moe):
+        held = [w for w in t.model.modules() if isinstance(w, W4Weight)]
+        assert any(w.blocked for w in held)
+        assert all(w.blocked == (w.in_features % 64 == 0) for w in held)
+
+
 def test_a_checkpoint_missing_a_gdn_projection_is_refused(dense, tmp_path):
     """... and a checkpoint without one of them is refused, naming it."""
     folder = shutil.copytree(dense.folder, tmp_path / "gptq")

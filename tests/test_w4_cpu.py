@@ -14,6 +14,7 @@ they agree to the bit.
 """
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -30,7 +31,8 @@ F32_TOL, BF16_ULP = 4e-6, 2.0 ** -7       # BF16_ULP: a bfloat16 ulp relative to
 
 
 def make_weight(N: int, K: int, group: int, kind: str = "int4", scale_dtype=torch.float16, asymmetric=False,
-                act_order=False, experts: int | None = None, seed: int = 0) -> W4Weight:
+                act_order=False, experts: int | None = None, seed: int = 0, blocked: bool = False) -> W4Weight:
+    """blocked: in the CPU layout the loader makes (W4Weight.block_rows; where K % 64 == 0, else still rows)."""
     gen = torch.Generator().manual_seed(seed)
     w = W4Weight(N, K, group, kind=kind, scale_dtype=scale_dtype, asymmetric=asymmetric, act_order=act_order,
                  global_scale=0.37 if kind == "fp4" else 1.0, experts=experts)
@@ -41,6 +43,8 @@ def make_weight(N: int, K: int, group: int, kind: str = "int4", scale_dtype=torc
         w.zeros.copy_(torch.randint(0, 16, lead + (N, K // group), generator=gen))
     if act_order:
         w.perm.copy_(torch.stack([torch.randperm(K, generator=gen) for _ in range(experts or 1)]).squeeze(0))
+    if blocked:
+        assert w.block_rows() == (K % 64 == 0)
     return w
 
 
@@ -85,7 +89,7 @@ def python_op(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """The op as it runs without a C++ compiler (w4_cpu.py's Python version of w4_cpu.c's C++ half)."""
     return torch.ops.tinyserve.w4_linear_cpu_python(x, w.codes, w.scales, w.zeros, w.perm, w.group,
                                                     w4_cpu.KIND_CODES[w.kind], w.zero_point, w.global_scale,
-                                                    w4_cpu.gemm_rows(x, w))
+                                                    w.blocked, w4_cpu.gemm_rows(x, w))
 
 
 OPS = {"op": w4_cpu.w4_linear, "python op": python_op}
@@ -101,8 +105,9 @@ def test_the_op_is_built_in_cpp():
 @pytest.mark.parametrize("N, K, group, kind, sdt, asym, act", CASES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 31, 150])     # 150: a prefill's path
 @pytest.mark.parametrize("op", OPS)
-def test_matches_the_reference(N, K, group, kind, sdt, asym, act, rows, op):
-    w = make_weight(N, K, group, kind, sdt, asym, act, seed=N + rows)
+@pytest.mark.parametrize("blocked", [False, True], ids=["rows", "blocked"])
+def test_matches_the_reference(N, K, group, kind, sdt, asym, act, rows, op, blocked):
+    w = make_weight(N, K, group, kind, sdt, asym, act, seed=N + rows, blocked=blocked)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     assert w4_cpu.usable(x, w)
     check(OPS[op](x, w), x, w)
@@ -111,8 +116,10 @@ def test_matches_the_reference(N, K, group, kind, sdt, asym, act, rows, op):
 @pytest.mark.parametrize("rows", [1, 4, 11, 40, 150])
 @pytest.mark.parametrize("kind, group", [("int4", 32), ("int4", 128), ("fp4", 16)])
 @pytest.mark.parametrize("op", OPS)
-def test_bfloat16_activations(rows, kind, group, op):
-    w = make_weight(70, 512, group, kind, torch.bfloat16, asymmetric=kind == "int4", act_order=group == 128)
+@pytest.mark.parametrize("blocked", [False, True], ids=["rows", "blocked"])
+def test_bfloat16_activations(rows, kind, group, op, blocked):
+    w = make_weight(70, 512, group, kind, torch.bfloat16, asymmetric=kind == "int4", act_order=group == 128,
+                    blocked=blocked)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     check(OPS[op](x, w), x, w)
 
@@ -125,13 +132,13 @@ def test_the_prefill_path_at_any_row_count(op, dtype):
         pytest.skip("no C++ compiler")
     old, w4_cpu.PREFILL_SCRATCH = w4_cpu.PREFILL_SCRATCH, 16 * 256 * 4        # blocks of 16 rows
     try:
-        for N, K, group, kind, sdt, asym, act in CASES:
-            w = make_weight(N, K, group, kind, sdt, asym, act, seed=N)
+        for (N, K, group, kind, sdt, asym, act), blocked in itertools.product(CASES, (False, True)):
+            w = make_weight(N, K, group, kind, sdt, asym, act, seed=N, blocked=blocked)
             for rows in (1, 7):
                 x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
                 y = getattr(torch.ops.tinyserve, op.split("::")[1])(
                     x, w.codes, w.scales, w.zeros, w.perm, group, w4_cpu.KIND_CODES[kind], w.zero_point,
-                    w.global_scale, 0)
+                    w.global_scale, w.blocked, 0)
                 check(y, x, w)
     finally:
         w4_cpu.PREFILL_SCRATCH = old
@@ -152,14 +159,34 @@ def test_the_linear_route_and_leading_dims(monkeypatch):
         torch.testing.assert_close(w4_linear(x, w), w4_linear_reference(x, w), rtol=0, atol=0)
 
 
-def test_stacked_experts_views():
-    w = make_weight(40, 256, 32, asymmetric=True, act_order=True, experts=3)
+@pytest.mark.parametrize("blocked", [False, True], ids=["rows", "blocked"])
+def test_stacked_experts_views(blocked):
+    w = make_weight(42, 256, 32, asymmetric=True, act_order=True, experts=3, blocked=blocked)
     for e in range(3):
         we = w.expert(e)
+        assert we.blocked == blocked
         x = torch.randn(5, 256, generator=torch.Generator().manual_seed(e))
         assert w4_cpu.usable(x, we)
         check(w4_cpu.w4_linear(x, we), x, we)
     assert not w4_cpu.usable(torch.randn(1, 256), w)         # the stack itself: one expert at a time
+
+
+def test_blocked_codes_are_the_rows_interleaved():
+    """W4Weight.block_rows by hand: a block of 4 rows holds their first 32 bytes, row after row, then their next 32;
+    the last N % 4 rows stay rows; row_codes gives the rows back and dequantize the same values."""
+    w = make_weight(6, 128, 32, asymmetric=True)          # one block of 4 rows and 2 rows left; 64 bytes a row
+    rows = w.codes.clone()
+    before = w.dequantize(torch.float32)
+    assert w.block_rows() and w.blocked
+    assert torch.equal(w.codes[:4].reshape(-1), torch.cat([rows[r, p * 32:(p + 1) * 32] for p in (0, 1)
+                                                           for r in range(4)]))
+    assert torch.equal(w.codes[4:], rows[4:])
+    assert torch.equal(w.row_codes(), rows)
+    assert torch.equal(w.dequantize(torch.float32), before)
+    assert w.block_rows() and torch.equal(w.row_codes(), rows)        # blocked once
+    with pytest.raises(AssertionError):
+        w.copy_rows(0, make_weight(2, 128, 32, asymmetric=True))       # rows are copied in before blocking
+    assert not make_weight(8, 96, 32).block_rows()          # 48 bytes a row: not whole pieces, stays rows
 
 
 def test_a_weight_it_cannot_read_goes_to_the_reference():
@@ -196,12 +223,13 @@ def test_float16_activations_run_in_float32(op):
                                                                                         True)])
 def test_dequantize_is_the_weights_own(kind, group, sdt, asym):
     """The prefill's dequantized rows are W4Weight.dequantize's values to the bit (float32 and bfloat16)."""
-    w = make_weight(45, 240 if group == 48 else 256, group, kind, sdt, asym)
     lib = w4_cpu.library()
-    for dtype in (torch.float32, torch.bfloat16):
-        got = w4_cpu.dequantize(lib, w.codes, w.scales, w.zeros, group, w4_cpu.KIND_CODES[kind], w.zero_point,
-                                w.global_scale, 5, 41, dtype)
-        torch.testing.assert_close(got, w.dequantize(dtype)[5:41], rtol=0, atol=0)
+    for blocked in (False, True):
+        w = make_weight(45, 240 if group == 48 else 256, group, kind, sdt, asym, blocked=blocked)
+        for dtype, (r0, r1) in itertools.product((torch.float32, torch.bfloat16), ((5, 41), (0, 45))):
+            got = w4_cpu.dequantize(lib, w.codes, w.scales, w.zeros, group, w4_cpu.KIND_CODES[kind], w.zero_point,
+                                    w.global_scale, r0, r1, dtype, blocked=w.blocked)
+            torch.testing.assert_close(got, w.dequantize(dtype)[r0:r1], rtol=0, atol=0)
 
 
 def test_inside_a_compiled_function():
@@ -245,13 +273,13 @@ def test_the_other_vector_paths(path, dots):
     if lib is None:
         pytest.skip("the C compiler does not take these flags (not x86)")
     assert (lib.w4_path(), lib.w4_bf16_dots()) == (path, dots)
-    for N, K, group, kind, sdt, asym, act in CASES:
-        w = make_weight(N, K, group, kind, sdt, asym, act, seed=N)
+    for (N, K, group, kind, sdt, asym, act), blocked in itertools.product(CASES, (False, True)):
+        w = make_weight(N, K, group, kind, sdt, asym, act, seed=N, blocked=blocked)
         for rows in (1, 2, 5, 16):
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
                 y = w4_cpu.gemm(lib, x, w.codes, w.scales, w.zeros, w.perm, group, w4_cpu.KIND_CODES[kind],
-                                w.zero_point, w.global_scale)
+                                w.zero_point, w.global_scale, w.blocked)
                 check(y, x, w)
 
 

@@ -156,6 +156,9 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
                 weights.load(item.canonical, tensor, scale)
                 del tensor  # one checkpoint tensor alive at a time
                 bar.update(1)
+        if w4.layouts and device.type == "cpu":        # the CPU kernel's layout, once every part is in
+            from tinyserve.kernels import w4_cpu
+            w4_cpu.block_weights(model)
     log.info("loaded %s: %d tensors, %s, dtype %s, device %s%s%s", path, len(items), cfg.model_type, dtype, device,
              f", {len(blocks)} linear weights kept FP8 ({fp8_weights})" if blocks else "",
              f", {len(w4.layouts)} linear weights held 4-bit ({w4.label})" if w4.layouts else "")
