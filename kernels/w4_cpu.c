@@ -56,8 +56,9 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };  /* dtype codes (w4_cpu.py's DTYPES) */
                                         * (w4_weight.py's block_rows); a chunk never straddles two pieces */
 /* The codes are fetched into L1 one block ahead: a block's NB rows are one contiguous span (rows of K/2 bytes, one
  * after the other, or their pieces interleaved), read at one cache line per chunk, so while a block is read the same
- * line of the next block is fetched. The hardware prefetcher alone, following NB streams, kept one decode row of gate_up (bench/w4_gemm.py)
- * at ~9 GB/s on 2 Zen 4 cores; fetching 256 bytes ahead in each row, ~17; a block ahead, ~20. */
+ * line of the next block is fetched. The hardware prefetcher alone, following NB streams, kept one decode row of
+ * gate_up (bench/w4_gemm.py) at ~9 GB/s on 2 Zen 4 cores; fetching 256 bytes ahead in each row, ~17; a block ahead,
+ * ~20 (rows, before the blocks). */
 
 enum { INT4 = 0, FP4 = 1 };
 enum { SYM = 0, ASYM = 1, NVFP4 = 2 }; /* how a group's 16 weights are made: (q - zp) * s, (q - z[g]) * s, fp4 */

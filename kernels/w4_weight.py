@@ -23,8 +23,8 @@ With `experts`, every buffer has a leading E dimension (a MoE layer's stacked ex
 On the CPU the loader then interleaves the codes of each block of BLOCK_ROWS output rows (`block_rows`, where
 K % 64 == 0): the block's bytes are its rows' first PIECE bytes, one row after the other, then their next PIECE
 bytes, and so on; the last N % BLOCK_ROWS rows stay rows. The CPU GEMM computes a block of rows at a time
-(kernels/w4_cpu.c), so it then reads each block as one stream rather than four: ~10% less time for one decode row of
-the bench model's projections and ~12% for eight (docs/benchmarks.md). `row_codes` gives the codes as rows again.
+(kernels/w4_cpu.c), so it then reads each block as one stream rather than four: 7-11% less time for one decode row
+of the bench model's projections and ~6% for eight (docs/benchmarks.md). `row_codes` gives the codes as rows again.
 """
 from __future__ import annotations
 
