@@ -16,7 +16,7 @@ from server_util import ServerProcess, free_port, http, server_config
 
 AGENTS = Path(__file__).resolve().parent / "agents"
 sys.path.insert(0, str(AGENTS))
-from recorder import Recorded, compare, release_shape  # noqa: E402
+from recorder import Recorded, answer_text, compare, release_shape  # noqa: E402
 
 SHAPES = sorted((AGENTS / "shapes").glob("*.json"))
 KINDS = [(path.stem, i, kind) for path in SHAPES
@@ -68,3 +68,34 @@ def test_a_field_a_release_adds_shows_up_as_a_new_path():
     assert "POST /v1/messages new_field.on" in diff.new["paths"]
     assert "POST /v1/messages messages[].content[type=text].citations_mode" in diff.new["paths"]
     assert not compare(kept, kept)
+
+
+# The visible text of a whole (not streamed) answer, read by each protocol's documented fields: the oracle for the
+# recorder's answer_text, which the tier uses when an agent shows nothing.
+WHOLE_TEXT = {
+    "/v1/chat/completions": lambda a: a["choices"][0]["message"]["content"] or "",
+    "/v1/messages": lambda a: "".join(b["text"] for b in a["content"] if b["type"] == "text"),
+    "/v1/responses": lambda a: "".join(p["text"] for item in a["output"] if item["type"] == "message"
+                                       for p in item["content"] if p["type"] == "output_text"),
+}
+ASK = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 24},
+       "/v1/messages": {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 24},
+       "/v1/responses": {"input": "Say hello.", "max_output_tokens": 24}}
+
+
+def test_the_recorder_reads_the_answers_text(server):
+    """recorder.answer_text on the server's own answers, whole and streamed (greedy: the same text), for the three
+    protocols the agents speak; at least one of them has visible text, so the comparison is not of empty strings."""
+    texts = []
+    for path, ask in ASK.items():
+        got = {}
+        for stream in (False, True):
+            body = {"model": "tinyserve", "temperature": 0, "stream": stream, **ask}
+            status, _, raw = http("POST", server.base_url + path, body, timeout=300)
+            assert status == 200, (path, raw[:300])
+            got[stream] = answer_text(Recorded("POST", path, {}, body, bytearray(raw)))
+            if not stream:
+                assert got[stream] == WHOLE_TEXT[path](json.loads(raw)), path
+        assert got[True] == got[False], (path, got)
+        texts.append(got[False])
+    assert any(t.strip() for t in texts), texts

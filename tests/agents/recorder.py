@@ -77,6 +77,9 @@ def answer_text(r: Recorded) -> str:
             text.append(obj.get("delta", ""))
         if obj.get("type") == "message" and isinstance(obj.get("content"), list):      # Anthropic, not streamed
             text += [b.get("text", "") for b in obj["content"] if isinstance(b, dict) and b.get("type") == "text"]
+        if obj.get("object") == "response":                                            # Responses, not streamed
+            text += [part.get("text", "") for item in obj.get("output") or [] if item.get("type") == "message"
+                     for part in item.get("content") or [] if part.get("type") == "output_text"]
     return "".join(t for t in text if isinstance(t, str))
 
 
