@@ -14,7 +14,7 @@
  * weights are exactly the reference's ((q - z) * s in float32); only the order of the sums differs. The codes are
  * prefetched a row block ahead: the hardware's prefetcher alone left the memory half used. The loader interleaves a
  * weight's blocks of rows (w4_weight.py's block_rows: `blocked`), so that a block is read as one stream, in the order
- * the kernel computes it: one decode row of the bench model's 58 projections took ~9% less time than from rows,
+ * the kernel computes it: one decode row of the bench model's 58 projections took 7-11% less time than from rows,
  * eight rows ~6% (the same sums, to the bit). Rows are still read (weights whose rows are not whole 32-byte pieces).
  *
  * Blocking: NB output rows at a time share each load of x, and up to MB rows of x share each dequantized weight (the
@@ -75,9 +75,11 @@ typedef struct {                       /* one weight [N, K]: kernels/w4_weight.p
     float gs;                          /* fp4's global scale */
     int bf16_w;                        /* x is bfloat16: each weight rounded to bfloat16 once, as the reference does */
     int blocked;                       /* the codes' whole blocks of NB rows interleaved in pieces (w4_weight.py) */
-    int ps;                            /* bytes from a piece of a row's codes to its next: PIECE (rows), NB * PIECE
-                                        * (a blocked block); row n's byte j at cp[n] + (j / PIECE) * ps + j % PIECE */
 } weight_t;
+
+/* bytes from a piece of a row's codes to its next: row n's byte j is at cp[n] + (j / PIECE) * step + j % PIECE, with
+ * cp[n] the row's first piece (w4_gemm gives a blocked weight's ragged last block blocked too) */
+#define PIECE_STEP(blocked) ((blocked) ? NB * PIECE : PIECE)
 
 /* ---- conversions (scalar ones: per group or per element of x, never in the inner loop) ---- */
 
@@ -476,13 +478,13 @@ dq8(const int mode, __m256i q, __m256 z, __m256 s, __m256 gs, int bf16_w) {
 static inline __attribute__((always_inline)) void
 block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, const int mb, const int dual,
       const int mode, const int bl, const float *sf, const float *zf, int G, float *out) {
-    (void)dual, (void)bl;                                  /* rows or blocked alike: w->ps */
+    (void)dual, (void)bl;                                  /* rows or blocked alike: PIECE_STEP */
     __m256 acc[NB][MB], acc_odd[NB];
     for (int n = 0; n < NB; n++) {
         acc_odd[n] = _mm256_setzero_ps();
         for (int m = 0; m < mb; m++) acc[n][m] = _mm256_setzero_ps();
     }
-    const int per = w->group / CH;
+    const int per = w->group / CH, ps = PIECE_STEP(w->blocked);
     const char *ahead = (const char *)cp[0] + NB * w->cs;
     const __m256i low4 = _mm256_set1_epi32(0xf);
     const __m256 gs = _mm256_set1_ps(w->gs);
@@ -497,7 +499,7 @@ block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, 
             if ((c & 1) == 0)                              /* 32 bytes of the block a chunk: a line every 2 */
                 _mm_prefetch(ahead + c * 32, _MM_HINT_T0);
             for (int n = 0; n < NB; n++) {
-                const uint8_t *at = cp[n] + (c >> 2) * w->ps + (c & 3) * 8;        /* a quarter of a piece */
+                const uint8_t *at = cp[n] + (c >> 2) * ps + (c & 3) * 8;           /* a quarter of a piece */
                 __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at));
                 __m256 we = dq8(mode, _mm256_and_si256(v, low4), z[n], s[n], gs, w->bf16_w);
                 __m256 wo = dq8(mode, _mm256_srli_epi32(v, 4), z[n], s[n], gs, w->bf16_w);
@@ -545,7 +547,7 @@ typedef void block_fn(const weight_t *, const uint8_t *const *, const float *, i
 ALL_MB(0, 0) ALL_MB(1, 0) ALL_MB(0, 1) ALL_MB(1, 1)
 static block_fn *const BLOCKS[2][2][MB][3] = {           /* [blocked][dual][mb - 1][mode] */
     {DUAL_ROWS(0, 0), DUAL_ROWS(1, 0)}, {DUAL_ROWS(0, 1), DUAL_ROWS(1, 1)}};
-#else                                                    /* AVX2: one instance for both layouts (w->ps), any group */
+#else                                              /* AVX2: one instance for both layouts (PIECE_STEP), any group */
 MODES(1, 0, 0) MODES(2, 0, 0)
 static block_fn *const BLOCKS[2][2][MB][3] = {
     {{TABLE_ROW(1, 0, 0), TABLE_ROW(2, 0, 0)}, {TABLE_ROW(1, 0, 0), TABLE_ROW(2, 0, 0)}},
@@ -563,7 +565,7 @@ static void block_scalar(const weight_t *w, const uint8_t *const *cp, const floa
             for (int g = 0; g < G; g++) {
                 float s = sf[n * G + g], z = w->mode == ASYM ? zf[n * G + g] : (float)w->zp, sum = 0.f;
                 for (int k = g * w->group; k < (g + 1) * w->group; k++) {
-                    int q = (cp[n][(k >> 6) * w->ps + ((k >> 1) & 31)] >> (4 * (k & 1))) & 0xf;
+                    int q = (cp[n][(k >> 6) * PIECE_STEP(w->blocked) + ((k >> 1) & 31)] >> (4 * (k & 1))) & 0xf;
                     float wk = w->mode == NVFP4 ? (E2M1[q] * s) * w->gs : ((float)q - z) * s;
                     if (w->bf16_w)
                         wk = from_bf16(to_bf16(wk));
@@ -589,7 +591,6 @@ static int setup(weight_t *w, int xdt) {
     if (w->blocked && (w->K / 2) % PIECE)
         return 1;
     w->mode = w->kind == FP4 ? NVFP4 : w->zeros ? ASYM : SYM;
-    w->ps = w->blocked ? NB * PIECE : PIECE;
     return 0;
 }
 
@@ -599,7 +600,7 @@ static int setup(weight_t *w, int xdt) {
 int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, const uint8_t *codes, int64_t cs,
             const void *scales, int sdt, int64_t ss, const uint8_t *zeros, int64_t zs, const int64_t *perm,
             int N, int K, int group, int kind, int zp, float gs, int blocked) {
-    weight_t w = {codes, scales, zeros, cs, ss, zs, sdt, zp, kind, group, N, K, 0, gs, xdt == BF16, blocked, 0};
+    weight_t w = {codes, scales, zeros, cs, ss, zs, sdt, zp, kind, group, N, K, 0, gs, xdt == BF16, blocked};
     int bad = setup(&w, xdt);
     if (bad || M <= 0)
         return bad ? bad : M < 0;
@@ -676,7 +677,7 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
 int w4_dequant(const uint8_t *codes, int64_t cs, const void *scales, int sdt, int64_t ss, const uint8_t *zeros,
                int64_t zs, int N, int K, int group, int kind, int zp, float gs, int r0, int r1, void *out, int odt,
                int blocked) {
-    weight_t w = {codes, scales, zeros, cs, ss, zs, sdt, zp, kind, group, N, K, 0, gs, 0, blocked, 0};
+    weight_t w = {codes, scales, zeros, cs, ss, zs, sdt, zp, kind, group, N, K, 0, gs, 0, blocked};
     int bad = setup(&w, odt);
     if (bad || r0 < 0 || r1 > N || r0 > r1)
         return bad ? bad : 4;
@@ -686,7 +687,7 @@ int w4_dequant(const uint8_t *codes, int64_t cs, const void *scales, int sdt, in
         float sf[G], zf[G], buf[odt == F32 ? 1 : K];
         float *row = odt == F32 ? (float *)out + (int64_t)(n - r0) * K : buf;
         row_scales(&w, n, sf, zf);
-        const int inter = blocked && n / NB * NB + NB <= N, ps = inter ? NB * PIECE : PIECE;
+        const int inter = blocked && n / NB * NB + NB <= N, ps = PIECE_STEP(inter);  /* the last N % NB: rows */
         const uint8_t *cp = inter ? codes + (int64_t)(n / NB * NB) * cs + n % NB * PIECE : codes + (int64_t)n * cs;
         int k = 0;
 #if PATH == 512

@@ -180,7 +180,7 @@ def _raise(code: int, what: str, x: torch.Tensor, codes: torch.Tensor, group: in
 
 def gemm(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
          perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float,
-         blocked: bool = False) -> torch.Tensor:
+         blocked: bool) -> torch.Tensor:
     """The GEMM kernel of `lib` on x [M, K] (float32 or bfloat16, rows of contiguous columns): y [M, N] in x's
     dtype, whatever M. blocked: the codes' blocks of rows interleaved (W4Weight.block_rows)."""
     M, K = x.shape
@@ -197,8 +197,8 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.T
 
 
 def dequantize(lib: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
-               kind: int, zero_point: int, global_scale: float, r0: int, r1: int, dtype: torch.dtype,
-               out: torch.Tensor | None = None, blocked: bool = False) -> torch.Tensor:
+               kind: int, zero_point: int, global_scale: float, r0: int, r1: int, dtype: torch.dtype, blocked: bool,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows r0 .. r1-1 of W in dtype (float32 or bfloat16), columns in the weight's own (act-order sorted) order:
     each value (q - z) * s or (E2M1[q] * s) * global_scale in float32, rounded once, as W4Weight.dequantize."""
     N, K = codes.shape[0], codes.shape[1] * 2
@@ -226,7 +226,7 @@ def _float_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def prefill(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, perm: torch.Tensor | None, group: int, kind: int, zero_point: int,
-            global_scale: float, blocked: bool = False) -> torch.Tensor:
+            global_scale: float, blocked: bool) -> torch.Tensor:
     """Many rows of x [M, K]: W dequantized PREFILL_SCRATCH bytes of rows at a time (in x's dtype, as the reference
     rounds it), each block multiplied by the float GEMM; x's columns gathered once under act-order."""
     M, K = x.shape
@@ -235,13 +235,13 @@ def prefill(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torc
     rows = max(16, min(N, PREFILL_SCRATCH // (K * x.element_size())))
     if rows >= N:
         return _float_gemm(xs, dequantize(lib, codes, scales, zeros, group, kind, zero_point, global_scale, 0, N,
-                                          x.dtype, blocked=blocked))
+                                          x.dtype, blocked))
     y = x.new_empty((M, N))
     scratch = x.new_empty((rows, K))
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
         block = dequantize(lib, codes, scales, zeros, group, kind, zero_point, global_scale, r0, r1, x.dtype,
-                           scratch, blocked)
+                           blocked, scratch)
         y[:, r0:r1] = _float_gemm(xs, block)
     return y
 
