@@ -151,15 +151,21 @@ class W4Weight(nn.Module):
         self.blocked = True
         return True
 
-    def row_codes(self) -> torch.Tensor:
-        """The codes as rows, uint8 [..., N, K // 2] (the codes themselves when not blocked, else a copy)."""
+    def row_codes(self, rows: slice = slice(None)) -> torch.Tensor:
+        """These rows' codes as rows, uint8 [..., rows, K // 2]: a view of the codes when not blocked, else a copy of
+        the blocks they lie in (the torch reference reads a weight a slice of rows at a time)."""
         if not self.blocked:
-            return self.codes
+            return self.codes[..., rows, :]
         N, half = self.codes.shape[-2:]
-        full = N // BLOCK_ROWS * BLOCK_ROWS
-        blocks = self.codes[..., :full, :]
-        pieces = blocks.reshape(*blocks.shape[:-2], full // BLOCK_ROWS, half // PIECE, BLOCK_ROWS, PIECE)
-        return torch.cat((pieces.transpose(-3, -2).reshape(blocks.shape), self.codes[..., full:, :]), dim=-2)
+        start, stop, step = rows.indices(N)
+        assert step == 1, rows
+        full = N // BLOCK_ROWS * BLOCK_ROWS                  # rows past it are stored as rows
+        a = start // BLOCK_ROWS * BLOCK_ROWS
+        b = max(a, min(full, -(-stop // BLOCK_ROWS) * BLOCK_ROWS))
+        blocks = self.codes[..., a:b, :]                     # [.., block, piece, row, byte] -> [.., block, row, ..]
+        pieces = blocks.reshape(*blocks.shape[:-2], (b - a) // BLOCK_ROWS, half // PIECE, BLOCK_ROWS, PIECE)
+        codes = torch.cat((pieces.transpose(-3, -2).reshape(blocks.shape), self.codes[..., b:max(b, stop), :]), dim=-2)
+        return codes[..., start - a:stop - a, :]
 
     def unpacked(self) -> torch.Tensor:
         """The codes, one per element: uint8 [..., N, K] (still in the sorted column order under act-order)."""
@@ -191,7 +197,7 @@ class W4Weight(nn.Module):
         nn.Module.__init__(view)
         view.kind, view.group, view.zero_point, view.global_scale = w.kind, w.group, w.zero_point, w.global_scale
         view.blocked = False
-        view.register_buffer("codes", w.row_codes()[..., rows, :])
+        view.register_buffer("codes", w.row_codes(rows))
         view.register_buffer("scales", w.scales[..., rows, :])
         view.register_buffer("zeros", None if w.zeros is None else w.zeros[..., rows, :])
         view.register_buffer("perm", w.perm)

@@ -183,6 +183,9 @@ def test_blocked_codes_are_the_rows_interleaved():
     assert torch.equal(w.codes[4:], rows[4:])
     assert torch.equal(w.row_codes(), rows)
     assert torch.equal(w.dequantize(torch.float32), before)
+    for part in (slice(0, 4), slice(1, 6), slice(3, 5), slice(4, 6), slice(5, 6), slice(2, 3)):   # blocks, tail, both
+        assert torch.equal(w.row_codes(part), rows[part]), part
+        assert torch.equal(w.dequantize(torch.float32, part), before[part]), part
     assert w.block_rows() and torch.equal(w.row_codes(), rows)        # blocked once
     with pytest.raises(AssertionError):
         w.copy_rows(0, make_weight(2, 128, 32, asymmetric=True))       # rows are copied in before blocking
