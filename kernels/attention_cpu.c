@@ -6,10 +6,14 @@
  *   page * sp + kv * sk + token * st + head * sh + d          (d contiguous)
  * so a page's rows are read in place, never gathered into a copy of the context. Each row is one work item: its
  * heads read a page while it is in L1 (the G query heads of a kv head share its rows, no per-head copy), and the
- * scores of a page stay in a small block (online softmax, page by page). When there are fewer items than threads, each item's keys are split into
- * parts whose partial sums are joined by their maxima (as flash decoding does), so a single long sequence uses every
- * core. The threads are torch's own OpenMP team (the same libgomp, loaded once).
+ * scores of a page stay in a small block (online softmax, page by page). When there are fewer items than threads,
+ * each item's keys are split into parts whose partial sums are joined by their maxima (as flash decoding does), so a
+ * single long sequence uses every core. The threads are torch's own OpenMP team (the same libgomp, loaded once).
+ *
+ * The file has two halves: the kernel in C, and at its end the torch op around it in C++, compiled from this same
+ * file a second time with ATTN_TORCH_OP defined (attention_cpu.py links both into one library).
  */
+#ifndef ATTN_TORCH_OP                 /* the kernel, in C */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -217,3 +221,39 @@ int paged_decode(const float *q, float *out, const void *pool, int dtype, int64_
     free(parts);
     return 0;
 }
+
+#else  /* ATTN_TORCH_OP */
+/* ---- the torch op tinyserve::paged_decode_cpu, from C++ (its schema and shape function are in attention_cpu.py):
+ * three calls a decode step of the bench model, each ~2 us more than the kernel where the same op in Python around a
+ * ctypes call (paged_decode_cpu_python, without a C++ compiler) costs 20-60 us more. */
+#include <torch/library.h>
+#include <ATen/ops/empty_like.h>
+
+extern "C" int paged_decode(const float *q, float *out, const void *pool, int dtype, int64_t sp, int64_t sk,
+                            int64_t st, int64_t sh, const int32_t *page_table, int64_t width, const int64_t *rows,
+                            const int32_t *lens, int N, int H, int KV, int hd, int ps, float scale);
+extern "C" int attention_torch_op(void) { return 1; }  /* attention_cpu.py asks whether the library has the op */
+
+static at::Tensor paged_decode_cpu(const at::Tensor &q, const at::Tensor &rows, const at::Tensor &page_table,
+                                   const at::Tensor &seq_lens, const std::optional<at::Tensor> &table_rows,
+                                   double scale) {
+    const auto dt = rows.scalar_type();
+    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "attention_cpu.c: a pool of ", dt);
+    TORCH_CHECK(rows.dim() == 5 && rows.stride(4) == 1, "attention_cpu.c: the pool's head_dim must be contiguous");
+    const at::Tensor qf = q.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty_like(qf);
+    const at::Tensor table = page_table.to(at::kInt).contiguous(), lens = seq_lens.to(at::kInt).contiguous();
+    const at::Tensor which = table_rows ? table_rows->to(at::kLong).contiguous() : at::Tensor();
+    const int N = (int)q.size(0), H = (int)q.size(1), hd = (int)q.size(2);
+    const int code = paged_decode(qf.data_ptr<float>(), out.data_ptr<float>(), rows.data_ptr(),
+                                  dt == at::kFloat ? 0 : dt == at::kBFloat16 ? 1 : 2, rows.stride(0), rows.stride(1),
+                                  rows.stride(2), rows.stride(3), table.data_ptr<int32_t>(), table.stride(0),
+                                  table_rows ? which.data_ptr<int64_t>() : nullptr, lens.data_ptr<int32_t>(), N, H,
+                                  (int)rows.size(3), hd, (int)rows.size(2), (float)scale);
+    TORCH_CHECK(code == 0, "attention_cpu.c refused the call (code ", code, "): H ", H, ", KV ", rows.size(3),
+                ", hd ", hd, ", page size ", rows.size(2));
+    return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+}
+
+TORCH_LIBRARY_IMPL(tinyserve, CPU, m) { m.impl("paged_decode_cpu", paged_decode_cpu); }
+#endif

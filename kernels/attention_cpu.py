@@ -4,9 +4,11 @@ The torch reference (attention.paged_attention_decode) gathers every page of a s
 runs SDPA over it behind a mask: at 30K tokens of context that copy and the masked scores were most of a decode step.
 The C kernel reads each page in place, the heads of a group sharing each key, and splits a long sequence over the
 threads of torch's own OpenMP team. It is built once per machine and source (the C compiler torch.compile already
-needs; ~0.3 s) into the cache folder, loaded with ctypes, and called through a torch custom op, so the compiled CPU
-steps call it as they would any op. Without a compiler (or for a shape it does not take) the torch reference runs,
-with one warning. The pool may hold float32, bfloat16 or float16; queries and outputs are float32 inside.
+needs; ~0.3 s) into the cache folder with its torch op (`tinyserve::paged_decode_cpu`, the same file compiled as C++
+against torch's headers), so the compiled CPU steps call it as they would any op, at ~2 us more than the kernel.
+Without a C++ compiler the same op runs in Python around a ctypes call (`paged_decode_cpu_python`, 20-60 us more a
+call, one warning); without a C compiler (or for a shape it does not take) the torch reference runs, with one
+warning. The pool may hold float32, bfloat16 or float16; queries and outputs are float32 inside.
 
 paged_decode(q, rows, page_table, seq_lens, table_rows, scale): q [N, H, hd]; rows: one layer's pool [pages, 2,
 page_size, KV, hd] (any strides but a contiguous hd); page_table [R, width] int32; seq_lens [N] int32; table_rows [N]
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tinyserve.kernels.c_build import c_compiler, cache_dir, cpu_id, run
+from tinyserve.kernels.c_build import c_compiler, cache_dir, cpu_id, run, torch_op_steps
 
 log = logging.getLogger("tinyserve.kernels")
 SOURCE = Path(__file__).with_name("attention_cpu.c")
@@ -37,26 +39,34 @@ POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built kernel, or None (no C compiler, or the build failed: logged once)."""
+    """The built kernel and, where a C++ compiler and torch's headers are there, its op; None (no C compiler, or the
+    build failed: logged once)."""
     compiler = c_compiler()
     if compiler is None:
         log.warning("no C compiler: CPU decode attention gathers the pages (the slower torch reference)")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS + LINK).encode() + cpu_id().encode()).hexdigest()[:16]
-    target = cache_dir() / f"attention_cpu-{key}.so"
+    key = SOURCE.read_bytes() + " ".join(FLAGS + LINK).encode() + cpu_id().encode() + \
+        f"op, torch {torch.__version__}".encode()
+    target = cache_dir() / f"attention_cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built, obj = Path(tmp) / target.name, Path(tmp) / "attention_cpu.o"
                 run([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)])
-                run([compiler, str(obj), *LINK, "-o", str(built)])
+                try:
+                    for step in torch_op_steps(SOURCE, "ATTN_TORCH_OP", Path(tmp) / "attention_cpu_op.o", obj, built):
+                        run(step)
+                except OSError as e:
+                    log.warning("building the C++ half of %s failed (%s): its op runs in Python, 20-60 us more a "
+                                "call", SOURCE.name, e)
+                    run([compiler, str(obj), *LINK, "-o", str(built)])
                 os.replace(built, target)             # atomic: another process may be building it too
         except OSError as e:
             log.warning("building %s with %s failed (%s): CPU decode attention gathers the pages (the slower "
                         "torch reference)", SOURCE.name, compiler, e)
             return None
-    lib = ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(target))                    # with the op: its registration runs here
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.paged_decode.argtypes = [p, p, p, i32, i64, i64, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32,
                                  ctypes.c_float]
@@ -74,9 +84,23 @@ def usable(q: torch.Tensor, rows: torch.Tensor) -> bool:
     return q.device.type == "cpu" and rows.dtype in POOL_DTYPES and built()
 
 
-@torch.library.custom_op("tinyserve::paged_decode_cpu", mutates_args=())
+@torch.compiler.assume_constant_result
+def op_in_cpp() -> bool:
+    """Whether the library registered tinyserve::paged_decode_cpu (C++); else the Python op runs."""
+    return library() is not None and hasattr(library(), "attention_torch_op")
+
+
 def paged_decode(q: torch.Tensor, rows: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                  table_rows: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The kernel through its op (call when `usable(q, rows)`): [N, H, hd] in q's dtype."""
+    if op_in_cpp():
+        return torch.ops.tinyserve.paged_decode_cpu(q, rows, page_table, seq_lens, table_rows, scale)
+    return torch.ops.tinyserve.paged_decode_cpu_python(q, rows, page_table, seq_lens, table_rows, scale)
+
+
+def _paged_decode_python(q: torch.Tensor, rows: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                         table_rows: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The op in Python (without a C++ compiler): what attention_cpu.c's C++ half does."""
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
     table = page_table.to(torch.int32).contiguous()
@@ -95,6 +119,16 @@ def paged_decode(q: torch.Tensor, rows: torch.Tensor, page_table: torch.Tensor, 
     return out.to(q.dtype)
 
 
-@paged_decode.register_fake
-def _(q, rows, page_table, seq_lens, table_rows, scale):
-    return torch.empty_like(q)
+# The ops (with their shapes for torch.compile): paged_decode_cpu, implemented by the C++ half of attention_cpu.c
+# when its library loads, and paged_decode_cpu_python, the same in Python. Library ops rather than
+# torch.library.custom_op: its wrappers cost ~3 us a call more (kernels/linear.py).
+SCHEMA = "(Tensor q, Tensor rows, Tensor page_table, Tensor seq_lens, Tensor? table_rows, float scale) -> Tensor"
+_lib = torch.library.Library("tinyserve", "FRAGMENT")
+for _name, _impl in (("paged_decode_cpu", None), ("paged_decode_cpu_python", _paged_decode_python)):
+    _lib.define(_name + SCHEMA)
+    if _impl is not None:
+        _lib.impl(_name, _impl, "CPU")
+
+    @torch.library.register_fake(f"tinyserve::{_name}", lib=_lib)
+    def _(q, rows, page_table, seq_lens, table_rows, scale):
+        return torch.empty_like(q)

@@ -27,14 +27,13 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels.c_build import c_compiler, cache_dir, cpu_id, cpu_info, run
+from tinyserve.kernels.c_build import c_compiler, cache_dir, cpu_id, cpu_info, run, torch_op_steps
 from tinyserve.kernels.w4_weight import W4Weight
 
 log = logging.getLogger("tinyserve.kernels")
@@ -66,19 +65,6 @@ def gemm_rows(x: torch.Tensor, w: W4Weight) -> int:
     return GEMM_ROWS.get(x.dtype, GEMM_ROWS[torch.float32])
 
 
-def _op_steps(obj: Path, kernel_obj: Path, so: Path) -> list[list[str]]:
-    """Compiling the op half of w4_cpu.c as C++ against this torch, and linking it with the kernel."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        raise OSError("no C++ compiler")
-    root = Path(torch.__file__).parent
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [[cxx, "-O2", "-std=c++17", "-fPIC", "-w", "-DW4_TORCH_OP", abi, "-I", str(root / "include"),
-             "-x", "c++", "-c", str(SOURCE), "-o", str(obj)],
-            [cxx, str(kernel_obj), str(obj), "-shared", "-fopenmp", f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10",
-             "-o", str(so)]]
-
-
 @functools.cache
 def build(flags: tuple[str, ...] = FLAGS, with_op: bool = True) -> ctypes.CDLL | None:
     """w4_cpu.c compiled with these flags (the tests add -mno-avx512f etc. to check the other paths on this CPU) and
@@ -100,7 +86,7 @@ def build(flags: tuple[str, ...] = FLAGS, with_op: bool = True) -> ctypes.CDLL |
                 try:
                     if not with_op:
                         raise OSError("not asked for")
-                    for step in _op_steps(Path(tmp) / "w4_cpu_op.o", obj, so):
+                    for step in torch_op_steps(SOURCE, "W4_TORCH_OP", Path(tmp) / "w4_cpu_op.o", obj, so):
                         run(step)
                 except OSError as e:
                     if with_op:

@@ -1,7 +1,7 @@
 """The CPU decode / verify attention kernel (kernels/attention_cpu.c) against its oracle, the torch reference
 (kernels.attention.paged_attention_decode on the "torch" backend): every pool dtype the CPU serves, page sizes 1 / 16
 / 64, grouped and plain heads, scattered pages, verify rows, a long sequence split over threads, padding rows of
-length 0, and the fallback when no C compiler is there."""
+length 0, the op in C++ and in Python, and the fallbacks when no C++ or no C compiler is there."""
 from __future__ import annotations
 
 import pytest
@@ -111,3 +111,33 @@ def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path):
         attention_cpu.library.cache_clear()
     with backend_set_to("torch"):
         torch.testing.assert_close(out, paged_attention_decode(q, pool, table, lens, 40, 0.2))
+
+
+def test_the_python_op_is_the_cpp_op():
+    """paged_decode_cpu (C++) and paged_decode_cpu_python (its fallback) call the same kernel: the same bits."""
+    assert attention_cpu.op_in_cpp(), "the library was built without its C++ op (is a C++ compiler there?)"
+    pool, table = pool_and_table([3, 90, 200], 16, 2, 64, torch.bfloat16, seed=6)
+    q = torch.randn(3, 8, 64).bfloat16()
+    lens, rows = torch.tensor([3, 90, 200], dtype=torch.int32), torch.tensor([0, 1, 2])
+    for table_rows in (None, rows):
+        args = (q, pool, table, lens, table_rows, 0.125)
+        assert torch.equal(torch.ops.tinyserve.paged_decode_cpu(*args),
+                           torch.ops.tinyserve.paged_decode_cpu_python(*args))
+
+
+def test_without_a_cpp_compiler_the_python_op_runs(monkeypatch, tmp_path):
+    pool, table = pool_and_table([40, 100], 16, 2, 32, torch.float32, seed=8)
+    q = torch.randn(2, 4, 32)
+    lens = torch.tensor([40, 100], dtype=torch.int32)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")               # the C++ half's compiler: not there
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # nothing built there yet
+    attention_cpu.library.cache_clear()
+    try:
+        assert attention_cpu.library() is not None and not attention_cpu.op_in_cpp()
+        out = paged_attention_decode(q, pool, table, lens, 100, 0.2)
+    finally:
+        monkeypatch.undo()
+        attention_cpu.library.cache_clear()
+    with backend_set_to("torch"):
+        torch.testing.assert_close(out, paged_attention_decode(q, pool, table, lens, 100, 0.2),
+                                   atol=2e-6, rtol=2e-5)
