@@ -4,8 +4,9 @@
 
 The server runs in this process exactly as the console script runs it; the timers wrap, without changing them, the
 engine's step (`Engine.run_step`), the runner's step, its static forward, each compiled graph (by kind and tokens
-per sequence), the CPU attention's C kernel (each layer's call, from inside the graphs too), the sampling, the NEXTN
-drafting and the head's passes. On SIGUSR1 (and when the server stops) the
+per sequence), the CPU attention's C kernel where its op runs in Python (each layer's call, from inside the graphs
+too; its usual C++ op calls the kernel out of Python's sight, so there its time stays in the graphs'), the sampling,
+the NEXTN drafting and the head's passes. On SIGUSR1 (and when the server stops) the
 median and mean of each, grouped by the step's shape (sequences, and the drafts a lone decode verified; "x" for a
 step with a prefill), go to --out (default: stderr), and the counts start again. Steps seen fewer than 5 times are
 left out. Compare two servers by running both under it, side by side, with the same traffic (bench/spec.py's
@@ -60,7 +61,7 @@ def _install() -> None:
     _timed(spec.NextN, "_draft", "drafting")
     _timed(spec.NextN, "_head", lambda self, *a, kv_only=False: "head KV" if kv_only else "head pass")
     lib = attention_cpu.library()             # the CPU decode attention's C kernel, called inside the graphs too
-    if lib is not None:
+    if lib is not None and not attention_cpu.op_in_cpp():
         _timed(lib, "paged_decode", "attention C kernel")
 
 

@@ -16,8 +16,9 @@ one warning, instead of compiling for seconds in the middle of serving.
 
 Each graph is compiled ahead of time (torch.compile's `aot_compile`) and saved whole, dynamo's bytecode and shape
 guards with inductor's library, as one file in the cache folder, named by a hash of everything it was traced from
-(the source it runs through, torch, the model's tensors, the pools' shapes, the GEMM routes, the CPU, the example
-shapes): a restart loads the file instead of tracing the model again, and a change to any of these compiles anew.
+(the source it runs through, torch, the model's tensors, the pools' shapes, the GEMM routes, the CPU, whether the
+attention's op is C++ or Python, the example shapes): a restart loads the file instead of tracing the model again,
+and a change to any of these compiles anew.
 
 The weights are not frozen into the graphs (freezing copies them, once per graph): the GEMMs stay kernels.linear's
 calls on the route chosen at start, and inductor fuses everything between them: norms, activations, rotary, the
@@ -39,7 +40,7 @@ import torch
 import torch._dynamo
 
 import tinyserve.static
-from tinyserve.kernels import linear, use_triton
+from tinyserve.kernels import attention_cpu, linear, use_triton
 from tinyserve.models.qwen3_next import ForwardBatch
 from tinyserve.static import FORWARDS, StaticStep
 
@@ -117,7 +118,8 @@ class CompiledSteps:
         model = static.model
         fingerprint = [torch.__version__, sys.version, _source_hash(), torch.backends.cpu.get_cpu_capability(),
                        repr(model.cfg), str(model.dtype), repr(sorted(linear.traced_routes().items())),
-                       str(use_triton(static.kv_pool.buffer))]
+                       str(use_triton(static.kv_pool.buffer)),
+                       f"attention op in C++: {attention_cpu.op_in_cpp()}"]   # the op a graph calls must exist
         fingerprint += [f"{n}{_describe(p)}" for n, p in model.state_dict(keep_vars=True).items()]
         self._fingerprint = hashlib.sha256("\n".join(fingerprint).encode()).hexdigest()
         self.loaded = self.compiled = 0
