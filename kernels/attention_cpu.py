@@ -3,9 +3,10 @@
 The torch reference (attention.paged_attention_decode) gathers every page of a sequence into one copy per step and
 runs SDPA over it behind a mask: at 30K tokens of context that copy and the masked scores were most of a decode step.
 The C kernel reads each page in place, the heads of a group sharing each key, and splits a long sequence over the
-threads of torch's own OpenMP team. It is built once per machine and source (the C compiler torch.compile already
-needs; ~0.3 s) into the cache folder with its torch op (`tinyserve::paged_decode_cpu`, the same file compiled as C++
-against torch's headers), so the compiled CPU steps call it as they would any op, at ~2 us more than the kernel.
+threads of torch's own OpenMP team. It is built once per machine, source and torch (the C compiler torch.compile
+already needs) into the cache folder with its torch op (`tinyserve::paged_decode_cpu`, the same file compiled as C++
+against torch's headers: ~8 s of the build, the kernel ~0.3 s), so the compiled CPU steps call it as they would any
+op, at ~2 us more than the kernel.
 Without a C++ compiler the same op runs in Python around a ctypes call (`paged_decode_cpu_python`, 20-60 us more a
 call, one warning); without a C compiler (or for a shape it does not take) the torch reference runs, with one
 warning. The pool may hold float32, bfloat16 or float16; queries and outputs are float32 inside.
