@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
-from tinyserve.kernels.c_build import c_compiler, cache_dir, cpu_id, run, torch_op_steps
+from tinyserve.kernels.c_build import build_library
 
 log = logging.getLogger("tinyserve.kernels")
 SOURCE = Path(__file__).with_name("attention_cpu.c")
@@ -42,31 +39,12 @@ POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def library() -> ctypes.CDLL | None:
     """The built kernel and, where a C++ compiler and torch's headers are there, its op; None (no C compiler, or the
     build failed: logged once)."""
-    compiler = c_compiler()
-    if compiler is None:
-        log.warning("no C compiler: CPU decode attention gathers the pages (the slower torch reference)")
+    try:
+        target = build_library("attention_cpu", SOURCE, FLAGS, LINK, "ATTN_TORCH_OP")
+    except OSError as e:
+        log.warning("building %s failed (%s): CPU decode attention gathers the pages (the slower torch reference)",
+                    SOURCE.name, e)
         return None
-    key = SOURCE.read_bytes() + " ".join(FLAGS + LINK).encode() + cpu_id().encode() + \
-        f"op, torch {torch.__version__}".encode()
-    target = cache_dir() / f"attention_cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built, obj = Path(tmp) / target.name, Path(tmp) / "attention_cpu.o"
-                run([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)])
-                try:
-                    for step in torch_op_steps(SOURCE, "ATTN_TORCH_OP", Path(tmp) / "attention_cpu_op.o", obj, built):
-                        run(step)
-                except OSError as e:
-                    log.warning("building the C++ half of %s failed (%s): its op runs in Python, 20-60 us more a "
-                                "call", SOURCE.name, e)
-                    run([compiler, str(obj), *LINK, "-o", str(built)])
-                os.replace(built, target)             # atomic: another process may be building it too
-        except OSError as e:
-            log.warning("building %s with %s failed (%s): CPU decode attention gathers the pages (the slower "
-                        "torch reference)", SOURCE.name, compiler, e)
-            return None
     lib = ctypes.CDLL(str(target))                    # with the op: its registration runs here
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.paged_decode.argtypes = [p, p, p, i32, i64, i64, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32,

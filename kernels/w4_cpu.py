@@ -24,22 +24,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels.c_build import c_compiler, cache_dir, cpu_id, cpu_info, run, torch_op_steps
+from tinyserve.kernels.c_build import build_library, cpu_info
 from tinyserve.kernels.w4_weight import W4Weight
 
 log = logging.getLogger("tinyserve.kernels")
 SOURCE = Path(__file__).with_name("w4_cpu.c")
 # -ffast-math left out on purpose: the sums stay in the order the C code writes them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
+LINK = ("-shared", "-fopenmp")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}      # w4_cpu.c's F32, BF16, F16
 KIND_CODES = {"int4": 0, "fp4": 1}
 PREFILL_SCRATCH = 4 << 20   # bytes of W dequantized at a time for a prefill (stays in L2 / L3 for the GEMM)
@@ -70,34 +68,12 @@ def build(flags: tuple[str, ...] = FLAGS, with_op: bool = True) -> ctypes.CDLL |
     """w4_cpu.c compiled with these flags (the tests add -mno-avx512f etc. to check the other paths on this CPU) and
     loaded; with_op: with the torch op (only the library the engine uses: an op is registered once per process).
     None (logged once) when there is no C compiler or the build fails."""
-    compiler = c_compiler()
-    if compiler is None:
-        log.warning("no C compiler: 4-bit weights are dequantized block by block (the slower torch reference)")
+    try:
+        target = build_library("w4_cpu", SOURCE, flags, LINK, "W4_TORCH_OP" if with_op else None)
+    except OSError as e:
+        log.warning("building %s failed (%s): 4-bit weights are dequantized block by block (the slower torch "
+                    "reference)", SOURCE.name, e)
         return None
-    key = SOURCE.read_bytes() + " ".join(flags).encode() + cpu_id().encode() + \
-        (f"op, torch {torch.__version__}".encode() if with_op else b"")
-    target = cache_dir() / f"w4_cpu-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                so, obj = Path(tmp) / target.name, Path(tmp) / "w4_cpu.o"
-                run([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)])
-                try:
-                    if not with_op:
-                        raise OSError("not asked for")
-                    for step in torch_op_steps(SOURCE, "W4_TORCH_OP", Path(tmp) / "w4_cpu_op.o", obj, so):
-                        run(step)
-                except OSError as e:
-                    if with_op:
-                        log.warning("building the C++ half of %s failed (%s): the op runs in Python, ~10 us more a "
-                                    "call", SOURCE.name, e)
-                    run([compiler, str(obj), "-shared", "-fopenmp", "-o", str(so)])
-                os.replace(so, target)                # atomic: another process may be building it too
-        except OSError as e:
-            log.warning("building %s with %s failed (%s): 4-bit weights are dequantized block by block (the slower "
-                        "torch reference)", SOURCE.name, compiler, e)
-            return None
     lib = ctypes.CDLL(str(target))                    # with the op: its registration runs here
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.w4_gemm.argtypes = [p, i32, i64, p, i64, i32, p, i64, p, i32, i64, p, i64, p, i32, i32, i32, i32, i32, f32,

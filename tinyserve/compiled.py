@@ -16,8 +16,8 @@ one warning, instead of compiling for seconds in the middle of serving.
 
 Each graph is compiled ahead of time (torch.compile's `aot_compile`) and saved whole, dynamo's bytecode and shape
 guards with inductor's library, as one file in the cache folder, named by a hash of everything it was traced from
-(the source it runs through, torch, the model's tensors, the pools' shapes, the GEMM routes, the CPU, whether the
-attention's op is C++ or Python, the example shapes): a restart loads the file instead of tracing the model again,
+(the source it runs through, torch, the model's tensors, the pools' shapes, the GEMM routes, the CPU, whether our
+kernels' ops are C++ or Python, the example shapes): a restart loads the file instead of tracing the model again,
 and a change to any of these compiles anew.
 
 The weights are not frozen into the graphs (freezing copies them, once per graph): the GEMMs stay kernels.linear's
@@ -40,7 +40,8 @@ import torch
 import torch._dynamo
 
 import tinyserve.static
-from tinyserve.kernels import attention_cpu, linear, use_triton
+from tinyserve.kernels import attention_cpu, linear, use_triton, w4_cpu
+from tinyserve.kernels.w4_weight import W4Weight
 from tinyserve.models.qwen3_next import ForwardBatch
 from tinyserve.static import FORWARDS, StaticStep
 
@@ -118,12 +119,20 @@ class CompiledSteps:
         model = static.model
         fingerprint = [torch.__version__, sys.version, _source_hash(), torch.backends.cpu.get_cpu_capability(),
                        repr(model.cfg), str(model.dtype), repr(sorted(linear.traced_routes().items())),
-                       str(use_triton(static.kv_pool.buffer)),
-                       f"attention op in C++: {attention_cpu.op_in_cpp()}"]   # the op a graph calls must exist
+                       str(use_triton(static.kv_pool.buffer)), f"ops in C++: {self._ops_in_cpp(model)}"]
         fingerprint += [f"{n}{_describe(p)}" for n, p in model.state_dict(keep_vars=True).items()]
         self._fingerprint = hashlib.sha256("\n".join(fingerprint).encode()).hexdigest()
         self.loaded = self.compiled = 0
         self.lm_head: Any = None       # the graph of lone_logits, made with the plain decode's
+
+    @staticmethod
+    def _ops_in_cpp(model: Any) -> dict[str, bool]:
+        """Which of our C kernels' ops the graphs call are C++ and which the Python fallbacks: a graph calls the op
+        it was traced with, which must exist in the process that loads it."""
+        ops = {"attention": attention_cpu.op_in_cpp()}
+        if any(isinstance(m, W4Weight) for m in model.modules()):
+            ops["4-bit"] = w4_cpu.op_in_cpp()
+        return ops
 
     def build(self, in_background: bool = False) -> float:
         """Make every graph a step can need, for each forward and T: one sequence, then 2 and the most sequences
