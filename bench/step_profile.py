@@ -57,7 +57,7 @@ def _install() -> None:
     _timed(static.StaticStep, "run", lambda self, packed, kind="step", *a: f"static {kind}")
     _timed(compiled.CompiledSteps, "_run", lambda self, kind, T, *a: f"graph {kind} x{T}")
     _timed(runner.ModelRunner, "_sample", "sampling")
-    _timed(spec.NextN, "accept", "verify")
+    _timed(spec.NextN, "verify", "verify")
     _timed(spec.NextN, "_draft", "drafting")
     _timed(spec.NextN, "_head", lambda self, *a, kv_only=False: "head KV" if kv_only else "head pass")
     lib = attention_cpu.library()             # the CPU decode attention's C kernel, called inside the graphs too
