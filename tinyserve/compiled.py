@@ -20,6 +20,11 @@ guards with inductor's library, as one file in the cache folder, named by a hash
 kernels' ops are C++ or Python, the example shapes): a restart loads the file instead of tracing the model again,
 and a change to any of these compiles anew.
 
+A graph runs under inductor's C++ wrapper: its fused loops, GEMMs and our kernels' ops are called one after the
+other from C++, where inductor's default is a Python function of some thousand lines per graph (~0.8 ms of a ~6 ms
+decode step of the 4-bit bench model; served, 4-5% more tokens/s: docs/benchmarks.md). Its cost is a longer cold
+compile (the 4-bit bench model's three graphs: 130 s against 118), once per machine and model.
+
 The weights are not frozen into the graphs (freezing copies them, once per graph): the GEMMs stay kernels.linear's
 calls on the route chosen at start, and inductor fuses everything between them: norms, activations, rotary, the
 GDN recurrence and conv, the attention's gathers, the KV and state writes (in place in the pools). The graphs read
@@ -258,10 +263,11 @@ class CompiledSteps:
             torch._dynamo.maybe_mark_dynamic(t[4], 1)
         # no size, stride and alignment asserts on the outputs of the ops called out of the graph (the GEMMs): they
         # cost ~0.15 ms a step of 8 sequences, and every input is a contiguous tensor static.py made, laid out as
-        # traced (its buffers, or a plain decode's batch: runner.pack)
+        # traced (its buffers, or a plain decode's batch: runner.pack); cpp_wrapper: see the module's docstring
         compile_fn: Callable = torch.compile(COMPILED[kind], fullgraph=True,
                                              options={"guard_filter_fn": _shape_guards_only, "size_asserts": False,
-                                                      "alignment_asserts": False, "scalar_asserts": False})
+                                                      "alignment_asserts": False, "scalar_asserts": False,
+                                                      "cpp_wrapper": True})
         with linear.fused_rows(fixed_rows=B == 1):
             graph = compile_fn.aot_compile((args, {}))
         if warm_up:
