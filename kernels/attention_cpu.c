@@ -224,8 +224,9 @@ int paged_decode(const float *q, float *out, const void *pool, int dtype, int64_
 
 #else  /* ATTN_TORCH_OP */
 /* ---- the torch op tinyserve::paged_decode_cpu, from C++ (its schema and shape function are in attention_cpu.py):
- * three calls a decode step of the bench model, each ~2 us more than the kernel where the same op in Python around a
- * ctypes call (paged_decode_cpu_python, without a C++ compiler) costs 20-60 us more. */
+ * three calls a decode step of the bench model, each 19-22 us on one sequence against 13-19 us for the kernel called
+ * through ctypes, where the same op in Python around a ctypes call (paged_decode_cpu_python, without a C++ compiler)
+ * takes 37-42 us. */
 #include <torch/library.h>
 #include <ATen/ops/empty_like.h>
 

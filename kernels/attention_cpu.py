@@ -6,9 +6,9 @@ The C kernel reads each page in place, the heads of a group sharing each key, an
 threads of torch's own OpenMP team. It is built once per machine, source and torch (the C compiler torch.compile
 already needs) into the cache folder with its torch op (`tinyserve::paged_decode_cpu`, the same file compiled as C++
 against torch's headers: ~8 s of the build, the kernel ~0.3 s), so the compiled CPU steps call it as they would any
-op, at ~2 us more than the kernel.
-Without a C++ compiler the same op runs in Python around a ctypes call (`paged_decode_cpu_python`, 20-60 us more a
-call, one warning); without a C compiler (or for a shape it does not take) the torch reference runs, with one
+op: one sequence of the bench model's shapes, 19-22 us a call, against 13-19 us for the kernel called through ctypes.
+Without a C++ compiler the same op runs in Python around a ctypes call (`paged_decode_cpu_python`: 37-42 us, one
+warning); without a C compiler (or for a shape it does not take) the torch reference runs, with one
 warning. The pool may hold float32, bfloat16 or float16; queries and outputs are float32 inside.
 
 paged_decode(q, rows, page_table, seq_lens, table_rows, scale): q [N, H, hd]; rows: one layer's pool [pages, 2,
