@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels import PoolLayer, use_triton
+from tinyserve.kernels import PoolLayer, gdn_cpu, use_cpu_kernel, use_triton
 from tinyserve.kernels.verify_layout import VerifyLayout, pad_to_layout
 
 
@@ -179,6 +179,10 @@ def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch
     if use_triton(v):
         from tinyserve.kernels import gdn_triton
         return gdn_triton.recurrent_gated_delta_rule_decode(q, k, v, g, beta, state, slot_ids)
+    if use_cpu_kernel(v) and gdn_cpu.usable(v, state):       # each state read once and written once (gdn_cpu.c)
+        out, S = gdn_cpu.decode(q, k, v, g, beta, state, slot_ids)
+        pool.put((slot_ids,), S)
+        return out
     HV = v.shape[1]
     q = _expand_heads(q, HV).float()
     k = _expand_heads(k, HV).float()
@@ -221,6 +225,15 @@ def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch
     if use_triton(v):
         from tinyserve.kernels import gdn_triton
         return gdn_triton.recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, lay)
+    if use_cpu_kernel(v) and gdn_cpu.usable(v, state):       # the decode's kernel, one call a token
+        S, rows, out = state, lay.in_slots, []
+        qp, kp, vp, gp, bp = (pad_to_layout(x, lay) for x in (q, k, v, g, beta))
+        for t, slots in enumerate(_state_slots(lay).unbind(1)):
+            o, S = gdn_cpu.decode(qp[:, t], kp[:, t], vp[:, t], gp[:, t], bp[:, t], S, rows)
+            rows = torch.arange(S.shape[0], device=S.device)
+            pool.put((slots,), S)
+            out.append(o)
+        return lay.unpad(torch.stack(out, 1))
     HV = v.shape[1]
     qp = pad_to_layout(_expand_heads(q, HV).float(), lay)                 # [N, L, HV, dk]
     kp = pad_to_layout(_expand_heads(k, HV).float(), lay)

@@ -45,7 +45,7 @@ import torch
 import torch._dynamo
 
 import tinyserve.static
-from tinyserve.kernels import attention_cpu, linear, use_triton, w4_cpu
+from tinyserve.kernels import attention_cpu, gdn_cpu, linear, use_triton, w4_cpu
 from tinyserve.kernels.w4_weight import W4Weight
 from tinyserve.models.qwen3_next import ForwardBatch
 from tinyserve.static import FORWARDS, StaticStep
@@ -132,9 +132,10 @@ class CompiledSteps:
 
     @staticmethod
     def _ops_in_cpp(model: Any) -> dict[str, bool]:
-        """Which of our C kernels' ops the graphs call are C++ and which the Python fallbacks: a graph calls the op
-        it was traced with, which must exist in the process that loads it."""
-        ops = {"attention": attention_cpu.op_in_cpp()}
+        """Which of our C kernels' ops the graphs call are C++ and which the Python fallbacks (the GDN decode's:
+        the torch reference): a graph calls the op it was traced with, which must exist in the process that loads
+        it (asking loads the library, which registers the op)."""
+        ops = {"attention": attention_cpu.op_in_cpp(), "GDN decode": gdn_cpu.built()}
         if any(isinstance(m, W4Weight) for m in model.modules()):
             ops["4-bit"] = w4_cpu.op_in_cpp()
         return ops
