@@ -123,8 +123,7 @@ static inline float load_as_float(const void *p, int dt, int64_t i) {
 /* Row n's group scales and zeros as float32 (sf, zf: G each), once per row block: the inner loop then reads a
  * group's scale and zero as broadcasts from L1. fp4's global scale stays apart: the reference multiplies by it after
  * the group scale (two roundings, kept). */
-static void row_scales(const weight_t *w, int n, float *sf, float *zf) {
-    int G = w->K / w->group;
+static inline __attribute__((always_inline)) void row_scales(const weight_t *w, int n, int G, float *sf, float *zf) {
     const char *s = (const char *)w->scales + (int64_t)n * w->ss * (w->sdt == F32 ? 4 : 2);
     int g = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -641,7 +640,7 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
         for (int n = 0; n < NB; n++) {                     /* the last block of a ragged N repeats its last row */
             int row = n < rows ? n0 + n : N - 1;
             cp[n] = !w.blocked ? codes + (int64_t)row * cs : (rows == NB ? codes + (int64_t)n0 * cs : tail) + n * PIECE;
-            row_scales(&w, row, sf + n * G, zf + n * G);
+            row_scales(&w, row, G, sf + n * G, zf + n * G);
         }
         for (int m0 = 0; m0 < M; m0 += MB) {               /* passes of MB rows of x over the block's rows */
             int mb = M - m0 < MB ? M - m0 : MB;
@@ -686,7 +685,7 @@ int w4_dequant(const uint8_t *codes, int64_t cs, const void *scales, int sdt, in
     for (int n = r0; n < r1; n++) {
         float sf[G], zf[G], buf[odt == F32 ? 1 : K];
         float *row = odt == F32 ? (float *)out + (int64_t)(n - r0) * K : buf;
-        row_scales(&w, n, sf, zf);
+        row_scales(&w, n, G, sf, zf);
         const int inter = blocked && n / NB * NB + NB <= N, ps = PIECE_STEP(inter);  /* the last N % NB: rows */
         const uint8_t *cp = inter ? codes + (int64_t)(n / NB * NB) * cs + n % NB * PIECE : codes + (int64_t)n * cs;
         int k = 0;
