@@ -179,10 +179,8 @@ def recurrent_gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch
     if use_triton(v):
         from tinyserve.kernels import gdn_triton
         return gdn_triton.recurrent_gated_delta_rule_decode(q, k, v, g, beta, state, slot_ids)
-    if use_cpu_kernel(v) and gdn_cpu.usable(v, state):       # each state read once and written once (gdn_cpu.c)
-        out, S = gdn_cpu.decode(q, k, v, g, beta, state, slot_ids)
-        pool.put((slot_ids,), S)
-        return out
+    if use_cpu_kernel(v) and gdn_cpu.usable(v, pool):        # each state read once and written once (gdn_cpu.c)
+        return gdn_cpu.decode(q, k, v, g, beta, pool, slot_ids, slot_ids)
     HV = v.shape[1]
     q = _expand_heads(q, HV).float()
     k = _expand_heads(k, HV).float()
@@ -225,14 +223,12 @@ def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch
     if use_triton(v):
         from tinyserve.kernels import gdn_triton
         return gdn_triton.recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, lay)
-    if use_cpu_kernel(v) and gdn_cpu.usable(v, state):       # the decode's kernel, one call a token
-        S, rows, out = state, lay.in_slots, []
-        qp, kp, vp, gp, bp = (pad_to_layout(x, lay) for x in (q, k, v, g, beta))
+    if use_cpu_kernel(v) and gdn_cpu.usable(v, pool):        # the decode's kernel, one call a token: from the
+        qp, kp, vp, gp, bp = (pad_to_layout(x, lay) for x in (q, k, v, g, beta))   # sequence's slot, then from the
+        source, out = lay.in_slots, []                                              # slot of its token before
         for t, slots in enumerate(_state_slots(lay).unbind(1)):
-            o, S = gdn_cpu.decode(qp[:, t], kp[:, t], vp[:, t], gp[:, t], bp[:, t], S, rows)
-            rows = torch.arange(S.shape[0], device=S.device)
-            pool.put((slots,), S)
-            out.append(o)
+            out.append(gdn_cpu.decode(qp[:, t], kp[:, t], vp[:, t], gp[:, t], bp[:, t], pool, source, slots))
+            source = slots
         return lay.unpad(torch.stack(out, 1))
     HV = v.shape[1]
     qp = pad_to_layout(_expand_heads(q, HV).float(), lay)                 # [N, L, HV, dk]

@@ -5,9 +5,11 @@ same file compiled as C++ against torch's headers), so eager and compiled steps 
 NEXTN verify give the same numbers either way. Without a C++ compiler (or for a shape or state dtype it does not
 take) kernels/gdn.py's torch reference runs instead, with one warning.
 
-decode(q, k, v, g, beta, states, rows) -> (o [N, HV, dv] in v's dtype, next [N, HV, dk, dv] float32): sequence n's
-state is states[rows[n]] ([rows, HV, dk, dv] float32, each row's heads contiguous); next holds the states after the
-token, for the caller to write where they go (PoolLayer.put: a compiled step writes the pool in place).
+decode(q, k, v, g, beta, pool, in_rows, out_rows) -> o [N, HV, dv] in v's dtype: sequence n's state is read from
+row in_rows[n] of `pool` (a PoolLayer of float32 states [rows, layers, HV, dk, dv]) and the state after the token
+written to row out_rows[n], in place (the op's schema says it writes the pool: a compiled step calls it on the pool
+itself, which inductor neither copies nor reorders). A decode reads and writes the same row; a verify's token writes
+its own slot (no sequence's out row is another's in row: the kernel runs them at once).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tinyserve.kernels import PoolLayer
 from tinyserve.kernels.c_build import build_library
 
 log = logging.getLogger("tinyserve.kernels")
@@ -48,28 +51,28 @@ def built() -> bool:
     return library() is not None
 
 
-def usable(v: torch.Tensor, states: torch.Tensor) -> bool:
+def usable(v: torch.Tensor, pool: PoolLayer) -> bool:
     """Can the kernel take this call? (the CPU, a float32 state pool whose rows' heads are contiguous, a built
     library)."""
-    return (v.device.type == "cpu" and states.dtype == torch.float32 and v.shape[-1] <= MAX_DV
-            and states.stride(3) == 1 and states.stride(2) == states.shape[3]
-            and states.stride(1) == states.shape[2] * states.shape[3] and built())
+    p = pool.pool
+    return (v.device.type == "cpu" and p.dtype == torch.float32 and p.dim() == 5 and v.shape[-1] <= MAX_DV
+            and p.stride(4) == 1 and p.stride(3) == p.shape[4] and p.stride(2) == p.shape[3] * p.shape[4]
+            and built())
 
 
-def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           states: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel through its op (call when `usable(v, states)`); see the module docstring."""
-    return torch.ops.tinyserve.gdn_decode_cpu(q, k, v, g, beta, states, rows)
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, pool: PoolLayer,
+           in_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
+    """The kernel through its op (call when `usable(v, pool)`); see the module docstring."""
+    return torch.ops.tinyserve.gdn_decode_cpu(pool.pool, pool.layer, q, k, v, g, beta, in_rows, out_rows)
 
 
-# The op's schema and shapes for torch.compile; its CPU kernel is registered by the C++ half of gdn_cpu.c when the
+# The op's schema and shape for torch.compile; its CPU kernel is registered by the C++ half of gdn_cpu.c when the
 # library loads. A library op rather than torch.library.custom_op: its wrappers cost a few us a call more.
 _lib = torch.library.Library("tinyserve", "FRAGMENT")
-_lib.define("gdn_decode_cpu(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor states, Tensor rows) "
-            "-> (Tensor, Tensor)")
+_lib.define("gdn_decode_cpu(Tensor(a!) pool, int layer, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+            "Tensor in_rows, Tensor out_rows) -> Tensor")
 
 
 @torch.library.register_fake("tinyserve::gdn_decode_cpu", lib=_lib)
-def _(q, k, v, g, beta, states, rows):
-    N, HV, dv = v.shape
-    return v.new_empty(N, HV, dv), states.new_empty(N, HV, q.shape[-1], dv)
+def _(pool, layer, q, k, v, g, beta, in_rows, out_rows):
+    return torch.empty_like(v)

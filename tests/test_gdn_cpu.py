@@ -33,7 +33,7 @@ def test_kernel_matches_reference_in_a_pool_layer(dtype, H, HV, dk, dv):
     rows = torch.tensor([5, 0, 3, 6])
     q, k, v, g, beta = inputs(N, H, HV, dk, dv, dtype, seed=H)
     mine, ref = pool.clone(), pool.clone()
-    assert gdn_cpu.usable(v, PoolLayer(mine, 1).rows)
+    assert gdn_cpu.usable(v, PoolLayer(mine, 1))
     out = recurrent_gated_delta_rule_decode(q, k, v, g, beta, PoolLayer(mine, 1), rows)
     with backend_set_to("torch"):
         expected = recurrent_gated_delta_rule_decode(q, k, v, g, beta, PoolLayer(ref, 1), rows)
@@ -86,7 +86,7 @@ def test_a_bfloat16_state_pool_runs_the_reference():
     H, HV, dk, dv = 2, 4, 16, 8
     pool = (torch.randn(3, HV, dk, dv, generator=torch.Generator().manual_seed(1)) * 0.5).bfloat16()
     q, k, v, g, beta = inputs(2, H, HV, dk, dv, torch.float32, seed=2)
-    assert not gdn_cpu.usable(v, pool)
+    assert not gdn_cpu.usable(v, PoolLayer.of(pool))
     mine, ref = pool.clone(), pool.clone()
     out = recurrent_gated_delta_rule_decode(q, k, v, g, beta, mine, torch.tensor([2, 0]))
     with backend_set_to("torch"):
