@@ -2,8 +2,9 @@
 
 Built once per machine, source and torch into the cache folder with its torch op (`tinyserve::gdn_decode_cpu`, the
 same file compiled as C++ against torch's headers), so eager and compiled steps call the same kernel: a decode and a
-NEXTN verify give the same numbers either way. Without a C++ compiler (or for a shape or state dtype it does not
-take) kernels/gdn.py's torch reference runs instead, with one warning.
+NEXTN verify give the same numbers either way. Without a C++ compiler, kernels/gdn.py's torch reference runs
+instead (one warning at start); so it does for a state pool the kernel does not take (not float32: on the CPU the
+pool always is).
 
 decode(q, k, v, g, beta, pool, in_rows, out_rows) -> o [N, HV, dv] in v's dtype: sequence n's state is read from
 row in_rows[n] of `pool` (a PoolLayer of float32 states [rows, layers, HV, dk, dv]) and the state after the token
