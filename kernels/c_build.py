@@ -45,15 +45,15 @@ def run(step: list[str]) -> None:
         raise OSError(done.stderr.strip()[-500:])
 
 
-def build_library(name: str, source: Path, flags: Sequence[str], link: Sequence[str], op_define: str | None
-                  ) -> Path:
+def build_library(name: str, source: Path, flags: Sequence[str], link: Sequence[str], op_define: str | None,
+                  without_op: str = "its op runs in Python, ~20 us more a call") -> Path:
     """`source` built with `flags` into the cache folder as `name`-<key>.so, once per machine, source, flags and (with
     an op) torch: the kernel in C and, with `op_define`, the torch op of the source's second half (that macro
     defined) compiled as C++ against torch's headers and linked in, so that its registration runs when the library
     is loaded. An op called so costs a few us more than its kernel, where a Python op around a ctypes call costs
     ~20 us more than that (attention_cpu.py's figures). Without a C++ compiler or torch's headers the library is
-    the kernel alone (one warning: the caller's Python op runs). Returns the library's path; an OSError when there
-    is no C compiler or the kernel's build fails."""
+    the kernel alone (one warning, ending in `without_op`: what the caller runs then). Returns the library's path;
+    an OSError when there is no C compiler or the kernel's build fails."""
     import torch
     compiler = c_compiler()
     if compiler is None:
@@ -80,8 +80,7 @@ def build_library(name: str, source: Path, flags: Sequence[str], link: Sequence[
             run([cxx, str(obj), str(op_obj), *link, f"-L{root / 'lib'}", "-ltorch_cpu", "-lc10", "-o", str(so)])
         except OSError as e:
             if op_define is not None:
-                log.warning("building the C++ half of %s failed (%s): its op runs in Python, ~20 us more a call",
-                            source.name, e)
+                log.warning("building the C++ half of %s failed (%s): %s", source.name, e, without_op)
             run([compiler, str(obj), *link, "-o", str(so)])
         os.replace(so, target)                        # atomic: another process may be building it too
     return target

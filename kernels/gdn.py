@@ -223,9 +223,11 @@ def recurrent_gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch
     if use_triton(v):
         from tinyserve.kernels import gdn_triton
         return gdn_triton.recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, lay)
-    if use_cpu_kernel(v) and gdn_cpu.usable(v, pool):        # the decode's kernel, one call a token: from the
-        qp, kp, vp, gp, bp = (pad_to_layout(x, lay) for x in (q, k, v, g, beta))   # sequence's slot, then from the
-        source, out = lay.in_slots, []                                              # slot of its token before
+    if use_cpu_kernel(v) and gdn_cpu.usable(v, pool):
+        # the decode's kernel, one call a token: token 0 reads its sequence's slot, every later one the slot its
+        # token before wrote; each writes its own
+        qp, kp, vp, gp, bp = (pad_to_layout(x, lay) for x in (q, k, v, g, beta))
+        source, out = lay.in_slots, []
         for t, slots in enumerate(_state_slots(lay).unbind(1)):
             out.append(gdn_cpu.decode(qp[:, t], kp[:, t], vp[:, t], gp[:, t], bp[:, t], pool, source, slots))
             source = slots

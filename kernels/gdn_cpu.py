@@ -3,8 +3,8 @@
 Built once per machine, source and torch into the cache folder with its torch op (`tinyserve::gdn_decode_cpu`, the
 same file compiled as C++ against torch's headers), so eager and compiled steps call the same kernel: a decode and a
 NEXTN verify give the same numbers either way. Without a C++ compiler, kernels/gdn.py's torch reference runs
-instead (one warning at start); so it does for a state pool the kernel does not take (not float32: on the CPU the
-pool always is).
+instead (a warning at start); so it does for what the kernel does not take: a state pool not float32 (on the CPU
+it always is), heads of more than MAX_DV values.
 
 decode(q, k, v, g, beta, pool, in_rows, out_rows) -> o [N, HV, dv] in v's dtype: sequence n's state is read from
 row in_rows[n] of `pool` (a PoolLayer of float32 states [rows, layers, HV, dk, dv]) and the state after the token
@@ -34,15 +34,16 @@ MAX_DV = 256                                                   # gdn_cpu.c's
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel with its op; None (no compiler, or the build failed: logged once)."""
+    fallback = "the CPU's GDN decode runs the torch reference"
     try:
-        target = build_library("gdn_cpu", SOURCE, FLAGS, LINK, "GDN_TORCH_OP")
+        target = build_library("gdn_cpu", SOURCE, FLAGS, LINK, "GDN_TORCH_OP", without_op=fallback)
         lib = ctypes.CDLL(str(target))                         # with the op: its registration runs here
     except OSError as e:
-        log.warning("building %s failed (%s): the CPU's GDN decode runs the torch reference", SOURCE.name, e)
+        log.warning("building %s failed (%s): %s", SOURCE.name, e, fallback)
         return None
-    if not hasattr(lib, "gdn_torch_op"):
-        log.warning("%s built without its torch op (no C++ compiler or torch headers): the CPU's GDN decode runs "
-                    "the torch reference", SOURCE.name)
+    if not hasattr(lib, "gdn_torch_op"):                       # built earlier without its op: no op to call
+        log.warning("%s was built without its torch op (no C++ compiler or torch headers): %s", SOURCE.name,
+                    fallback)
         return None
     return lib
 

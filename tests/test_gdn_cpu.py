@@ -82,13 +82,39 @@ def test_verify_gives_the_bits_of_its_decodes(lens):
         assert torch.equal(state[untouched], before[untouched])
 
 
-def test_a_bfloat16_state_pool_runs_the_reference():
-    H, HV, dk, dv = 2, 4, 16, 8
-    pool = (torch.randn(3, HV, dk, dv, generator=torch.Generator().manual_seed(1)) * 0.5).bfloat16()
+@pytest.mark.parametrize("dtype, dv", [(torch.bfloat16, 8), (torch.float32, gdn_cpu.MAX_DV + 8)],
+                         ids=["bfloat16 pool", "wide heads"])
+def test_what_the_kernel_does_not_take_runs_the_reference(dtype, dv):
+    H, HV, dk = 2, 4, 16
+    pool = (torch.randn(3, HV, dk, dv, generator=torch.Generator().manual_seed(1)) * 0.5).to(dtype)
     q, k, v, g, beta = inputs(2, H, HV, dk, dv, torch.float32, seed=2)
     assert not gdn_cpu.usable(v, PoolLayer.of(pool))
     mine, ref = pool.clone(), pool.clone()
     out = recurrent_gated_delta_rule_decode(q, k, v, g, beta, mine, torch.tensor([2, 0]))
+    with backend_set_to("torch"):
+        expected = recurrent_gated_delta_rule_decode(q, k, v, g, beta, ref, torch.tensor([2, 0]))
+    assert torch.equal(out, expected) and torch.equal(mine, ref)
+
+
+def test_without_a_cpp_compiler_the_reference_runs(monkeypatch, tmp_path, caplog):
+    """The kernel's library built without its torch op (no C++ compiler): no op to call, so the reference runs,
+    and the warnings say so (not that a Python op runs, as the other kernels' fallbacks do)."""
+    H, HV, dk, dv = 2, 4, 16, 8
+    pool = torch.randn(3, HV, dk, dv, generator=torch.Generator().manual_seed(5)) * 0.5
+    q, k, v, g, beta = inputs(2, H, HV, dk, dv, torch.float32, seed=6)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # nothing built there yet
+    gdn_cpu.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="tinyserve.kernels"):
+            assert gdn_cpu.library() is None and not gdn_cpu.usable(v, PoolLayer.of(pool))
+        mine = pool.clone()
+        out = recurrent_gated_delta_rule_decode(q, k, v, g, beta, mine, torch.tensor([2, 0]))
+    finally:
+        monkeypatch.undo()
+        gdn_cpu.library.cache_clear()
+    assert "torch reference" in caplog.text and "runs in Python" not in caplog.text
+    ref = pool.clone()
     with backend_set_to("torch"):
         expected = recurrent_gated_delta_rule_decode(q, k, v, g, beta, ref, torch.tensor([2, 0]))
     assert torch.equal(out, expected) and torch.equal(mine, ref)

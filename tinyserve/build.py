@@ -144,9 +144,11 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
         routes = calibrate_linear(list(shapes.values()), may_pack=may_pack)
         added = pack_weights(dense)
         log.info("CPU GEMM route: %s%s", routes, f" (packed weight copies: {added / GIB:.2f} GiB)" if added else "")
-        from tinyserve.kernels import attention_cpu, gdn_cpu   # here: registering their torch ops is the engine
-        attention_cpu.library()                # thread's work; the C decode attention and GDN decode: built for this
-        gdn_cpu.library()                      # CPU (once) and loaded now
+        # the C kernels of the decode attention and the GDN decode, built for this CPU (once) and loaded now:
+        # registering their torch ops is the engine thread's work
+        from tinyserve.kernels import attention_cpu, gdn_cpu
+        attention_cpu.library()
+        gdn_cpu.library()
     static = compiled_steps(cfg, plan, runner)
     if static is not None:                     # the CPU: plain decodes through the compiled graphs, the static step
         runner.compiled = static.compiled      # for NEXTN's verifies and head passes only
