@@ -74,6 +74,15 @@ def backend_set_to(name: str) -> Iterator[None]:
         set_backend(old)
 
 
+# oneDNN's GEMM y = x W^T (torch's private op, what torch's own CPU compiler emits; None where torch has no oneDNN), and
+# the dtypes it runs on this CPU: its bfloat16 GEMM needs AVX512 BW/VL/DQ or AVX-NE-CONVERT (on an AVX2-only CPU it
+# cannot even be set up, a RuntimeError at the first call), so there bfloat16 goes to F.linear (MKL)
+ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
+    else None
+ONEDNN_DTYPES = (torch.float32,) + ((torch.bfloat16,) if ONEDNN_LINEAR is not None
+                                    and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
+
+
 def use_cpu_kernel(x) -> bool:
     """Whether the op called with tensor x runs its C kernel (where it has one): the "auto" backend on the CPU."""
     return _backend == "auto" and x.device.type == "cpu"

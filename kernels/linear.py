@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from tinyserve.kernels import use_triton
+from tinyserve.kernels import ONEDNN_DTYPES, ONEDNN_LINEAR, use_triton
 from tinyserve.kernels.pointwise import InputNorm, rms_norm, silu_and_mul
 from tinyserve.kernels.fp8 import fp8_linear
 from tinyserve.kernels.fp8_weight import Fp8Weight
@@ -44,20 +44,18 @@ CACHED_GEMMS = 256
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(CACHED_GEMMS))
 os.environ.setdefault("LRU_CACHE_CAPACITY", str(CACHED_GEMMS))         # ideep's, inside torch
 
-_onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
-    else None
 BUCKETS = {"one": 1, "few": 8, "many": 256}   # row-count buckets and the row count each is timed at
 FEW_MAX = 16                                    # "few": 2..16 rows (a batch of decodes); "many": more
 FUSED_ROWS = 2                  # rows a compiled lone sequence's step multiplies in its own code (_multiply_and_sum)
 _fused_rows = 1                 # FUSED_ROWS while such a step is traced (`fused_rows`); a batch of any size: 1
 ROUTES = ("onednn", "onednn-packed", "mkl")
-_route = dict.fromkeys(BUCKETS, "onednn" if _onednn_linear is not None else "mkl")
+_route = dict.fromkeys(BUCKETS, "onednn" if ONEDNN_LINEAR is not None else "mkl")
 _calibrated = False                    # once per process: every engine in it then computes the same way
 _packed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}   # (data_ptr, shape) of a live weight -> its copy
 
 
 def _onednn_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_onednn_linear is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    return (ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES
             and x.dtype == weight.dtype)
 
 
@@ -139,7 +137,7 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's GEMM, on the weight's packed copy where the row count's route says so and the weight has one."""
     if _route[_bucket(x.numel() // x.shape[-1])] == "onednn-packed":
         weight = _packed.get((weight.data_ptr(), tuple(weight.shape)), weight)
-    return _onednn_linear(x, weight, None, "none", [], "")
+    return ONEDNN_LINEAR(x, weight, None, "none", [], "")
 
 
 def _pack_one(weight: torch.Tensor) -> torch.Tensor:
@@ -162,7 +160,7 @@ def pack(weights: list[torch.Tensor]) -> int:
     return added
 
 
-if _onednn_linear is not None:
+if ONEDNN_LINEAR is not None:
     # For torch.compile, the oneDNN GEMM as an opaque op: inductor's own lowering of _linear_pointwise wants the
     # weight frozen into the graph (a prepacked copy of every weight, per graph), which we do not do. Defined on a
     # Library rather than with torch.library.custom_op: ~3 us less per call (its wrappers), some 40 calls a step.
@@ -182,12 +180,12 @@ def calibrate(weights: list[torch.Tensor], repeats: int = 9, may_pack: bool = Fa
     route for each from now on; once per process (later calls keep the first choice). Returns the choice, e.g.
     {"one": "mkl", "few": "onednn-packed", "many": "onednn"}; `pack` then makes the copies."""
     global _calibrated
-    if _calibrated or not weights or _onednn_linear is None or not _onednn_ok(weights[0][:1], weights[0]):
+    if _calibrated or not weights or ONEDNN_LINEAR is None or not _onednn_ok(weights[0][:1], weights[0]):
         return dict(_route)
     _calibrated = True
     packed = [_pack_one(w) for w in weights] if may_pack else []
-    routes = {"onednn": lambda x, i: _onednn_linear(x, weights[i], None, "none", [], ""),
-              "onednn-packed": lambda x, i: _onednn_linear(x, packed[i], None, "none", [], ""),
+    routes = {"onednn": lambda x, i: ONEDNN_LINEAR(x, weights[i], None, "none", [], ""),
+              "onednn-packed": lambda x, i: ONEDNN_LINEAR(x, packed[i], None, "none", [], ""),
               "mkl": lambda x, i: F.linear(x, weights[i])}
     for kind, n in BUCKETS.items():
         inputs = [torch.randn(n, w.shape[1], dtype=w.dtype) for w in weights]

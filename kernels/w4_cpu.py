@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tinyserve.kernels import ONEDNN_DTYPES, ONEDNN_LINEAR
 from tinyserve.kernels.c_build import build_library, cpu_info
 from tinyserve.kernels.w4_weight import W4Weight
 
@@ -174,15 +175,11 @@ def dequantize(lib: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor, zero
     return out
 
 
-_onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
-    else None
-
-
 def _float_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The float GEMM a prefill's dequantized block goes through: oneDNN where torch has it (kernels/linear.py
-    measured it 2-3x faster than MKL on AMD EPYC for 8..2000 rows), else F.linear."""
-    if _onednn_linear is not None:
-        return _onednn_linear(x, weight, None, "none", [], "")
+    measured it 2-3x faster than MKL on AMD EPYC for 8..2000 rows) where it takes x's dtype, else F.linear."""
+    if ONEDNN_LINEAR is not None and x.dtype in ONEDNN_DTYPES:
+        return ONEDNN_LINEAR(x, weight, None, "none", [], "")
     return F.linear(x, weight)
 
 

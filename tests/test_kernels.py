@@ -470,6 +470,25 @@ def test_every_cpu_gemm_route_gives_the_plain_product(monkeypatch):
     assert len(lin._packed) == 1, "a packed copy outlived its weight"
 
 
+def test_bfloat16_gemms_calibrate_and_run_on_any_cpu():
+    """oneDNN's bfloat16 GEMM cannot even be set up on a CPU without AVX512 BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only
+    AMD EPYC 7001): calibrating a bfloat16 model's projections there stopped the server at start. Now bfloat16 takes
+    oneDNN only where it runs, and F.linear elsewhere. In a fresh process: `calibrate` runs once per process."""
+    code = """
+import torch
+from tinyserve.kernels import ONEDNN_DTYPES, linear as lin
+w = torch.randn(96, 80).to(torch.bfloat16)
+print(lin.calibrate([w], repeats=1, may_pack=True))
+assert lin.pack([w]) in (0, w.numel() * 2)
+for rows in (1, 8, 300):
+    x = torch.randn(rows, 80).to(torch.bfloat16)
+    torch.testing.assert_close(lin.linear(x, w).float(), x.float() @ w.float().t(), atol=2e-2, rtol=2e-2)
+print(torch.bfloat16 in ONEDNN_DTYPES)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the compiled CPU steps' route")
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

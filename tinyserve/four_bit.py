@@ -558,8 +558,6 @@ def global_scale_of(m: QuantizedModule, t: dict[str, torch.Tensor]) -> float:
 def repack(m: QuantizedModule, t: dict[str, torch.Tensor]) -> W4Weight:
     """A module's 4-bit tensors (by role, on the device the weight goes to) as a W4Weight [N, K] that dequantizes
     to exactly what the format's own dequantization gives."""
-    import torch
-
     from tinyserve.kernels.w4_weight import W4Weight, pack_codes
     N, K = m.shape
     packing, perm, zeros = m.fmt.packing, None, None
