@@ -23,7 +23,8 @@
  *
  * Paths, chosen when this file is compiled (-march=native: the CPU's own flags): AVX-512 (the tables; with AVX512_BF16
  * and bfloat16 x, the weights made as bfloat16 and multiplied by bfloat16 dot products: block_bf), AVX2 + FMA (a
- * chunk of 16 columns, each code converted and scaled with arithmetic: AVX2 has no 16-entry permute), and portable C
+ * chunk of 16 columns, each code converted with arithmetic, as AVX2 has no 16-entry permute: for float32 x each
+ * group's products with the codes summed, then scaled, block_grouped; bfloat16 x, block), and portable C
  * for the rest (and for a group size the vector paths do not take: not a multiple of 16). w4_dequant writes W's rows
  * in float32 or bfloat16 for a prefill's float GEMM (w4_cpu.py: which is faster there).
  *
@@ -450,7 +451,8 @@ static block_bf_fn *const BLOCKS_BF[2][MB][3] = {                               
 #elif PATH == 256
 /* AVX2: no 16-entry permute, so each code is converted and scaled: (float(q) - z) * s (the reference's two exact
  * steps), fp4's E2M1 magnitude from an 8-entry permute of the low 3 bits and its sign from bit 3. A chunk is 16
- * columns (8 bytes), inside one group (the group size is a multiple of 16). 16 ymm registers: NB * MB = 8 sums. */
+ * columns (8 bytes), inside one group (the group size is a multiple of 16). 16 ymm registers: NB * MB = 8 sums.
+ * block() takes bfloat16 x (each weight rounded to bfloat16, as its reference does); float32 x, block_grouped. */
 #define MB 2
 
 static inline __m256 round_bf16(__m256 v) {              /* as the AVX-512 path's */
@@ -458,6 +460,12 @@ static inline __m256 round_bf16(__m256 v) {              /* as the AVX-512 path'
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     u = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+static inline float hsum8(__m256 a) {                    /* the sum of a's 8 lanes */
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
 static inline __attribute__((always_inline)) __m256
@@ -513,15 +521,97 @@ block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, 
         }
     }
     for (int n = 0; n < NB; n++)
-        for (int m = 0; m < mb; m++) {
-            __m256 a = mb == 1 ? _mm256_add_ps(acc[n][m], acc_odd[n]) : acc[n][m];
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            out[m * NB + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        for (int m = 0; m < mb; m++)
+            out[m * NB + n] = hsum8(mb == 1 ? _mm256_add_ps(acc[n][m], acc_odd[n]) : acc[n][m]);
+}
+
+/* float32 x (AVX2): block() above makes each weight as the reference does, (q - z) * s, in five instructions a vector,
+ * and once per pass of MB rows of x (four times for eight rows): its dequantization took more instructions than its
+ * products, and one decode row ran at a seventh of the memory's bandwidth (2-core AMD EPYC 7001). Here a code becomes
+ * the float32 of q itself (fp4: its E2M1 value), once for up to MB8 rows of x, and each group's products are summed per
+ * row of x apart, then scaled: y = sum over groups of s * (sum q x - z * sum x), with each group's sum of x made once
+ * per call (xg). Chains of sums enough to hide the multiply-add's latency: nr output rows at once (4 for one row of x,
+ * 2 for two, else 1), two chains a row of x below five rows. The reference's value up to float32 rounding (bfloat16 x,
+ * whose reference rounds each weight to bfloat16, stays with block()). */
+#define MB8 8
+
+static inline __attribute__((always_inline)) void
+block_grouped(const weight_t *w, const uint8_t *const *cp, const float *xd, const float *xg, int64_t Kp, const int mb,
+              const int mode, const float *sf, const float *zf, int G, float *out) {
+    const int nr = mb == 1 ? 4 : mb == 2 ? 2 : 1, two = mb <= 4;
+    const int per = w->group / CH, ps = PIECE_STEP(w->blocked), chunks = w->K / CH;
+    const char *ahead = (const char *)cp[0] + NB * w->cs;  /* the next block: a line every 8 chunks of a row */
+    const __m256i low4 = _mm256_set1_epi32(0xf);
+    const __m256 mag = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+    for (int n0 = 0; n0 < NB; n0 += nr) {
+        __m256 total[4][MB8];
+        float fix[4][MB8];                                 /* sum over groups of s * z * sum x */
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < nr; r++)
+            _Pragma("GCC unroll 8")
+            for (int m = 0; m < mb; m++) total[r][m] = _mm256_setzero_ps(), fix[r][m] = 0.f;
+        for (int g = 0; g < G; g++) {
+            __m256 sum[4][MB8], sum2[4][MB8];
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < nr; r++)
+                _Pragma("GCC unroll 8")
+                for (int m = 0; m < mb; m++) sum[r][m] = sum2[r][m] = _mm256_setzero_ps();
+            for (int c = g * per; c < (g + 1) * per; c++) {
+                const int line = (n0 * chunks + c * nr) / 8;
+                if ((c * nr) % 8 < nr)                     /* a line every 8 chunks, whatever nr */
+                    _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+                const float *xc = xd + (int64_t)c * CH;
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < nr; r++) {
+                    const uint8_t *at = cp[n0 + r] + (c >> 2) * ps + (c & 3) * 8;
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at));
+                    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_srli_epi32(v, 4);
+                    __m256 we, wo;
+                    if (mode == NVFP4) {                   /* E2M1: magnitude from the low 3 bits, sign from bit 3 */
+                        const __m256i b3 = _mm256_set1_epi32(8);
+                        we = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, lo),
+                                           _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(lo, b3), 28)));
+                        wo = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, hi),
+                                           _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(hi, b3), 28)));
+                    } else {
+                        we = _mm256_cvtepi32_ps(lo);
+                        wo = _mm256_cvtepi32_ps(hi);
+                    }
+                    _Pragma("GCC unroll 8")
+                    for (int m = 0; m < mb; m++) {
+                        sum[r][m] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xc + m * Kp), sum[r][m]);
+                        if (two)
+                            sum2[r][m] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xc + m * Kp + 8), sum2[r][m]);
+                        else
+                            sum[r][m] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xc + m * Kp + 8), sum[r][m]);
+                    }
+                }
+            }
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < nr; r++) {
+                const int i = (n0 + r) * G + g;
+                const float sc = mode == NVFP4 ? sf[i] * w->gs : sf[i];
+                const float zs = mode == NVFP4 ? 0.f : sc * (mode == ASYM ? zf[i] : (float)w->zp);
+                const __m256 s = _mm256_set1_ps(sc);
+                _Pragma("GCC unroll 8")
+                for (int m = 0; m < mb; m++) {
+                    total[r][m] = _mm256_fmadd_ps(s, two ? _mm256_add_ps(sum[r][m], sum2[r][m]) : sum[r][m],
+                                                  total[r][m]);
+                    fix[r][m] += zs * xg[m * G + g];
+                }
+            }
         }
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < nr; r++)
+            _Pragma("GCC unroll 8")
+            for (int m = 0; m < mb; m++) out[m * NB + n0 + r] = hsum8(total[r][m]) - fix[r][m];
+    }
 }
 #else
 #define MB 1
+#endif
+#ifndef MB8
+#define MB8 MB
 #endif
 #ifndef BF16_DOTS
 #define BF16_DOTS 0
@@ -551,6 +641,18 @@ MODES(1, 0, 0) MODES(2, 0, 0)
 static block_fn *const BLOCKS[2][2][MB][3] = {
     {{TABLE_ROW(1, 0, 0), TABLE_ROW(2, 0, 0)}, {TABLE_ROW(1, 0, 0), TABLE_ROW(2, 0, 0)}},
     {{TABLE_ROW(1, 0, 0), TABLE_ROW(2, 0, 0)}, {TABLE_ROW(1, 0, 0), TABLE_ROW(2, 0, 0)}}};
+typedef void grouped_fn(const weight_t *, const uint8_t *const *, const float *, const float *, int64_t,
+                        const float *, const float *, int, float *);
+#define INSTANCE_G(MB_, MODE_)                                                                                    \
+    static __attribute__((noinline)) void grouped_##MB_##_##MODE_(const weight_t *w, const uint8_t *const *cp,    \
+            const float *xd, const float *xg, int64_t Kp, const float *sf, const float *zf, int G, float *out) {  \
+        block_grouped(w, cp, xd, xg, Kp, MB_, MODE_, sf, zf, G, out);                                              \
+    }
+#define MODES_G(MB_) INSTANCE_G(MB_, 0) INSTANCE_G(MB_, 1) INSTANCE_G(MB_, 2)
+#define ROW_G(MB_) {grouped_##MB_##_0, grouped_##MB_##_1, grouped_##MB_##_2}
+MODES_G(1) MODES_G(2) MODES_G(3) MODES_G(4) MODES_G(5) MODES_G(6) MODES_G(7) MODES_G(8)
+static grouped_fn *const GROUPED[MB8][3] = {ROW_G(1), ROW_G(2), ROW_G(3), ROW_G(4), ROW_G(5), ROW_G(6), ROW_G(7),
+                                            ROW_G(8)};
 #endif
 #endif
 
@@ -606,7 +708,7 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
     const int bf = BF16_DOTS && xdt == BF16 && group % 64 == 0;         /* bfloat16 dot products (block_bf) */
     const int vec = PATH && group % 16 == 0, ch = vec ? CH : 2;
     const int64_t Kp = bf ? K : (K + ch - 1) / ch * ch;
-    void *xd = malloc((bf ? 2 : sizeof(float)) * M * Kp);
+    void *xd = malloc((bf ? 2 : sizeof(float)) * M * Kp + sizeof(float) * M * (K / group));  /* + xg's sums */
     if (!xd)
         return 3;
 #if BF16_DOTS
@@ -630,11 +732,27 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
                 memcpy(tail + p * NB * PIECE + n * PIECE, row + p * PIECE, PIECE);
         }
     }
+    /* float32 x on AVX2: block_grouped, with each group's sum of x (after x's rows in xd) */
+    const float *xg = NULL;
+#if PATH == 256
+    if (vec && xdt == F32) {
+        float *sums = (float *)xd + (int64_t)M * Kp;
+        for (int m = 0; m < M; m++)
+            for (int g = 0; g < G; g++) {
+                const float *at = (const float *)xd + m * Kp + (int64_t)g * group;
+                __m256 t = _mm256_setzero_ps();
+                for (int k = 0; k < group; k += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(at + k));
+                sums[m * G + g] = hsum8(t);
+            }
+        xg = sums;
+    }
+#endif
+    const int pass = xg ? MB8 : MB;                        /* rows of x a pass takes */
     /* a few hundred output rows are worth a second thread's start (~2 us); fewer run on the calling thread alone */
     int threads = (int64_t)N * K * (M < 4 ? M : 4) < (1 << 18) ? 1 : omp_get_max_threads();
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int b = 0; b < blocks; b++) {
-        float sf[NB * G], zf[NB * G], out[NB * MB];        /* zf: read only with zeros */
+        float sf[NB * G], zf[NB * G], out[NB * MB8];       /* zf: read only with zeros */
         const uint8_t *cp[NB];
         int n0 = b * NB, rows = N - n0 < NB ? N - n0 : NB;
         for (int n = 0; n < NB; n++) {                     /* the last block of a ragged N repeats its last row */
@@ -642,9 +760,14 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
             cp[n] = !w.blocked ? codes + (int64_t)row * cs : (rows == NB ? codes + (int64_t)n0 * cs : tail) + n * PIECE;
             row_scales(&w, row, G, sf + n * G, zf + n * G);
         }
-        for (int m0 = 0; m0 < M; m0 += MB) {               /* passes of MB rows of x over the block's rows */
-            int mb = M - m0 < MB ? M - m0 : MB;
+        for (int m0 = 0; m0 < M; m0 += pass) {             /* passes of MB (MB8) rows of x over the block's rows */
+            int mb = M - m0 < pass ? M - m0 : pass;
             const float *xm = (const float *)xd + (int64_t)m0 * Kp;
+#if PATH == 256
+            if (xg)
+                GROUPED[mb - 1][w.mode](&w, cp, xm, xg + (int64_t)m0 * G, Kp, sf, zf, G, out);
+            else
+#endif
 #if BF16_DOTS
             if (bf)
                 BLOCKS_BF[w.blocked][mb - 1][w.mode](&w, cp, (const uint16_t *)xd + (int64_t)m0 * Kp, Kp, sf, zf, G,
