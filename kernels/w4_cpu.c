@@ -531,14 +531,15 @@ block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, 
  * the float32 of q itself (fp4: its E2M1 value), once for up to MB8 rows of x, and each group's products are summed per
  * row of x apart, then scaled: y = sum over groups of s * (sum q x - z * sum x), with each group's sum of x made once
  * per call (xg). Chains of sums enough to hide the multiply-add's latency: nr output rows at once (4 for one row of x,
- * 2 for two, else 1), two chains a row of x below five rows. The reference's value up to float32 rounding (bfloat16 x,
+ * 2 for two to four: 1.19x at three rows against 1, each load of x used twice; else 1), two chains a row of x for one
+ * or two rows. The reference's value up to float32 rounding (bfloat16 x,
  * whose reference rounds each weight to bfloat16, stays with block()). */
 #define MB8 8
 
 static inline __attribute__((always_inline)) void
 block_grouped(const weight_t *w, const uint8_t *const *cp, const float *xd, const float *xg, int64_t Kp, const int mb,
               const int mode, const float *sf, const float *zf, int G, float *out) {
-    const int nr = mb == 1 ? 4 : mb == 2 ? 2 : 1, two = mb <= 4;
+    const int nr = mb == 1 ? 4 : mb <= 4 ? 2 : 1, two = mb <= 2;
     const int per = w->group / CH, ps = PIECE_STEP(w->blocked), chunks = w->K / CH;
     const char *ahead = (const char *)cp[0] + NB * w->cs;  /* the next block: a line every 8 chunks of a row */
     const __m256i low4 = _mm256_set1_epi32(0xf);
