@@ -418,3 +418,18 @@ def test_event_loop_stays_responsive_during_steps(model):
     ticks = asyncio.run(main())
     # were the step run on the loop thread, the ticker could only run between steps (a couple of ticks)
     assert ticks > 20, ticks
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU's GEMM routes")
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_bfloat16_on_a_cpu_without_avx512_says_float32_is_faster(ckpt, monkeypatch, caplog, fast_bf16):
+    """Where oneDNN has no bfloat16 GEMM (an AVX2-only CPU; monkeypatched here on any CPU), a bfloat16 model starts,
+    serves, and says at start that float32 runs faster there."""
+    import tinyserve.build as build
+    monkeypatch.setattr(build, "ONEDNN_DTYPES", (torch.float32, torch.bfloat16) if fast_bf16 else (torch.float32,))
+    bf16 = load_model(ckpt[0], torch.bfloat16, TEST_DEVICE)
+    with caplog.at_level("WARNING", logger="tinyserve"):
+        eng = make_engine(bf16)
+    warned = [r.getMessage() for r in caplog.records if 'model.dtype = "bfloat16"' in r.getMessage()]
+    assert bool(warned) == (not fast_bf16), warned
+    assert len(eng.generate([prompt(9)], SamplingParams(max_tokens=4, **GREEDY))[0]) == 4

@@ -24,7 +24,7 @@ from tinyserve.grammar import Grammar
 from tinyserve.host_tier import HostTier
 from tinyserve.idle import IdleRelease
 from tinyserve.request import Intake
-from tinyserve.kernels import set_backend as set_kernel_backend, triton_problem, use_triton
+from tinyserve.kernels import ONEDNN_DTYPES, set_backend as set_kernel_backend, triton_problem, use_triton
 from tinyserve.kernels.fp8_weight import Fp8Weight
 from tinyserve.kernels.w4_weight import W4Weight
 from tinyserve.kernels.gdn import snapshot_alignment
@@ -144,6 +144,10 @@ def assemble(cfg: Config, model, tokenizer, plan: MemoryPlan, copy_stream: CopyS
         routes = calibrate_linear(list(shapes.values()), may_pack=may_pack)
         added = pack_weights(dense)
         log.info("CPU GEMM route: %s%s", routes, f" (packed weight copies: {added / GIB:.2f} GiB)" if added else "")
+        if model.dtype == torch.bfloat16 and torch.bfloat16 not in ONEDNN_DTYPES:
+            log.warning("model.dtype = \"bfloat16\" on a CPU without AVX-512 (AVX2 only): bfloat16 has no fast GEMM "
+                        "here, and \"float32\" runs faster (the 4-bit bench model decoded 2.2-2.7x faster on an AMD EPYC "
+                        "7001: docs/benchmarks.md)")
         # the C kernels of the decode attention and the GDN decode, built for this CPU (once) and loaded now:
         # registering their torch ops is the engine thread's work
         from tinyserve.kernels import attention_cpu, gdn_cpu
