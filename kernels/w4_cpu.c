@@ -832,6 +832,21 @@ int w4_dequant(const uint8_t *codes, int64_t cs, const void *scales, int sdt, in
                 _mm512_storeu_ps(row + k + 16, _mm512_permutex2var_ps(we, hi_idx, wo));
             }
         }
+#elif PATH == 256
+        if (group % 16 == 0) {                             /* 16 columns at a time (block()'s dq8), interleaved back */
+            const __m256 gsv = _mm256_set1_ps(gs);
+            for (; k + 16 <= K; k += 16) {
+                const int g = k / group;
+                const __m256 z = _mm256_set1_ps(zeros ? zf[g] : (float)zp), s = _mm256_set1_ps(sf[g]);
+                const uint8_t *at = cp + (k >> 6) * ps + ((k >> 1) & 31);           /* 8 bytes: a quarter piece */
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at));
+                __m256 we = dq8(w.mode, _mm256_and_si256(v, _mm256_set1_epi32(0xf)), z, s, gsv, 0);
+                __m256 wo = dq8(w.mode, _mm256_srli_epi32(v, 4), z, s, gsv, 0);
+                __m256 lo = _mm256_unpacklo_ps(we, wo), hi = _mm256_unpackhi_ps(we, wo);   /* pairs, by 128 bits */
+                _mm256_storeu_ps(row + k, _mm256_permute2f128_ps(lo, hi, 0x20));
+                _mm256_storeu_ps(row + k + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+            }
+        }
 #endif
         for (; k < K; k++) {
             int q = (cp[(k >> 6) * ps + ((k >> 1) & 31)] >> (4 * (k & 1))) & 0xf, g = k / group;
