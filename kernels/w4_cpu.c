@@ -532,8 +532,8 @@ block(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, 
  * row of x apart, then scaled: y = sum over groups of s * (sum q x - z * sum x), with each group's sum of x made once
  * per call (xg). Chains of sums enough to hide the multiply-add's latency: nr output rows at once (4 for one row of x,
  * 2 for two to four: 1.19x at three rows against 1, each load of x used twice; else 1), two chains a row of x for one
- * or two rows. The reference's value up to float32 rounding (bfloat16 x,
- * whose reference rounds each weight to bfloat16, stays with block()). */
+ * or two rows. The reference's value up to float32 rounding (bfloat16 x, whose reference rounds each weight to
+ * bfloat16, stays with block()). */
 #define MB8 8
 
 static inline __attribute__((always_inline)) void
