@@ -140,6 +140,18 @@ static inline __attribute__((always_inline)) void row_scales(const weight_t *w, 
             v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)s + g));
         _mm512_mask_storeu_ps(sf + g, k, v);
     }
+#elif defined(__AVX2__) && defined(__F16C__)
+    for (; g + 8 <= G; g += 8) {             /* 8 at a time, the rest one by one */
+        __m256 v;
+        if (w->sdt == F32)
+            v = _mm256_loadu_ps((const float *)s + g);
+        else if (w->sdt == BF16)
+            v = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + g))), 16));
+        else
+            v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + g)));
+        _mm256_storeu_ps(sf + g, v);
+    }
 #endif
     for (; g < G; g++)
         sf[g] = load_as_float(s, w->sdt, g);
