@@ -51,12 +51,12 @@ ERRORS = {1: "a shape it does not take", 2: "a dtype or kind it does not take", 
 # bfloat16, oneDNN's GEMM runs on the CPU's bfloat16 dot products (AVX512_BF16, AMX) at twice the float32 rate and
 # was faster than the kernel's float32 products from 32 rows (1.3x; 2x from 64); the kernel's own bfloat16 dot
 # products (groups of 64 and 128) kept it ahead up to 32 rows (at 48 oneDNN won on gate_up, 1.3x, and lost on down).
-# Without those instructions bfloat16 is float32's case. On an AVX2-only CPU (2-core AMD EPYC 7001), float32: the
-# kernel was faster up to 40 rows (1.06x), even at 48, and the dequantized blocks faster from 56 (1.06x; 1.39x at 128).
+# Without those instructions bfloat16 takes the kernel up to 128 rows. On an AVX2-only CPU (2-core AMD EPYC 7001):
+# float32, the kernel was faster up to 40 rows (1.06x), even at 48, and the dequantized blocks faster from 56 (1.06x;
+# 1.39x at 128); bfloat16 (no fast bfloat16 GEMM there), the kernel 1.2-1.4x faster from 16 to 128 rows.
 _FLAGS = set().union(*(line.split() for line in cpu_info() if line.startswith("flags")))
 _BF16_DOTS = bool({"avx512_bf16", "amx_bf16"} & _FLAGS)
-_FLOAT_ROWS = 128 if "avx512f" in _FLAGS else 48
-GEMM_ROWS = {torch.float32: _FLOAT_ROWS, torch.bfloat16: 16 if _BF16_DOTS else _FLOAT_ROWS}
+GEMM_ROWS = {torch.float32: 128 if "avx512f" in _FLAGS else 48, torch.bfloat16: 16 if _BF16_DOTS else 128}
 KERNEL_DOTS_ROWS = 32       # bfloat16 x through the kernel's own dot products (w4_cpu.c's block_bf)
 
 
