@@ -19,7 +19,8 @@ Systems (each one a separate process that runs nothing else; all load first, the
                         eos ignored (transformers has no server and no batching of independent requests)
   tinyserve f32 / bf16 / w4   with --weights f32,bf16,w4 instead of the above: one `tinyserve CONFIG` server per
                         entry, as tinyserve HTTP, serving the checkpoint in float32, in bfloat16, or its 4-bit twin
-                        (w4: float32 activations; w4bf16: bfloat16 ones), beside llama-server with --llama-server
+                        (w4: float32 activations; w4bf16: bfloat16 ones; w4q8: float32 ones rounded to int8 in
+                        the GEMMs, model.int8_activations), beside llama-server with --llama-server
 
 Measures (the same prompts for every system within a round, new prompts every round and for every warm-up, so
 no prefix cache, tinyserve's or llama-server's, ever holds a prompt it is asked for):
@@ -101,7 +102,7 @@ HTTP, EAGER, INPROC, LLAMA, HF = ("tinyserve HTTP", "tinyserve HTTP eager", "tin
                                   "transformers")
 SYSTEM_KEYS = {"http": HTTP, "eager": EAGER, "inprocess": INPROC, "llama": LLAMA, "transformers": HF}
 WEIGHTS = {"f32": "float32", "bf16": "bfloat16", "w4": "float32",   # --weights: model.dtype (w4: its activations')
-           "w4bf16": "bfloat16"}
+           "w4bf16": "bfloat16", "w4q8": "float32"}
 W4_TARGETS = {LLAMA: 1.0, "f32": 2.5}     # the issue's, on the memory-bound model: w4 / each, 1 and 8, decode
 ONE, BATCH, PREFILL, TTFT = "one", "batch", "prefill", "ttft"
 DECODE = {ONE: "one decode", BATCH: "batch decode"}     # --weights: the same requests' decode-only figures
@@ -411,7 +412,8 @@ async def run(args: argparse.Namespace) -> int:
     servers = {HTTP: (cfg, cfg_path), EAGER: (eager_cfg, eager_path)}    # tinyserve HTTP servers: (config, file)
     for w in weights:                   # --weights: one server each, with the HTTP server's config otherwise
         data["engine"]["compile_steps"] = cfg.engine.compile_steps
-        data["model"].update(path=ckpt["w4"] if w.startswith("w4") else folder, dtype=WEIGHTS[w])
+        data["model"].update(path=ckpt["w4"] if w.startswith("w4") else folder, dtype=WEIGHTS[w],
+                             int8_activations=w == "w4q8")
         data["server"]["port"] = free_port()
         w_path = work / f"tinyserve-{w}.toml"
         w_path.write_text(config_mod.dumps(config_mod.from_dict(data)))
@@ -630,8 +632,9 @@ def report(args, shape: Shape, folder: str, threads: int, systems: dict, res: Re
     spread = " (per-round ratios' min-max in brackets)" if args.rounds > 1 else ""
     if weights:
         pairs = [(f"tinyserve {w}", LLAMA) for w in weights if LLAMA in systems] + \
-            [(f"tinyserve {a}", f"tinyserve {b}") for a, b in (("w4", "f32"), ("w4bf16", "f32"), ("w4", "bf16"),
-                                                                ("w4bf16", "bf16"), ("bf16", "f32"))
+            [(f"tinyserve {a}", f"tinyserve {b}") for a, b in (("w4", "f32"), ("w4bf16", "f32"), ("w4q8", "f32"),
+                                                                ("w4q8", "w4"), ("w4", "bf16"), ("w4bf16", "bf16"),
+                                                                ("bf16", "f32"))
              if a in weights and b in weights]
         kinds = (ONE, DECODE[ONE], BATCH, DECODE[BATCH], PREFILL, TTFT)
         print(f"\nratios{spread}\n")

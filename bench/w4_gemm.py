@@ -82,7 +82,7 @@ def w4_call(w: W4Weight):
     op = torch.ops.tinyserve.w4_linear_cpu.default if w4_cpu.op_in_cpp() else \
         torch.ops.tinyserve.w4_linear_cpu_python.default
     args = (w.codes, w.scales, w.zeros, w.perm, w.group, w4_cpu.KIND_CODES[w.kind], w.zero_point, w.global_scale,
-            w.blocked, w4_cpu.GEMM_ROWS[torch.float32])
+            w.blocked, w4_cpu.GEMM_ROWS[torch.float32], False)
     return lambda x: op(x, *args)
 
 

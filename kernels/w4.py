@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.kernels import use_cpu_kernel, use_triton
-from tinyserve.kernels.w4_weight import W4Weight
+from tinyserve.kernels.w4_weight import W4Weight, int8_rounded
 
 W4_BLOCK_ROWS = 1024           # output rows dequantized at a time by the reference (a few MB at K = 5120)
 
@@ -29,8 +29,16 @@ def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
 
 
 def w4_linear_reference(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
-    """Block by block: each block of output rows dequantized (in fp32, rounded once to x's dtype) and multiplied."""
+    """Block by block: each block of output rows dequantized (in fp32, rounded once to x's dtype) and multiplied.
+    With int8 activations: x rounded (`int8_rounded`, groups in the weight's sorted column order), in float32."""
     N, K = w.shape[-2], w.shape[-1]
+    if w.int8_activations and w.kind == "int4":
+        sorted_x = x if w.perm is None else x.index_select(-1, w.perm)
+        rounded = int8_rounded(sorted_x, w.group)
+        if w.perm is not None:                 # back to the checkpoint's column order, which dequantize gives
+            rounded = torch.empty_like(rounded).index_copy_(-1, w.perm, rounded)
+        plain = W4Weight._rows(w, slice(None))       # the same weight with float activations
+        return w4_linear_reference(rounded, plain).to(x.dtype)
     x2 = x.reshape(-1, K)
     y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
     for r0 in range(0, N, W4_BLOCK_ROWS):

@@ -37,6 +37,7 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };  /* dtype codes (w4_cpu.py's DTYPES) */
 #ifndef W4_TORCH_OP                   /* the kernel, in C (the op at the end is this file compiled again, as C++) */
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #include <omp.h>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -199,6 +200,14 @@ static void prepare_x(const void *x, int xdt, int64_t xs, int M, int K, const in
                 }
     }
 }
+
+#if defined(__AVX2__)
+static inline float hsum8(__m256 a) {                    /* the sum of a's 8 lanes */
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
 
 /* ---- the kernels of one block: NB rows of W (row pointers cp) against mb rows of x at xd ---- */
 /* sf/zf: the rows' scales and zeros (row_scales), G apart; out[m * NB + n]. In each instance below nb, mb, dual and
@@ -474,12 +483,6 @@ static inline __m256 round_bf16(__m256 v) {              /* as the AVX-512 path'
     return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-static inline float hsum8(__m256 a) {                    /* the sum of a's 8 lanes */
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-
 static inline __attribute__((always_inline)) __m256
 dq8(const int mode, __m256i q, __m256 z, __m256 s, __m256 gs, int bf16_w) {
     __m256 w;
@@ -669,6 +672,170 @@ static grouped_fn *const GROUPED[MB8][3] = {ROW_G(1), ROW_G(2), ROW_G(3), ROW_G(
 #endif
 #endif
 
+/* ---- int8 activations (w4_gemm's q8: model.int8_activations, int4 weights) ---- */
+/* Each row of x is rounded, per group of the weight's (sorted) columns, to int8 steps of d = amax / 127, amax the
+ * group's largest |x|: qx = round-half-even(x * (127 / amax)) (llama.cpp's Q8_0 does the same per 32 columns). A
+ * group's product is then an integer, I = sum q qx - z sum qx (exact in 32 bits), and y = sum over groups of
+ * (s d) I in float32. kernels/w4.py's int8_rounded is the oracle (the same rounding, then the float product).
+ * Why: on AVX2 a code times an int8 is one lane of vpmaddubsw (32 columns an instruction, two codes summed into 16
+ * bits), where the float path converts each code and multiplies 8 columns an instruction: the float path's decode
+ * was bound by its instructions at a third of the memory's bandwidth (2-core AMD EPYC 7001). */
+#define Q8_MB 4                        /* rows of x a pass takes */
+
+/* qx [M][K] (chunked by cw = 32 or 64: each cw columns as their cw / 2 even ones, then their odd ones; cw = 0: in
+ * order), d and qs [M][G]: the groups' steps and their sums of qx, column k being x's column perm[k] under act-order.
+ * Chunked, qs holds 8 sums a group as float32 (qs [M][G][8]), one for each lane of block_q8's sums: lane j sums bytes
+ * 4j .. 4j+3 of each 32 bytes of the group's qx, as vpmaddubsw then vpmaddwd lay them out. */
+static void quantize_x(const void *x, int xdt, int64_t xs, int M, int K, int group, const int64_t *perm, int cw,
+                       int8_t *qx, float *d, int32_t *qs) {
+    const int G = K / group;
+    float v[group];
+    for (int m = 0; m < M; m++) {
+        const char *row = (const char *)x + (int64_t)m * xs * (xdt == F32 ? 4 : 2);
+        for (int g = 0; g < G; g++) {
+            float amax = 0.f;
+            for (int i = 0; i < group; i++) {
+                const int64_t k = (int64_t)g * group + i;
+                v[i] = load_as_float(row, xdt, perm ? perm[k] : k);
+                const float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            const float id = amax > 0.f ? 127.f / amax : 0.f;
+            int8_t *out = qx + (int64_t)m * K + (int64_t)g * group;
+            int32_t sum = 0;
+            for (int i = 0; i < group; i++) {
+                const int q = (int)nearbyintf(v[i] * id);  /* the default rounding: to nearest, ties to even */
+                out[cw ? i / cw * cw + (i & 1) * (cw / 2) + i % cw / 2 : i] = (int8_t)q;
+                sum += q;
+            }
+            d[m * G + g] = amax / 127.f;
+            if (!cw)
+                qs[m * G + g] = sum;
+            else
+                for (int j = 0; j < 8; j++) {
+                    int32_t lane = 0;
+                    for (int b = 0; b < group; b += 32)
+                        lane += out[b + 4 * j] + out[b + 4 * j + 1] + out[b + 4 * j + 2] + out[b + 4 * j + 3];
+                    ((float *)qs)[((int64_t)m * G + g) * 8 + j] = (float)lane;   /* exact: < 2^24 */
+                }
+        }
+    }
+}
+
+#if defined(__AVX2__)
+/* NB rows of W against mb rows of qx (chunked), a chunk of CW columns at a time. wide (a group a multiple of 64): a
+ * chunk is a piece, 32 bytes of codes, whose low nibbles are its 32 even columns and high nibbles its 32 odd ones,
+ * as qx lays them out (two masks and a shift make both); else (a group of 32 * odd) 16 bytes, broadcast to both
+ * halves, the high half shifted by 4, masked: 16 even columns, then 16 odd. vpmaddubsw multiplies and sums pairs
+ * into 16 bits, runs of chunks (at most 16 products a lane: 16 * 15 * 127 < 2^15) are widened to 32 bits
+ * (vpmaddwd), a group's integer is made exact (- z sum qx), then scaled by s d. nr output rows at once so that
+ * enough sums are in flight. */
+static inline __attribute__((always_inline)) void
+block_q8(const weight_t *w, const uint8_t *const *cp, const int8_t *qx, const float *d, const float *qs,
+         const int mb, const int wide, const float *sf, const float *zf, int G, float *out) {
+    const int nr = mb == 1 ? 4 : mb == 2 ? 2 : 1, CW = wide ? 64 : 32, run = wide ? 4 : 8;
+    const int per = w->group / CW, ps = PIECE_STEP(w->blocked), chunks = w->K / CW, K = w->K;
+    const char *ahead = (const char *)cp[0] + NB * w->cs;  /* the next block: a line every 64 / (CW / 2) chunks */
+    const int lines = 128 / CW;                             /* chunks of a row a cache line holds */
+    const __m256i shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), low4 = _mm256_set1_epi8(0xf);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int n0 = 0; n0 < NB; n0 += nr) {
+        __m256 total[4][Q8_MB];
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < nr; r++)
+            _Pragma("GCC unroll 8")
+            for (int m = 0; m < mb; m++) total[r][m] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) {
+            for (int c0 = g * per; c0 < (g + 1) * per; c0 += run) {
+                const int c1 = c0 + run < (g + 1) * per ? c0 + run : (g + 1) * per;
+                __m256i acc[4][Q8_MB];
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < nr; r++)
+                    _Pragma("GCC unroll 8")
+                    for (int m = 0; m < mb; m++) acc[r][m] = _mm256_setzero_si256();
+                for (int c = c0; c < c1; c++) {
+                    if ((c * nr) % lines < nr)
+                        _mm_prefetch(ahead + (n0 * chunks + c * nr) / lines * 64, _MM_HINT_T0);
+                    const int8_t *xc = qx + (int64_t)c * CW;
+                    _Pragma("GCC unroll 4")
+                    for (int r = 0; r < nr; r++) {
+                        if (wide) {                                                 /* a piece */
+                            const __m256i v = _mm256_loadu_si256((const __m256i *)(cp[n0 + r] + c * ps));
+                            const __m256i lo = _mm256_and_si256(v, low4);
+                            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                            _Pragma("GCC unroll 8")
+                            for (int m = 0; m < mb; m++) {
+                                const int8_t *xm = xc + (int64_t)m * K;
+                                acc[r][m] = _mm256_add_epi16(acc[r][m], _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xm)),
+                                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xm + 32)))));
+                            }
+                        } else {                                                    /* half a piece */
+                            const uint8_t *at = cp[n0 + r] + (c >> 1) * ps + (c & 1) * 16;
+                            const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(
+                                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)at)), shifts), low4);
+                            _Pragma("GCC unroll 8")
+                            for (int m = 0; m < mb; m++)
+                                acc[r][m] = _mm256_add_epi16(acc[r][m], _mm256_maddubs_epi16(
+                                    v, _mm256_loadu_si256((const __m256i *)(xc + (int64_t)m * K))));
+                        }
+                    }
+                }
+                _Pragma("GCC unroll 4")                    /* each lane's integer, sum (q - z) qx over its */
+                for (int r = 0; r < nr; r++) {             /* columns (- z times its qs once a group: integers */
+                    const int i = (n0 + r) * G + g;        /* below 2^24, exact in float32), times s d */
+                    const __m256 z = _mm256_set1_ps(c0 > g * per ? 0.f : w->mode == ASYM ? zf[i] : (float)w->zp);
+                    _Pragma("GCC unroll 8")
+                    for (int m = 0; m < mb; m++) {
+                        const __m256 lanes = _mm256_loadu_ps(qs + ((int64_t)m * G + g) * 8);
+                        const __m256 exact = _mm256_fnmadd_ps(z, lanes, _mm256_cvtepi32_ps(_mm256_madd_epi16(
+                                                                            acc[r][m], ones)));
+                        total[r][m] = _mm256_fmadd_ps(exact, _mm256_set1_ps(sf[i] * d[m * G + g]), total[r][m]);
+                    }
+                }
+            }
+        }
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < nr; r++)
+            _Pragma("GCC unroll 8")
+            for (int m = 0; m < mb; m++) out[m * NB + n0 + r] = hsum8(total[r][m]);
+    }
+}
+
+typedef void q8_fn(const weight_t *, const uint8_t *const *, const int8_t *, const float *, const float *,
+                   const float *, const float *, int, float *);
+#define INSTANCE_Q8(MB_, W_)                                                                                      \
+    static __attribute__((noinline)) void q8_##MB_##_##W_(const weight_t *w, const uint8_t *const *cp,            \
+            const int8_t *qx, const float *d, const float *qs, const float *sf, const float *zf, int G,           \
+            float *out) {                                                                                          \
+        block_q8(w, cp, qx, d, qs, MB_, W_, sf, zf, G, out);                                                       \
+    }
+#define WIDTHS_Q8(MB_) INSTANCE_Q8(MB_, 0) INSTANCE_Q8(MB_, 1)
+WIDTHS_Q8(1) WIDTHS_Q8(2) WIDTHS_Q8(3) WIDTHS_Q8(4)
+static q8_fn *const Q8[2][Q8_MB] = {{q8_1_0, q8_2_0, q8_3_0, q8_4_0}, {q8_1_1, q8_2_1, q8_3_1, q8_4_1}};  /* [wide] */
+#define Q8_VEC 1
+#else
+#define Q8_VEC 0
+#endif
+
+/* the same sums one at a time (no AVX2, or a group size that is not a multiple of 32; qx in order) */
+static void block_q8_scalar(const weight_t *w, const uint8_t *const *cp, const int8_t *qx, const float *d,
+                            const int32_t *qs, int mb, const float *sf, const float *zf, int G, float *out) {
+    for (int n = 0; n < NB; n++)
+        for (int m = 0; m < mb; m++) {
+            const int8_t *x = qx + (int64_t)m * w->K;
+            float acc = 0.f;
+            for (int g = 0; g < G; g++) {
+                const int z = w->mode == ASYM ? (int)zf[n * G + g] : w->zp;
+                int32_t sum = 0;
+                for (int k = g * w->group; k < (g + 1) * w->group; k++)
+                    sum += ((cp[n][(k >> 6) * PIECE_STEP(w->blocked) + ((k >> 1) & 31)] >> (4 * (k & 1))) & 0xf) * x[k];
+                acc += (float)(sum - z * qs[m * G + g]) * (sf[n * G + g] * d[m * G + g]);
+            }
+            out[m * NB + n] = acc;
+        }
+}
+
 /* The portable path (and any group size the vector paths do not take): one output row, one row of x at a time. */
 static void block_scalar(const weight_t *w, const uint8_t *const *cp, const float *xd, int64_t Kp, int mb,
                          const float *sf, const float *zf, int G, float *out) {
@@ -713,24 +880,35 @@ static int setup(weight_t *w, int xdt) {
  * cs == K / 2). Returns 0, or a code (w4_cpu.py raises). */
 int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, const uint8_t *codes, int64_t cs,
             const void *scales, int sdt, int64_t ss, const uint8_t *zeros, int64_t zs, const int64_t *perm,
-            int N, int K, int group, int kind, int zp, float gs, int blocked) {
+            int N, int K, int group, int kind, int zp, float gs, int blocked, int q8) {
     weight_t w = {codes, scales, zeros, cs, ss, zs, sdt, zp, kind, group, N, K, 0, gs, xdt == BF16, blocked};
     int bad = setup(&w, xdt);
+    if (!bad && q8 && w.mode == NVFP4)
+        bad = 2;                                           /* int8 activations: int4 weights only */
     if (bad || M <= 0)
         return bad ? bad : M < 0;
-    const int bf = BF16_DOTS && xdt == BF16 && group % 64 == 0;         /* bfloat16 dot products (block_bf) */
+    const int G = K / group, blocks = (N + NB - 1) / NB;
+    const int bf = !q8 && BF16_DOTS && xdt == BF16 && group % 64 == 0;  /* bfloat16 dot products (block_bf) */
     const int vec = PATH && group % 16 == 0, ch = vec ? CH : 2;
-    const int64_t Kp = bf ? K : (K + ch - 1) / ch * ch;
-    void *xd = malloc((bf ? 2 : sizeof(float)) * M * Kp + sizeof(float) * M * (K / group));  /* + xg's sums */
+    const int q8cw = q8 && Q8_VEC && group % 32 == 0 ? (group % 64 ? 32 : 64) : 0;   /* block_q8's chunk, or 0 */
+    const int64_t Kp = q8 ? K : bf ? K : (K + ch - 1) / ch * ch;
+    /* x as the kernel reads it: float32 (+ xg's sums), bfloat16, or int8 with its groups' steps and sums */
+    const int64_t qbytes = ((int64_t)M * K + 63) / 64 * 64;                  /* qx, then its steps and sums */
+    void *xd = malloc(q8 ? qbytes + (sizeof(float) + 8 * sizeof(int32_t)) * M * G
+                         : (bf ? 2 : sizeof(float)) * M * Kp + sizeof(float) * M * G);
     if (!xd)
         return 3;
+    float *qd = (float *)((int8_t *)xd + (q8 ? qbytes : 0));
+    int32_t *qs = (int32_t *)(qd + (int64_t)M * G);
+    if (q8)
+        quantize_x(x, xdt, xs, M, K, group, perm, q8cw, xd, qd, qs);
+    else
 #if BF16_DOTS
     if (bf)
         prepare_xb(x, xs, M, K, perm, xd, Kp);
     else
 #endif
         prepare_x(x, xdt, xs, M, K, perm, xd, Kp, ch);
-    const int G = K / group, blocks = (N + NB - 1) / NB;
     /* a blocked weight's last N % NB rows are rows: they are interleaved here, with the last row repeated to fill
      * the block, so that every block of a blocked weight is read alike (the kernels' addresses are constants) */
     uint8_t *tail = NULL;
@@ -748,7 +926,7 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
     /* float32 x on AVX2: block_grouped, with each group's sum of x (after x's rows in xd) */
     const float *xg = NULL;
 #if PATH == 256
-    if (vec && xdt == F32) {
+    if (!q8 && vec && xdt == F32) {
         float *sums = (float *)xd + (int64_t)M * Kp;
         for (int m = 0; m < M; m++)
             for (int g = 0; g < G; g++) {
@@ -760,12 +938,12 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
         xg = sums;
     }
 #endif
-    const int pass = xg ? MB8 : MB;                        /* rows of x a pass takes */
+    const int pass = q8 ? Q8_MB : xg ? MB8 : MB;           /* rows of x a pass takes */
     /* a few hundred output rows are worth a second thread's start (~2 us); fewer run on the calling thread alone */
     int threads = (int64_t)N * K * (M < 4 ? M : 4) < (1 << 18) ? 1 : omp_get_max_threads();
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int b = 0; b < blocks; b++) {
-        float sf[NB * G], zf[NB * G], out[NB * MB8];       /* zf: read only with zeros */
+        float sf[NB * G], zf[NB * G], out[NB * (MB8 > Q8_MB ? MB8 : Q8_MB)];   /* zf: read only with zeros */
         const uint8_t *cp[NB];
         int n0 = b * NB, rows = N - n0 < NB ? N - n0 : NB;
         for (int n = 0; n < NB; n++) {                     /* the last block of a ragged N repeats its last row */
@@ -776,6 +954,16 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
         for (int m0 = 0; m0 < M; m0 += pass) {             /* passes of MB (MB8) rows of x over the block's rows */
             int mb = M - m0 < pass ? M - m0 : pass;
             const float *xm = (const float *)xd + (int64_t)m0 * Kp;
+            const int8_t *qm = (const int8_t *)xd + (int64_t)m0 * K;
+            if (q8) {
+#if Q8_VEC
+                if (q8cw)
+                    Q8[q8cw == 64][mb - 1](&w, cp, qm, qd + (int64_t)m0 * G, (const float *)qs + (int64_t)m0 * G * 8,
+                                           sf, zf, G, out);
+                else
+#endif
+                    block_q8_scalar(&w, cp, qm, qd + (int64_t)m0 * G, qs + (int64_t)m0 * G, mb, sf, zf, G, out);
+            } else
 #if PATH == 256
             if (xg)
                 GROUPED[mb - 1][w.mode](&w, cp, xm, xg + (int64_t)m0 * G, Kp, sf, zf, G, out);
@@ -883,17 +1071,18 @@ int w4_dequant(const uint8_t *codes, int64_t cs, const void *scales, int sdt, in
 
 extern "C" int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, const uint8_t *codes,
                        int64_t cs, const void *scales, int sdt, int64_t ss, const uint8_t *zeros, int64_t zs,
-                       const int64_t *perm, int N, int K, int group, int kind, int zp, float gs, int blocked);
+                       const int64_t *perm, int N, int K, int group, int kind, int zp, float gs, int blocked,
+                       int q8);
 extern "C" int w4_torch_op(void) { return 1; }           /* w4_cpu.py asks whether the library has the op */
 
 using Prefill = at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
                            const std::optional<at::Tensor> &, const std::optional<at::Tensor> &, int64_t, int64_t,
-                           int64_t, double, bool, int64_t);
+                           int64_t, double, bool, int64_t, bool);
 
 static at::Tensor w4_linear_cpu(const at::Tensor &x, const at::Tensor &codes, const at::Tensor &scales,
                               const std::optional<at::Tensor> &zeros, const std::optional<at::Tensor> &perm,
                               int64_t group, int64_t kind, int64_t zero_point, double global_scale, bool blocked,
-                              int64_t gemm_rows) {
+                              int64_t gemm_rows, bool int8_x) {
     const int64_t K = x.size(-1), N = codes.size(0);
     at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, K});
     const int64_t M = x2.size(0);
@@ -901,7 +1090,7 @@ static at::Tensor w4_linear_cpu(const at::Tensor &x, const at::Tensor &codes, co
         static auto prefill = c10::Dispatcher::singleton().findSchemaOrThrow("tinyserve::w4_prefill_cpu", "")
                                   .typed<Prefill>();
         return prefill.call(x, codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked,
-                            gemm_rows);
+                            gemm_rows, int8_x);
     }
     if (x2.scalar_type() != at::kFloat && x2.scalar_type() != at::kBFloat16)
         x2 = x2.to(at::kFloat);                            /* float16 activations: float32 inside */
@@ -914,7 +1103,8 @@ static at::Tensor w4_linear_cpu(const at::Tensor &x, const at::Tensor &codes, co
                              st == at::kFloat ? F32 : st == at::kBFloat16 ? BF16 : F16,
                              scales.stride(0), zeros ? zeros->data_ptr<uint8_t>() : nullptr,
                              zeros ? zeros->stride(0) : 0, perm ? perm->data_ptr<int64_t>() : nullptr, (int)N,
-                             (int)K, (int)group, (int)kind, (int)zero_point, (float)global_scale, blocked);
+                             (int)K, (int)group, (int)kind, (int)zero_point, (float)global_scale, blocked,
+                             int8_x);
     TORCH_CHECK(code == 0, "w4_cpu.c refused the GEMM (code ", code, "): x ", x.sizes(), ", W [", N, ", ", K,
                 "], group ", group);
     if (y.scalar_type() != x.scalar_type())

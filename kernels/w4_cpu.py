@@ -32,13 +32,13 @@ import torch.nn.functional as F
 
 from tinyserve.kernels import ONEDNN_DTYPES, ONEDNN_LINEAR
 from tinyserve.kernels.c_build import build_library, cpu_info
-from tinyserve.kernels.w4_weight import W4Weight
+from tinyserve.kernels.w4_weight import W4Weight, int8_rounded
 
 log = logging.getLogger("tinyserve.kernels")
 SOURCE = Path(__file__).with_name("w4_cpu.c")
 # -ffast-math left out on purpose: the sums stay in the order the C code writes them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
-LINK = ("-shared", "-fopenmp")
+LINK = ("-shared", "-fopenmp", "-lm")          # -lm: nearbyintf where the CPU has no rounding instruction
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}      # w4_cpu.c's F32, BF16, F16
 KIND_CODES = {"int4": 0, "fp4": 1}
 PREFILL_SCRATCH = 4 << 20   # bytes of W dequantized at a time for a prefill (stays in L2 / L3 for the GEMM)
@@ -58,10 +58,15 @@ _FLAGS = set().union(*(line.split() for line in cpu_info() if line.startswith("f
 _BF16_DOTS = bool({"avx512_bf16", "amx_bf16"} & _FLAGS)
 GEMM_ROWS = {torch.float32: 128 if "avx512f" in _FLAGS else 48, torch.bfloat16: 16 if _BF16_DOTS else 128}
 KERNEL_DOTS_ROWS = 32       # bfloat16 x through the kernel's own dot products (w4_cpu.c's block_bf)
+# int8 activations (w4_cpu.c's block_q8, AVX2): on the 2-core AMD EPYC 7001 the kernel was 2.2x faster than the
+# dequantized blocks (x rounded in float32, oneDNN's float32 GEMM) at 16 rows, 1.13x at 64, even at 96, 0.93x at 128
+INT8_GEMM_ROWS = 96
 
 
 def gemm_rows(x: torch.Tensor, w: W4Weight) -> int:
     """Rows of x up to which this call goes through the GEMM kernel."""
+    if w.int8_activations:
+        return INT8_GEMM_ROWS
     if x.dtype == torch.bfloat16 and w.group % 64 == 0 and kernel_dots():
         return KERNEL_DOTS_ROWS
     return GEMM_ROWS.get(x.dtype, GEMM_ROWS[torch.float32])
@@ -81,7 +86,7 @@ def build(flags: tuple[str, ...] = FLAGS, with_op: bool = True) -> ctypes.CDLL |
     lib = ctypes.CDLL(str(target))                    # with the op: its registration runs here
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.w4_gemm.argtypes = [p, i32, i64, p, i64, i32, p, i64, p, i32, i64, p, i64, p, i32, i32, i32, i32, i32, f32,
-                            i32]
+                            i32, i32]
     lib.w4_gemm.restype = i32
     lib.w4_dequant.argtypes = [p, i64, p, i32, i64, p, i64, i32, i32, i32, i32, i32, f32, i32, i32, p, i32, i32]
     lib.w4_dequant.restype = i32
@@ -115,6 +120,7 @@ def usable(x: torch.Tensor, w: W4Weight) -> bool:
     """Can the kernel take this call? (the CPU, a float x, one 2-D weight (an expert's view is one) whose rows are
     contiguous, and adjacent when blocked, a built library)."""
     return (x.device.type == "cpu" and x.dtype in DTYPES and w.codes.dim() == 2 and w.kind in KIND_CODES
+            and not (w.int8_activations and w.kind != "int4")
             and x.shape[-1] == w.in_features and w.codes.stride(1) == 1 and w.scales.stride(1) == 1
             and (not w.blocked or w.codes.is_contiguous())
             and (w.zeros is None or w.zeros.stride(1) == 1) and (w.perm is None or w.perm.stride(0) == 1)
@@ -133,7 +139,7 @@ def w4_linear(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype (call when `usable(x, w)`)."""
     # int4's global scale is 1: a constant, not a float a compiled graph would take as an input (and .item())
     args = (x, w.codes, w.scales, w.zeros, w.perm, w.group, KIND_CODES[w.kind], w.zero_point,
-            w.global_scale if w.kind == "fp4" else 1.0, w.blocked, gemm_rows(x, w))
+            w.global_scale if w.kind == "fp4" else 1.0, w.blocked, gemm_rows(x, w), w.int8_activations)
     if op_in_cpp():
         return torch.ops.tinyserve.w4_linear_cpu(*args)
     return torch.ops.tinyserve.w4_linear_cpu_python(*args)
@@ -146,9 +152,10 @@ def _raise(code: int, what: str, x: torch.Tensor, codes: torch.Tensor, group: in
 
 def gemm(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
          perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float,
-         blocked: bool) -> torch.Tensor:
+         blocked: bool, int8_x: bool = False) -> torch.Tensor:
     """The GEMM kernel of `lib` on x [M, K] (float32 or bfloat16, rows of contiguous columns): y [M, N] in x's
-    dtype, whatever M. blocked: the codes' blocks of rows interleaved (W4Weight.block_rows)."""
+    dtype, whatever M. blocked: the codes' blocks of rows interleaved (W4Weight.block_rows); int8_x: x rounded to
+    int8 per group (int4 weights; w4_weight.int8_rounded), the products summed in integers."""
     M, K = x.shape
     N = codes.shape[0]
     y = x.new_empty((M, N))
@@ -156,7 +163,7 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.T
                        codes.stride(0), scales.data_ptr(), DTYPES[scales.dtype], scales.stride(0),
                        None if zeros is None else zeros.data_ptr(), 0 if zeros is None else zeros.stride(0),
                        None if perm is None else perm.data_ptr(), N, K, group, kind, zero_point, global_scale,
-                       blocked)
+                       blocked, int8_x)
     if code:
         _raise(code, "GEMM", x, codes, group)
     return y
@@ -188,21 +195,24 @@ def _float_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def prefill(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, perm: torch.Tensor | None, group: int, kind: int, zero_point: int,
-            global_scale: float, blocked: bool) -> torch.Tensor:
+            global_scale: float, blocked: bool, int8_x: bool = False) -> torch.Tensor:
     """Many rows of x [M, K]: W dequantized PREFILL_SCRATCH bytes of rows at a time (in x's dtype, as the reference
-    rounds it), each block multiplied by the float GEMM; x's columns gathered once under act-order."""
-    M, K = x.shape
+    rounds it), each block multiplied by the float GEMM; x's columns gathered once under act-order (int8_x: then
+    rounded to int8 per group, in float32, what the kernel's integers multiply)."""
     N = codes.shape[0]
     xs = x.index_select(1, perm) if perm is not None else x
-    rows = max(16, min(N, PREFILL_SCRATCH // (K * x.element_size())))
+    if int8_x:
+        xs = int8_rounded(xs, group)
+    M, K = xs.shape
+    rows = max(16, min(N, PREFILL_SCRATCH // (K * xs.element_size())))
     if rows >= N:
         return _float_gemm(xs, dequantize(lib, codes, scales, zeros, group, kind, zero_point, global_scale, 0, N,
-                                          x.dtype, blocked))
-    y = x.new_empty((M, N))
-    scratch = x.new_empty((rows, K))
+                                          xs.dtype, blocked))
+    y = xs.new_empty((M, N))
+    scratch = xs.new_empty((rows, K))
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
-        block = dequantize(lib, codes, scales, zeros, group, kind, zero_point, global_scale, r0, r1, x.dtype,
+        block = dequantize(lib, codes, scales, zeros, group, kind, zero_point, global_scale, r0, r1, xs.dtype,
                            blocked, scratch)
         y[:, r0:r1] = _float_gemm(xs, block)
     return y
@@ -220,20 +230,23 @@ def _rows_of(x: torch.Tensor) -> torch.Tensor:
 
 def _w4_prefill_cpu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float,
-                    blocked: bool, gemm_rows: int) -> torch.Tensor:
-    y = prefill(library(), _rows_of(x), codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked)
+                    blocked: bool, gemm_rows: int, int8_x: bool) -> torch.Tensor:
+    y = prefill(library(), _rows_of(x), codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked,
+                int8_x)
     return y.to(x.dtype).reshape(*x.shape[:-1], codes.shape[0])
 
 
 def _w4_linear_cpu_python(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                           perm: torch.Tensor | None, group: int, kind: int, zero_point: int, global_scale: float,
-                          blocked: bool, gemm_rows: int) -> torch.Tensor:
+                          blocked: bool, gemm_rows: int, int8_x: bool) -> torch.Tensor:
     """The op in Python (without a C++ compiler): what w4_cpu.c's C++ half does."""
     x2 = _rows_of(x)
     if x2.shape[0] > gemm_rows:
-        y = prefill(library(), x2, codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked)
+        y = prefill(library(), x2, codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked,
+                    int8_x)
     else:
-        y = gemm(library(), x2, codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked)
+        y = gemm(library(), x2, codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked,
+                 int8_x)
     return y.to(x.dtype).reshape(*x.shape[:-1], codes.shape[0])
 
 
@@ -242,7 +255,7 @@ def _w4_linear_cpu_python(x: torch.Tensor, codes: torch.Tensor, scales: torch.Te
 # both call for many rows. Library ops rather than torch.library.custom_op: its wrappers cost ~3 us a call more
 # (kernels/linear.py).
 SCHEMA = ("(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, Tensor? perm, int group, int kind, int zero_point, "
-          "float global_scale, bool blocked, int gemm_rows) -> Tensor")
+          "float global_scale, bool blocked, int gemm_rows, bool int8_x) -> Tensor")
 _lib = torch.library.Library("tinyserve", "FRAGMENT")
 for _name, _impl in (("w4_linear_cpu", None), ("w4_linear_cpu_python", _w4_linear_cpu_python),
                      ("w4_prefill_cpu", _w4_prefill_cpu)):
@@ -251,5 +264,5 @@ for _name, _impl in (("w4_linear_cpu", None), ("w4_linear_cpu_python", _w4_linea
         _lib.impl(_name, _impl, "CPU")
 
     @torch.library.register_fake(f"tinyserve::{_name}", lib=_lib)
-    def _(x, codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked, gemm_rows):
+    def _(x, codes, scales, zeros, perm, group, kind, zero_point, global_scale, blocked, gemm_rows, int8_x):
         return x.new_empty((*x.shape[:-1], codes.shape[0]))

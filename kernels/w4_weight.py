@@ -41,6 +41,10 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 class W4Weight(nn.Module):
     """A linear weight [N, K] held as 4-bit codes with group scales (the module docstring's layout)."""
 
+    # model.int8_activations (int4 weights on the CPU): x is rounded to int8 per group before the product
+    # (`int8_rounded`); the loader sets it on every int4 weight
+    int8_activations = False
+
     def __init__(self, out_features: int, in_features: int, group: int, kind: str = "int4",
                  scale_dtype: torch.dtype = torch.float16, asymmetric: bool = False, zero_point: int = 8,
                  act_order: bool = False, global_scale: float = 1.0, device="cpu", experts: int | None = None):
@@ -132,6 +136,7 @@ class W4Weight(nn.Module):
         nn.Module.__init__(view)
         view.kind, view.group, view.zero_point, view.global_scale, view.blocked = \
             self.kind, self.group, self.zero_point, self.global_scale, self.blocked
+        view.int8_activations = self.int8_activations
         for name in ("codes", "scales", "zeros", "perm"):
             t = getattr(self, name)
             view.register_buffer(name, None if t is None else t[e])
@@ -213,3 +218,15 @@ def pack_codes(q: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., K] (0..15) -> the packed layout [..., K // 2] (column 2j low nibble, 2j + 1 high)."""
     q = q.to(torch.uint8)
     return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def int8_rounded(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [..., K] (columns in a weight's sorted order) in float32 with each row's groups of `group` columns rounded
+    to int8 steps, as model.int8_activations multiplies them: q * d, q = round(x * (127 / amax)) (ties to even),
+    d = amax / 127, amax the group's largest |x| (a group of zeros stays zero). kernels/w4_cpu.c's int8 path computes
+    the same product in integers (sum (q_w - z) q per group, times s d); a prefill multiplies these values."""
+    xg = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    amax = xg.abs().amax(dim=-1, keepdim=True)
+    # a true division (a Python number over a tensor is a reciprocal times the number: off by an ulp at times)
+    step = torch.where(amax > 0, amax.new_full((), 127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(xg * step) * (amax / 127.0)).reshape(x.shape)

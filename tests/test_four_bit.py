@@ -26,6 +26,7 @@ from four_bit_packers import (act_order_g_idx, awq_oracle, ct_oracle, dequantize
                               nvfp4_modelopt_oracle, nvfp4_quantize, pack_awq, pack_ct, pack_gptq,
                               pack_gptq_qweight, quant_config, quantize_checkpoint, to_modelopt)
 from server_util import write_config
+from tinyserve.build import round_activations_to_int8
 from tinyserve.config import ConfigError, from_dict
 from tinyserve.four_bit import FourBitScheme, repack
 from tinyserve.kernels.w4_weight import W4Weight
@@ -445,6 +446,72 @@ def test_parts_with_different_act_orders_are_dequantized(tmp_path):
     assert isinstance(t.model.layers[attn].mixer.qkv_proj, torch.nn.Parameter)
     assert t.model.layers[attn].mixer.o_proj.perm is not None
     assert_matches_transformers(t, 40)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model.int8_activations: the int4 weights' GEMMs round their activations to int8 (kernels/w4_cpu.c's integer path)
+
+
+def int8_model(t: Tiny):
+    """t's checkpoint loaded afresh (the fixtures' models stay float) with model.int8_activations on."""
+    model = load_model(t.folder, torch.float32)
+    round_activations_to_int8(model)
+    return model
+
+
+def test_int8_activations_reach_every_int4_weight_and_the_logits(dense, moe, monkeypatch):
+    """Every 4-bit weight takes the flag (the MTP head's, every expert's view). The engine's logits are those of the
+    same engine with the torch reference GEMM (w4_linear_reference: x rounded by int8_rounded, then F.linear) within
+    1e-3: the two sum in different orders, so a value whose x * 127 / amax lies within a rounding of a half may round
+    to the next step in one of them only (5e-5 to 2.6e-4 seen, over 70 and 300 tokens: the kernel and the rounded
+    prefill); the float activations' logits are further (1.3e-3 dense with groups of 32, 2.4e-2 to 3.1e-2 MoE)."""
+    from tinyserve.kernels import w4_cpu
+    for t, away in ((dense, 1e-3), (moe, 1e-2)):
+        model = int8_model(t)
+        w4 = [m for m in model.modules() if isinstance(m, W4Weight)]
+        assert w4 and all(m.int8_activations for m in w4) and model.mtp.fc.int8_activations
+        experts = [m for m in w4 if m.codes.dim() == 3]
+        assert all(m.expert(1).int8_activations for m in experts) and bool(experts) == (t is moe)
+        for length in (70, 300):                       # 70: the kernel; 300: past INT8_GEMM_ROWS, x rounded
+            ids = tokens(length, length)
+            kernel = engine_logits(model, ids)
+            with monkeypatch.context() as m:
+                m.setattr(w4_cpu, "usable", lambda x, w: False)
+                reference = engine_logits(model, ids)
+            assert (kernel - reference).abs().max().item() < 1e-3
+            assert (kernel - engine_logits(t.model, ids)).abs().max().item() > away
+
+
+def test_int8_activations_keep_the_engines_invariants(dense, moe):
+    """With int8 activations (each row of x rounded by itself, so a request's rows round alike in any batch): a
+    request's greedy tokens alone and in a batch (MoE), NEXTN lossless (dense, drafts accepted), a prefix cache hit
+    gives the cold tokens (dense)."""
+    model = int8_model(moe)
+    alone = [engine_for(model, engine={"page_size": 16}).generate([p], GREEDY)[0] for p in PROMPTS]
+    assert engine_for(model, engine={"page_size": 16}).generate(PROMPTS, GREEDY) == alone
+    model = int8_model(dense)
+    plain = engine_for(model, engine={"page_size": 16}).generate(PROMPTS, LONG)
+    eng = spec_engine(model)
+    assert eng.generate(PROMPTS, LONG) == plain
+    assert nextn(eng).totals.num_accepted_tokens > 0
+    first, second = tokens(64, 3), tokens(64, 3) + tokens(20, 4)
+    warm = engine_for(model, engine={"page_size": 16}, cache={"state_track_interval": 16})
+    run_one(warm, first)
+    hit, cached = run_one(warm, second)
+    cold, _ = run_one(engine_for(model, engine={"page_size": 16}, cache={"enabled": False}), second)
+    assert cached >= 48 and hit == cold
+    assert_no_leaks(warm)
+
+
+def test_int8_activations_are_refused_where_they_cannot_apply(dense):
+    """A checkpoint without 4-bit weights, or with NVFP4 ones: a ConfigError naming model.int8_activations."""
+    float_model = load_model(dense.ref, torch.float32)
+    with pytest.raises(ConfigError, match="model.int8_activations = true needs a checkpoint with int4 weights"):
+        round_activations_to_int8(float_model)
+    fp4 = torch.nn.Sequential(W4Weight(16, 64, 16, kind="fp4"))
+    with pytest.raises(ConfigError, match="model.int8_activations.*NVFP4"):
+        round_activations_to_int8(fp4)
+    assert not fp4[0].int8_activations
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,11 +19,12 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tinyserve.kernels import backend_set_to, w4_cpu
 from tinyserve.kernels.linear import linear
 from tinyserve.kernels.w4 import w4_linear, w4_linear_reference
-from tinyserve.kernels.w4_weight import W4Weight, pack_codes
+from tinyserve.kernels.w4_weight import W4Weight, int8_rounded, pack_codes
 
 pytestmark = pytest.mark.skipif(w4_cpu.library() is None, reason="no C compiler to build the kernel")
 
@@ -89,7 +90,7 @@ def python_op(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """The op as it runs without a C++ compiler (w4_cpu.py's Python version of w4_cpu.c's C++ half)."""
     return torch.ops.tinyserve.w4_linear_cpu_python(x, w.codes, w.scales, w.zeros, w.perm, w.group,
                                                     w4_cpu.KIND_CODES[w.kind], w.zero_point, w.global_scale,
-                                                    w.blocked, w4_cpu.gemm_rows(x, w))
+                                                    w.blocked, w4_cpu.gemm_rows(x, w), w.int8_activations)
 
 
 OPS = {"op": w4_cpu.w4_linear, "python op": python_op}
@@ -138,7 +139,7 @@ def test_the_prefill_path_at_any_row_count(op, dtype):
                 x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
                 y = getattr(torch.ops.tinyserve, op.split("::")[1])(
                     x, w.codes, w.scales, w.zeros, w.perm, group, w4_cpu.KIND_CODES[kind], w.zero_point,
-                    w.global_scale, w.blocked, 0)
+                    w.global_scale, w.blocked, 0, False)
                 check(y, x, w)
     finally:
         w4_cpu.PREFILL_SCRATCH = old
@@ -284,6 +285,12 @@ def test_the_other_vector_paths(path, dots):
                 y = w4_cpu.gemm(lib, x, w.codes, w.scales, w.zeros, w.perm, group, w4_cpu.KIND_CODES[kind],
                                 w.zero_point, w.global_scale, w.blocked)
                 check(y, x, w)
+                if kind == "int4":                 # int8 activations: block_q8 (AVX2) or the portable sums
+                    y = w4_cpu.gemm(lib, x, w.codes, w.scales, w.zeros, w.perm, group, 0, w.zero_point, 1.0,
+                                    w.blocked, True)
+                    w.int8_activations = True
+                    check_int8(y, x, w)
+                    w.int8_activations = False
 
 
 def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path):
@@ -299,3 +306,101 @@ def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path):
         monkeypatch.undo()
         w4_cpu.build.cache_clear()
     torch.testing.assert_close(y, w4_linear_reference(x, w), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# int8 activations (model.int8_activations): x rounded per group to int8 steps, the products summed in integers
+
+INT4_CASES = [c for c in CASES if c[3] == "int4"]      # groups 32 and 64 * k (vectors), 16, 48 and 6 (portable sums)
+
+
+def int8_exact(x: torch.Tensor, w: W4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The product of x rounded as model.int8_activations defines it (each group of the weight's sorted columns:
+    q = round(x * (127 / amax)) in float32, ties to even, step amax / 127) and the dequantized W, in float64 from
+    q and the step (no float32 rounding of q * step); and |x rounded| @ |W|^T, the size of its sums."""
+    xs = (x.float() if w.perm is None else x.float().index_select(-1, w.perm))
+    groups = xs.reshape(*xs.shape[:-1], -1, w.group)
+    amax = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups * torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax)))
+    rounded = (q.double() * (amax / 127.0).double()).reshape(xs.shape)
+    if w.perm is not None:
+        rounded = torch.empty_like(rounded).index_copy_(-1, w.perm, rounded)
+    wd = dequantized_f64(w)
+    return rounded @ wd.T, rounded.abs() @ wd.abs().T
+
+
+def check_int8(y: torch.Tensor, x: torch.Tensor, w: W4Weight) -> None:
+    """y against the exact product of the rounded x and against the torch reference (w4_linear_reference rounds x
+    with int8_rounded): float32 x within F32_TOL of the sums' size; bfloat16 x, whose y is rounded to bfloat16, plus
+    an ulp of it."""
+    exact, magnitude = int8_exact(x, w)
+    ref = w4_linear_reference(x, w).double()
+    assert y.dtype == x.dtype and y.shape == exact.shape
+    ulp = BF16_ULP * exact.abs() if x.dtype == torch.bfloat16 else 0
+    for other in (exact, ref):
+        err = (y.double() - other).abs()
+        tol = F32_TOL * magnitude + ulp
+        assert (err <= tol + 1e-30).all(), f"off by {(err / (tol + 1e-30)).max().item():.3g}x the bound"
+
+
+def int8_weight(*args, **kw) -> W4Weight:
+    w = make_weight(*args, **kw)
+    w.int8_activations = True
+    return w
+
+
+@pytest.mark.parametrize("N, K, group, kind, sdt, asym, act", INT4_CASES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 150])      # 150: past INT8_GEMM_ROWS, the rounded x's GEMM
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("blocked", [False, True], ids=["rows", "blocked"])
+def test_int8_activations_match_their_oracle(N, K, group, kind, sdt, asym, act, rows, op, blocked):
+    w = int8_weight(N, K, group, kind, sdt, asym, act, seed=N + rows, blocked=blocked)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    assert w4_cpu.usable(x, w)
+    check_int8(OPS[op](x, w), x, w)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 150])
+@pytest.mark.parametrize("group, act", [(32, False), (128, True), (48, False)])
+def test_int8_activations_from_bfloat16(rows, group, act):
+    w = int8_weight(70, 384, group, "int4", torch.bfloat16, asymmetric=True, act_order=act, blocked=True)
+    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    check_int8(w4_cpu.w4_linear(x, w), x, w)
+
+
+@pytest.mark.parametrize("group, act", [(32, False), (64, True), (128, False), (48, True), (16, False)])
+def test_int8_rounding_is_int8_rounded_to_the_bit(group, act):
+    """A weight that picks one column per output row (code zero + 1 there, the zero elsewhere, scale 1): y is x
+    rounded, each value its integer times its step, one float32 product, which int8_rounded also computes. bfloat16
+    values of x hit exact halves (amax / 2 is 63.5 steps: ties to even), and a group of zeros stays zero."""
+    K = 256 if group != 48 else 240
+    w = make_weight(K, K, group, "int4", torch.float32, act_order=act, seed=3)
+    codes = torch.full((K, K), 8)
+    codes[torch.arange(K), torch.arange(K) if w.perm is None else torch.argsort(w.perm)] = 9
+    w.codes.copy_(pack_codes(codes))
+    w.scales.fill_(1.0)
+    w.int8_activations = True
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).float()
+    x[1, :] = x[1, 0] / 2                          # every value half of one, 63.5 steps where that one is
+    x[1, 0] *= 2                                   # the group's largest
+    first_group = w.perm[:group] if act else torch.arange(group)      # the first group of the sorted columns
+    x[2, first_group] = 0
+    xs = x if w.perm is None else x.index_select(-1, w.perm)
+    expected = int8_rounded(xs, group)
+    if w.perm is not None:
+        expected = torch.empty_like(expected).index_copy_(-1, w.perm, expected)
+    assert torch.equal(expected[2, first_group], torch.zeros(group))
+    assert torch.equal(w4_cpu.w4_linear(x, w), expected)
+    assert torch.equal(w4_linear_reference(x, w), expected)
+
+
+def test_int8_activations_leave_nvfp4_to_the_float_path():
+    """int8 activations take int4 weights: an fp4 weight with the flag is not the kernel's (the float reference
+    runs: its activations stay float), and the C kernel refuses the call by itself (code 2)."""
+    w = int8_weight(40, 256, 16, "fp4", torch.float16)
+    x = torch.randn(2, 256)
+    assert not w4_cpu.usable(x, w)
+    torch.testing.assert_close(w4_linear(x, w), F.linear(x, w.dequantize(torch.float32)), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="code 2"):
+        w4_cpu.gemm(w4_cpu.library(), x, w.codes, w.scales, w.zeros, w.perm, 16, 1, w.zero_point, w.global_scale,
+                    w.blocked, True)

@@ -57,6 +57,8 @@ def build_engine(cfg: Config) -> Engine:
     try:
         model = load_model(folder, torch_dtype(plan.dtype), plan.device, vision=cfg.model.vision,
                            fp8_weights=plan.fp8_weights)
+        if cfg.model.int8_activations:
+            round_activations_to_int8(model)
         engine = assemble(cfg, model, tokenizer, plan)
         if engine.nextn is not None:
             engine.nextn.price(engine)         # NEXTN: the first forwards, before serving
@@ -68,6 +70,25 @@ def build_engine(cfg: Config) -> Engine:
         raise ConfigError(f"out of memory while loading the model, allocating the pools the plan sized "
                           f"({plan}) or running the first steps; lower {key}", key) from None
     return engine
+
+
+def round_activations_to_int8(model) -> None:
+    """model.int8_activations: every 4-bit weight's GEMMs round their activations to int8 (kernels/w4_cpu.c's integer
+    path; W4Weight.int8_activations); refused, by name, where it cannot apply."""
+    key = "model.int8_activations"
+    weights = [m for m in model.modules() if isinstance(m, W4Weight)]
+    if not weights:
+        raise ConfigError(f"{key} = true needs a checkpoint with int4 weights (GPTQ, AWQ, compressed-tensors "
+                          f"W4A16); this one has no 4-bit weights", key)
+    if weights[0].codes.device.type != "cpu":
+        raise ConfigError(f"{key} = true runs on the CPU only (the model is on {weights[0].codes.device.type}, "
+                          f"whose 4-bit kernels keep the activations' dtype)", key)
+    if any(w.kind != "int4" for w in weights):
+        raise ConfigError(f"{key} = true takes int4 weights (GPTQ, AWQ, compressed-tensors W4A16); this "
+                          f"checkpoint's are NVFP4, whose activations stay in model.dtype", key)
+    for w in weights:
+        w.int8_activations = True
+    log.info("%s: %d int4 weights multiply int8 activations", key, len(weights))
 
 
 def engine_for_model(cfg: Config, model, tokenizer=None, copy_stream: CopyStream | None = None) -> Engine:

@@ -74,6 +74,9 @@ class ModelSection(_Section):
     kv_cache_dtype: str = _opt("auto", choices=KV_CACHE_DTYPES)
     device: str = _opt("auto", choices=DEVICES)
     context_length: int = _opt(0, ge=0)       # 0: from the checkpoint
+    # CPU, int4 weights (GPTQ, AWQ, compressed-tensors W4A16): each row of activations rounded to int8 per weight
+    # group before the product, summed in integers (kernels/w4_weight.int8_rounded; llama.cpp's Q4_0 x Q8_0 alike)
+    int8_activations: bool = False
     # Image input (Qwen3.5-family checkpoints with model.visual.*): false skips the vision tower (~0.9 GB on a
     # 27B) and answers 400 to image parts. Per request: at most max_images images, each at most
     # max_image_pixels (width x height as sent; the processor then resizes within the checkpoint's limits).
