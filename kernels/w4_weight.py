@@ -211,7 +211,8 @@ class W4Weight(nn.Module):
     def extra_repr(self) -> str:
         sym = "asymmetric" if self.zeros is not None else f"zero {self.zero_point}" if self.kind == "int4" else ""
         return (f"{tuple(self.shape)}, {self.kind}, group={self.group}, {sym}, scales {self.scales.dtype}"
-                + (", act-order" if self.perm is not None else "") + (", blocked" if self.blocked else ""))
+                + (", act-order" if self.perm is not None else "") + (", blocked" if self.blocked else "")
+                + (", int8 activations" if self.int8_activations else ""))
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:

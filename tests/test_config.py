@@ -361,5 +361,7 @@ def test_a_removed_key_fails_saying_what_replaced_it(tmp_path: Path, table, key,
     assert replaced_by in str(e.value) and str(p) in str(e.value)
 
 
-def test_the_config_has_at_most_38_keys() -> None:
-    assert len(all_keys()) <= 38, all_keys()
+def test_the_config_has_at_most_39_keys() -> None:
+    """38 after the last removals; 39 with model.int8_activations, which changes the results (an opt-in, never
+    automatic)."""
+    assert len(all_keys()) <= 39, all_keys()

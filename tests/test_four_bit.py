@@ -503,6 +503,18 @@ def test_int8_activations_keep_the_engines_invariants(dense, moe):
     assert_no_leaks(warm)
 
 
+def test_int8_activations_have_their_own_cached_pages_and_compiled_steps(dense):
+    """The file tier's pages and the saved compiled steps are keyed by the setting: KV computed with int8 activations
+    never hits for the float model, and a graph traced with float activations (the GEMM's int8_x is a constant in
+    it) is never loaded for the int8 one (a server started after one of the other setting did load it)."""
+    from tinyserve.blob import model_fingerprint
+    from tinyserve.compiled import graphs_fingerprint
+    int8, plain = int8_model(dense), load_model(dense.folder, torch.float32)
+    assert model_fingerprint(int8, torch.float32, 16) != model_fingerprint(plain, torch.float32, 16)
+    assert graphs_fingerprint(int8, False) != graphs_fingerprint(plain, False)
+    assert graphs_fingerprint(plain, False) == graphs_fingerprint(load_model(dense.folder, torch.float32), False)
+
+
 def test_int8_activations_are_refused_where_they_cannot_apply(dense):
     """A checkpoint without 4-bit weights, or with NVFP4 ones: a ConfigError naming model.int8_activations."""
     float_model = load_model(dense.ref, torch.float32)

@@ -58,7 +58,8 @@ _NOT_IN_FINGERPRINT = ("folder", "vision_config", "vision_parameters", "image_to
 def model_fingerprint(model, kv_dtype: torch.dtype, page_size: int) -> bytes:
     """Identity of everything that decides the bytes of a cached page: a blob from any other set-up never hits.
     Config, tensor names/shapes/dtypes and a sample of the weight values (another checkpoint of the same
-    architecture must not hit), KV dtype, page size and the format version."""
+    architecture must not hit), KV dtype, page size, the weights that round activations to int8 and the format
+    version."""
     # where the checkpoint lies and whether its vision tower is loaded change no text page
     config = {k: v for k, v in asdict(model.cfg).items() if k not in _NOT_IN_FINGERPRINT}
     desc = {
@@ -69,6 +70,8 @@ def model_fingerprint(model, kv_dtype: torch.dtype, page_size: int) -> bytes:
         "kv_dtype": str(kv_dtype),
         "state_dtype": str(model.dtype),
         "page_size": page_size,
+        # model.int8_activations: the same weights, other activations, other pages
+        "int8_activations": sorted(n for n, m in model.named_modules() if getattr(m, "int8_activations", False)),
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).digest()
 

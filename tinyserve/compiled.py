@@ -107,6 +107,18 @@ def _describe(value: Any) -> str:
     return repr(value) if isinstance(value, (int, str, type(None))) else type(value).__name__
 
 
+def graphs_fingerprint(model: Any, triton: bool) -> str:
+    """What the saved graphs' file names hash: torch, Python, the traced source, the CPU, the model's config, dtype,
+    tensors and modules' settings (a 4-bit weight's group, layout and int8 activations are constants in the graph),
+    the GEMM routes and which ops are C++."""
+    fingerprint = [torch.__version__, sys.version, _source_hash(), torch.backends.cpu.get_cpu_capability(),
+                   repr(model.cfg), str(model.dtype), repr(sorted(linear.traced_routes().items())), str(triton),
+                   f"ops in C++: {CompiledSteps._ops_in_cpp(model)}"]
+    fingerprint += [f"{n}{_describe(p)}" for n, p in model.state_dict(keep_vars=True).items()]
+    fingerprint += [f"{n}: {m.extra_repr()}" for n, m in model.named_modules() if m.extra_repr()]
+    return hashlib.sha256("\n".join(fingerprint).encode()).hexdigest()
+
+
 class CompiledSteps:
     """The compiled forwards of a StaticStep (for_graphs False), called as StaticStep._forward_on calls them."""
 
@@ -121,12 +133,7 @@ class CompiledSteps:
         self._thread: threading.Thread | None = None
         self._warned = False
         self.eager_steps = 0          # steps no graph covered
-        model = static.model
-        fingerprint = [torch.__version__, sys.version, _source_hash(), torch.backends.cpu.get_cpu_capability(),
-                       repr(model.cfg), str(model.dtype), repr(sorted(linear.traced_routes().items())),
-                       str(use_triton(static.kv_pool.buffer)), f"ops in C++: {self._ops_in_cpp(model)}"]
-        fingerprint += [f"{n}{_describe(p)}" for n, p in model.state_dict(keep_vars=True).items()]
-        self._fingerprint = hashlib.sha256("\n".join(fingerprint).encode()).hexdigest()
+        self._fingerprint = graphs_fingerprint(static.model, use_triton(static.kv_pool.buffer))
         self.loaded = self.compiled = 0
         self.lm_head: Any = None       # the graph of lone_logits, made with the plain decode's
 
