@@ -723,69 +723,88 @@ static void quantize_x(const void *x, int xdt, int64_t xs, int M, int K, int gro
 }
 
 #if defined(__AVX2__)
-/* NB rows of W against mb rows of qx (chunked), a chunk of CW columns at a time. wide (a group a multiple of 64): a
- * chunk is a piece, 32 bytes of codes, whose low nibbles are its 32 even columns and high nibbles its 32 odd ones,
- * as qx lays them out (two masks and a shift make both); else (a group of 32 * odd) 16 bytes, broadcast to both
- * halves, the high half shifted by 4, masked: 16 even columns, then 16 odd. vpmaddubsw multiplies and sums pairs
- * into 16 bits, runs of chunks (at most 16 products a lane: 16 * 15 * 127 < 2^15) are widened to 32 bits
- * (vpmaddwd), a group's integer is made exact (- z sum qx), then scaled by s d. nr output rows at once so that
- * enough sums are in flight. */
+/* The chunk of nr rows of W at rp (each advanced by ps a chunk) against mb rows of qx at xc, its products summed
+ * into acc (16 bits). wide: a chunk is a piece, 32 bytes of codes, whose low nibbles are its 32 even columns and
+ * high nibbles its 32 odd ones, as qx lays them out (two masks and a shift make both); else 16 bytes, broadcast to
+ * both halves, the high half shifted by 4, masked: 16 even columns, then 16 odd. vpmaddubsw multiplies the unsigned
+ * codes by the signed qx and adds pairs into 16 bits. */
+static inline __attribute__((always_inline)) void
+chunk_q8(const uint8_t *const *rp, const int8_t *xc, int64_t K, const int nr, const int mb, const int wide,
+         __m256i (*acc)[Q8_MB]) {
+    const __m256i shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), low4 = _mm256_set1_epi8(0xf);
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < nr; r++) {
+        if (wide) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)rp[r]);
+            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            _Pragma("GCC unroll 4")
+            for (int m = 0; m < mb; m++)
+                acc[r][m] = _mm256_add_epi16(acc[r][m], _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xc + m * K))),
+                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xc + m * K + 32)))));
+        } else {
+            const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(
+                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)rp[r])), shifts), low4);
+            _Pragma("GCC unroll 4")
+            for (int m = 0; m < mb; m++)
+                acc[r][m] = _mm256_add_epi16(acc[r][m], _mm256_maddubs_epi16(
+                    v, _mm256_loadu_si256((const __m256i *)(xc + m * K))));
+        }
+    }
+}
+
+/* NB rows of W against mb rows of qx (chunked), nr output rows at once so that enough sums are in flight. Runs of
+ * chunks (at most 16 products a 16-bit lane: 16 * 15 * 127 < 2^15) are widened to 32 bits (vpmaddwd); each lane's
+ * integer is made exact, sum (q - z) qx over its columns (- z times its qs, once a group: integers below 2^24, exact
+ * in float32), then scaled by s d into the row's float sums. A group of at most one run (32 to 256 columns: every
+ * published group size) takes the short loop; mode (SYM, ASYM) is a constant of each instance. */
 static inline __attribute__((always_inline)) void
 block_q8(const weight_t *w, const uint8_t *const *cp, const int8_t *qx, const float *d, const float *qs,
-         const int mb, const int wide, const float *sf, const float *zf, int G, float *out) {
+         const int mb, const int wide, const int mode, const float *sf, const float *zf, int G, float *out) {
     const int nr = mb == 1 ? 4 : mb == 2 ? 2 : 1, CW = wide ? 64 : 32, run = wide ? 4 : 8;
-    const int per = w->group / CW, ps = PIECE_STEP(w->blocked), chunks = w->K / CW, K = w->K;
-    const char *ahead = (const char *)cp[0] + NB * w->cs;  /* the next block: a line every 64 / (CW / 2) chunks */
-    const int lines = 128 / CW;                             /* chunks of a row a cache line holds */
-    const __m256i shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), low4 = _mm256_set1_epi8(0xf);
+    const int per = w->group / CW, ps = PIECE_STEP(w->blocked);
+    const int64_t K = w->K;
+    /* the next block's codes, fetched into L1 as this one is read: the bytes of the block this pass reads, a
+     * chunk's worth at a time (a block is one stream when blocked) */
+    const char *ahead = (const char *)cp[0] + NB * w->cs;
     const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 zp = _mm256_set1_ps((float)w->zp);
     for (int n0 = 0; n0 < NB; n0 += nr) {
         __m256 total[4][Q8_MB];
+        const uint8_t *rp[4];
         _Pragma("GCC unroll 4")
-        for (int r = 0; r < nr; r++)
-            _Pragma("GCC unroll 8")
+        for (int r = 0; r < nr; r++) {
+            rp[r] = cp[n0 + r];
+            _Pragma("GCC unroll 4")
             for (int m = 0; m < mb; m++) total[r][m] = _mm256_setzero_ps();
+        }
+        const int8_t *xc = qx;
+        const char *pf = ahead + (int64_t)n0 * w->cs;
         for (int g = 0; g < G; g++) {
-            for (int c0 = g * per; c0 < (g + 1) * per; c0 += run) {
-                const int c1 = c0 + run < (g + 1) * per ? c0 + run : (g + 1) * per;
+            for (int c0 = 0; c0 < per; c0 += run) {
+                const int c1 = c0 + run < per ? c0 + run : per;
                 __m256i acc[4][Q8_MB];
                 _Pragma("GCC unroll 4")
                 for (int r = 0; r < nr; r++)
-                    _Pragma("GCC unroll 8")
+                    _Pragma("GCC unroll 4")
                     for (int m = 0; m < mb; m++) acc[r][m] = _mm256_setzero_si256();
                 for (int c = c0; c < c1; c++) {
-                    if ((c * nr) % lines < nr)
-                        _mm_prefetch(ahead + (n0 * chunks + c * nr) / lines * 64, _MM_HINT_T0);
-                    const int8_t *xc = qx + (int64_t)c * CW;
-                    _Pragma("GCC unroll 4")
-                    for (int r = 0; r < nr; r++) {
-                        if (wide) {                                                 /* a piece */
-                            const __m256i v = _mm256_loadu_si256((const __m256i *)(cp[n0 + r] + c * ps));
-                            const __m256i lo = _mm256_and_si256(v, low4);
-                            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                            _Pragma("GCC unroll 8")
-                            for (int m = 0; m < mb; m++) {
-                                const int8_t *xm = xc + (int64_t)m * K;
-                                acc[r][m] = _mm256_add_epi16(acc[r][m], _mm256_add_epi16(
-                                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xm)),
-                                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xm + 32)))));
-                            }
-                        } else {                                                    /* half a piece */
-                            const uint8_t *at = cp[n0 + r] + (c >> 1) * ps + (c & 1) * 16;
-                            const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(
-                                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)at)), shifts), low4);
-                            _Pragma("GCC unroll 8")
-                            for (int m = 0; m < mb; m++)
-                                acc[r][m] = _mm256_add_epi16(acc[r][m], _mm256_maddubs_epi16(
-                                    v, _mm256_loadu_si256((const __m256i *)(xc + (int64_t)m * K))));
-                        }
-                    }
+                    _mm_prefetch(pf, _MM_HINT_T0);
+                    if (nr * CW / 2 > 64)
+                        _mm_prefetch(pf + 64, _MM_HINT_T0);
+                    pf += nr * CW / 2;
+                    chunk_q8(rp, xc, K, nr, mb, wide, acc);
+                    xc += CW;
+                    const int step = wide ? ps : (xc - qx) & 32 ? 16 : ps - 16;   /* the next chunk: a piece, or */
+                    _Pragma("GCC unroll 4")                                             /* a half piece */
+                    for (int r = 0; r < nr; r++)
+                        rp[r] += step;
                 }
-                _Pragma("GCC unroll 4")                    /* each lane's integer, sum (q - z) qx over its */
-                for (int r = 0; r < nr; r++) {             /* columns (- z times its qs once a group: integers */
-                    const int i = (n0 + r) * G + g;        /* below 2^24, exact in float32), times s d */
-                    const __m256 z = _mm256_set1_ps(c0 > g * per ? 0.f : w->mode == ASYM ? zf[i] : (float)w->zp);
-                    _Pragma("GCC unroll 8")
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < nr; r++) {
+                    const int i = (n0 + r) * G + g;
+                    const __m256 z = c0 ? _mm256_setzero_ps() : mode == ASYM ? _mm256_set1_ps(zf[i]) : zp;
+                    _Pragma("GCC unroll 4")
                     for (int m = 0; m < mb; m++) {
                         const __m256 lanes = _mm256_loadu_ps(qs + ((int64_t)m * G + g) * 8);
                         const __m256 exact = _mm256_fnmadd_ps(z, lanes, _mm256_cvtepi32_ps(_mm256_madd_epi16(
@@ -797,22 +816,24 @@ block_q8(const weight_t *w, const uint8_t *const *cp, const int8_t *qx, const fl
         }
         _Pragma("GCC unroll 4")
         for (int r = 0; r < nr; r++)
-            _Pragma("GCC unroll 8")
+            _Pragma("GCC unroll 4")
             for (int m = 0; m < mb; m++) out[m * NB + n0 + r] = hsum8(total[r][m]);
     }
 }
 
 typedef void q8_fn(const weight_t *, const uint8_t *const *, const int8_t *, const float *, const float *,
                    const float *, const float *, int, float *);
-#define INSTANCE_Q8(MB_, W_)                                                                                      \
-    static __attribute__((noinline)) void q8_##MB_##_##W_(const weight_t *w, const uint8_t *const *cp,            \
+#define INSTANCE_Q8(MB_, W_, MODE_)                                                                               \
+    static __attribute__((noinline)) void q8_##MB_##_##W_##_##MODE_(const weight_t *w, const uint8_t *const *cp, \
             const int8_t *qx, const float *d, const float *qs, const float *sf, const float *zf, int G,           \
             float *out) {                                                                                          \
-        block_q8(w, cp, qx, d, qs, MB_, W_, sf, zf, G, out);                                                       \
+        block_q8(w, cp, qx, d, qs, MB_, W_, MODE_, sf, zf, G, out);                                                \
     }
-#define WIDTHS_Q8(MB_) INSTANCE_Q8(MB_, 0) INSTANCE_Q8(MB_, 1)
+#define MODES_Q8(MB_, W_) INSTANCE_Q8(MB_, W_, 0) INSTANCE_Q8(MB_, W_, 1)
+#define WIDTHS_Q8(MB_) MODES_Q8(MB_, 0) MODES_Q8(MB_, 1)
 WIDTHS_Q8(1) WIDTHS_Q8(2) WIDTHS_Q8(3) WIDTHS_Q8(4)
-static q8_fn *const Q8[2][Q8_MB] = {{q8_1_0, q8_2_0, q8_3_0, q8_4_0}, {q8_1_1, q8_2_1, q8_3_1, q8_4_1}};  /* [wide] */
+#define ROW_Q8(W_, MODE_) {q8_1_##W_##_##MODE_, q8_2_##W_##_##MODE_, q8_3_##W_##_##MODE_, q8_4_##W_##_##MODE_}
+static q8_fn *const Q8[2][2][Q8_MB] = {{ROW_Q8(0, 0), ROW_Q8(0, 1)}, {ROW_Q8(1, 0), ROW_Q8(1, 1)}};  /* [wide][mode] */
 #define Q8_VEC 1
 #else
 #define Q8_VEC 0
@@ -958,8 +979,8 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
             if (q8) {
 #if Q8_VEC
                 if (q8cw)
-                    Q8[q8cw == 64][mb - 1](&w, cp, qm, qd + (int64_t)m0 * G, (const float *)qs + (int64_t)m0 * G * 8,
-                                           sf, zf, G, out);
+                    Q8[q8cw == 64][w.mode][mb - 1](&w, cp, qm, qd + (int64_t)m0 * G,
+                                                   (const float *)qs + (int64_t)m0 * G * 8, sf, zf, G, out);
                 else
 #endif
                     block_q8_scalar(&w, cp, qm, qd + (int64_t)m0 * G, qs + (int64_t)m0 * G, mb, sf, zf, G, out);
