@@ -1,7 +1,8 @@
 /* y = x W^T on the CPU for 4-bit weights kept packed (kernels/w4_weight.py's layout), x and y in float32 or
  * bfloat16: each weight is dequantized in registers and multiplied in float32 (fused multiply-adds), so the result is
  * the dequantized checkpoint's product up to the order of the sums (kernels/w4.py's torch reference is the oracle;
- * w4_cpu.py builds and calls this file). No activation is quantized.
+ * w4_cpu.py builds and calls this file). No activation is quantized, unless the caller asks for int8 activations
+ * (q8: model.int8_activations, int4 weights; block_q8, near the end of the kernels).
  *
  * Why it is fast: a decode (a few rows of x) is bound by reading the weight, and a 4-bit weight is ~1/7 of a float32
  * one, so what is left is to dequantize fast enough to keep up with the memory. The codes of a row are read in

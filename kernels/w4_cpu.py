@@ -1,7 +1,9 @@
 """y = x W^T on the CPU for 4-bit weights kept packed (kernels/w4_weight.py), activations float32 or bfloat16
 (w4_cpu.c): the codes are read in place and dequantized in registers, the products summed in float32. No activation
 is quantized: the result is the dequantized checkpoint's product up to the order of the sums (the torch reference,
-kernels/w4.py's w4_linear_reference, is the oracle: tests/test_w4_cpu.py). With bfloat16 activations on a CPU that
+kernels/w4.py's w4_linear_reference, is the oracle: tests/test_w4_cpu.py). With model.int8_activations (int4
+weights: W4Weight.int8_activations) each row of x is rounded to int8 per group first (w4_weight.int8_rounded) and
+the codes are multiplied by those integers (w4_cpu.c's block_q8), as llama.cpp's Q4_0 multiplies Q8_0 activations. With bfloat16 activations on a CPU that
 has bfloat16 dot products (AVX512_BF16), the weights are made as bfloat16, as the reference rounds them, and
 multiplied by those (each product exact in float32, twice the float32 path's per instruction): a batch of decodes
 is bound by the kernel's arithmetic, which this halves.
@@ -58,9 +60,10 @@ _FLAGS = set().union(*(line.split() for line in cpu_info() if line.startswith("f
 _BF16_DOTS = bool({"avx512_bf16", "amx_bf16"} & _FLAGS)
 GEMM_ROWS = {torch.float32: 128 if "avx512f" in _FLAGS else 48, torch.bfloat16: 16 if _BF16_DOTS else 128}
 KERNEL_DOTS_ROWS = 32       # bfloat16 x through the kernel's own dot products (w4_cpu.c's block_bf)
-# int8 activations (w4_cpu.c's block_q8, AVX2): on the 2-core AMD EPYC 7001 the kernel was 2.2x faster than the
-# dequantized blocks (x rounded in float32, oneDNN's float32 GEMM) at 16 rows, 1.13x at 64, even at 96, 0.93x at 128
-INT8_GEMM_ROWS = 96
+# int8 activations (w4_cpu.c's block_q8, AVX2): on the 2-core AMD EPYC 7001 the kernel was faster than the dequantized
+# blocks (x rounded in float32, oneDNN's float32 GEMM) 1.83x at 32 rows, 1.23x at 96, 1.05x at 192, even at 256,
+# 0.93x at 512 (bench/w4_gemm.py's three shapes, group 128). Unmeasured on AVX-512 CPUs, which run the same code.
+INT8_GEMM_ROWS = 192
 
 
 def gemm_rows(x: torch.Tensor, w: W4Weight) -> int:

@@ -472,7 +472,7 @@ def test_int8_activations_reach_every_int4_weight_and_the_logits(dense, moe, mon
         assert w4 and all(m.int8_activations for m in w4) and model.mtp.fc.int8_activations
         experts = [m for m in w4 if m.codes.dim() == 3]
         assert all(m.expert(1).int8_activations for m in experts) and bool(experts) == (t is moe)
-        for length in (70, 300):                       # 70: the kernel; 300: past INT8_GEMM_ROWS, x rounded
+        for length in (70, 300):           # 70: the kernel; 300: a chunk of 256 rows, past INT8_GEMM_ROWS: x rounded
             ids = tokens(length, length)
             kernel = engine_logits(model, ids)
             with monkeypatch.context() as m:

@@ -350,17 +350,18 @@ def int8_weight(*args, **kw) -> W4Weight:
 
 
 @pytest.mark.parametrize("N, K, group, kind, sdt, asym, act", INT4_CASES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 150])      # 150: past INT8_GEMM_ROWS, the rounded x's GEMM
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 200])      # 200: past INT8_GEMM_ROWS, the rounded x's GEMM
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("blocked", [False, True], ids=["rows", "blocked"])
 def test_int8_activations_match_their_oracle(N, K, group, kind, sdt, asym, act, rows, op, blocked):
+    assert (rows > w4_cpu.INT8_GEMM_ROWS) == (rows == 200)
     w = int8_weight(N, K, group, kind, sdt, asym, act, seed=N + rows, blocked=blocked)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     assert w4_cpu.usable(x, w)
     check_int8(OPS[op](x, w), x, w)
 
 
-@pytest.mark.parametrize("rows", [1, 6, 150])
+@pytest.mark.parametrize("rows", [1, 6, 200])
 @pytest.mark.parametrize("group, act", [(32, False), (128, True), (48, False)])
 def test_int8_activations_from_bfloat16(rows, group, act):
     w = int8_weight(70, 384, group, "int4", torch.bfloat16, asymmetric=True, act_order=act, blocked=True)
