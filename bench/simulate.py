@@ -437,6 +437,9 @@ class StandInModel:
     def modules(self):
         return iter(())
 
+    def named_modules(self):
+        return iter(())
+
 
 def stand_in_config(mc: ModelConfig) -> ModelConfig:
     """The real model's vocabulary and EOS ids with one layer of each kind, one head, width 1: pools of the plan's
