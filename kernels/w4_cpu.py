@@ -3,10 +3,10 @@
 is quantized: the result is the dequantized checkpoint's product up to the order of the sums (the torch reference,
 kernels/w4.py's w4_linear_reference, is the oracle: tests/test_w4_cpu.py). With model.int8_activations (int4
 weights: W4Weight.int8_activations) each row of x is rounded to int8 per group first (w4_weight.int8_rounded) and
-the codes are multiplied by those integers (w4_cpu.c's block_q8), as llama.cpp's Q4_0 multiplies Q8_0 activations. With bfloat16 activations on a CPU that
-has bfloat16 dot products (AVX512_BF16), the weights are made as bfloat16, as the reference rounds them, and
-multiplied by those (each product exact in float32, twice the float32 path's per instruction): a batch of decodes
-is bound by the kernel's arithmetic, which this halves.
+the codes are multiplied by those integers (w4_cpu.c's block_q8), as llama.cpp's Q4_0 multiplies Q8_0 activations.
+With bfloat16 activations on a CPU that has bfloat16 dot products (AVX512_BF16), the weights are made as bfloat16,
+as the reference rounds them, and multiplied by those (each product exact in float32, twice the float32 path's per
+instruction): a batch of decodes is bound by the kernel's arithmetic, which this halves.
 
 Built once per machine and source into the cache folder: the kernel with the C compiler torch.compile already
 needs (-march=native: AVX-512, AVX2 + FMA or portable C), and the torch op around it (`tinyserve::w4_linear_cpu`)

@@ -42,7 +42,7 @@ class W4Weight(nn.Module):
     """A linear weight [N, K] held as 4-bit codes with group scales (the module docstring's layout)."""
 
     # model.int8_activations (int4 weights on the CPU): x is rounded to int8 per group before the product
-    # (`int8_rounded`); the loader sets it on every int4 weight
+    # (`int8_rounded`); build.round_activations_to_int8 sets it on every 4-bit weight of the model
     int8_activations = False
 
     def __init__(self, out_features: int, in_features: int, group: int, kind: str = "int4",
