@@ -32,16 +32,13 @@ def w4_linear_reference(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """Block by block: each block of output rows dequantized (in fp32, rounded once to x's dtype) and multiplied.
     With int8 activations: x rounded (`int8_rounded`, groups in the weight's sorted column order), in float32."""
     N, K = w.shape[-2], w.shape[-1]
-    if w.int8_activations and w.kind == "int4":
-        sorted_x = x if w.perm is None else x.index_select(-1, w.perm)
-        rounded = int8_rounded(sorted_x, w.group)
-        if w.perm is not None:                 # back to the checkpoint's column order, which dequantize gives
-            rounded = torch.empty_like(rounded).index_copy_(-1, w.perm, rounded)
-        plain = W4Weight._rows(w, slice(None))       # the same weight with float activations
-        return w4_linear_reference(rounded, plain).to(x.dtype)
     x2 = x.reshape(-1, K)
-    y = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
+    if w.int8_activations and w.kind == "int4":
+        x2 = int8_rounded(x2 if w.perm is None else x2.index_select(-1, w.perm), w.group)
+        if w.perm is not None:                 # back to the checkpoint's column order, which dequantize gives
+            x2 = torch.empty_like(x2).index_copy_(-1, w.perm, x2)
+    y = torch.empty((x2.shape[0], N), dtype=x2.dtype, device=x.device)
     for r0 in range(0, N, W4_BLOCK_ROWS):
         rows = slice(r0, min(N, r0 + W4_BLOCK_ROWS))
-        y[:, rows] = F.linear(x2, w.dequantize(x.dtype, rows))
-    return y.reshape(*x.shape[:-1], N)
+        y[:, rows] = F.linear(x2, w.dequantize(x2.dtype, rows))
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)

@@ -684,11 +684,12 @@ static grouped_fn *const GROUPED[MB8][3] = {ROW_G(1), ROW_G(2), ROW_G(3), ROW_G(
 #define Q8_MB 4                        /* rows of x a pass takes */
 
 /* qx [M][K] (chunked by cw = 32 or 64: each cw columns as their cw / 2 even ones, then their odd ones; cw = 0: in
- * order), d and qs [M][G]: the groups' steps and their sums of qx, column k being x's column perm[k] under act-order.
- * Chunked, qs holds 8 sums a group as float32 (qs [M][G][8]), one for each lane of block_q8's sums: lane j sums bytes
- * 4j .. 4j+3 of each 32 bytes of the group's qx, as vpmaddubsw then vpmaddwd lay them out. */
+ * order), d [M][G] the groups' steps, qs the groups' sums of qx as float32 (integers below 2^24: exact), column k
+ * being x's column perm[k] under act-order. Chunked, qs holds 8 sums a group (qs [M][G][8]), one for each lane of
+ * block_q8's sums: lane j sums bytes 4j .. 4j+3 of each 32 bytes of the group's qx, as vpmaddubsw then vpmaddwd lay
+ * them out; else one (qs [M][G]). */
 static void quantize_x(const void *x, int xdt, int64_t xs, int M, int K, int group, const int64_t *perm, int cw,
-                       int8_t *qx, float *d, int32_t *qs) {
+                       int8_t *qx, float *d, float *qs) {
     const int G = K / group;
     float v[group];
     for (int m = 0; m < M; m++) {
@@ -711,13 +712,13 @@ static void quantize_x(const void *x, int xdt, int64_t xs, int M, int K, int gro
             }
             d[m * G + g] = amax / 127.f;
             if (!cw)
-                qs[m * G + g] = sum;
+                qs[m * G + g] = (float)sum;
             else
                 for (int j = 0; j < 8; j++) {
                     int32_t lane = 0;
                     for (int b = 0; b < group; b += 32)
                         lane += out[b + 4 * j] + out[b + 4 * j + 1] + out[b + 4 * j + 2] + out[b + 4 * j + 3];
-                    ((float *)qs)[((int64_t)m * G + g) * 8 + j] = (float)lane;   /* exact: < 2^24 */
+                    qs[((int64_t)m * G + g) * 8 + j] = (float)lane;
                 }
         }
     }
@@ -842,7 +843,7 @@ static q8_fn *const Q8[2][2][Q8_MB] = {{ROW_Q8(0, 0), ROW_Q8(0, 1)}, {ROW_Q8(1, 
 
 /* the same sums one at a time (no AVX2, or a group size that is not a multiple of 32; qx in order) */
 static void block_q8_scalar(const weight_t *w, const uint8_t *const *cp, const int8_t *qx, const float *d,
-                            const int32_t *qs, int mb, const float *sf, const float *zf, int G, float *out) {
+                            const float *qs, int mb, const float *sf, const float *zf, int G, float *out) {
     for (int n = 0; n < NB; n++)
         for (int m = 0; m < mb; m++) {
             const int8_t *x = qx + (int64_t)m * w->K;
@@ -852,7 +853,7 @@ static void block_q8_scalar(const weight_t *w, const uint8_t *const *cp, const i
                 int32_t sum = 0;
                 for (int k = g * w->group; k < (g + 1) * w->group; k++)
                     sum += ((cp[n][(k >> 6) * PIECE_STEP(w->blocked) + ((k >> 1) & 31)] >> (4 * (k & 1))) & 0xf) * x[k];
-                acc += (float)(sum - z * qs[m * G + g]) * (sf[n * G + g] * d[m * G + g]);
+                acc += (float)(sum - z * (int32_t)qs[m * G + g]) * (sf[n * G + g] * d[m * G + g]);
             }
             out[m * NB + n] = acc;
         }
@@ -916,12 +917,12 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
     const int64_t Kp = q8 ? K : bf ? K : (K + ch - 1) / ch * ch;
     /* x as the kernel reads it: float32 (+ xg's sums), bfloat16, or int8 with its groups' steps and sums */
     const int64_t qbytes = ((int64_t)M * K + 63) / 64 * 64;                  /* qx, then its steps and sums */
-    void *xd = malloc(q8 ? qbytes + (sizeof(float) + 8 * sizeof(int32_t)) * M * G
+    void *xd = malloc(q8 ? qbytes + 9 * sizeof(float) * M * G
                          : (bf ? 2 : sizeof(float)) * M * Kp + sizeof(float) * M * G);
     if (!xd)
         return 3;
     float *qd = (float *)((int8_t *)xd + (q8 ? qbytes : 0));
-    int32_t *qs = (int32_t *)(qd + (int64_t)M * G);
+    float *qs = qd + (int64_t)M * G;
     if (q8)
         quantize_x(x, xdt, xs, M, K, group, perm, q8cw, xd, qd, qs);
     else
@@ -981,7 +982,7 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
 #if Q8_VEC
                 if (q8cw)
                     Q8[q8cw == 64][w.mode][mb - 1](&w, cp, qm, qd + (int64_t)m0 * G,
-                                                   (const float *)qs + (int64_t)m0 * G * 8, sf, zf, G, out);
+                                                   qs + (int64_t)m0 * G * 8, sf, zf, G, out);
                 else
 #endif
                     block_q8_scalar(&w, cp, qm, qd + (int64_t)m0 * G, qs + (int64_t)m0 * G, mb, sf, zf, G, out);
