@@ -5,7 +5,7 @@ Which one runs is decided per call by `use_triton(tensor)` from the backend set 
   "auto"   Triton for CUDA tensors when triton imports, the torch reference otherwise (the default); on the CPU an op
            with a C kernel beside it (`*_cpu.py`, `use_cpu_kernel`) runs that;
   "torch"  always the torch reference (debugging: rule the kernels out);
-  "triton" always Triton (debugging; on CPU tensors only under TRITON_INTERPRET=1, as the tests run it).
+  "triton" always Triton (debugging; without CUDA only under TRITON_INTERPRET=1, as the tests run it).
 The engine calls `set_backend(cfg.engine.kernels)` once before the first forward. Triton modules are imported only
 when a Triton kernel first runs, so the CPU path never imports triton.
 
@@ -56,6 +56,8 @@ def set_backend(name: str) -> None:
         raise ValueError(f"kernel backend must be one of {', '.join(BACKENDS)}, found {name!r}")
     if name == "triton" and not triton_available():
         raise RuntimeError(f"engine.kernels = \"triton\": {triton_problem()}")
+    if name == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("engine.kernels = \"triton\" without CUDA runs only under TRITON_INTERPRET=1")
     _backend = name
 
 
@@ -90,13 +92,7 @@ def use_cpu_kernel(x) -> bool:
 
 def use_triton(x) -> bool:
     """Whether the op called with tensor x (its first tensor argument) runs the Triton kernel."""
-    if _backend == "auto":
-        return x.is_cuda and triton_available()
-    if _backend == "torch":
-        return False
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("engine.kernels = \"triton\" runs CPU tensors only under TRITON_INTERPRET=1")
-    return True
+    return _backend == "triton" or _backend == "auto" and x.is_cuda and triton_available()
 
 
 class PoolLayer(NamedTuple):

@@ -68,15 +68,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight | W4Weight, norm: I
     (rms_norm by the norm's scale); `silu_mul`, the weight is a gate_up [2I, K] and the result silu(gate) * up
     [..., I]; `residual`, residual + the product. On a GPU a decode step's rows (1..16) run all of it as one
     kernel (kernels/linear_triton.py: the decode GEMM, at the memory's bandwidth); otherwise the separate ops."""
-    if use_triton(x):
-        if isinstance(weight, W4Weight):       # the 4-bit sibling of the decode kernel
-            from tinyserve.kernels import w4_triton
-            if w4_triton.fits(x, weight):
-                return w4_triton.decode_linear(x, weight, norm, silu_mul, residual)
-        else:
-            from tinyserve.kernels import linear_triton
-            if linear_triton.fits(x, weight):
-                return linear_triton.decode_linear(x, weight, norm, silu_mul, residual)
+    if use_triton(x) and (decode := _decode_kernel(x, weight)) is not None:
+        return decode(x, weight, norm, silu_mul, residual)
     if norm is not None or silu_mul or residual is not None:
         y = linear(rms_norm(x, norm.scale, norm.eps, zero_centred=False) if norm is not None else x, weight)
         y = silu_and_mul(y) if silu_mul else y
@@ -96,6 +89,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight | W4Weight, norm: I
             return torch.ops.tinyserve.onednn_linear(x, weight)
         return _onednn(x, weight)
     return F.linear(x, weight)
+
+
+def _decode_kernel(x: torch.Tensor, weight: torch.Tensor | Fp8Weight | W4Weight):
+    """The GPU decode kernel that takes these rows and this weight, or None (then the separate ops run)."""
+    if isinstance(weight, W4Weight):           # the 4-bit sibling of the decode kernel
+        from tinyserve.kernels import w4_triton as kernel
+    else:
+        from tinyserve.kernels import linear_triton as kernel
+    return kernel.decode_linear if kernel.fits(x, weight) else None
 
 
 @contextlib.contextmanager

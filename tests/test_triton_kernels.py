@@ -25,7 +25,7 @@ from tinyserve.kernels.verify_layout import verify_layout  # noqa: E402
 # ---------------------------------------------------------------------------------------------------------------
 # Dispatch
 # ---------------------------------------------------------------------------------------------------------------
-def test_backend_switch():
+def test_backend_switch(monkeypatch):
     assert kernels.backend() == "auto"
     with pytest.raises(ValueError):
         kernels.set_backend("cuda")
@@ -35,11 +35,13 @@ def test_backend_switch():
         assert not kernels.use_triton(x.to(DEV))
     if ON_GPU:
         assert kernels.use_triton(x.cuda())               # auto: CUDA tensors take Triton
-        with backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-            kernels.use_triton(x)                         # forced on CPU tensors without the interpreter
     else:
         with backend("triton"):
             assert kernels.use_triton(x)                  # forced: here under the interpreter
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            kernels.set_backend("triton")                 # forced without CUDA or the interpreter
+        assert kernels.backend() == "auto"
 
 
 # ---------------------------------------------------------------------------------------------------------------

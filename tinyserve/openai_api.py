@@ -308,6 +308,7 @@ class CompletionRequest:
     prompt_only: bool = False         # echo with max_tokens 0: the prompt alone (one token is generated, not sent)
     echo_texts: list[str] = field(default_factory=list)   # each prompt as text, set with the prompt ids
     images: list[ImageInput] = field(default_factory=list)   # none: a completion prompt is text or token ids
+    extras: bool = False              # echo, logprobs or return_token_ids: CompletionExtras fills their fields
     left_out: list[str] = field(default_factory=list)        # no tools
 
 
@@ -350,7 +351,8 @@ def parse_completion_request(body: dict, served_name: str) -> CompletionRequest:
         options.max_tokens = 1
     if echo and logprobs is not None:                 # the prompt's own logprobs, from its prefill
         options.params = replace(options.params, prompt_logprobs=logprobs)
-    return CompletionRequest(prompts=prompts, logprobs=logprobs, options=options, echo=echo, prompt_only=prompt_only)
+    return CompletionRequest(prompts=prompts, logprobs=logprobs, options=options, echo=echo, prompt_only=prompt_only,
+                             extras=echo or logprobs is not None or options.return_token_ids)
 
 
 # Each prompt's ids (a worker thread: encoding a long text takes time); with echo, each prompt's text as it is echoed
@@ -369,54 +371,64 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[lis
 
 
 def completion_body(req: CompletionRequest, meta: Meta, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+    extras = CompletionExtras(req, meta) if req.extras else None
     out = []
     for c in choices:
-        prompt = meta.prompts[c.index // req.options.n]
-        if req.prompt_only:
-            c = Choice(c.index, finish_reason="length", prompt_logprobs=c.prompt_logprobs)
-        text = req.echo_texts[c.index // req.options.n] + c.text if req.echo else c.text
-        choice: dict[str, Any] = {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
-        if req.logprobs is not None:
-            tokens = _echoed(prompt, c.prompt_logprobs) if req.echo else []
-            choice["logprobs"] = completion_logprobs(meta, tokens + _scored(c.events), TextOffsets())
-        if req.options.return_token_ids:
-            choice["token_ids"] = c.token_ids
-            choice["prompt_token_ids"] = prompt
+        choice: dict[str, Any] = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+        if extras is not None:
+            extras.add(choice, c.index, c, final=True, whole=True)
         out.append(choice)
     if req.prompt_only:
         usage = replace(usage, completion_tokens=0)
     return _response_body(meta, "text_completion", out, usage, req.options)
 
 
-# One chunk per piece; a choice's first chunk carries its prompt's text (echo), logprobs (echo with logprobs) and ids
-# (return_token_ids), as the non-streamed body does. With logprobs, each choice's text so far gives their offsets.
+# One chunk per piece (the extras as the body has them, on each choice's first chunk).
 async def completion_events(req: CompletionRequest, meta: Meta, pieces: AsyncIterator[Piece]
                             ) -> AsyncIterator[bytes]:
-    options, count = req.options, len(meta.prompts) * req.options.n
-    offsets = [TextOffsets() for _ in range(count)] if req.logprobs is not None else []
-    started = [False] * count
+    extras = CompletionExtras(req, meta) if req.extras else None
     async for p in pieces:
-        text, events, token_ids = ("", [], []) if req.prompt_only else (p.text, p.events, p.token_ids)
-        tokens = _scored(events) if req.logprobs is not None else []
-        first, started[p.choice] = not started[p.choice], True
-        prompt = meta.prompts[p.choice // options.n]
-        if first and req.echo:
-            text = req.echo_texts[p.choice // options.n] + text
-            tokens = _echoed(prompt, p.prompt_logprobs) + tokens
-        finish = "length" if req.prompt_only and p.finish_reason else p.finish_reason
-        choice: dict[str, Any] = {
-            "index": p.choice, "text": text, "finish_reason": finish,
-            "logprobs": completion_logprobs(meta, tokens, offsets[p.choice], final=p.finish_reason is not None)
-            if req.logprobs is not None and tokens else None}
-        if options.return_token_ids:
-            choice["token_ids"] = token_ids
-            if first:
-                choice["prompt_token_ids"] = prompt
-        yield sse_event(_chunk(meta, "text_completion", options, choice))
-    if options.include_usage:
+        choice = {"index": p.choice, "text": p.text, "finish_reason": p.finish_reason, "logprobs": None}
+        if extras is not None:
+            extras.add(choice, p.choice, p, final=p.finish_reason is not None)
+        yield sse_event(_chunk(meta, "text_completion", req.options, choice))
+    if req.options.include_usage:
         usage = replace(meta.usage(), completion_tokens=0) if req.prompt_only else meta.usage()
         yield sse_event({**_envelope(meta, "text_completion"), "choices": [], "usage": usage_body(usage)})
     yield SSE_DONE
+
+
+class CompletionExtras:
+    """What echo, logprobs and return_token_ids add to a completion's choices, in the body and in a stream's chunks
+    alike: a choice's first (or only) one carries its prompt's text (echo), the prompt's logprobs (echo with
+    logprobs) and its prompt's ids (return_token_ids); echo with max_tokens 0 (prompt_only) sends the prompt alone.
+    With logprobs, each choice's text so far gives their offsets."""
+
+    def __init__(self, req: CompletionRequest, meta: Meta) -> None:
+        self.req, self.meta = req, meta
+        count = len(meta.prompts) * req.options.n
+        self.offsets, self.started = [TextOffsets() for _ in range(count)], [False] * count
+
+    def add(self, choice: dict[str, Any], k: int, got: Piece | Choice, final: bool, whole: bool = False) -> None:
+        """Fill choice k's fields from what it got (a piece, or the whole choice: then its logprobs are there even
+        without a token)."""
+        req, prompt_index = self.req, k // self.req.options.n
+        first, self.started[k] = not self.started[k], True
+        text, events, ids = ("", [], []) if req.prompt_only else (got.text, got.events, got.token_ids)
+        tokens = _scored(events) if req.logprobs is not None else []
+        if first and req.echo:
+            text = req.echo_texts[prompt_index] + text
+            if req.logprobs is not None:
+                tokens = _echoed(self.meta.prompts[prompt_index], got.prompt_logprobs) + tokens
+        choice["text"] = text
+        if req.prompt_only and got.finish_reason:
+            choice["finish_reason"] = "length"
+        if req.logprobs is not None and (tokens or whole):
+            choice["logprobs"] = completion_logprobs(self.meta, tokens, self.offsets[k], final)
+        if req.options.return_token_ids:
+            choice["token_ids"] = ids
+            if first:
+                choice["prompt_token_ids"] = self.meta.prompts[prompt_index]
 
 
 def _scored(events: list[Any]) -> list[LegacyToken]:

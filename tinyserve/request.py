@@ -22,6 +22,7 @@ import enum
 import random
 import uuid
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Any, Protocol
 
 from tinyserve.config import Config
@@ -185,15 +186,10 @@ class Intake:
             raise self._bad_prompt(prompt_ids)
         self.fit_max_tokens(len(prompt_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        starts: list[int] = []                           # where the last two messages start (resume_hints)
-        backwards, end = prompt_ids[::-1], len(prompt_ids)
-        while self.turn_start_id is not None and len(starts) < 2:
-            try:
-                end = len(prompt_ids) - 1 - backwards.index(self.turn_start_id, len(prompt_ids) - end)
-            except ValueError:
-                break
-            starts.append(end)
-        req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, resume_hints=tuple(starts))
+        # where the last two messages start (resume_hints), read from the end: the scan stops at the second
+        turns = (i for i in range(len(prompt_ids) - 1, -1, -1) if prompt_ids[i] == self.turn_start_id)
+        starts = tuple(islice(turns, 2)) if self.turn_start_id in prompt_ids else ()
+        req = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, seed, resume_hints=starts)
         if params.constraint is not None and self.grammar is not None:
             req.grammar = self.grammar.attach(params)          # its matcher; a RequestError names the field
         if params.prompt_logprobs is not None and self.prompt_logprobs is not None:
