@@ -684,10 +684,8 @@ static grouped_fn *const GROUPED[MB8][3] = {ROW_G(1), ROW_G(2), ROW_G(3), ROW_G(
 #define Q8_MB 4                        /* rows of x a pass takes */
 
 /* qx [M][K] (chunked by cw = 32 or 64: each cw columns as their cw / 2 even ones, then their odd ones; cw = 0: in
- * order), d [M][G] the groups' steps, qs the groups' sums of qx as float32 (integers below 2^24: exact), column k
- * being x's column perm[k] under act-order. Chunked, qs holds 8 sums a group (qs [M][G][8]), one for each lane of
- * block_q8's sums: lane j sums bytes 4j .. 4j+3 of each 32 bytes of the group's qx, as vpmaddubsw then vpmaddwd lay
- * them out; else one (qs [M][G]). */
+ * order), d [M][G] the groups' steps, qs [M][G] the groups' sums of qx as float32 (integers below 2^24: exact),
+ * column k being x's column perm[k] under act-order. */
 static void quantize_x(const void *x, int xdt, int64_t xs, int M, int K, int group, const int64_t *perm, int cw,
                        int8_t *qx, float *d, float *qs) {
     const int G = K / group;
@@ -711,15 +709,7 @@ static void quantize_x(const void *x, int xdt, int64_t xs, int M, int K, int gro
                 sum += q;
             }
             d[m * G + g] = amax / 127.f;
-            if (!cw)
-                qs[m * G + g] = (float)sum;
-            else
-                for (int j = 0; j < 8; j++) {
-                    int32_t lane = 0;
-                    for (int b = 0; b < group; b += 32)
-                        lane += out[b + 4 * j] + out[b + 4 * j + 1] + out[b + 4 * j + 2] + out[b + 4 * j + 3];
-                    qs[((int64_t)m * G + g) * 8 + j] = (float)lane;
-                }
+            qs[m * G + g] = (float)sum;
         }
     }
 }
@@ -756,10 +746,11 @@ chunk_q8(const uint8_t *const *rp, const int8_t *xc, int64_t K, const int nr, co
 }
 
 /* NB rows of W against mb rows of qx (chunked), nr output rows at once so that enough sums are in flight. Runs of
- * chunks (at most 16 products a 16-bit lane: 16 * 15 * 127 < 2^15) are widened to 32 bits (vpmaddwd); each lane's
- * integer is made exact, sum (q - z) qx over its columns (- z times its qs, once a group: integers below 2^24, exact
- * in float32), then scaled by s d into the row's float sums. A group of at most one run (32 to 256 columns: every
- * published group size) takes the short loop; mode (SYM, ASYM) is a constant of each instance. */
+ * chunks (at most 16 products a 16-bit lane: 16 * 15 * 127 < 2^15) are widened to 32 bits (vpmaddwd), each lane's
+ * sum q qx of the codes as stored (an integer, exact in float32) scaled by s d into the row's float sums. The codes'
+ * offset z comes off once an output, at the end: the sum over groups of s z d qs, in scalars, where subtracting z qs
+ * from the lanes cost two vector operations a group (the bench shapes' GEMM 1.06x at 8 rows, 2026-12-07). mode (SYM,
+ * ASYM) is a constant of each instance. */
 static inline __attribute__((always_inline)) void
 block_q8(const weight_t *w, const uint8_t *const *cp, const int8_t *qx, const float *d, const float *qs,
          const int mb, const int wide, const int mode, const float *sf, const float *zf, int G, float *out) {
@@ -770,7 +761,7 @@ block_q8(const weight_t *w, const uint8_t *const *cp, const int8_t *qx, const fl
      * chunk's worth at a time (a block is one stream when blocked) */
     const char *ahead = (const char *)cp[0] + NB * w->cs;
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256 zp = _mm256_set1_ps((float)w->zp);
+    const float zpf = (float)w->zp;
     for (int n0 = 0; n0 < NB; n0 += nr) {
         __m256 total[4][Q8_MB];
         const uint8_t *rp[4];
@@ -804,22 +795,25 @@ block_q8(const weight_t *w, const uint8_t *const *cp, const int8_t *qx, const fl
                 }
                 _Pragma("GCC unroll 4")
                 for (int r = 0; r < nr; r++) {
-                    const int i = (n0 + r) * G + g;
-                    const __m256 z = c0 ? _mm256_setzero_ps() : mode == ASYM ? _mm256_set1_ps(zf[i]) : zp;
+                    const float s = sf[(n0 + r) * G + g];
                     _Pragma("GCC unroll 4")
-                    for (int m = 0; m < mb; m++) {
-                        const __m256 lanes = _mm256_loadu_ps(qs + ((int64_t)m * G + g) * 8);
-                        const __m256 exact = _mm256_fnmadd_ps(z, lanes, _mm256_cvtepi32_ps(_mm256_madd_epi16(
-                                                                            acc[r][m], ones)));
-                        total[r][m] = _mm256_fmadd_ps(exact, _mm256_set1_ps(sf[i] * d[m * G + g]), total[r][m]);
-                    }
+                    for (int m = 0; m < mb; m++)
+                        total[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][m], ones)),
+                                                      _mm256_set1_ps(s * d[m * G + g]), total[r][m]);
                 }
             }
         }
         _Pragma("GCC unroll 4")
         for (int r = 0; r < nr; r++)
             _Pragma("GCC unroll 4")
-            for (int m = 0; m < mb; m++) out[m * NB + n0 + r] = hsum8(total[r][m]);
+            for (int m = 0; m < mb; m++) {
+                float fix = 0.f;                   /* sum over groups of s z d qs: the codes' offset z, outside */
+                for (int g = 0; g < G; g++) {
+                    const int i = (n0 + r) * G + g;
+                    fix += sf[i] * (mode == ASYM ? zf[i] : zpf) * (d[m * G + g] * qs[m * G + g]);
+                }
+                out[m * NB + n0 + r] = hsum8(total[r][m]) - fix;
+            }
     }
 }
 
@@ -917,7 +911,7 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
     const int64_t Kp = q8 ? K : bf ? K : (K + ch - 1) / ch * ch;
     /* x as the kernel reads it: float32 (+ xg's sums), bfloat16, or int8 with its groups' steps and sums */
     const int64_t qbytes = ((int64_t)M * K + 63) / 64 * 64;                  /* qx, then its steps and sums */
-    void *xd = malloc(q8 ? qbytes + 9 * sizeof(float) * M * G
+    void *xd = malloc(q8 ? qbytes + 2 * sizeof(float) * M * G
                          : (bf ? 2 : sizeof(float)) * M * Kp + sizeof(float) * M * G);
     if (!xd)
         return 3;
@@ -982,7 +976,7 @@ int w4_gemm(const void *x, int xdt, int64_t xs, void *y, int64_t ys, int M, cons
 #if Q8_VEC
                 if (q8cw)
                     Q8[q8cw == 64][w.mode][mb - 1](&w, cp, qm, qd + (int64_t)m0 * G,
-                                                   qs + (int64_t)m0 * G * 8, sf, zf, G, out);
+                                                   qs + (int64_t)m0 * G, sf, zf, G, out);
                 else
 #endif
                     block_q8_scalar(&w, cp, qm, qd + (int64_t)m0 * G, qs + (int64_t)m0 * G, mb, sf, zf, G, out);
