@@ -194,10 +194,7 @@ class Intake:
             req.grammar = self.grammar.attach(params)          # its matcher; a RequestError names the field
         if params.prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.attach(req)
-        if images:
-            if self.images is None:
-                raise RequestError("prompt: this model takes no image input (the checkpoint has no vision tower, "
-                                   "or model.vision = false)", "prompt")
+        if images:                                       # engine.images made them: the part is there
             self.images.attach(req, list(images))
         return req
 
