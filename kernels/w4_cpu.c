@@ -683,6 +683,41 @@ static grouped_fn *const GROUPED[MB8][3] = {ROW_G(1), ROW_G(2), ROW_G(3), ROW_G(
  * was bound by its instructions at a third of the memory's bandwidth (2-core AMD EPYC 7001). */
 #define Q8_MB 4                        /* rows of x a pass takes */
 
+/* A group's largest |x| (a NaN is passed over, as the comparison in the scalar loop does) and q[i] =
+ * round(v[i] * id) to nearest, ties to even (vroundps in that mode is nearbyintf in the default one): eight at a time
+ * where the group allows */
+static inline float group_amax(const float *v, int n) {
+    float amax = 0.f;
+    int i = 0;
+#if defined(__AVX2__)
+    if (n >= 8) {
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 mx = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8)                      /* max(|v|, mx): mx where |v| is NaN */
+            mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)), mx);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mx);
+        for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+    }
+#endif
+    for (; i < n; i++) {
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
+static inline void group_round(const float *v, float id, int n, int32_t *q) {
+    int i = 0;
+#if defined(__AVX2__)
+    const __m256 vid = _mm256_set1_ps(id);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_cvtps_epi32(_mm256_round_ps(
+            _mm256_mul_ps(_mm256_loadu_ps(v + i), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+#endif
+    for (; i < n; i++) q[i] = (int)nearbyintf(v[i] * id);
+}
+
 /* qx [M][K] (chunked by cw = 32 or 64: each cw columns as their cw / 2 even ones, then their odd ones; cw = 0: in
  * order), d [M][G] the groups' steps, qs [M][G] the groups' sums of qx as float32 (integers below 2^24: exact),
  * column k being x's column perm[k] under act-order. */
@@ -690,24 +725,29 @@ static void quantize_x(const void *x, int xdt, int64_t xs, int M, int K, int gro
                        int8_t *qx, float *d, float *qs) {
     const int G = K / group;
     float v[group];
+    int32_t q[group];
     for (int m = 0; m < M; m++) {
         const char *row = (const char *)x + (int64_t)m * xs * (xdt == F32 ? 4 : 2);
         for (int g = 0; g < G; g++) {
-            float amax = 0.f;
-            for (int i = 0; i < group; i++) {
-                const int64_t k = (int64_t)g * group + i;
-                v[i] = load_as_float(row, xdt, perm ? perm[k] : k);
-                const float a = fabsf(v[i]);
-                amax = a > amax ? a : amax;
-            }
-            const float id = amax > 0.f ? 127.f / amax : 0.f;
-            int8_t *out = qx + (int64_t)m * K + (int64_t)g * group;
+            const int64_t k0 = (int64_t)g * group;
+            const float *src = v;                       /* float32 x in order is read where it is */
+            if (xdt == F32 && !perm)
+                src = (const float *)row + k0;
+            else
+                for (int i = 0; i < group; i++) v[i] = load_as_float(row, xdt, perm ? perm[k0 + i] : k0 + i);
+            const float amax = group_amax(src, group);
+            group_round(src, amax > 0.f ? 127.f / amax : 0.f, group, q);
+            int8_t *out = qx + (int64_t)m * K + k0;
+            if (cw)
+                for (int c = 0; c < group; c += cw)     /* a chunk: its even columns, then its odd ones */
+                    for (int j = 0; j < cw / 2; j++) {
+                        out[c + j] = (int8_t)q[c + 2 * j];
+                        out[c + cw / 2 + j] = (int8_t)q[c + 2 * j + 1];
+                    }
+            else
+                for (int i = 0; i < group; i++) out[i] = (int8_t)q[i];
             int32_t sum = 0;
-            for (int i = 0; i < group; i++) {
-                const int q = (int)nearbyintf(v[i] * id);  /* the default rounding: to nearest, ties to even */
-                out[cw ? i / cw * cw + (i & 1) * (cw / 2) + i % cw / 2 : i] = (int8_t)q;
-                sum += q;
-            }
+            for (int i = 0; i < group; i++) sum += q[i];
             d[m * G + g] = amax / 127.f;
             qs[m * G + g] = (float)sum;
         }
