@@ -370,7 +370,7 @@ def test_int8_activations_from_bfloat16(rows, group, act):
 
 
 @pytest.mark.parametrize("group, act", [(32, False), (64, True), (128, False), (48, True), (16, False)])
-def test_int8_rounding_is_int8_rounded_to_the_bit(group, act):
+def test_int8_rounding_is_int8_rounded(group, act):
     """A weight that picks one column per output row (code zero + 1 there, the zero elsewhere, scale 1): y is x
     rounded, each value its integer times its step. bfloat16 values of x hit exact halves (amax / 2 is 63.5 steps:
     ties to even), and a group of zeros stays zero. The torch reference gives int8_rounded's values to the bit (one

@@ -308,8 +308,11 @@ class CompletionRequest:
     prompt_only: bool = False         # echo with max_tokens 0: the prompt alone (one token is generated, not sent)
     echo_texts: list[str] = field(default_factory=list)   # each prompt as text, set with the prompt ids
     images: list[ImageInput] = field(default_factory=list)   # none: a completion prompt is text or token ids
-    extras: bool = False              # echo, logprobs or return_token_ids: CompletionExtras fills their fields
     left_out: list[str] = field(default_factory=list)        # no tools
+
+    @property
+    def extras(self) -> bool:                         # echo, logprobs or return_token_ids: CompletionExtras fills them
+        return self.echo or self.logprobs is not None or self.options.return_token_ids
 
 
 COMPLETION_REFUSED = {
@@ -351,8 +354,7 @@ def parse_completion_request(body: dict, served_name: str) -> CompletionRequest:
         options.max_tokens = 1
     if echo and logprobs is not None:                 # the prompt's own logprobs, from its prefill
         options.params = replace(options.params, prompt_logprobs=logprobs)
-    return CompletionRequest(prompts=prompts, logprobs=logprobs, options=options, echo=echo, prompt_only=prompt_only,
-                             extras=echo or logprobs is not None or options.return_token_ids)
+    return CompletionRequest(prompts=prompts, logprobs=logprobs, options=options, echo=echo, prompt_only=prompt_only)
 
 
 # Each prompt's ids (a worker thread: encoding a long text takes time); with echo, each prompt's text as it is echoed
