@@ -480,7 +480,7 @@ def test_parsed_freeform_call_and_reasoning_ended_by_a_call():
     text = ("The constant is wrong.\n<tool_call>\n<function=apply_patch>\n<parameter=input>\n" + patch +
             "\n</parameter>\n</function>\n</tool_call>")
     chars = list(text)                                # one "token" per character: token_text is the identity
-    meta = Meta("resp_1", 0, "tinyserve", [1, 2, 3], lambda t: t)
+    meta = Meta("resp_1", 0, "tinyserve", [[1, 2, 3]], str, lambda t: str(t).encode())
     usage = Usage(3, len(chars))
     body = response_of(chat, req, meta, Choice(0, text=text, token_ids=chars), usage)
     assert [i["type"] for i in body["output"]] == ["reasoning", "custom_tool_call"]

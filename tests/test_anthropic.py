@@ -169,7 +169,7 @@ def test_tool_use_response_blocks():
     req.chat.starts_in_reasoning = False
     text = ("<think>\nhmm\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
             "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
-    meta = Meta("msg_1", 0, "tinyserve", [1, 2, 3], str)
+    meta = Meta("msg_1", 0, "tinyserve", [[1, 2, 3]], str, lambda t: str(t).encode())
     body = message_body(chat, req, meta, Choice(0, text=text), Usage(3, 20, cached_tokens=1))
     assert [b["type"] for b in body["content"]] == ["thinking", "text", "tool_use"]
     call = body["content"][2]

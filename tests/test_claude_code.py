@@ -99,7 +99,7 @@ def test_tool_changes_in_a_system_message_are_offered_where_they_happen():
     assert "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_time\"" in req.chat.messages[-1]["content"]
     req.chat.starts_in_reasoning = False
     call = "<tool_call>\n<function=get_time>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
-    body = message_body(ChatFormat("qwen3", "qwen3_coder"), req, Meta("msg_1", 0, "tinyserve", [1], str),
+    body = message_body(ChatFormat("qwen3", "qwen3_coder"), req, Meta("msg_1", 0, "tinyserve", [[1]], str, lambda t: str(t).encode()),
                         Choice(0, text=call), Usage(1, 9))
     assert body["content"][-1]["type"] == "tool_use" and body["content"][-1]["input"] == {"city": "Paris"}
     removed = {"role": "system", "content": [{"type": "tool_removal", "tool": {"type": "tool_reference",

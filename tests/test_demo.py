@@ -96,7 +96,7 @@ def test_tokenizer(demo):
     ids = tok.encode(text)
     assert len(ids) < len(text.encode())                                 # the merges do compress
     det = IncrementalDetokenizer(tok)
-    assert "".join(det.add(i) for i in ids) + det.flush() == text
+    assert "".join(det.add([i]) for i in ids) + det.flush() == text
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], enable_thinking=False)
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     # as Qwen3.5's template, one system message, first; the opening ones are joined, a later one is a user turn

@@ -72,7 +72,7 @@ async def collect(stream) -> list[TokenEvent]:
 
 
 def run_streams(eng: Engine, prompts: list[list[int]], params) -> list[tuple[list[TokenEvent], object]]:
-    """Submit every prompt through the async API; returns (events, final RequestResult) per request."""
+    """Submit every prompt through the async API; returns (events, the finished RequestStream) per request."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
 
     async def main():
@@ -80,7 +80,7 @@ def run_streams(eng: Engine, prompts: list[list[int]], params) -> list[tuple[lis
         try:
             streams = [eng.submit(p, sp) for p, sp in zip(prompts, plist)]
             events = await asyncio.gather(*(collect(s) for s in streams))
-            return [(ev, s.result) for ev, s in zip(events, streams)]
+            return list(zip(events, streams))
         finally:
             await eng.stop()
     return asyncio.run(main())
@@ -319,10 +319,10 @@ def test_cancel_mid_generation_frees_pages_and_slot(model):
                 if len(got) >= 3:
                     stream.cancel()
                     stream.cancel()                             # idempotent
-            assert stream.result.finish_reason == "abort"
+            assert stream.finish_reason == "abort"
             assert 3 <= len(got) < 400
             other_events = await collect(other)
-            assert len(other_events) == 6 and other.result.finish_reason == "length"
+            assert len(other_events) == 6 and other.finish_reason == "length"
             await wait_until(lambda: eng.stats().num_running == 0 and eng.stats().num_waiting == 0, "idle")
             await eng.call(assert_idle_and_no_leaks, eng)
         finally:
@@ -343,9 +343,9 @@ def test_cancel_while_waiting_in_queue(model):
             assert eng.stats().num_waiting == 1
             queued.cancel()
             assert await collect(queued) == []
-            assert queued.result.finish_reason == "abort" and queued.result.completion_tokens == 0
+            assert queued.finish_reason == "abort" and queued.completion_tokens == 0
             rest = await collect(first)
-            assert first.result.finish_reason == "length" and len(rest) == 29
+            assert first.finish_reason == "length" and len(rest) == 29
             await wait_until(lambda: eng.stats().num_running == 0, "idle")
             await eng.call(assert_idle_and_no_leaks, eng)
         finally:
@@ -363,7 +363,7 @@ def test_cancel_before_first_step_never_runs(model):
             doomed = eng.submit(prompt(25, seed=12), SamplingParams(max_tokens=8, **GREEDY))
             doomed.cancel()                        # before the step loop has seen either request
             assert await collect(doomed) == []
-            assert doomed.result.finish_reason == "abort"
+            assert doomed.finish_reason == "abort"
             assert len(await collect(first)) == 8
             await wait_until(lambda: eng.stats().num_running == 0 and eng.stats().num_waiting == 0, "idle")
             assert doomed._req.output_ids == [], "the cancelled request was computed anyway"

@@ -20,7 +20,7 @@ async def run(eng, prompt: list[int]):
     """One request through a started engine: its tokens and its result."""
     stream = eng.submit(prompt, GREEDY)
     out = [e.token_id async for events in stream for e in events]
-    return out, stream.result
+    return out, stream
 
 
 async def wait_for_release(eng) -> None:

@@ -449,7 +449,7 @@ CASES = [
 
 
 def request(case: Case) -> ChatRequest:
-    options = GenerationOptions(params=SamplingParams(), max_tokens=None, max_tokens_field="max_tokens", stop=[],
+    options = GenerationOptions(params=SamplingParams(max_tokens=None), max_tokens_field="max_tokens", stop=[],
                                 n=1, stream=False, include_usage=False, return_token_ids=False)
     req = ChatRequest(messages=[], tools=case.tools or None, tool_choice="auto", template_kwargs={}, logprobs=False,
                       top_logprobs=0, options=options)

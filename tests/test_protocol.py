@@ -12,10 +12,11 @@ import pytest
 from tinyserve.chat import ChatFormat
 from tinyserve.config import Config
 from tinyserve.generation import Choice, Meta, Piece, Usage
-from tinyserve.openai_api import (chat_events, completion_body, completion_events, parse_chat_request,
-                                  parse_completion_request)
+from tinyserve.openai_api import (chat_events, completion_body, completion_events, completion_prompts,
+                                  parse_chat_request, parse_completion_request)
 from tinyserve.protocol import SSE_DONE, APIError, Fields
 from tinyserve.request import Intake, RequestError
+from tinyserve.tokenizer import Tokenizer
 
 USER = [{"role": "user", "content": "x"}]
 
@@ -88,12 +89,6 @@ def test_chat_parse_errors_name_the_field(case):
 
 
 COMPLETION_ERRORS = [
-    ("prompt-missing", {}, "prompt"),
-    ("prompt-empty-string", {"prompt": ""}, "prompt"),
-    ("prompt-batch-empty-entry", {"prompt": ["a", ""]}, "prompt[1]"),
-    ("prompt-batch-mixed-ids", {"prompt": [[1, 2], [3, "x"]]}, "prompt[1]"),
-    ("prompt-empty-ids", {"prompt": []}, "prompt"),
-    ("prompt-bool-id", {"prompt": [True]}, "prompt"),
     ("logprobs-6", {"prompt": "x", "logprobs": 6}, "logprobs"),
     ("echo-string", {"prompt": "x", "echo": "yes"}, "echo"),
     ("best-of", {"prompt": "x", "best_of": 2}, "best_of"),
@@ -107,6 +102,40 @@ def test_completion_parse_errors_name_the_field(case):
     with pytest.raises(APIError) as e:
         parse_completion_request(body, "tinyserve")
     assert (e.value.status, e.value.param) == (400, param)
+
+
+# the prompt is read where it is encoded (completion_prompts, on a worker thread)
+PROMPT_ERRORS = [
+    ("prompt-missing", {}, "prompt"),
+    ("prompt-empty-string", {"prompt": ""}, "prompt"),
+    ("prompt-batch-empty-entry", {"prompt": ["a", ""]}, "prompt[1]"),
+    ("prompt-batch-mixed-ids", {"prompt": [[1, 2], [3, "x"]]}, "prompt[1]"),
+    ("prompt-empty-ids", {"prompt": []}, "prompt"),
+    ("prompt-bool-id", {"prompt": [True]}, "prompt"),
+    ("prompt-not-text-or-ids", {"prompt": {"text": "a"}}, "prompt"),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tinyserve.demo import ensure_demo_checkpoint
+    return Tokenizer.from_folder(ensure_demo_checkpoint())
+
+
+@pytest.mark.parametrize("case", PROMPT_ERRORS, ids=[c[0] for c in PROMPT_ERRORS])
+def test_completion_prompt_errors_name_the_prompt(case, tokenizer):
+    _, body, param = case
+    req = parse_completion_request(body, "tinyserve")
+    with pytest.raises(APIError) as e:
+        completion_prompts(req, tokenizer)
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_completion_prompts_are_each_prompts_ids(tokenizer):
+    req = parse_completion_request({"prompt": ["ab", [5, 6]], "echo": True}, "tinyserve")
+    assert completion_prompts(req, tokenizer) == [tokenizer.encode("ab"), [5, 6]]
+    assert req.echo_texts == ["ab", tokenizer.decode([5, 6], skip_special_tokens=False)]
+    assert completion_prompts(parse_completion_request({"prompt": [7, 8]}, "tinyserve"), tokenizer) == [[7, 8]]
 
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -172,9 +201,9 @@ def test_ranges_are_the_engines():
     req = parse_chat_request({"messages": USER, "temperature": -1, "top_p": 0, "min_tokens": -3, "max_tokens": 0,
                               "stop_token_ids": [10 ** 9]}, "tinyserve")
     p = req.options.params
-    assert (p.temperature, p.top_p, p.min_tokens, req.options.max_tokens) == (-1.0, 0.0, -3, 0)
+    assert (p.temperature, p.top_p, p.min_tokens, p.max_tokens) == (-1.0, 0.0, -3, 0)
     assert p.stop_token_ids == [10 ** 9]
-    assert parse_completion_request({"prompt": [-1, 10 ** 9]}, "tinyserve").prompts == [[-1, 10 ** 9]]
+    assert completion_prompts(parse_completion_request({"prompt": [-1, 10 ** 9]}, "tinyserve"), None) == [[-1, 10 ** 9]]
 
 
 def test_engine_error_fields_map_to_what_the_client_sent():
@@ -193,11 +222,11 @@ def test_min_tokens_after_fit():
     """min_tokens is cut to a max_tokens the engine chose, never to one the client chose (that is an error)."""
     intake = Intake(Config(), context_length=24, kv_tokens=64, vocab_size=100)
     free = parse_chat_request({"messages": USER, "min_tokens": 50}, "tinyserve").options
-    req = intake.make_request([1, 2, 3, 4], replace(free.params, max_tokens=free.max_tokens))
+    req = intake.make_request([1, 2, 3, 4], free.params)
     assert (req.params.max_tokens, req.params.min_tokens) == (20, 20)
     fixed = parse_chat_request({"messages": USER, "min_tokens": 50, "max_tokens": 20}, "tinyserve").options
     with pytest.raises(RequestError, match="min_tokens"):
-        intake.make_request([1, 2, 3, 4], replace(fixed.params, max_tokens=fixed.max_tokens))
+        intake.make_request([1, 2, 3, 4], fixed.params)
 
 
 class _Event:
@@ -205,7 +234,7 @@ class _Event:
         self.token_id, self.logprob, self.top_logprobs = token_id, logprob, [(token_id, logprob)]
 
 
-META = Meta("cmpl-1", 123, "tinyserve", [1, 2, 3], lambda t: f"<{t}>")
+META = Meta("cmpl-1", 123, "tinyserve", [[1, 2, 3]], lambda t: f"<{t}>", lambda t: f"<{t}>".encode())
 
 
 def frames(events) -> tuple[list[dict], bytes]:
@@ -231,7 +260,7 @@ def test_completion_body_and_stream():
     assert body["choices"][0]["token_ids"] == [7, 8] and body["choices"][0]["logprobs"]["text_offset"] == [0, 3]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details":
                              {"cached_tokens": 1, "cached_tokens_by_tier": {"device": 1}}}
-    meta = Meta(META.request_id, META.created, META.model, META.prompt_ids, META.token_text, lambda: Usage(3, 1))
+    meta = replace(META, usage=lambda: Usage(3, 1))
     (a, b, last), end = frames(completion_events(req, meta, pieces(Piece(0, "<7>", [7], [_Event(7)]),
                                                                      Piece(0, "", [], [], "length"))))
     assert a["choices"][0]["logprobs"]["text_offset"] == [0] and b["choices"][0]["finish_reason"] == "length"
@@ -241,8 +270,7 @@ def test_completion_body_and_stream():
 
 def test_chat_stream_chunks():
     req = parse_chat_request({"messages": USER, "n": 2, "logprobs": True}, "tinyserve")
-    meta = Meta(META.request_id, META.created, META.model, META.prompt_ids, META.token_text,
-                lambda: pytest.fail("usage made for a stream that does not send it"))        # no include_usage
+    meta = replace(META, usage=lambda: pytest.fail("usage made for a stream that does not send it"))        # no include_usage
     events, end = frames(chat_events(ChatFormat(), req, meta, pieces(Piece(1, "hi", [5], [_Event(5)]),
                                                                       Piece(1, "", [], [], "stop"))))
     *roles, piece, fin = events
@@ -309,7 +337,7 @@ def test_completion_logprob_tokens_join_into_the_text():
     pieces = [b"ok ", "天".encode()[:1], "天".encode()[1:], b"!", "気".encode()[:2]]
     text = lambda i: pieces[i].decode("utf-8", "replace") if len(pieces[i]) != 1 or pieces[i] < b"\x80" \
         else "bytes:" + "".join(f"\\x{b:02x}" for b in pieces[i])                           # noqa: E731
-    meta = Meta("cmpl-1", 0, "m", [0], text, token_bytes=lambda i: pieces[i])
+    meta = Meta("cmpl-1", 0, "m", [[0]], text, lambda i: pieces[i])
     out = completion_logprobs(meta, [(i, -0.5, [(i, -0.5)]) for i in range(5)], TextOffsets())
     assert out["tokens"] == ["ok ", "", "天", "!", "\ufffd"]
     assert "".join(out["tokens"]) == b"".join(pieces).decode("utf-8", "replace")

@@ -286,7 +286,7 @@ def test_parsed_items_and_their_stream():
     text = ("I should run ls.\n</think>\n\nChecking.\n<tool_call>\n<function=shell>\n<parameter=command>\n[\"ls\"]\n"
             "</parameter>\n<parameter=timeout>\n5\n</parameter>\n</function>\n</tool_call>")
     chars = list(text)                                # one "token" per character: token_text is the identity
-    meta = Meta("resp_1", 0, "tinyserve", [1, 2, 3], lambda t: t)
+    meta = Meta("resp_1", 0, "tinyserve", [[1, 2, 3]], str, lambda t: str(t).encode())
     usage = Usage(3, len(chars), cached_tokens=1)
     body = response_of(chat, req, meta, Choice(0, text=text, token_ids=chars), usage)
     assert [i["type"] for i in body["output"]] == ["reasoning", "message", "function_call"]
@@ -345,7 +345,7 @@ def test_namespace_tools_are_offered_and_called_under_their_names():
     req.chat.starts_in_reasoning = False
     text = ("<tool_call>\n<function=multi_agent_v1.spawn_agent>\n<parameter=message>\nFix the tests\n</parameter>\n"
             "</function>\n</tool_call>")
-    meta = Meta("resp_1", 0, "tinyserve", [1], lambda t: t)
+    meta = Meta("resp_1", 0, "tinyserve", [[1]], str, lambda t: str(t).encode())
     body = response_of(chat, req, meta, Choice(0, text=text), Usage(1, 9))
     (call,) = body["output"]
     assert (call["type"], call["name"], call["namespace"]) == ("function_call", "spawn_agent", "multi_agent_v1")

@@ -219,7 +219,7 @@ def test_random_streams_with_evictions_and_cancellation_match_uncached(model, se
                 return out
             outs = await asyncio.gather(*(collect(s, False) for s in streams[:victim_at]), collect(victim, True),
                                         *(collect(s, False) for s in streams[victim_at:]))
-            return outs[:victim_at] + outs[victim_at + 1:], victim.result
+            return outs[:victim_at] + outs[victim_at + 1:], victim
         finally:
             await eng.stop()
 

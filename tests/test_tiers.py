@@ -347,7 +347,7 @@ def test_concurrent_sessions_with_host_evictions_match_uncached(model, tmp_path)
 
             async def collect(s):
                 return [e.token_id async for events in s for e in events]
-            return await asyncio.gather(*(collect(s) for s in streams)), [s.result for s in streams]
+            return await asyncio.gather(*(collect(s) for s in streams)), streams
         finally:
             await eng.stop()
 

@@ -293,7 +293,7 @@ def test_detokenizer_holds_back_only_an_incomplete_character(tok):
     ids = tok.encode(SAMPLE * 3)
     det, sent = IncrementalDetokenizer(tok), ""
     for k, i in enumerate(ids):
-        sent += det.add(i)
+        sent += det.add([i])
         whole = tok.decode(ids[:k + 1])
         if not whole.endswith("\ufffd"):          # every character complete: all of it is out
             assert sent == whole

@@ -76,7 +76,7 @@ import base64
 import binascii
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from aiohttp import web
@@ -487,8 +487,8 @@ def parse_messages_request(body: dict, count_only: bool = False, fetch_image_url
     params = SamplingParams(temperature=read_field(body, "temperature", number, 1.0),
                             top_p=read_field(body, "top_p", number, 1.0), top_k=read_field(body, "top_k", integer, 0),
                             speculative=read_field(body, "speculative", boolean, True),
-                            constraint=_output_config(body))
-    options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_tokens",
+                            constraint=_output_config(body), max_tokens=max_tokens)
+    options = GenerationOptions(params=params, max_tokens_field="max_tokens",
                                 stop=read_field(body, "stop_sequences", stop_strings, [], one_string=False), n=1, stream=stream,
                                 include_usage=True, return_token_ids=False)
     choice = body.get("tool_choice")
@@ -521,10 +521,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
     images: list[Any] = []
     if req.chat.images:                               # the ids grow by each image's tokens
         prompt, images = await prepare_images(state, engine, req.chat.images, prompt, FIELDS)
+    params = req.chat.options.params
     try:                                              # Claude Code's large max_tokens: cut to what fits (above)
-        req.chat.options.max_tokens = engine.intake.fit_max_tokens(len(prompt), req.chat.options.max_tokens, clamp=True)
+        fits = engine.intake.fit_max_tokens(len(prompt), params.max_tokens, clamp=True)
     except ContextError as e:
         raise FIELDS.context_error(e, [prompt]) from None
+    req.chat.options.params = replace(params, max_tokens=fits)
     with start_generation(state, engine, req.chat.options, [prompt], "msg_", FIELDS, images) as gen:
         if req.chat.options.stream:
             return await sse(request, message_events(chat, req, gen.meta, gen.pieces()))
@@ -679,7 +681,7 @@ class MessagesStream:
 
     def _usage(self, usage: Usage | None = None, output_tokens: int | None = None) -> dict[str, Any]:
         if usage is None:
-            usage = self.meta.usage() if self.meta.usage is not None else Usage(len(self.meta.prompt_ids), 0)
+            usage = self.meta.usage() if self.meta.usage is not None else Usage(len(self.meta.prompts[0]), 0)
         parser = self.choice.reasoning
         thinking = count_reasoning_tokens(self.token_ids, self.meta.token_text, self.reasoning,
                                           parser.end_offset if parser is not None else None)

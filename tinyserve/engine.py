@@ -44,7 +44,7 @@ from tinyserve.runner import ModelRunner, SeqOutput
 from tinyserve.sampling import SamplingParams
 from tinyserve.scheduler import ScheduledSeq, Scheduler
 
-__all__ = ["ContextError", "Engine", "EngineInfo", "EngineStats", "RequestError", "RequestResult", "RequestStream",
+__all__ = ["ContextError", "Engine", "EngineInfo", "EngineStats", "RequestError", "RequestStream",
            "StepEvent", "TokenEvent", "compute_thread"]
 
 log = logging.getLogger("tinyserve.engine")
@@ -68,19 +68,6 @@ class StepEvent:
     finish_reason: str | None = None     # set when the request finished with this step
     cached_tokens: int = 0
     report: dict[str, Any] | None = None   # the request's report now (Request.report), when it has one
-
-
-@dataclass
-class RequestResult:
-    request_id: str
-    prompt_tokens: int
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-    # what the cache and the optional parts report of the request: "cached_by_tier" (the cache's split of
-    # cached_tokens by the tier they came from), "prompt_logprobs" (prompt_logprobs.py's, with the first tokens),
-    # NEXTN's counts ("draft_rounds", "draft_tokens", "accepted_draft_tokens": spec.py)
-    report: dict[str, Any] = field(default_factory=lambda: {"cached_by_tier": dict.fromkeys(TIERS, 0)})
 
 
 @dataclass(frozen=True)
@@ -166,21 +153,29 @@ def compute_thread() -> ComputeThread:
         return _compute
 
 
+@dataclass(eq=False)
 class RequestStream:
-    """Async iterator over lists of new TokenEvents of one request; ends when the request finishes."""
-
-    def __init__(self, engine: "Engine", req: Request, result: RequestResult) -> None:
-        self._engine, self._req = engine, req
-        self.request_id = req.request_id
-        self.result = result
-        self._queue: asyncio.Queue[list[TokenEvent] | None] = asyncio.Queue()
+    """One submitted request as the event loop sees it: an async iterator over lists of its new TokenEvents, which
+    ends when the request finishes, and its counts so far (Engine._dispatch keeps them)."""
+    request_id: str
+    prompt_tokens: int
+    _engine: Engine = field(repr=False)
+    _req: Request = field(repr=False)
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    # what the cache and the optional parts report of the request: "cached_by_tier" (the cache's split of
+    # cached_tokens by the tier they came from), "prompt_logprobs" (prompt_logprobs.py's, with the first tokens),
+    # NEXTN's counts ("draft_rounds", "draft_tokens", "accepted_draft_tokens": spec.py)
+    report: dict[str, Any] = field(default_factory=lambda: {"cached_by_tier": dict.fromkeys(TIERS, 0)})
+    _queue: asyncio.Queue[list[TokenEvent] | None] = field(default_factory=asyncio.Queue, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[list[TokenEvent]]:
         while (events := await self._queue.get()) is not None:
             yield events
 
     def cancel(self) -> None:
-        if self.result.finish_reason is None:
+        if self.finish_reason is None:
             self._engine._abort(self._req)
 
 
@@ -247,7 +242,7 @@ class Engine:
 
     def enqueue(self, req: Request) -> RequestStream:
         """A request intake.make_request made (and so checked): the engine thread takes it at its next step."""
-        stream = RequestStream(self, req, RequestResult(req.request_id, len(req.prompt_ids)))
+        stream = RequestStream(req.request_id, len(req.prompt_ids), self, req)
         self._streams[req.request_id] = stream
         self._new.append(req)
         self._work.set()
@@ -434,15 +429,14 @@ class Engine:
             stream = self._streams.get(ev.request_id)
             if stream is None:
                 continue
-            res = stream.result
-            res.cached_tokens = ev.cached_tokens
+            stream.cached_tokens = ev.cached_tokens
             if ev.report is not None:
-                res.report.update(ev.report)
+                stream.report.update(ev.report)
             if ev.tokens:
-                res.completion_tokens += len(ev.tokens)
+                stream.completion_tokens += len(ev.tokens)
                 stream._queue.put_nowait(ev.tokens)
             if ev.finish_reason is not None:
-                res.finish_reason = ev.finish_reason
+                stream.finish_reason = ev.finish_reason
                 stream._queue.put_nowait(None)
                 del self._streams[ev.request_id]
 

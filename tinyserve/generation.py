@@ -70,15 +70,10 @@ class Meta:
     request_id: str
     created: int
     model: str
-    prompt_ids: list[int]                             # the prompt (the first one, when a request sends several)
+    prompts: list[list[int]]                          # every prompt, in order (choice i: prompt i // n)
     token_text: Callable[[int], str]                  # one token as logprobs show it (Tokenizer.token_text)
+    token_bytes: Callable[[int], bytes]               # the bytes of one token (Tokenizer.token_bytes)
     usage: Callable[[], Usage] | None = None          # the usage so far, once the generation is submitted
-    token_bytes: Callable[[int], bytes] | None = None  # the bytes of one token (Tokenizer.token_bytes)
-    prompts: list[list[int]] = field(default_factory=list)   # every prompt, in order (choice i: prompt i // n)
-
-    def __post_init__(self) -> None:                  # a Meta made by hand: one prompt, each token's text as bytes
-        self.prompts = self.prompts or [self.prompt_ids]
-        self.token_bytes = self.token_bytes or (lambda token_id: self.token_text(token_id).encode())
 
 
 class Generation:
@@ -95,8 +90,8 @@ class Generation:
     def __init__(self, engine: Engine, metrics: Metrics, prompts: list[list[int]], params: SamplingParams,
                  n: int, stop: list[str], id_prefix: str, images: Sequence[Any] = ()) -> None:
         self.engine, self.metrics, self.prompts, self.n, self.stop = engine, metrics, prompts, n, stop
-        self.meta = Meta(id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompts[0],
-                         engine.tokenizer.token_text, self.usage, engine.tokenizer.token_bytes, prompts)
+        self.meta = Meta(id_prefix + uuid.uuid4().hex, int(time.time()), engine.served_name, prompts,
+                         engine.tokenizer.token_text, engine.tokenizer.token_bytes, self.usage)
         self.arrival, self.completion_tokens = time.monotonic(), 0
         requests = []                                 # every one made (and checked) first: a 400 submits none
         for prompt in prompts:
@@ -116,7 +111,7 @@ class Generation:
         if index not in self._open:
             return
         self._open.discard(index)
-        r = self.streams[index].result
+        r = self.streams[index]
         tiers = r.report["cached_by_tier"]
         log.info("%s: %s, prompt %d tokens, %d from the prefix cache (device %d, host %d, file %d), %d generated",
                  r.request_id, reason, r.prompt_tokens, r.cached_tokens, tiers["device"], tiers["host"],
@@ -130,7 +125,7 @@ class Generation:
     async def _choice(self, index: int) -> AsyncIterator[Piece]:
         stream, detok, last = self.streams[index], IncrementalDetokenizer(self.engine.tokenizer, self.stop), None
         async for events in stream:
-            now, r = time.monotonic(), stream.result
+            now, r = time.monotonic(), stream
             self.metrics.on_tokens(len(events), now - (last or self.arrival), last is None,
                                    warm=2 * r.cached_tokens >= r.prompt_tokens > 0)
             prompt_logprobs = r.report.get("prompt_logprobs") if last is None else None   # with the first, if asked
@@ -146,7 +141,7 @@ class Generation:
                 return
             if text or ids:
                 yield Piece(index, text, ids, events, prompt_logprobs=prompt_logprobs)
-        reason = stream.result.finish_reason or "abort"
+        reason = stream.finish_reason or "abort"
         self._finished(index, reason)
         yield Piece(index, detok.flush(), [], [], reason)
 
@@ -190,12 +185,12 @@ class Generation:
         return choices
 
     def usage(self) -> Usage:
-        firsts = [s.result for s in self.streams[::self.n]]    # each prompt's first choice: the others share its
+        firsts = self.streams[::self.n]    # each prompt's first choice: the others share its
         by_tier = [r.report["cached_by_tier"] for r in firsts]  # prompt (and hit what the first wrote)
         usage = Usage(sum(map(len, self.prompts)), self.completion_tokens, sum(r.cached_tokens for r in firsts),
                       {tier: sum(t[tier] for t in by_tier) for tier in by_tier[0]})
         if self.engine.nextn is not None:             # speculative decoding is on: NEXTN's counts (spec.py)
-            reports = [s.result.report for s in self.streams]
+            reports = [s.report for s in self.streams]
             usage.accepted_prediction_tokens = sum(r.get("accepted_draft_tokens", 0) for r in reports)
             usage.rejected_prediction_tokens = sum(r.get("draft_tokens", 0) for r in reports) - \
                 usage.accepted_prediction_tokens
@@ -214,7 +209,7 @@ class IncrementalDetokenizer:
     end (a trailing partial character as U+FFFD)."""
 
     tokenizer: Tokenizer
-    stop: list[str] | None = None
+    stop: list[str] = field(default_factory=list)     # none empty ("" would stop at once: protocol.stop_strings)
     skip_special_tokens: bool = True
     stopped: bool = field(default=False, init=False)
     stop_reason: str | None = field(default=None, init=False)
@@ -225,12 +220,11 @@ class IncrementalDetokenizer:
                                              init=False)
 
     def __post_init__(self) -> None:
-        self.stop = list(filter(None, self.stop or ()))
         self._skipped = self.tokenizer.skipped_ids if self.skip_special_tokens else frozenset()
 
-    def add(self, token_ids: list[int] | int) -> str:
+    def add(self, token_ids: list[int]) -> str:
         text = ""
-        for tid in [token_ids] if isinstance(token_ids, int) else token_ids:
+        for tid in token_ids:
             if self.stopped or self._flushed:
                 break
             self.token_ids.append(tid)

@@ -261,7 +261,7 @@ async def chat_events(chat: ChatFormat, req: ChatRequest, meta: Meta, pieces: As
         parsed.append(ChatStreamChoice(chat, req))
         first = chunk({"index": i, "delta": {"role": "assistant", "content": ""}, **UNFINISHED})
         if options.return_token_ids:
-            first["prompt_token_ids"] = meta.prompt_ids
+            first["prompt_token_ids"] = meta.prompts[0]
         yield sse_event(first)
         if req.echo:
             yield sse_event(chunk({"index": i, "delta": {"content": req.echo}, **UNFINISHED}))
@@ -301,7 +301,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 @dataclass
 class CompletionRequest:
-    prompts: list[str | list[int]]    # one or more, as sent; choice i answers prompts[i // n]
+    prompt: Any                       # as sent: read by completion_prompts
     logprobs: int | None
     options: GenerationOptions
     echo: bool = False                # each choice's text (and logprobs) starts with its prompt's
@@ -321,27 +321,9 @@ COMPLETION_REFUSED = {
 }
 
 
-# OpenAI's prompt: a string, a list of token ids, or a list of either (one choice per prompt, times n).
-def _prompts(value: Any) -> list[str | list[int]]:
-    if isinstance(value, str) or (isinstance(value, list) and value and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value)):
-        value = [value]
-    if not isinstance(value, list) or not value:
-        raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
-    out: list[str | list[int]] = []
-    for k, p in enumerate(value):
-        where = "prompt" if len(value) == 1 else f"prompt[{k}]"
-        if not p or not isinstance(p, (str, list)):
-            raise bad_request(f"{where} must not be empty" if p in ("", []) else
-                              f"{where} must be a string or a list of token ids", where)
-        out.append(p if isinstance(p, str) else token_id_list(p, where))
-    return out
-
-
 def parse_completion_request(body: dict, served_name: str) -> CompletionRequest:
     _check_model(body, served_name)
     unused_fields(body, COMPLETION_REFUSED, IGNORED)
-    prompts = _prompts(body.get("prompt"))
     logprobs = read_field(body, "logprobs", integer, lo=0, hi=MAX_COMPLETION_LOGPROBS)
     echo = read_field(body, "echo", boolean, False)
     options = parse_options(body, logprobs)
@@ -349,26 +331,36 @@ def parse_completion_request(body: dict, served_name: str) -> CompletionRequest:
     if best_of is not None and best_of != options.n:
         raise bad_request(f"best_of={best_of} is not supported by this server: it returns the n it samples (best_of "
                           "may only equal n)", "best_of")
-    prompt_only = echo and options.max_tokens == 0
+    prompt_only = echo and options.params.max_tokens == 0
     if prompt_only:                                   # the engine generates at least one token; it is not sent
-        options.max_tokens = 1
+        options.params = replace(options.params, max_tokens=1)
     if echo and logprobs is not None:                 # the prompt's own logprobs, from its prefill
         options.params = replace(options.params, prompt_logprobs=logprobs)
-    return CompletionRequest(prompts=prompts, logprobs=logprobs, options=options, echo=echo, prompt_only=prompt_only)
+    return CompletionRequest(body.get("prompt"), logprobs, options, echo=echo, prompt_only=prompt_only)
 
 
-# Each prompt's ids (a worker thread: encoding a long text takes time); with echo, each prompt's text as it is echoed
-# (a text prompt as sent, token ids as they decode).
+# OpenAI's prompt: a string, a list of token ids, or a list of either (one choice per prompt, times n; choice i answers
+# prompt i // n) -> each prompt's ids, on a worker thread (encoding a long text takes time); with echo, each prompt's
+# text as it is echoed (a text prompt as sent, token ids as they decode).
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    prompts = req.prompt
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompts)):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts:
+        raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
     out = []
-    for k, prompt in enumerate(req.prompts):
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    for k, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+        if not p or not isinstance(p, (str, list)):
+            raise bad_request(f"{where} must not be empty" if p in ("", []) else
+                              f"{where} must be a string or a list of token ids", where)
+        ids = tokenizer.encode(p) if isinstance(p, str) else token_id_list(p, where)
         if not ids:
-            raise bad_request(f"{'prompt' if len(req.prompts) == 1 else f'prompt[{k}]'} encodes to no tokens", "prompt")
+            raise bad_request(f"{where} encodes to no tokens", where)
         out.append(ids)
     if req.echo:
-        req.echo_texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
-                          for p in req.prompts]
+        req.echo_texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
     return out
 
 
@@ -522,5 +514,5 @@ def _response_body(meta: Meta, obj: str, choices: list[dict[str, Any]], usage: U
                    ) -> dict[str, Any]:
     body = {**_envelope(meta, obj), "choices": choices, "usage": usage_body(usage)}
     if options.return_token_ids and len(meta.prompts) == 1:   # several prompts: each choice carries its own
-        body["prompt_token_ids"] = meta.prompt_ids
+        body["prompt_token_ids"] = meta.prompts[0]
     return body

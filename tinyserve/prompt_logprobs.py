@@ -5,7 +5,7 @@ An optional part (`PromptLogprobs`), called at two places: the intake's `attach`
 prompt: Request.reuse_cache is False; its record, req.prompt_logprobs, is the list so far) and the runner's `read`
 after a step (the rows of the prefill chunks of a request that asks go through the LM head PROMPT_LOGPROB_ROWS at a
 time, so a long chunk never holds [chunk, V] logits). Once the list is whole it goes to the request's report, which
-the result hears with the first tokens (RequestResult.report), and a recompute may reuse the cache again.
+the result hears with the first tokens (RequestStream.report), and a recompute may reuse the cache again.
 """
 from __future__ import annotations
 

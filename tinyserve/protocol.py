@@ -207,9 +207,9 @@ def start_generation(state: ServerState, engine: Engine, options: GenerationOpti
     if unfinished + requests > limit:
         raise APIError(503, f"the server is full ({unfinished} requests running or queued, limit {limit}); "
                             "retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
-    params = replace(options.params, max_tokens=options.max_tokens)
     try:
-        return closing(Generation(engine, state.metrics, prompts, params, options.n, options.stop, id_prefix, images))
+        return closing(Generation(engine, state.metrics, prompts, options.params, options.n, options.stop, id_prefix,
+                                  images))
     except ContextError as e:
         raise fields.context_error(e, prompts) from None
     except RequestError as e:
@@ -366,11 +366,10 @@ def token_id_list(value: Any, name: str, allow_empty: bool = True) -> list[int]:
 
 @dataclass
 class GenerationOptions:
-    """What every protocol's request gives its generation. `params.max_tokens` is a placeholder: start_generation
-    sends max_tokens."""
+    """What every protocol's request gives its generation (params.max_tokens None: the engine picks, up to the end of
+    the context)."""
 
     params: SamplingParams
-    max_tokens: int | None           # None: the engine picks (up to the end of the context)
     max_tokens_field: str            # the name the client used: errors about max_tokens point there
     stop: list[str]
     n: int
@@ -401,8 +400,8 @@ def parse_options(body: dict, logprobs: int | None, constraint: Constraint | Non
     stream = read_field(body, "stream", boolean, False)
     stream_options = read_field(body, "stream_options", stream_options_field, {}, stream=stream)
     return GenerationOptions(
-        params=SamplingParams(logprobs=logprobs, constraint=constraint, **sampling),
-        max_tokens=read_field(body, max_field, integer), max_tokens_field=max_field, stream=stream,
+        params=SamplingParams(max_tokens=read_field(body, max_field, integer), logprobs=logprobs,
+                              constraint=constraint, **sampling), max_tokens_field=max_field, stream=stream,
         stop=read_field(body, "stop", stop_strings, []), n=read_field(body, "n", integer, 1, lo=1, hi=MAX_N),
         include_usage=read_field(stream_options, "include_usage", boolean, False),
         return_token_ids=read_field(body, "return_token_ids", boolean, False),

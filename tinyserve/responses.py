@@ -428,10 +428,10 @@ def parse_responses_request(body: dict, fetch_image_urls: bool = False) -> Respo
                             top_p=read_field(body, "top_p", number, 1.0),
                             constraint=parse_response_format(text["format"], "text.format", nested=False),
                             speculative=read_field(body, "speculative", boolean, True),
-                            logprobs=top_logprobs if logprobs else None)
+                            logprobs=top_logprobs if logprobs else None, max_tokens=max_tokens)
     stream = read_field(body, "stream", boolean, False)
     read_field(body, "stream_options", stream_options_field, stream=stream, allowed=("include_obfuscation",))
-    options = GenerationOptions(params=params, max_tokens=max_tokens, max_tokens_field="max_output_tokens", stop=[],
+    options = GenerationOptions(params=params, max_tokens_field="max_output_tokens", stop=[],
                                 n=1, stream=stream, include_usage=True, return_token_ids=False)
     parallel = read_field(body, "parallel_tool_calls", boolean, True)
     chat = ChatRequest(messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=template_kwargs,
