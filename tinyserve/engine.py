@@ -67,7 +67,7 @@ class StepEvent:
     tokens: list[TokenEvent]
     finish_reason: str | None = None     # set when the request finished with this step
     cached_tokens: int = 0
-    report: dict[str, Any] | None = None   # the request's report now (Request.report), when it has one
+    report: dict[str, Any] = field(default_factory=dict)   # the request's report now (a copy of Request.report)
 
 
 @dataclass(frozen=True)
@@ -355,9 +355,8 @@ class Engine:
 
     @staticmethod
     def _event(req: Request, tokens: list[TokenEvent]) -> StepEvent:
-        done = req.status == Status.FINISHED
-        return StepEvent(req.request_id, tokens, req.finish_reason if done else None, req.cached_tokens,
-                         dict(req.report) if req.report else None)
+        finished = req.finish_reason if req.status == Status.FINISHED else None
+        return StepEvent(req.request_id, tokens, finished, req.cached_tokens, dict(req.report))
 
     def _has_work(self) -> bool:
         return bool(self._new or self._aborts or self._calls or self.scheduler.has_work())
@@ -430,8 +429,7 @@ class Engine:
             if stream is None:
                 continue
             stream.cached_tokens = ev.cached_tokens
-            if ev.report is not None:
-                stream.report.update(ev.report)
+            stream.report.update(ev.report)
             if ev.tokens:
                 stream.completion_tokens += len(ev.tokens)
                 stream._queue.put_nowait(ev.tokens)
