@@ -425,8 +425,7 @@ class Engine:
 
     def _dispatch(self, events: list[StepEvent]) -> None:
         for ev in events:
-            stream = self._streams.get(ev.request_id)
-            if stream is None:
+            if (stream := self._streams.get(ev.request_id)) is None:
                 continue
             stream.cached_tokens = ev.cached_tokens
             stream.report.update(ev.report)

@@ -125,10 +125,10 @@ class Generation:
     async def _choice(self, index: int) -> AsyncIterator[Piece]:
         stream, detok, last = self.streams[index], IncrementalDetokenizer(self.engine.tokenizer, self.stop), None
         async for events in stream:
-            now, r = time.monotonic(), stream
+            now = time.monotonic()
             self.metrics.on_tokens(len(events), now - (last or self.arrival), last is None,
-                                   warm=2 * r.cached_tokens >= r.prompt_tokens > 0)
-            prompt_logprobs = r.report.get("prompt_logprobs") if last is None else None   # with the first, if asked
+                                   warm=2 * stream.cached_tokens >= stream.prompt_tokens)
+            prompt_logprobs = stream.report.get("prompt_logprobs") if last is None else None   # the first, if asked
             taken, last = len(detok.token_ids), now
             text = detok.add([e.token_id for e in events])
             events = events[:len(detok.token_ids) - taken]     # nothing after a stop string counts

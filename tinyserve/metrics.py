@@ -240,18 +240,18 @@ class Metrics:
         for _ in range(0 if first else count):
             self.itl.observe(seconds / count)
 
-    # draft_rounds: the request's NEXTN verify rounds, accepted_drafts: the drafts they accepted.
-    def on_finished(self, finish_reason: str, prompt_tokens: int, cached_by_tier: dict[str, int] | None,
-                    seconds: float, draft_rounds: int = 0, accepted_drafts: int = 0) -> None:
+    # cached_by_tier: every tier's count, 0 included (each tier's series is there from the first request on);
+    # draft_rounds: the request's NEXTN verify rounds, accepted_drafts: the drafts they accepted. A prompt is never
+    # empty (Intake refuses one).
+    def on_finished(self, finish_reason: str, prompt_tokens: int, cached_by_tier: dict[str, int], seconds: float,
+                    draft_rounds: int = 0, accepted_drafts: int = 0) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()
         if draft_rounds:
             self.accept_length.observe(1 + accepted_drafts / draft_rounds)
         self.prompt_tokens.inc(prompt_tokens)
-        for tier, n in (cached_by_tier or {}).items():
-            if n:
-                self.cached_tokens.labels(tier=tier).inc(n)
-        if prompt_tokens:
-            self.prompt_hit_ratio.observe(sum((cached_by_tier or {}).values()) / prompt_tokens)
+        for tier, n in cached_by_tier.items():
+            self.cached_tokens.labels(tier=tier).inc(n)
+        self.prompt_hit_ratio.observe(sum(cached_by_tier.values()) / prompt_tokens)
         self.e2e.observe(seconds)
 
     def served(self) -> tuple[float, dict[str, float]]:
