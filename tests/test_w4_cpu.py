@@ -390,12 +390,12 @@ def test_int8_rounding_is_int8_rounded(group, act):
     first_group = w.perm[:group] if act else torch.arange(group)      # the first group of the sorted columns
     x[2, first_group] = 0
     xs = x if w.perm is None else x.index_select(-1, w.perm)
-    expected = int8_rounded(xs, group)
-    if w.perm is not None:
-        expected = torch.empty_like(expected).index_copy_(-1, w.perm, expected)
-    steps = xs.view(5, K // group, group).abs().amax(-1, keepdim=True).expand(5, K // group, group).reshape(5, K) / 127
-    if w.perm is not None:
-        steps = torch.empty_like(steps).index_copy_(-1, w.perm, steps)
+
+    def in_x_order(t: torch.Tensor) -> torch.Tensor:   # sorted columns (act-order) back to x's
+        return t if w.perm is None else torch.empty_like(t).index_copy_(-1, w.perm, t)
+    expected = in_x_order(int8_rounded(xs, group))
+    steps = in_x_order(xs.view(5, K // group, group).abs().amax(-1, keepdim=True).expand(5, K // group, group)
+                       .reshape(5, K) / 127)
     assert torch.equal(expected[2, first_group], torch.zeros(group))
     assert torch.equal(w4_linear_reference(x, w), expected)
     off = (w4_cpu.w4_linear(x, w) - expected).abs()

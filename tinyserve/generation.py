@@ -185,7 +185,7 @@ class Generation:
         return choices
 
     def usage(self) -> Usage:
-        firsts = self.streams[::self.n]    # each prompt's first choice: the others share its
+        firsts = self.streams[::self.n]                         # each prompt's first choice: the others share its
         by_tier = [r.report["cached_by_tier"] for r in firsts]  # prompt (and hit what the first wrote)
         usage = Usage(sum(map(len, self.prompts)), self.completion_tokens, sum(r.cached_tokens for r in firsts),
                       {tier: sum(t[tier] for t in by_tier) for tier in by_tier[0]})
